@@ -1,0 +1,72 @@
+"""The per-step context: everything the attention layer needs to know about one forward pass.
+
+The model has one forward; prefill, plain decode, draft and verify differ only in this object
+(nano-vllm's idea). The engine builds it, the attention backend reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class DynamicSelector(Protocol):
+    """Chooses draft KV positions inside the attention layer from the current query (quest)."""
+
+    def __call__(self, layer: int, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """q: [B, n, H, D] -> positions [B, G, K] (int64, -1 = unused)."""
+        ...
+
+
+@dataclass
+class ScoreRequest:
+    """Ask the full-attention pass to also emit selection scores.
+
+    rows: [R] query-row indices (0..n-1) whose scores are wanted.
+    out:  [num_layers, B, R, G, W] float32, G = num_kv_heads if per_kv_head else 1;
+          written for keys 0..kv_len-1 of each sequence, summed over the query heads.
+    """
+
+    rows: torch.Tensor
+    out: torch.Tensor
+    mode: str = "weight"  # "weight": softmax probability, "logit": raw q.k
+    per_kv_head: bool = False
+
+
+@dataclass
+class SparsePlan:
+    """Which KV positions a draft step reads: selected(layer) ∪ [recent_start, seq_len).
+
+    indices: [num_layers, B, G, K] positions (int64, -1 = unused), all < recent_start;
+             G = 1 (shared by all heads) or num_kv_heads.
+    recent_start: [B] first position of the always-read recent range.
+    recent_max: host bound on seq_len - recent_start (fixes the gather width).
+    budget: [B] selected-token budget k of each sequence (statistics).
+    selector: computes indices per layer from the query instead (quest).
+    """
+
+    indices: torch.Tensor | None
+    recent_start: torch.Tensor
+    recent_max: int
+    budget: torch.Tensor
+    selector: DynamicSelector | None = None
+
+
+@dataclass
+class StepContext:
+    """positions:    [B, n] position of each input token.
+    seq_lens:     [B] KV length once this step's tokens are written (= positions[:, -1] + 1).
+    slot_mapping: [B, n] cache slot receiving each token's K/V.
+    page_table:   [B, P] pages of each sequence (page_size slots each).
+    kv_len_max:   host bound on seq_lens (the key axis of the reference gather).
+    """
+
+    positions: torch.Tensor
+    seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    page_table: torch.Tensor
+    page_size: int
+    kv_len_max: int
+    scores: ScoreRequest | None = None
+    sparse: SparsePlan | None = None

@@ -1,0 +1,71 @@
+"""Paged KV cache: one pool of fixed-size pages shared by all sequences.
+
+Per layer the cache is a [num_pages * page_size, Hkv, D] tensor for K and one for V; a
+sequence owns a list of pages (its page table) and token position p lives in slot
+page_table[p // page_size] * page_size + p % page_size."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from vegas_spec.config import ConfigError, ModelConfig
+
+
+class OutOfMemoryError(ConfigError):
+    """The requested batch does not fit the KV budget."""
+
+
+def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+class PagedKVCache:
+    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.cfg, self.page_size, self.num_pages = cfg, page_size, num_pages
+        self.bytes_per_page = page_bytes(cfg, page_size, dtype)
+        shape = (num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
+                        torch.zeros(shape, dtype=dtype, device=device))
+                       for _ in range(cfg.num_layers)]
+        self.free_pages = list(range(num_pages - 1, -1, -1))
+
+    @classmethod
+    def from_budget(cls, cfg: ModelConfig, budget_bytes: int, page_size: int,
+                    dtype: torch.dtype, device: torch.device) -> PagedKVCache:
+        pages = budget_bytes // page_bytes(cfg, page_size, dtype)
+        if pages < 1:
+            raise OutOfMemoryError(f"KV budget {fmt_bytes(budget_bytes)} holds no page of "
+                                   f"{fmt_bytes(page_bytes(cfg, page_size, dtype))}")
+        return cls(cfg, pages, page_size, dtype, device)
+
+    def pages_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.page_size)
+
+    def check_fits(self, token_counts: list[int]) -> None:
+        """Refuse up front a batch whose sequences cannot all be resident at once."""
+        need = sum(self.pages_for(t) for t in token_counts)
+        if need > len(self.free_pages):
+            raise OutOfMemoryError(
+                f"batch needs {need} KV pages ({fmt_bytes(need * self.bytes_per_page)}) but "
+                f"only {len(self.free_pages)} are free ({fmt_bytes(len(self.free_pages) * self.bytes_per_page)} "
+                f"of a {fmt_bytes(self.num_pages * self.bytes_per_page)} pool); "
+                "lower the batch size or max_tokens, or raise the KV budget")
+
+    def allocate(self, tokens: int) -> list[int]:
+        self.check_fits([tokens])
+        return [self.free_pages.pop() for _ in range(self.pages_for(tokens))]
+
+    def release(self, pages: list[int]) -> None:
+        self.free_pages.extend(reversed(pages))

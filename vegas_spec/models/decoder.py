@@ -1,0 +1,134 @@
+"""One decoder for Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm).
+
+`forward(input_ids, positions, ctx)` is the only forward: prefill, plain decode, draft and
+verify differ only in the StepContext the attention backend reads. Weights keep their HF
+names at load time; q/k/v and gate/up are fused into one matmul each."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vegas_spec.attention.backend import AttentionBackend
+from vegas_spec.attention.context import StepContext
+from vegas_spec.config import ModelConfig
+from vegas_spec.models.rope import apply_rope, rope_table
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As transformers: normalise in float32, cast back, then scale.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.cfg, self.index = cfg, index
+        d, h = cfg.head_dim, cfg.hidden_size
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.qkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
+        self.input_norm = nn.Parameter(torch.ones(h))
+        self.post_norm = nn.Parameter(torch.ones(h))
+        self.q_norm = nn.Parameter(torch.ones(d)) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(d)) if cfg.qk_norm else None
+
+    def attention(self, x: torch.Tensor, rope: torch.Tensor, cache: tuple[torch.Tensor, ...],
+                  backend: AttentionBackend, ctx: StepContext) -> torch.Tensor:
+        cfg = self.cfg
+        bsz, n, _ = x.shape
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(bsz, n, cfg.num_heads, cfg.head_dim)
+        k = k.view(bsz, n, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(bsz, n, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = rms_norm(q, self.q_norm, cfg.rms_norm_eps), rms_norm(k, self.k_norm,
+                                                                       cfg.rms_norm_eps)
+        q, k = apply_rope(q, rope, ctx.positions), apply_rope(k, rope, ctx.positions)
+        out = backend.attend(self.index, q, k, v, cache[0], cache[1], ctx)
+        return self.o_proj(out.reshape(bsz, n, self.q_size))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: tuple[torch.Tensor, ...],
+                backend: AttentionBackend, ctx: StepContext) -> torch.Tensor:
+        eps = self.cfg.rms_norm_eps
+        x = x + self.attention(rms_norm(x, self.input_norm, eps), rope, cache, backend, ctx)
+        return x + self.mlp(rms_norm(x, self.post_norm, eps))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = torch.zeros(0)  # [max_pos, D] cos|sin table, built by load_hf
+
+    def forward(self, input_ids: torch.Tensor, ctx: StepContext,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                backend: AttentionBackend) -> torch.Tensor:
+        """input_ids [B, n] -> final hidden states [B, n, hidden] (normed)."""
+        x = self.embed(input_ids)
+        for layer, cache in zip(self.layers, kv_caches):
+            x = layer(x, self.rope, cache, backend, ctx)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_hf(self, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device) -> None:
+        """Copy checked HF-named tensors into the fused layout, then move and cast."""
+        w = weights
+        self.embed.weight = nn.Parameter(w["model.embed_tokens.weight"])
+        self.norm = nn.Parameter(w["model.norm.weight"])
+        head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+        self.lm_head.weight = self.embed.weight if head is w["model.embed_tokens.weight"] \
+            else nn.Parameter(head)
+        for i, layer in enumerate(self.layers):
+            _load_layer(layer, {k[len(f"model.layers.{i}."):]: v for k, v in w.items()
+                                if k.startswith(f"model.layers.{i}.")})
+        self.to(device=device, dtype=dtype)
+        self.rope = rope_table(self.cfg, self.cfg.max_position_embeddings, device)
+
+
+def _cat(w: dict[str, torch.Tensor], names: list[str], suffix: str) -> nn.Parameter:
+    return nn.Parameter(torch.cat([w[f"{n}.{suffix}"] for n in names]))
+
+
+def _load_layer(layer: Layer, w: dict[str, torch.Tensor]) -> None:
+    qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    gate_up = ["mlp.gate_proj", "mlp.up_proj"]
+    layer.qkv.weight = _cat(w, qkv, "weight")
+    layer.gate_up.weight = _cat(w, gate_up, "weight")
+    if layer.qkv.bias is not None:
+        layer.qkv.bias = _cat(w, qkv, "bias")
+    if layer.gate_up.bias is not None:
+        layer.gate_up.bias = _cat(w, gate_up, "bias")
+        layer.down.bias = nn.Parameter(w["mlp.down_proj.bias"])
+    layer.o_proj.weight = nn.Parameter(w["self_attn.o_proj.weight"])
+    layer.down.weight = nn.Parameter(w["mlp.down_proj.weight"])
+    layer.input_norm = nn.Parameter(w["input_layernorm.weight"])
+    layer.post_norm = nn.Parameter(w["post_attention_layernorm.weight"])
+    if layer.q_norm is not None:
+        layer.q_norm = nn.Parameter(w["self_attn.q_norm.weight"])
+        layer.k_norm = nn.Parameter(w["self_attn.k_norm.weight"])
+
+
+def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: torch.device) -> Decoder:
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    model.load_hf(weights, dtype, device)
+    return model.eval().requires_grad_(False)

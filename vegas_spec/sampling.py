@@ -1,0 +1,99 @@
+"""Token sampling shared by plain decoding, drafting and verification.
+
+The same transform (temperature, top-k, top-p) produces the draft distribution q and the
+target distribution p, which is what makes rejection sampling lossless. Random draws come
+from one generator per sequence (seeded runs are reproducible whatever the batch) and use
+the exponential trick, so sampling needs no host synchronisation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vegas_spec.config import SamplingParams
+
+
+@dataclass
+class BatchSampling:
+    """Per-sequence sampling parameters as tensors. temperature [B] (0 = greedy), top_k [B]
+    (0 = off), top_p [B], generators: one per sequence."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    generators: list[torch.Generator]
+    all_greedy: bool
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], device: torch.device) -> BatchSampling:
+        gens = []
+        for p in params:
+            g = torch.Generator(device=device)
+            g.manual_seed(p.seed if p.seed is not None else int(torch.randint(2**62, ()).item()))
+            gens.append(g)
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], device=device),
+            top_k=torch.tensor([p.top_k for p in params], device=device),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+            generators=gens,
+            all_greedy=all(p.greedy for p in params),
+        )
+
+    def select(self, keep: torch.Tensor) -> BatchSampling:
+        """Rows of the sequences still running (keep: [B'] indices)."""
+        idx = keep.tolist()
+        return BatchSampling(self.temperature[keep], self.top_k[keep], self.top_p[keep],
+                             [self.generators[i] for i in idx], self.all_greedy)
+
+
+def probs(logits: torch.Tensor, s: BatchSampling) -> torch.Tensor:
+    """logits [B, ..., V] float32 -> probabilities after temperature, top-k and top-p.
+    Greedy rows (temperature 0) become one-hot at the argmax."""
+    shape = logits.shape
+    flat = logits.reshape(shape[0], -1, shape[-1])
+    temp = s.temperature.clamp(min=1e-5)[:, None, None]
+    x = flat / temp
+    x = _top_k(x, s.top_k)
+    x = _top_p(x, s.top_p)
+    p = torch.softmax(x, dim=-1)
+    greedy = torch.nn.functional.one_hot(flat.argmax(-1), shape[-1]).to(p.dtype)
+    p = torch.where((s.temperature == 0)[:, None, None], greedy, p)
+    return p.reshape(shape)
+
+
+def _top_k(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    vocab = x.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)  # [B]
+    kth = torch.sort(x, dim=-1, descending=True).values.gather(
+        -1, (k - 1)[:, None, None].expand(*x.shape[:-1], 1))
+    return x.masked_fill(x < kth, float("-inf"))
+
+
+def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    sp = torch.softmax(sorted_x, dim=-1)
+    before = sp.cumsum(-1) - sp  # mass strictly above each token
+    drop_sorted = before >= top_p[:, None, None]  # the first token is always kept
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return x.masked_fill(drop, float("-inf"))
+
+
+def sample(p: torch.Tensor, s: BatchSampling) -> torch.Tensor:
+    """p [B, ..., V] probabilities -> token ids [B, ...] via argmax(p / Exp(1))."""
+    noise = torch.stack([
+        torch.empty(p.shape[1:], device=p.device).exponential_(generator=g)
+        for g in s.generators])
+    return (p / noise).argmax(-1)
+
+
+def uniform(shape: tuple[int, ...], s: BatchSampling, device: torch.device) -> torch.Tensor:
+    """[B, *shape] uniforms in [0, 1), one generator per row."""
+    return torch.stack([torch.rand(shape, device=device, generator=g) for g in s.generators])
+
+
+def next_tokens(logits: torch.Tensor, s: BatchSampling) -> torch.Tensor:
+    """logits [B, ..., V] -> tokens [B, ...]; the greedy fast path skips the transform."""
+    if s.all_greedy:
+        return logits.argmax(-1)
+    return sample(probs(logits, s), s)

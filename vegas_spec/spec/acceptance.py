@@ -1,0 +1,45 @@
+"""Acceptance of drafted tokens: greedy (longest matching prefix) and lossless rejection
+sampling. Vocabulary as in vLLM's rejection sampler: drafts d_1..d_γ, target distributions
+p_0..p_γ, the *recovered* token replaces the first rejected draft, the *bonus* token follows
+when all γ are accepted. Everything stays on device (cumprod instead of a host loop)."""
+
+from __future__ import annotations
+
+import torch
+
+from vegas_spec.sampling import BatchSampling, sample, uniform
+
+
+def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft [B, γ]; target_logits [B, γ+1, V].
+
+    Returns accepted [B] (0..γ) and tokens [B, γ+1]: tokens[:, :a] are the accepted drafts,
+    tokens[:, a] the target's correction (or bonus) token; later entries are meaningless."""
+    target = target_logits.argmax(-1)  # [B, γ+1]
+    match = (draft == target[:, :-1]).long()
+    accepted = match.cumprod(-1).sum(-1)
+    return accepted, target
+
+
+def accept_sampling(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+                    s: BatchSampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft [B, γ]; q [B, γ, V] draft distributions; p [B, γ+1, V] target distributions
+    (both after the same temperature/top-k/top-p transform).
+
+    d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection
+    the recovered token comes from normalize(max(0, p_i - q_i)); the bonus from p_γ."""
+    gamma = draft.shape[1]
+    p_d = p[:, :gamma].gather(-1, draft[..., None])[..., 0]
+    q_d = q.gather(-1, draft[..., None])[..., 0]
+    u = uniform((gamma,), s, draft.device)
+    ok = (u * q_d < p_d).long()  # u < p/q without dividing by a zero q
+    accepted = ok.cumprod(-1).sum(-1)
+    residual = (p[:, :gamma] - q).clamp(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    # If p == q at a position, rejection there has probability 0; keep p to stay finite.
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p[:, :gamma])
+    recovered = sample(torch.cat([residual, p[:, gamma:]], dim=1), s)  # [B, γ+1]
+    tokens = torch.cat([draft, draft[:, :1]], dim=1)
+    pick = torch.arange(gamma + 1, device=draft.device)[None, :] == accepted[:, None]
+    return accepted, torch.where(pick, recovered, tokens)

@@ -1,0 +1,300 @@
+"""KV-selection policies for the draft steps: small registered objects, tensors in, indices out.
+
+Every policy sees the same `SelectionInput` after a full-attention pass (prefill or verify) and
+returns a `SparsePlan`: per (layer, sequence[, kv head]) a list of positions before
+`recent_start`, plus the recent range [recent_start, length) that drafts always read.
+
+Positions are ranked only if the selection row can see them; the row itself and everything
+after it form the recent range."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from vegas_spec.attention.context import SparsePlan, StepContext
+from vegas_spec.attention.torch_backend import slots_of
+from vegas_spec.config import SpecConfig
+
+
+@dataclass
+class SelectionInput:
+    """scores:    [layers, B, R, G, W] float32 from the full pass, or None.
+    row_pos:   [B] position of query row 0 of that pass (x0 in verify, the last prompt
+               token in prefill).
+    accepted:  [B] accepted drafts (0 after prefill): the last committed token is row `accepted`.
+    lengths:   [B] committed KV length (positions 0..lengths-1 are exact).
+    gamma:     draft steps that will read this plan.
+    """
+
+    scores: torch.Tensor | None
+    row_pos: torch.Tensor
+    accepted: torch.Tensor
+    lengths: torch.Tensor
+    gamma: int
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    page_table: torch.Tensor
+    page_size: int
+
+
+def budget(cfg: SpecConfig, lengths: torch.Tensor, rankable: torch.Tensor) -> torch.Tensor:
+    """k = clamp(ceil(ratio * L), min_tokens, rankable): [B] int64."""
+    k = torch.ceil(lengths.double() * cfg.ratio).long().clamp(min=cfg.min_tokens)
+    return torch.minimum(k, rankable.long())
+
+
+def topk_positions(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
+                   ) -> torch.Tensor:
+    """scores [..., B, G, W] -> the k[b] best positions < rankable[b], ascending, -1 padded:
+    [..., B, G, max(k)]."""
+    width = scores.shape[-1]
+    kmax = max(int(k.max()), 1)
+    pos = torch.arange(width, device=scores.device)
+    visible = pos < rankable[:, None, None]
+    masked = scores.masked_fill(~visible, float("-inf"))
+    idx = masked.topk(min(kmax, width), dim=-1).indices
+    keep = torch.arange(idx.shape[-1], device=idx.device) < k[:, None, None]
+    return _sorted(torch.where(keep, idx, -1))
+
+
+def _sorted(idx: torch.Tensor) -> torch.Tensor:
+    """Ascending valid positions first, -1 padding last."""
+    big = torch.iinfo(torch.int64).max
+    s = torch.sort(torch.where(idx < 0, big, idx), dim=-1).values
+    return torch.where(s == big, -1, s)
+
+
+def units(k: torch.Tensor, rankable: torch.Tensor, size: int) -> torch.Tensor:
+    """Whole blocks of `size` tokens that fit the budget k (all of them when dense)."""
+    dense = torch.ceil(rankable / size).long()
+    return torch.where(k >= rankable, dense, torch.clamp(k // size, min=1))
+
+
+def recent_bound(lengths: torch.Tensor, recent_start: torch.Tensor, gamma: int) -> int:
+    # The last draft step writes position lengths + gamma - 1, so reads up to there.
+    return int((lengths + gamma - recent_start).max())
+
+
+class Policy:
+    """Base: subclasses pick score rows and turn a SelectionInput into a SparsePlan."""
+
+    name = "base"
+    wants_scores = False
+    per_kv_head = False
+
+    def __init__(self, cfg: SpecConfig) -> None:
+        self.cfg = cfg
+
+    @property
+    def score_mode(self) -> str:
+        return "weight"
+
+    def score_rows(self, n: int, prefill: bool) -> list[int]:
+        """Rows of an n-row full pass whose scores this policy needs."""
+        return [n - 1] if prefill else [0, n - 1]
+
+    def selection_row(self, inp: SelectionInput) -> torch.Tensor:
+        """[B] position of the query row the selection is made from."""
+        return inp.row_pos
+
+    def plan(self, inp: SelectionInput) -> SparsePlan | None:
+        """None means: draft with full attention."""
+        start = self.selection_row(inp)
+        k = budget(self.cfg, inp.lengths, start)
+        return SparsePlan(self.indices(inp, start, k), start,
+                          recent_bound(inp.lengths, start, inp.gamma), k,
+                          self.selector(inp, start, k))
+
+    def indices(self, inp: SelectionInput, rankable: torch.Tensor,
+                k: torch.Tensor) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def selector(self, inp: SelectionInput, rankable: torch.Tensor, k: torch.Tensor):  # noqa: ANN201
+        return None
+
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def make_policy(cfg: SpecConfig) -> Policy:
+    return POLICIES[cfg.method](cfg)
+
+
+@register
+class Vegas(Policy):
+    """Top-k of the verify pass's attention, aggregated over query heads and the collected
+    rows (first and last, or all), per layer or per kv head."""
+
+    name = "vegas"
+    wants_scores = True
+
+    @property
+    def per_kv_head(self) -> bool:  # type: ignore[override]
+        return self.cfg.granularity == "kv_head"
+
+    @property
+    def score_mode(self) -> str:
+        return self.cfg.score
+
+    def score_rows(self, n: int, prefill: bool) -> list[int]:
+        if prefill:
+            return [n - 1]
+        return list(range(n)) if self.cfg.collect == "all" else sorted({0, n - 1})
+
+    def indices(self, inp: SelectionInput, rankable: torch.Tensor,
+                k: torch.Tensor) -> torch.Tensor:
+        assert inp.scores is not None
+        return topk_positions(inp.scores.sum(2), rankable, k)
+
+
+@register
+class LastQ(Vegas):
+    """Like vegas, but from the single query row of the last committed token."""
+
+    name = "lastq"
+    per_kv_head = False
+
+    @property
+    def score_mode(self) -> str:
+        return "weight"
+
+    def score_rows(self, n: int, prefill: bool) -> list[int]:
+        return [n - 1] if prefill else list(range(n))
+
+    def selection_row(self, inp: SelectionInput) -> torch.Tensor:
+        return inp.row_pos + inp.accepted
+
+    def indices(self, inp: SelectionInput, rankable: torch.Tensor,
+                k: torch.Tensor) -> torch.Tensor:
+        assert inp.scores is not None
+        return topk_positions(_row(inp.scores, inp.accepted), rankable, k)
+
+
+def _row(scores: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """scores [layers, B, R, G, W], row [B] -> [layers, B, G, W] (R == 1: row ignored)."""
+    if scores.shape[2] == 1:
+        return scores[:, :, 0]
+    index = row.view(1, -1, 1, 1, 1).expand(scores.shape[0], -1, 1, *scores.shape[3:])
+    return scores.gather(2, index)[:, :, 0]
+
+
+@register
+class SpecExtend(LastQ):
+    """Last layer's attention of the last committed token (mean over heads), scored per
+    32-token chunk by the mean; the top chunks up to k tokens serve every layer."""
+
+    name = "specextend"
+
+    def indices(self, inp: SelectionInput, rankable: torch.Tensor,
+                k: torch.Tensor) -> torch.Tensor:
+        assert inp.scores is not None
+        c = self.cfg.chunk
+        last = _row(inp.scores[-1:], inp.accepted)[0, :, 0]  # [B, W]
+        chunk_scores = _chunk_means(last, rankable, c)  # [B, C]
+        n_chunks = units(k, rankable, c)
+        best = topk_positions(chunk_scores[:, None], torch.ceil(rankable / c).long(), n_chunks)
+        pos = best[..., None] * c + torch.arange(c, device=best.device)  # [B, 1, n, c]
+        pos = torch.where((best[..., None] >= 0) & (pos < rankable[:, None, None, None]), pos, -1)
+        pos = _sorted(pos.flatten(2))
+        return pos.unsqueeze(0).expand(len(inp.kv_caches), -1, -1, -1)
+
+
+def _chunk_means(scores: torch.Tensor, rankable: torch.Tensor, c: int) -> torch.Tensor:
+    """scores [B, W] -> mean over each c-token chunk of the positions < rankable: [B, C]."""
+    bsz, width = scores.shape
+    n = math.ceil(width / c)
+    pad = torch.zeros(bsz, n * c, device=scores.device)
+    pad[:, :width] = scores
+    valid = (torch.arange(n * c, device=scores.device) < rankable[:, None]).float()
+    total = (pad * valid).view(bsz, n, c).sum(-1)
+    return total / valid.view(bsz, n, c).sum(-1).clamp(min=1)
+
+
+@register
+class Stream(Policy):
+    """StreamingLLM / MagicDec-Stream: attention sink + sliding window, same budget."""
+
+    name = "stream"
+
+    def indices(self, inp: SelectionInput, rankable: torch.Tensor,
+                k: torch.Tensor) -> torch.Tensor:
+        kmax = max(int(k.max()), 1)
+        j = torch.arange(kmax, device=k.device)[None, :]
+        sink = torch.clamp(k, max=self.cfg.sink)[:, None]
+        window_pos = rankable[:, None] - (k[:, None] - j)  # the last k - sink positions
+        pos = torch.where(j < sink, j, window_pos)
+        pos = torch.where(j < k[:, None], pos, -1)
+        return pos[None, :, None, :].expand(len(inp.kv_caches), -1, 1, -1)
+
+
+@register
+class Full(Policy):
+    """Oracle: drafts attend to everything (greedy acceptance must be 100%)."""
+
+    name = "full"
+
+    def plan(self, inp: SelectionInput) -> SparsePlan | None:
+        return None
+
+
+@register
+class Quest(Policy):
+    """Quest / MagicDec-Quest: per page of `page` tokens the elementwise min and max key;
+    at every draft step page score = sum_d max(q_d min_d, q_d max_d), summed over the query
+    heads of each kv head; the top pages up to k tokens. Selection runs in every draft step."""
+
+    name = "quest"
+    per_kv_head = True
+
+    def indices(self, inp: SelectionInput, rankable: torch.Tensor,
+                k: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def selector(self, inp: SelectionInput, rankable: torch.Tensor,
+                 k: torch.Tensor) -> QuestSelector:
+        return QuestSelector(page_bounds(inp, rankable, self.cfg.page), rankable, k,
+                             self.cfg.page)
+
+
+def page_bounds(inp: SelectionInput, rankable: torch.Tensor, page: int,
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (min, max) keys of every page of rankable positions: [B, NP, Hkv, D]."""
+    n_pages = max(math.ceil(int(rankable.max()) / page), 1)
+    pos = torch.arange(n_pages * page, device=rankable.device).expand(rankable.shape[0], -1)
+    valid = (pos < rankable[:, None])[:, :, None, None]
+    slots = slots_of(inp.page_table, pos, inp.page_size)
+    bounds = []
+    for k_cache, _ in inp.kv_caches:
+        keys = k_cache[slots].float()  # [B, NP*page, Hkv, D]
+        lo = keys.masked_fill(~valid, float("inf")).unflatten(1, (n_pages, page)).amin(2)
+        hi = keys.masked_fill(~valid, float("-inf")).unflatten(1, (n_pages, page)).amax(2)
+        bounds.append((lo, hi))
+    return bounds
+
+
+class QuestSelector:
+    def __init__(self, bounds: list[tuple[torch.Tensor, torch.Tensor]], rankable: torch.Tensor,
+                 k: torch.Tensor, page: int) -> None:
+        self.bounds, self.rankable, self.page = bounds, rankable, page
+        self.n_pages = units(k, rankable, page)
+
+    def __call__(self, layer: int, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """q [B, 1, H, D] -> positions [B, Hkv, K]."""
+        lo, hi = self.bounds[layer]
+        bsz, _, heads, dim = q.shape
+        hkv = lo.shape[2]
+        qg = q[:, 0].float().view(bsz, hkv, heads // hkv, dim)
+        page_scores = torch.maximum(torch.einsum("bhgd,bphd->bhgpd", qg, lo),
+                                    torch.einsum("bhgd,bphd->bhgpd", qg, hi)).sum((2, 4))
+        pages = torch.ceil(self.rankable / self.page).long()
+        best = topk_positions(page_scores, pages, self.n_pages)  # [B, Hkv, n]
+        pos = best[..., None] * self.page + torch.arange(self.page, device=q.device)
+        keep = (best[..., None] >= 0) & (pos < self.rankable[:, None, None, None])
+        return torch.where(keep, pos, -1).flatten(2)

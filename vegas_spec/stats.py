@@ -1,0 +1,108 @@
+"""Run and per-sequence statistics, and a phase timer that does not synchronise the device
+inside an iteration (CUDA events are read once the iteration's tokens reach the host)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+PHASES = ("prefill", "draft", "verify", "select", "accept", "decode")
+
+
+class PhaseTimer:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.totals: dict[str, float] = defaultdict(float)
+        self._pending: list[tuple[str, Any, Any]] = []
+
+    @contextmanager
+    def phase(self, name: str):  # noqa: ANN201
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._pending.append((name, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.totals[name] += time.perf_counter() - t0
+
+    def flush(self) -> None:
+        """Collect CUDA event timings; call after a host sync (the events are done)."""
+        for name, start, end in self._pending:
+            end.synchronize()
+            self.totals[name] += start.elapsed_time(end) / 1000.0
+        self._pending.clear()
+
+
+@dataclass
+class SeqStats:
+    gamma: int = 0
+    iterations: int = 0
+    tokens_per_iteration: list[int] = field(default_factory=list)
+    budget: list[int] = field(default_factory=list)
+
+    def record(self, emitted: int, budget: int | None) -> None:
+        self.iterations += 1
+        self.tokens_per_iteration.append(emitted)
+        if budget is not None:
+            self.budget.append(budget)
+
+    def summary(self) -> dict[str, Any]:
+        return summarize(self.tokens_per_iteration, self.gamma, self.budget)
+
+
+def summarize(tpi: list[int], gamma: int, budget: list[int]) -> dict[str, Any]:
+    """tokens per iteration (mean, histogram), acceptance rate per draft position, budget."""
+    if gamma == 0 or not tpi:
+        return {"iterations": len(tpi)}
+    n = len(tpi)
+    hist = [sum(1 for t in tpi if t == i) for i in range(1, gamma + 2)]
+    # draft position j (1-based) is accepted when the iteration emitted more than j tokens
+    acc = [sum(1 for t in tpi if t > j) / n for j in range(1, gamma + 1)]
+    out: dict[str, Any] = {
+        "iterations": n,
+        "tokens_per_iteration": sum(tpi) / n,
+        "tokens_per_iteration_histogram": hist,
+        "acceptance_rate_per_position": acc,
+    }
+    if budget:
+        out["budget_mean"] = sum(budget) / len(budget)
+    return out
+
+
+@dataclass
+class RunStats:
+    method: str
+    gamma: int
+    timer: PhaseTimer
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    wall_prefill: float = 0.0
+    wall_decode: float = 0.0
+    seqs: list[SeqStats] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        tpi = [t for s in self.seqs for t in s.tokens_per_iteration]
+        budget = [b for s in self.seqs for b in s.budget]
+        phases = {k: round(v, 6) for k, v in self.timer.totals.items()}
+        spec_total = sum(phases.get(k, 0.0) for k in ("draft", "verify", "select", "accept"))
+        out: dict[str, Any] = {
+            "method": self.method, "gamma": self.gamma,
+            "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+            "prefill_s": round(self.wall_prefill, 6), "decode_s": round(self.wall_decode, 6),
+            "decode_tokens_per_s": self.generated_tokens / self.wall_decode
+            if self.wall_decode > 0 else None,
+            "phase_s": phases,
+        }
+        if spec_total > 0:
+            out["phase_fraction"] = {k: phases.get(k, 0.0) / spec_total
+                                     for k in ("draft", "verify", "select", "accept")}
+        out.update(summarize(tpi, self.gamma, budget))
+        return out

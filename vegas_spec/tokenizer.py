@@ -1,0 +1,45 @@
+"""Tokenizer and chat template through `transformers.AutoTokenizer`.
+
+Converting a GGUF vocabulary takes seconds, so the converted tokenizer is cached on disk
+(keyed by the file's name, size and modification time)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from vegas_spec.models.loader import ModelSource
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("VEGAS_SPEC_CACHE") or Path.home() / ".cache" / "vegas_spec"
+    return Path(root) / "tokenizers"
+
+
+def load_tokenizer(source: ModelSource):  # noqa: ANN201 - a transformers tokenizer
+    from transformers import AutoTokenizer
+
+    if not source.is_gguf:
+        return AutoTokenizer.from_pretrained(str(source.path))
+    st = source.path.stat()
+    key = hashlib.sha1(f"{source.path.name}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    cached = cache_dir() / key[:16]
+    if (cached / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(str(cached))
+    tok = AutoTokenizer.from_pretrained(str(source.folder), gguf_file=source.path.name)
+    try:
+        tok.save_pretrained(str(cached))
+    except OSError:
+        pass  # a read-only home only costs the conversion next time
+    return tok
+
+
+def encode(tok, prompt: str, chat: bool) -> list[int]:  # noqa: ANN001
+    if not chat:
+        return tok(prompt, add_special_tokens=True)["input_ids"]
+    if tok.chat_template is None:
+        raise ValueError("--chat needs a tokenizer with a chat template; this model has none")
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                  add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
