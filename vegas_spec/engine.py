@@ -132,6 +132,23 @@ class LLM:
                               {**summary, "sequence": s.stats.summary()})
                 for p, s in zip(prompts, seqs)]
 
+    @torch.inference_mode()
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [n, V] (float32) of every prompt position, through the paged prefill path."""
+        seq = self._sequence(token_ids, SamplingParams(max_tokens=1), False, _spec(None))
+        pages = self.cache.allocate(len(token_ids))
+        try:
+            table = torch.tensor([pages], dtype=torch.int32, device=self.device)
+            ids = torch.tensor(seq.prompt_ids, device=self.device)
+            out = []
+            for start in range(0, len(ids), self.config.prefill_chunk):
+                end = min(start + self.config.prefill_chunk, len(ids))
+                positions = torch.arange(start, end, device=self.device)[None]
+                out.append(self._forward(ids[None, start:end], self._ctx(table, positions, end)))
+            return torch.cat(out, dim=1)[0]
+        finally:
+            self.cache.release(pages)
+
     def _sequence(self, prompt: str | list[int], params: SamplingParams, chat: bool,
                   spec: SpecConfig) -> Sequence:
         ids = encode(self.tokenizer, prompt, chat) if isinstance(prompt, str) else list(prompt)

