@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without CUDA, Triton kernels run on CPU tensors under Triton's interpreter, which must be
+# chosen before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 

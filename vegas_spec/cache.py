@@ -59,7 +59,8 @@ class PagedKVCache:
         if need > len(self.free_pages):
             raise OutOfMemoryError(
                 f"batch needs {need} KV pages ({fmt_bytes(need * self.bytes_per_page)}) but "
-                f"only {len(self.free_pages)} are free ({fmt_bytes(len(self.free_pages) * self.bytes_per_page)} "
+                f"only {len(self.free_pages)} are free "
+                f"({fmt_bytes(len(self.free_pages) * self.bytes_per_page)} "
                 f"of a {fmt_bytes(self.num_pages * self.bytes_per_page)} pool); "
                 "lower the batch size or max_tokens, or raise the KV budget")
 

@@ -45,6 +45,7 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    o_bias: bool = False
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -60,9 +61,11 @@ class ModelConfig:
         heads = int(cfg["num_attention_heads"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         if heads % kv_heads:
-            raise ConfigError(f"num_attention_heads={heads} is not a multiple of kv heads {kv_heads}")
+            raise ConfigError(
+                f"num_attention_heads={heads} is not a multiple of kv heads {kv_heads}")
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
         theta, rope = _rope(cfg)
+        qkv_bias, o_bias, mlp_bias = _biases(arch, cfg)
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -77,12 +80,13 @@ class ModelConfig:
             rope_scaling=tuple(sorted(rope.items())),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=qkv_bias,
             qk_norm=arch == "Qwen3ForCausalLM",
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            mlp_bias=mlp_bias,
             sliding_window=_sliding_window(cfg),
             eos_token_ids=_ids(cfg.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id"),
+            o_bias=o_bias,
         )
 
 
@@ -101,6 +105,18 @@ def _architecture(cfg: dict[str, Any]) -> str:
     return known[0]
 
 
+def _biases(arch: str, cfg: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """(q/k/v, o_proj, MLP) biases as transformers builds each family: Qwen2 always has q/k/v
+    bias and nothing else; `attention_bias` also biases o_proj in Llama and Qwen3; only Llama
+    reads `mlp_bias`; Mistral has none."""
+    if arch == "Qwen2ForCausalLM":
+        return True, False, False
+    if arch == "MistralForCausalLM":
+        return False, False, False
+    attn = bool(cfg.get("attention_bias", False))
+    return attn, attn, arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False))
+
+
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     # transformers >= 5 writes `rope_parameters` (theta inside); older files use
     # `rope_theta` + `rope_scaling`.
@@ -110,7 +126,8 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     rope = {**scaling, **params}
     rope_type = rope.pop("rope_type", rope.pop("type", "default")) or "default"
     if rope_type not in ROPE_TYPES:
-        raise ConfigError(f"unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+        raise ConfigError(
+            f"unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
     if rope_type != "default" and "factor" not in rope:
         raise ConfigError(f"rope type {rope_type!r} needs a 'factor'")
     rope["rope_type"] = rope_type
@@ -165,6 +182,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+MAX_GAMMA = 32
 METHODS = ("vanilla", "vegas", "stream", "quest", "lastq", "specextend", "full")
 
 
@@ -187,8 +205,8 @@ class SpecConfig:
         object.__setattr__(self, "collect", str(self.collect))
         if self.method not in METHODS:
             raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
-        if not isinstance(self.gamma, int) or not 1 <= self.gamma <= 32:
-            raise ConfigError(f"gamma must be an integer in [1, 32], got {self.gamma!r}")
+        if not isinstance(self.gamma, int) or not 1 <= self.gamma <= MAX_GAMMA:
+            raise ConfigError(f"gamma must be an integer in [1, {MAX_GAMMA}], got {self.gamma!r}")
         if not (0.0 < self.ratio <= 1.0):
             raise ConfigError(f"ratio must be in (0, 1], got {self.ratio}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 1:
@@ -233,7 +251,10 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if self.backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"backend must be auto, torch or triton, got {self.backend!r}")
-        dev = torch.device(self.device)
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"device must be cpu or cuda, got {self.device!r}") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device cuda requested but CUDA is not available")
         if dev.type not in ("cpu", "cuda"):

@@ -355,7 +355,8 @@ class LLM:
                 break
 
     def _hit_stop(self, seq: Sequence) -> bool:
-        text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+        text = self.tokenizer.decode(seq.output, skip_special_tokens=True,
+                                     clean_up_tokenization_spaces=False)
         hits = [text.find(s) for s in seq.params.stop if s in text]
         seq.text = text[: min(hits)] if hits else text
         seq.stopped_by_string = bool(hits)
@@ -364,10 +365,11 @@ class LLM:
     def _text(self, seq: Sequence) -> str:
         if seq.stopped_by_string:
             return seq.text
-        if not self.source.is_gguf and not any(
-                (self.source.path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        names = ("tokenizer.json", "tokenizer_config.json")
+        if not self.source.is_gguf and not any((self.source.path / f).exists() for f in names):
             return ""  # token-id prompts on a checkpoint without a tokenizer
-        return self.tokenizer.decode(seq.output, skip_special_tokens=True)
+        return self.tokenizer.decode(seq.output, skip_special_tokens=True,
+                                     clean_up_tokenization_spaces=False)
 
 
 def _spec(spec: SpecConfig | dict | None) -> SpecConfig:

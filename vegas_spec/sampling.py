@@ -74,7 +74,9 @@ def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_x, order = torch.sort(x, dim=-1, descending=True)
     sp = torch.softmax(sorted_x, dim=-1)
     before = sp.cumsum(-1) - sp  # mass strictly above each token
-    drop_sorted = before >= top_p[:, None, None]  # the first token is always kept
+    # The first token is always kept; top_p = 1 keeps everything although a float32 cumsum
+    # can reach 1 before the last token.
+    drop_sorted = (before >= top_p[:, None, None]) & (top_p < 1)[:, None, None]
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return x.masked_fill(drop, float("-inf"))
 

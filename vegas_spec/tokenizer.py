@@ -9,6 +9,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from vegas_spec.config import ConfigError
 from vegas_spec.models.loader import ModelSource
 
 
@@ -39,7 +40,7 @@ def encode(tok, prompt: str, chat: bool) -> list[int]:  # noqa: ANN001
     if not chat:
         return tok(prompt, add_special_tokens=True)["input_ids"]
     if tok.chat_template is None:
-        raise ValueError("--chat needs a tokenizer with a chat template; this model has none")
+        raise ConfigError("chat mode needs a tokenizer with a chat template; this model has none")
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
                                   add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

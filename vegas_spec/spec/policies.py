@@ -41,7 +41,8 @@ class SelectionInput:
 
 def budget(cfg: SpecConfig, lengths: torch.Tensor, rankable: torch.Tensor) -> torch.Tensor:
     """k = clamp(ceil(ratio * L), min_tokens, rankable): [B] int64."""
-    k = torch.ceil(lengths.double() * cfg.ratio).long().clamp(min=cfg.min_tokens)
+    # ratio is a decimal in binary: 0.07 * 100 = 7.000000000000001 must still give 7
+    k = torch.ceil(lengths.double() * cfg.ratio - 1e-9).long().clamp(min=cfg.min_tokens)
     return torch.minimum(k, rankable.long())
 
 
@@ -269,7 +270,10 @@ def page_bounds(inp: SelectionInput, rankable: torch.Tensor, page: int,
     n_pages = max(math.ceil(int(rankable.max()) / page), 1)
     pos = torch.arange(n_pages * page, device=rankable.device).expand(rankable.shape[0], -1)
     valid = (pos < rankable[:, None])[:, :, None, None]
-    slots = slots_of(inp.page_table, pos, inp.page_size)
+    # Quest pages may end past the cache pages a sequence holds: look those slots up clamped,
+    # they are masked as invalid anyway.
+    top = inp.page_table.shape[1] * inp.page_size - 1
+    slots = slots_of(inp.page_table, pos.clamp(max=top), inp.page_size)
     bounds = []
     for k_cache, _ in inp.kv_caches:
         keys = k_cache[slots].float()  # [B, NP*page, Hkv, D]

@@ -1,0 +1,19 @@
+# `make run`: set up and generate with vegas on the embedded SmolLM2 model.
+# `make test`: set up and run the test suite (what CI runs).
+.PHONY: setup run test lint bench-cpu
+
+setup:
+	@bash scripts/setup.sh
+
+run: setup
+	.venv/bin/vegas generate --chat --method vegas --max-tokens 64 --json \
+		--prompt "Explain in two sentences why decoding long contexts is memory-bound."
+
+test: setup
+	.venv/bin/python -m pytest -q --durations=15
+
+lint: setup
+	.venv/bin/ruff check vegas_spec tests benchmarks
+
+bench-cpu: setup
+	.venv/bin/python benchmarks/cpu_methods.py

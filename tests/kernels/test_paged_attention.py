@@ -1,0 +1,119 @@
+"""Paged attention (and its fused selection scores) against `paged_attention_ref`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from kernel_cases import (
+    DEVICE,
+    DTYPES,
+    generator,
+    paged_cache,
+    poisoned,
+    query_positions,
+    randn,
+    tol,
+)
+
+from vegas_spec.attention.torch_backend import paged_attention_ref
+from vegas_spec.kernels.paged_attention import paged_attention
+
+
+@dataclass(frozen=True)
+class Case:
+    lens: tuple[int, ...]  # sequence lengths once this step's n tokens are written
+    n: int
+    heads: int
+    hkv: int
+    dim: int
+    page_size: int = 16
+    rows: str | tuple[int, ...] | None = None  # "ends" = (0, n-1), "all", explicit, None
+    mode: str = "weight"
+    per_kv_head: bool = False
+    block_k: int | None = None
+    split_size: int | None = None
+    kv_extra: int = 0  # host bound kv_len beyond the longest sequence
+
+    def score_rows(self) -> list[int] | None:
+        if self.rows is None:
+            return None
+        if self.rows == "ends":
+            return sorted({0, self.n - 1})
+        return list(range(self.n)) if self.rows == "all" else list(self.rows)
+
+
+CASES = [
+    Case((37,), 1, 4, 4, 64, block_k=16),
+    Case((203, 37, 130), 1, 12, 4, 128, rows="ends", block_k=32),
+    Case((100, 61), 7, 8, 2, 64, page_size=8, rows="ends", per_kv_head=True),
+    Case((100, 61), 7, 8, 2, 64, page_size=8, rows="ends", mode="logit"),
+    Case((77, 150), 7, 6, 2, 128, rows="all", mode="logit", per_kv_head=True, kv_extra=5),
+    Case((150, 77), 7, 2, 2, 64, rows="all", block_k=16, split_size=32),
+    Case((45,), 7, 4, 1, 128, rows="ends", kv_extra=3),
+    Case((40,), 40, 8, 2, 64, rows=(39,)),  # a whole prompt: several row blocks, causal
+    Case((70,), 33, 6, 2, 64, rows="ends", mode="logit", per_kv_head=True),  # a later chunk
+    Case((1, 9, 16), 1, 8, 2, 64, rows="ends", per_kv_head=True, block_k=16),
+    Case((58, 23), 7, 8, 2, 64, rows=(6, 0, 6), mode="weight"),  # a row asked for twice
+]
+
+
+def case_id(case: Case) -> str:
+    g = "G=Hkv" if case.per_kv_head else "G=1"
+    rows = "" if case.rows is None else f"_rows{case.rows}_{case.mode}_{g}"
+    return (f"lens{'-'.join(map(str, case.lens))}_n{case.n}_h{case.heads}x{case.hkv}"
+            f"_d{case.dim}{rows}")
+
+
+def score_tol(case: Case, dtype: torch.dtype) -> dict[str, float]:
+    if case.mode == "logit":
+        return {"atol": 1e-3, "rtol": 1e-4} if dtype == torch.float32 else \
+            {"atol": 0.1, "rtol": 2e-2}
+    return {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else \
+        {"atol": 2e-3, "rtol": 2e-2}
+
+
+def run(case: Case, dtype: torch.dtype, seed: int = 0) -> None:
+    gen = generator(seed)
+    bsz, kv_len = len(case.lens), max(case.lens) + case.kv_extra
+    cache = paged_cache(bsz, kv_len, case.hkv, case.dim, case.page_size, dtype, gen)
+    q = randn(bsz, case.n, case.heads, case.dim, gen=gen, dtype=dtype)
+    positions = query_positions(list(case.lens), case.n)
+    rows = case.score_rows()
+    scale = case.dim ** -0.5
+    groups = case.hkv if case.per_kv_head else 1
+    score_rows = None if rows is None else torch.tensor(rows, device=DEVICE)
+    scores = None if rows is None else poisoned(bsz, len(rows), groups, kv_len + 4)
+    out = paged_attention(q, cache.k, cache.v, cache.page_table, positions, case.page_size,
+                          kv_len, scale, score_rows, scores, case.mode, block_k=case.block_k,
+                          split_size=case.split_size,
+                          out=poisoned(*q.shape, dtype=dtype))
+    want, want_scores = paged_attention_ref(
+        q, cache.k, cache.v, cache.page_table, positions, case.page_size, kv_len, scale,
+        score_rows, case.mode, case.per_kv_head)
+    torch.testing.assert_close(out, want, **tol(dtype))
+    if scores is not None:
+        assert want_scores is not None
+        expected = torch.zeros_like(scores)
+        expected[..., :kv_len] = want_scores
+        torch.testing.assert_close(scores, expected, **score_tol(case, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_reference(case: Case, dtype: torch.dtype) -> None:
+    run(case, dtype)
+
+
+def test_scores_sum_to_heads() -> None:
+    """Weights of one row summed over keys give the number of query heads it sums over."""
+    gen = generator(1)
+    cache = paged_cache(2, 90, 2, 64, 16, torch.float32, gen)
+    q = randn(2, 3, 8, 64, gen=gen)
+    positions = query_positions([90, 41], 3)
+    scores = poisoned(2, 1, 2, 90)
+    paged_attention(q, cache.k, cache.v, cache.page_table, positions, 16, 90, 0.125,
+                    torch.tensor([2], device=DEVICE), scores, "weight")
+    torch.testing.assert_close(scores.sum(-1), torch.full_like(scores.sum(-1), 4.0))
+    assert (scores[1, :, :, 41:] == 0).all()

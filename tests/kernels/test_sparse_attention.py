@@ -1,0 +1,103 @@
+"""Sparse draft attention against `sparse_attention_ref`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from kernel_cases import (
+    DEVICE,
+    DTYPES,
+    generator,
+    paged_cache,
+    poisoned,
+    query_positions,
+    randn,
+    tol,
+)
+
+from vegas_spec.attention.torch_backend import sparse_attention_ref
+from vegas_spec.kernels.sparse_attention import sparse_attention
+
+
+@dataclass(frozen=True)
+class Case:
+    lens: tuple[int, ...]
+    n: int
+    heads: int
+    hkv: int
+    dim: int
+    per_kv_head: bool = False
+    budget: str | float = 0.2  # fraction of the rankable prefix, "none" (all -1), "empty"
+    # (K = 0), "dense" (every position before recent_start)
+    recent_extra: int = 0  # recent_start = length - n - recent_extra
+    recent_slack: int = 0  # recent_max beyond the longest recent range
+    shuffled: bool = False  # unsorted lists with -1 anywhere
+    page_size: int = 16
+    block_k: int | None = None
+    split_size: int | None = None
+
+
+CASES = [
+    Case((60,), 1, 4, 4, 64),
+    Case((203, 37, 130), 1, 12, 4, 128, per_kv_head=True, budget=0.3, recent_extra=3,
+         block_k=16, split_size=32),
+    Case((100, 61), 7, 8, 2, 64, budget="none", recent_extra=2, page_size=8),
+    Case((100, 61), 7, 8, 2, 64, per_kv_head=True, budget="dense"),
+    Case((77, 150), 7, 6, 2, 128, per_kv_head=True, shuffled=True, recent_slack=5),
+    Case((45, 12, 80), 1, 2, 2, 64, budget="empty", recent_extra=1),
+    Case((300,), 7, 8, 2, 64, budget=0.5, block_k=16, split_size=64),
+]
+
+
+def case_id(case: Case) -> str:
+    g = "G=Hkv" if case.per_kv_head else "G=1"
+    return (f"lens{'-'.join(map(str, case.lens))}_n{case.n}_h{case.heads}x{case.hkv}"
+            f"_d{case.dim}_{g}_{case.budget}")
+
+
+def listed(case: Case, recent_start: list[int], gen: torch.Generator) -> torch.Tensor:
+    """indices [B, G, K]: a random subset of each rankable prefix, ascending, -1 padded."""
+    groups = case.hkv if case.per_kv_head else 1
+    if case.budget == "empty":
+        return torch.zeros(len(case.lens), groups, 0, dtype=torch.long, device=DEVICE)
+    rows = []
+    for rank in recent_start:
+        count = rank if case.budget == "dense" else 0 if case.budget == "none" else \
+            int(rank * float(case.budget))
+        rows.append([torch.randperm(rank, generator=gen)[:count].sort().values
+                     for _ in range(groups)])
+    width = max(max(len(r) for g in rows for r in g), 1)
+    out = torch.full((len(rows), groups, width), -1, dtype=torch.long)
+    for b, group_rows in enumerate(rows):
+        for g, r in enumerate(group_rows):
+            out[b, g, : len(r)] = r
+            if case.shuffled:
+                out[b, g] = out[b, g, torch.randperm(width, generator=gen)]
+    return out.to(DEVICE)
+
+
+def run(case: Case, dtype: torch.dtype, seed: int = 0) -> None:
+    gen = generator(seed)
+    bsz = len(case.lens)
+    cache = paged_cache(bsz, max(case.lens), case.hkv, case.dim, case.page_size, dtype, gen)
+    q = randn(bsz, case.n, case.heads, case.dim, gen=gen, dtype=dtype)
+    positions = query_positions(list(case.lens), case.n)
+    starts = [max(length - case.n - case.recent_extra, 0) for length in case.lens]
+    indices = listed(case, starts, gen)
+    recent_start = torch.tensor(starts, device=DEVICE)
+    recent_max = max(ln - s for ln, s in zip(case.lens, starts, strict=True)) + case.recent_slack
+    scale = case.dim ** -0.5
+    out = sparse_attention(q, cache.k, cache.v, cache.page_table, positions, case.page_size,
+                           indices, recent_start, recent_max, scale, block_k=case.block_k,
+                           split_size=case.split_size, out=poisoned(*q.shape, dtype=dtype))
+    want = sparse_attention_ref(q, cache.k, cache.v, cache.page_table, positions,
+                                case.page_size, indices, recent_start, recent_max, scale)
+    torch.testing.assert_close(out, want, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_reference(case: Case, dtype: torch.dtype) -> None:
+    run(case, dtype)

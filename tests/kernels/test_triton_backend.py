@@ -1,0 +1,123 @@
+"""TritonBackend against TorchBackend on a tiny random Llama: prefill with scores, a batch of
+sparse draft steps planned from them, and a verify step with a ScoreRequest, as the engine
+drives them; logits, scores and caches must agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import DEVICE, generator
+
+from vegas_spec.attention.backend import AttentionBackend, make_backend
+from vegas_spec.attention.context import ScoreRequest, SparsePlan, StepContext
+from vegas_spec.attention.torch_backend import slots_of
+from vegas_spec.config import ModelConfig
+from vegas_spec.models.decoder import Decoder, build_model
+from vegas_spec.models.loader import expected_shapes
+from vegas_spec.spec.policies import topk_positions
+
+PAGE = 16
+GAMMA = 3
+PROMPTS = (45, 29)
+HF = {"architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 128,
+      "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 6,
+      "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 256,
+      "rms_norm_eps": 1e-6, "eos_token_id": 2}
+
+
+def tiny_model() -> Decoder:
+    cfg = ModelConfig.from_hf(HF)
+    gen = generator(0)
+    weights = {}
+    for name, shape in expected_shapes(cfg).items():
+        noise = torch.randn(*shape, generator=gen)
+        weights[name] = 1 + 0.1 * noise if name.endswith("norm.weight") else 0.15 * noise
+    return build_model(cfg, weights, torch.float32, DEVICE)
+
+
+class Runner:
+    """One backend with its own paged cache; steps are built like LLM._ctx builds them."""
+
+    def __init__(self, model: Decoder, backend: AttentionBackend) -> None:
+        cfg = model.cfg
+        self.model, self.backend = model, backend
+        shape = (len(PROMPTS) * 8 * PAGE, cfg.num_kv_heads, cfg.head_dim)
+        self.caches = [(torch.zeros(shape, device=DEVICE), torch.zeros(shape, device=DEVICE))
+                       for _ in range(cfg.num_layers)]
+        self.page_table = torch.arange(len(PROMPTS) * 8, device=DEVICE, dtype=torch.int32)
+        self.page_table = self.page_table.view(8, len(PROMPTS)).T.contiguous()  # interleaved
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
+                rows: list[int] | None = None, mode: str = "weight", per_kv_head: bool = False,
+                plan: SparsePlan | None = None, seqs: slice = slice(None),
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cfg, table = self.model.cfg, self.page_table[seqs]
+        req = None
+        if rows is not None:
+            groups = cfg.num_kv_heads if per_kv_head else 1
+            out = torch.full((cfg.num_layers, tokens.shape[0], len(rows), groups, kv_len),
+                             float("nan"), device=DEVICE)
+            req = ScoreRequest(torch.tensor(rows, device=DEVICE), out, mode, per_kv_head)
+        ctx = StepContext(positions=positions, seq_lens=positions[:, -1] + 1,
+                          slot_mapping=slots_of(table, positions, PAGE), page_table=table,
+                          page_size=PAGE, kv_len_max=kv_len, scores=req, sparse=plan)
+        hidden = self.model(tokens, ctx, self.caches, self.backend)
+        return self.model.logits(hidden), None if req is None else req.out
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_make_backend_registers_triton() -> None:
+    assert make_backend("triton").name == "triton"
+
+
+@pytest.mark.parametrize("mode,per_kv_head", [("weight", False), ("logit", True)])
+def test_same_logits_as_torch_backend(mode: str, per_kv_head: bool) -> None:
+    torch.manual_seed(0)
+    model = tiny_model()
+    runs = [Runner(model, make_backend("torch")), Runner(model, make_backend("triton"))]
+    gen = generator(1)
+    prompts = [torch.randint(3, 96, (1, n), generator=gen).to(DEVICE) for n in PROMPTS]
+
+    # prefill each prompt alone, scores of its last row
+    firsts, prefill_scores = [], []
+    for b, ids in enumerate(prompts):
+        n = ids.shape[1]
+        pos = torch.arange(n, device=DEVICE)[None]
+        (want, want_sc), (got, got_sc) = [r.forward(ids, pos, n, [n - 1], mode, per_kv_head,
+                                                    seqs=slice(b, b + 1)) for r in runs]
+        close(got, want)
+        close(got_sc, want_sc)
+        firsts.append(want[0, -1].argmax())
+        prefill_scores.append(torch.nn.functional.pad(want_sc, (0, max(PROMPTS) - n)))
+
+    # plan the drafts from the prefill rows, as the vegas policy does
+    lengths = torch.tensor(PROMPTS, device=DEVICE)
+    rankable = lengths - 1
+    budget = torch.tensor([8, 5], device=DEVICE)
+    indices = topk_positions(torch.cat(prefill_scores, 1).sum(2), rankable, budget)
+    recent_max = int((lengths + GAMMA - rankable).max())
+    plan = SparsePlan(indices, rankable, recent_max, budget)
+
+    token = torch.stack(firsts)
+    drafts = []
+    for j in range(GAMMA):
+        pos = lengths[:, None] + j
+        (want, _), (got, _) = [r.forward(token[:, None], pos, max(PROMPTS) + GAMMA, plan=plan)
+                               for r in runs]
+        close(got, want)
+        token = want[:, -1].argmax(-1)
+        drafts.append(token)
+
+    tokens = torch.cat([torch.stack(firsts)[:, None], torch.stack(drafts, 1)], 1)
+    pos = lengths[:, None] + torch.arange(GAMMA + 1, device=DEVICE)
+    rows = sorted({0, GAMMA})
+    (want, want_sc), (got, got_sc) = [r.forward(tokens, pos, max(PROMPTS) + GAMMA + 1, rows,
+                                                mode, per_kv_head) for r in runs]
+    close(got, want)
+    close(got_sc, want_sc)
+    for (k_want, v_want), (k_got, v_got) in zip(runs[0].caches, runs[1].caches, strict=True):
+        close(k_got, k_want)
+        close(v_got, v_want)

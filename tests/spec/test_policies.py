@@ -1,0 +1,358 @@
+"""Selection policies against brute-force versions of their definitions (METHOD.md).
+
+Each expected selection is recomputed here with plain loops and numpy from the random scores,
+keys and queries, never with the policies' own helpers. Three sequences of different lengths:
+one long (sparse), one medium (budget = min_tokens) and one shorter than the budget (dense)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+from vegas_spec.attention.context import SparsePlan, StepContext
+from vegas_spec.attention.torch_backend import paged_attention_ref
+from vegas_spec.config import METHODS, SpecConfig
+from vegas_spec.spec.policies import POLICIES, SelectionInput, budget, make_policy
+
+LAYERS, HKV, GROUP, DIM, GAMMA, PAGE_SIZE = 3, 2, 2, 8, 4, 8
+HEADS = HKV * GROUP
+BASE = dict(gamma=GAMMA, ratio=0.07, min_tokens=40)
+
+
+@dataclass
+class Case:
+    """One batch after a prefill (accepted 0, R = 1) or a verify pass of GAMMA + 1 rows."""
+
+    row_pos: list[int]
+    accepted: list[int]
+    prefill: bool
+    caches: list[tuple[torch.Tensor, torch.Tensor]]
+    page_table: list[list[int]]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [r + a + 1 for r, a in zip(self.row_pos, self.accepted)]
+
+    @property
+    def width(self) -> int:
+        """Key axis of the scores: the verify pass reaches row_pos + GAMMA."""
+        return max(self.lengths) if self.prefill else max(self.row_pos) + GAMMA + 1
+
+    def key(self, layer: int, b: int, pos: int) -> np.ndarray:
+        """[Hkv, D] key of position pos of sequence b, looked up through its pages."""
+        slot = self.page_table[b][pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+        return self.caches[layer][0][slot].double().numpy()
+
+    def selection_input(self, scores: np.ndarray | None) -> SelectionInput:
+        return SelectionInput(
+            None if scores is None else torch.from_numpy(scores).float(),
+            torch.tensor(self.row_pos), torch.tensor(self.accepted),
+            torch.tensor(self.lengths), GAMMA, self.caches,
+            torch.tensor(self.page_table, dtype=torch.int32), PAGE_SIZE)
+
+
+def make_case(seed: int, prefill: bool, row_pos: list[int] | None = None) -> Case:
+    rng = np.random.default_rng(seed)
+    row_pos = row_pos or [int(rng.integers(700, 1000)), int(rng.integers(300, 500)),
+                          int(rng.integers(10, 30))]
+    accepted = [0] * 3 if prefill else [int(a) for a in rng.integers(0, GAMMA + 1, 3)]
+    # Pages for exactly the positions the verify pass wrote, scattered over the cache.
+    need = [math.ceil((r + GAMMA + 1) / PAGE_SIZE) for r in row_pos]
+    perm = [int(p) for p in rng.permutation(sum(need))]
+    table, start = [], 0
+    for n in need:
+        table.append(perm[start:start + n] + [0] * (max(need) - n))
+        start += n
+    gen = torch.Generator().manual_seed(seed)
+    caches = [(torch.randn(sum(need) * PAGE_SIZE, HKV, DIM, generator=gen),
+               torch.randn(sum(need) * PAGE_SIZE, HKV, DIM, generator=gen))
+              for _ in range(LAYERS)]
+    return Case(row_pos, accepted, prefill, caches, table)
+
+
+def random_scores(seed: int, rows: int, groups: int, width: int,
+                  rankable: list[int]) -> np.ndarray:
+    """[LAYERS, B, rows, groups, width] distinct values; positions a policy must not rank
+    (>= rankable) get the largest scores, so ranking them would change the selection."""
+    rng = np.random.default_rng(seed)
+    scores = rng.random((LAYERS, len(rankable), rows, groups, width)).astype(np.float32)
+    for b, r in enumerate(rankable):
+        scores[:, b, :, :, r:] += 5.0
+    return scores
+
+
+def expected_budget(cfg: SpecConfig, length: int, rankable: int) -> int:
+    """k = clamp(ceil(ratio * L), min_tokens, rankable) in exact arithmetic."""
+    k = math.ceil(Fraction(str(cfg.ratio)) * length)
+    return min(max(k, cfg.min_tokens), rankable)
+
+
+def best(values: np.ndarray | list[float], candidates: range, n: int) -> list[int]:
+    """The n candidates with the largest values, ascending."""
+    ranked = sorted(candidates, key=lambda i: -float(values[i]))
+    return sorted(ranked[:n])
+
+
+def check_row(row: torch.Tensor, expected: list[int], recent_start: int) -> None:
+    """Valid positions first (strictly ascending, < recent_start), -1 padding after."""
+    got = row.tolist()
+    n = sum(v >= 0 for v in got)
+    assert all(v >= 0 for v in got[:n]) and all(v == -1 for v in got[n:]), got
+    assert all(a < b for a, b in zip(got[:n], got[1:n])), "not ascending or duplicated"
+    assert all(v < recent_start for v in got[:n]), "selected a recent position"
+    assert got[:n] == expected
+
+
+def check_plan(plan: SparsePlan, case: Case, recent_start: list[int], k: list[int]) -> None:
+    assert plan.recent_start.tolist() == recent_start
+    assert plan.budget.tolist() == k
+    span = max(length + GAMMA - s for length, s in zip(case.lengths, recent_start))
+    assert plan.recent_max == span
+
+
+# --- budget ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ratio", [0.05, 0.07, 0.1, 0.3, 1.0])
+@pytest.mark.parametrize("min_tokens", [1, 16, 256])
+def test_budget_is_clamped_ceil_of_ratio(ratio: float, min_tokens: int) -> None:
+    cfg = SpecConfig(ratio=ratio, min_tokens=min_tokens)
+    lengths = list(range(1, 4000))
+    rankable = [max(length - 1 - (length % 5), 0) for length in lengths]
+    got = budget(cfg, torch.tensor(lengths), torch.tensor(rankable)).tolist()
+    want = [expected_budget(cfg, n, r) for n, r in zip(lengths, rankable)]
+    assert got == want
+
+
+# --- vegas -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+@pytest.mark.parametrize("granularity", ["layer", "kv_head"])
+@pytest.mark.parametrize("collect", ["2", "all"])
+@pytest.mark.parametrize("score", ["weight", "logit"])
+def test_vegas_is_top_k_of_aggregated_scores(score: str, collect: str, granularity: str,
+                                             prefill: bool) -> None:
+    cfg = SpecConfig(method="vegas", score=score, collect=collect, granularity=granularity,
+                     **BASE)
+    policy = make_policy(cfg)
+    n = GAMMA + 1
+    rows = policy.score_rows(n, prefill)
+    assert rows == ([n - 1] if prefill else [0, n - 1] if collect == "2" else list(range(n)))
+    assert policy.wants_scores and policy.score_mode == score
+    assert policy.per_kv_head == (granularity == "kv_head")
+
+    case = make_case(1, prefill)
+    groups = HKV if policy.per_kv_head else 1
+    scores = random_scores(2, len(rows), groups, case.width, case.row_pos)
+    plan = policy.plan(case.selection_input(scores))
+    assert plan is not None and plan.selector is None
+
+    k = [expected_budget(cfg, n, r) for n, r in zip(case.lengths, case.row_pos)]
+    assert k[0] < case.row_pos[0] and k[2] == case.row_pos[2]  # one sparse, one dense
+    check_plan(plan, case, case.row_pos, k)
+    assert plan.indices.shape[:3] == (LAYERS, 3, groups)
+    for layer in range(LAYERS):
+        for b in range(3):
+            for g in range(groups):
+                total = [sum(float(scores[layer, b, r, g, i]) for r in range(len(rows)))
+                         for i in range(case.width)]
+                want = best(total, range(case.row_pos[b]), k[b])
+                check_row(plan.indices[layer, b, g], want, case.row_pos[b])
+    assert plan.indices[0, 2, 0, : case.row_pos[2]].tolist() == list(range(case.row_pos[2]))
+
+
+@pytest.mark.parametrize("granularity", ["layer", "kv_head"])
+@pytest.mark.parametrize("collect", ["2", "all"])
+@pytest.mark.parametrize("score", ["weight", "logit"])
+def test_vegas_through_attention_scores(score: str, collect: str, granularity: str) -> None:
+    """Scores emitted by the reference attention for the rows and mode the policy asks for
+    select the top-k of the definition computed from q and k directly."""
+    cfg = SpecConfig(method="vegas", score=score, collect=collect, granularity=granularity,
+                     **BASE)
+    policy = make_policy(cfg)
+    case = make_case(3, prefill=False)
+    n, scale = GAMMA + 1, DIM ** -0.5
+    rows = policy.score_rows(n, False)
+    gen = torch.Generator().manual_seed(4)
+    queries = torch.randn(LAYERS, 3, n, HEADS, DIM, generator=gen)
+    positions = torch.tensor(case.row_pos)[:, None] + torch.arange(n)
+    table = torch.tensor(case.page_table, dtype=torch.int32)
+    per_layer = []
+    for layer, (k_cache, v_cache) in enumerate(case.caches):
+        _, sc = paged_attention_ref(queries[layer], k_cache, v_cache, table, positions,
+                                    PAGE_SIZE, case.width, scale, torch.tensor(rows), score,
+                                    policy.per_kv_head)
+        per_layer.append(sc)
+    plan = policy.plan(case.selection_input(torch.stack(per_layer).numpy()))
+    assert plan is not None
+
+    groups = HKV if policy.per_kv_head else 1
+    for layer in range(LAYERS):
+        for b in range(3):
+            agg = _attention_aggregate(case, queries[layer, b].double().numpy(), layer, b, rows,
+                                       score, scale, groups)
+            k = expected_budget(cfg, case.lengths[b], case.row_pos[b])
+            for g in range(groups):
+                got = [v for v in plan.indices[layer, b, g].tolist() if v >= 0]
+                assert len(got) == k and all(v < case.row_pos[b] for v in got)
+                rest = sorted(set(range(case.row_pos[b])) - set(got))
+                if rest:  # a top-k set: nothing left out scores above anything kept
+                    assert agg[g, got].min() >= agg[g, rest].max() - 1e-5
+
+
+def _attention_aggregate(case: Case, q: np.ndarray, layer: int, b: int, rows: list[int],
+                         score: str, scale: float, groups: int) -> np.ndarray:
+    """q [n, H, D] -> [groups, row_pos] sum over rows and query heads of softmax weights or
+    raw logits q.k, each row seeing the keys up to its own position."""
+    agg = np.zeros((groups, case.row_pos[b]))
+    last = case.row_pos[b] + max(rows)
+    keys = np.stack([case.key(layer, b, j) for j in range(last + 1)])  # [last+1, Hkv, D]
+    for r in rows:
+        pos = case.row_pos[b] + r
+        for h in range(HEADS):
+            logits = keys[: pos + 1, h // GROUP] @ q[r, h]
+            weights = np.exp(scale * logits - np.logaddexp.reduce(scale * logits))
+            values = weights if score == "weight" else logits
+            agg[h // GROUP if groups > 1 else 0] += values[: case.row_pos[b]]
+    return agg
+
+
+# --- lastq, specextend -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+def test_lastq_uses_the_last_committed_row(prefill: bool) -> None:
+    cfg = SpecConfig(method="lastq", score="logit", granularity="kv_head", **BASE)
+    policy = make_policy(cfg)
+    n = GAMMA + 1
+    assert policy.score_rows(n, prefill) == ([n - 1] if prefill else list(range(n)))
+    assert policy.score_mode == "weight" and not policy.per_kv_head and policy.wants_scores
+
+    case = make_case(5, prefill)
+    assert prefill or any(case.accepted)
+    start = [r + a for r, a in zip(case.row_pos, case.accepted)]
+    scores = random_scores(6, len(policy.score_rows(n, prefill)), 1, case.width, start)
+    plan = policy.plan(case.selection_input(scores))
+    k = [expected_budget(cfg, n, r) for n, r in zip(case.lengths, start)]
+    check_plan(plan, case, start, k)
+    for layer in range(LAYERS):
+        for b in range(3):
+            row = 0 if prefill else case.accepted[b]
+            want = best(scores[layer, b, row, 0], range(start[b]), k[b])
+            check_row(plan.indices[layer, b, 0], want, start[b])
+
+
+def test_specextend_chunks_of_the_last_layer_row() -> None:
+    cfg = SpecConfig(method="specextend", **BASE)
+    policy = make_policy(cfg)
+    n, c = GAMMA + 1, cfg.chunk
+    assert policy.score_rows(n, False) == list(range(n)) and not policy.per_kv_head
+
+    case = make_case(7, prefill=False, row_pos=[900, 420, 20])
+    start = [r + a for r, a in zip(case.row_pos, case.accepted)]
+    scores = random_scores(8, n, 1, case.width, start)
+    for b, s in enumerate(start):
+        # a short last chunk (4..8 tokens) with the best mean but a small sum: the score is
+        # the mean, so it must be chosen
+        assert 0 < s % c <= 8
+        scores[:, b, :, :, s - s % c: s] += 1.0
+    plan = policy.plan(case.selection_input(scores))
+    k = [expected_budget(cfg, n, r) for n, r in zip(case.lengths, start)]
+    check_plan(plan, case, start, k)
+    for b in range(3):
+        last = scores[-1, b, case.accepted[b], 0]
+        n_chunks = math.ceil(start[b] / c)
+        means = [float(np.mean(last[i * c: min((i + 1) * c, start[b])]))
+                 for i in range(n_chunks)]
+        dense = k[b] >= start[b]
+        assert dense or k[b] >= c
+        chosen = best(means, range(n_chunks), n_chunks if dense else k[b] // c)
+        want = [i * c + j for i in chosen for j in range(c) if i * c + j < start[b]]
+        for layer in range(LAYERS):  # one set for every layer
+            check_row(plan.indices[layer, b, 0], want, start[b])
+
+
+# --- stream, quest, full -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sink", [0, 4, 64])
+def test_stream_is_sink_plus_window(sink: int) -> None:
+    cfg = SpecConfig(method="stream", sink=sink, **BASE)
+    policy = make_policy(cfg)
+    assert not policy.wants_scores and not policy.per_kv_head
+    case = make_case(9, prefill=False)
+    plan = policy.plan(case.selection_input(None))
+    k = [expected_budget(cfg, n, r) for n, r in zip(case.lengths, case.row_pos)]
+    check_plan(plan, case, case.row_pos, k)
+    for b, (r, kb) in enumerate(zip(case.row_pos, k)):
+        first = min(sink, kb)
+        want = sorted(set(range(first)) | set(range(r - (kb - first), r)))
+        assert len(want) == kb
+        for layer in range(LAYERS):
+            check_row(plan.indices[layer, b, 0], want, r)
+
+
+@pytest.mark.parametrize("row_pos", [None, [881, 401, 17]])
+@pytest.mark.parametrize("prefill", [False, True])
+def test_quest_pages_by_min_max_bound(prefill: bool, row_pos: list[int] | None) -> None:
+    """Quest pages (16 tokens) are larger than cache pages (8 slots); with row_pos 881 the
+    last quest page runs past the cache pages the sequence holds."""
+    cfg = SpecConfig(method="quest", page=16, **BASE)
+    policy = make_policy(cfg)
+    assert not policy.wants_scores and policy.per_kv_head
+    case = make_case(11, prefill, row_pos)
+    plan = policy.plan(case.selection_input(None))
+    assert plan is not None and plan.indices is None and plan.selector is not None
+    k = [expected_budget(cfg, n, r) for n, r in zip(case.lengths, case.row_pos)]
+    check_plan(plan, case, case.row_pos, k)
+
+    gen = torch.Generator().manual_seed(12)
+    lengths = torch.tensor(case.lengths)
+    ctx = StepContext(lengths[:, None], lengths + 1, lengths[:, None],
+                      torch.tensor(case.page_table, dtype=torch.int32), PAGE_SIZE,
+                      int(lengths.max()) + 1, sparse=plan)
+    for layer in range(LAYERS):
+        q = torch.randn(3, 1, HEADS, DIM, generator=gen)
+        got = plan.selector(layer, q, ctx)
+        assert got.shape[:2] == (3, HKV)
+        for b in range(3):
+            for h in range(HKV):
+                want = _quest_expected(case, layer, b, h, q[b, 0].double().numpy(), k[b],
+                                       cfg.page)
+                check_row(got[b, h], want, case.row_pos[b])
+
+
+def _quest_expected(case: Case, layer: int, b: int, h: int, q: np.ndarray, k: int,
+                    page: int) -> list[int]:
+    rankable = case.row_pos[b]
+    pages = math.ceil(rankable / page)
+    page_scores = []
+    for p in range(pages):
+        keys = np.stack([case.key(layer, b, j)[h]
+                         for j in range(p * page, min((p + 1) * page, rankable))])
+        lo, hi = keys.min(0), keys.max(0)
+        page_scores.append(sum(float(np.maximum(q[qh] * lo, q[qh] * hi).sum())
+                               for qh in range(h * GROUP, (h + 1) * GROUP)))
+    dense = k >= rankable
+    assert dense or k >= page
+    chosen = best(page_scores, range(pages), pages if dense else k // page)
+    return [p * page + j for p in chosen for j in range(page) if p * page + j < rankable]
+
+
+def test_full_drafts_with_full_attention() -> None:
+    policy = make_policy(SpecConfig(method="full", **BASE))
+    assert not policy.wants_scores
+    assert policy.plan(make_case(13, prefill=False).selection_input(None)) is None
+
+
+def test_every_speculative_method_is_registered() -> None:
+    names = {m for m in METHODS if m != "vanilla"}
+    assert set(POLICIES) == names
+    for name in names:
+        assert make_policy(SpecConfig(method=name)).name == name

@@ -1,0 +1,42 @@
+"""Triton attention: the same semantics as TorchBackend (its oracle), one kernel per file in
+`vegas_spec.kernels`. Runs on CUDA, or on CPU under Triton's interpreter (slow: tests only)."""
+
+from __future__ import annotations
+
+import torch
+
+from vegas_spec.attention.backend import AttentionBackend, register_backend
+from vegas_spec.attention.context import StepContext
+from vegas_spec.kernels.paged_attention import paged_attention
+from vegas_spec.kernels.sparse_attention import sparse_attention
+from vegas_spec.kernels.store_kv import store_kv
+from vegas_spec.kernels.topk import topk_positions_triton
+
+
+@register_backend("triton")
+class TritonBackend(AttentionBackend):
+    # Drop-in for vegas_spec.spec.policies.topk_positions on the backend's device.
+    topk_positions = staticmethod(topk_positions_triton)
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def full(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             ctx: StepContext) -> torch.Tensor:
+        """Scores, if requested, go straight into ctx.scores.out[layer] ([B, R, G, W])."""
+        req = ctx.scores
+        if req is not None:
+            assert req.out.shape[3] == (k_cache.shape[1] if req.per_kv_head else 1)
+        return paged_attention(
+            q, k_cache, v_cache, ctx.page_table, ctx.positions, ctx.page_size, ctx.kv_len_max,
+            q.shape[-1] ** -0.5, None if req is None else req.rows,
+            None if req is None else req.out[layer], "weight" if req is None else req.mode)
+
+    def sparse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               indices: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        plan = ctx.sparse
+        assert plan is not None
+        return sparse_attention(q, k_cache, v_cache, ctx.page_table, ctx.positions,
+                                ctx.page_size, indices, plan.recent_start, plan.recent_max,
+                                q.shape[-1] ** -0.5)

@@ -1,0 +1,97 @@
+"""`vegas generate ...`: the command line over `LLM.generate`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from vegas_spec.config import DTYPES, METHODS, ConfigError, SamplingParams, SpecConfig
+from vegas_spec.models.loader import WeightError
+
+DEFAULT_SPEC = SpecConfig()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vegas", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text (plain or self-speculative)")
+    g.add_argument("--model", help="HF folder (config.json + safetensors) or .gguf file; "
+                   "default: the embedded SmolLM2-135M-Instruct")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    src.add_argument("--prompt-file", action="append", type=Path,
+                     help="file whose whole text is one prompt (repeat for a batch)")
+    g.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    g.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    g.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--kv-cache-gb", type=float, help="KV page pool size in GiB")
+    g.add_argument("--method", default="vanilla", choices=METHODS)
+    g.add_argument("--gamma", type=int, default=DEFAULT_SPEC.gamma)
+    g.add_argument("--ratio", type=float, default=DEFAULT_SPEC.ratio)
+    g.add_argument("--min-tokens", type=int, default=DEFAULT_SPEC.min_tokens)
+    g.add_argument("--score", default=DEFAULT_SPEC.score, choices=["weight", "logit"])
+    g.add_argument("--collect", default=DEFAULT_SPEC.collect, choices=["2", "all"])
+    g.add_argument("--granularity", default=DEFAULT_SPEC.granularity,
+                   choices=["layer", "kv_head"])
+    g.add_argument("--sink", type=int, default=DEFAULT_SPEC.sink, help="stream: sink tokens")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    return parser
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    kwargs = {"device": args.device, "dtype": args.dtype, "backend": args.backend}
+    if args.kv_cache_gb is not None:
+        kwargs["kv_cache_bytes"] = int(args.kv_cache_gb * (1 << 30))
+    return kwargs
+
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompt:
+        return args.prompt
+    missing = [str(p) for p in args.prompt_file if not p.is_file()]
+    if missing:
+        raise ConfigError(f"prompt file not found: {', '.join(missing)}")
+    return [p.read_text(encoding="utf-8") for p in args.prompt_file]
+
+
+def generate(args: argparse.Namespace) -> int:
+    from vegas_spec.engine import LLM
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop),
+                            ignore_eos=args.ignore_eos)
+    spec = SpecConfig(method=args.method, gamma=args.gamma, ratio=args.ratio,
+                      min_tokens=args.min_tokens, score=args.score, collect=args.collect,
+                      granularity=args.granularity, sink=args.sink)
+    prompts = _prompts(args)
+    llm = LLM(args.model, speculative=spec, **_engine_kwargs(args))
+    for out in llm.generate(prompts, params, chat=args.chat):
+        if args.json:
+            print(json.dumps({"text": out.text, "token_ids": out.token_ids,
+                              "finish_reason": out.finish_reason, "stats": out.stats}))
+        else:
+            print(out.text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return generate(args)
+    except (ConfigError, WeightError) as err:
+        print(f"vegas: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

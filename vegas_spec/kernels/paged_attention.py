@@ -1,0 +1,274 @@
+"""Paged causal attention for 1..n query rows per sequence, with fused selection scores.
+
+Oracle: `vegas_spec.attention.torch_backend.paged_attention_ref`.
+
+Layout of the work: one program per (sequence, kv head, block of query rows, key split). Its
+query tile packs block_n rows x all query heads of that kv head, so each K/V row of the cache
+is read once per kv head however many query heads share it (GQA) and however many rows the
+step has (n = 1 decode, γ+1 verify, up to a few hundred for a prefill chunk). Query i of
+sequence b sees keys 0..positions[b, i]; a program stops at the largest position of its rows,
+so short sequences in a batch sized for the longest cost nothing past their end. Long
+contexts are cut into key splits merged by `split_merge.merge_splits` (flash-decoding).
+
+Selection scores (ScoreRequest) ride on the same pass, so K is read once:
+  * The split kernel, for the requested rows only, stores the raw logits q.k of every key it
+    visits into a float32 scratch: one plane per query head in "weight" mode
+    [B, R, H, L], already summed over the query heads of the kv head in "logit" mode
+    [B, R, Hkv, L].
+  * Weights need each head's final log-sum-exp, known only after the merge. A finalise kernel
+    then reads the scratch, forms exp(scale * s - lse_h) per head ("weight") or takes the sums
+    ("logit"), sums over the heads of each kv head (G = Hkv) or over all heads (G = 1) and
+    writes out [B, R, G, W], 0 wherever the row cannot see the key (and for the padding width).
+
+Extra bytes of score emission, per layer and sequence with R score rows and L keys:
+  weight: 4·H·R·L written + 4·H·R·L read + 4·G·R·W written;
+  logit:  4·Hkv·R·L written + 4·Hkv·R·L read + 4·G·R·W written;
+against 2·Hkv·D·L·itemsize bytes of K and V the attention reads anyway. For Qwen3-8B
+(H 32, Hkv 8, D 128, bf16) and Collect-2 (R = 2): weight 520 B per key vs 4096 B of K/V
+(+12.7 %), logit 136 B (+3.3 %); for R = γ+1 = 7 rows (collect all) weight is +44 %.
+Storing exp(scale·s − m_block) in fp16 with one running max per key block would halve the
+weight-mode cost; the float32 logits keep this kernel exact against the reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from vegas_spec.kernels.split_merge import (
+    Partials,
+    TileConfig,
+    finish_split,
+    merge_splits,
+    output_buffer,
+    softmax_block,
+    split_size_for,
+    tile_config,
+)
+
+MODES = {"weight": 1, "logit": 2}
+
+
+@triton.jit
+def _emit_scores(s, kpos, k_ok, b, kvh, head, lane_ok, lane_slot, row_slot, sc_ptr, H, Hkv,
+                 num_slots, width, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, MODE: tl.constexpr):
+    """s [M, K] raw q.k of one key block -> the scratch planes of the requested rows.
+    lane_slot [M] / row_slot [N]: scratch slot of each lane's / row's query row (-1 = none)."""
+    if MODE == 1:
+        plane = (b * num_slots + lane_slot).to(tl.int64) * H + head
+        mask = (lane_ok & (lane_slot >= 0))[:, None] & k_ok[None, :]
+        tl.store(sc_ptr + plane[:, None] * width + kpos[None, :], s, mask=mask)
+    else:
+        # Padded head lanes hold q = 0, so they add nothing to the sum over the group.
+        summed = tl.sum(tl.reshape(s, [BLOCK_N, GROUP_PAD, BLOCK_K]), axis=1)  # [N, K]
+        plane = (b * num_slots + row_slot).to(tl.int64) * Hkv + kvh
+        tl.store(sc_ptr + plane[:, None] * width + kpos[None, :], summed,
+                 mask=(row_slot >= 0)[:, None] & k_ok[None, :])
+
+
+@triton.jit
+def _paged_split_kernel(
+        q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr,
+        out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, slot_ptr, sc_ptr,
+        n, H, Hkv, page_size, split_size, scale, rows_total, num_slots, width,
+        stride_qb, stride_qn, stride_qh, stride_cs, stride_ch, stride_tb, stride_pb, stride_pn,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+        MODE: tl.constexpr, SINGLE: tl.constexpr, WRITE_LSE: tl.constexpr,
+        DOT_PRECISION: tl.constexpr):
+    b = tl.program_id(0) // Hkv
+    kvh = tl.program_id(0) % Hkv
+    rb = tl.program_id(1)
+    split = tl.program_id(2)
+    lane = tl.arange(0, BLOCK_N * GROUP_PAD)  # lane = row_in_block * GROUP_PAD + head_in_group
+    row = rb * BLOCK_N + lane // GROUP_PAD
+    head = kvh * GROUP + lane % GROUP_PAD
+    lane_ok = (row < n) & (lane % GROUP_PAD < GROUP)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    pos = tl.load(pos_ptr + b * stride_pb + row * stride_pn, mask=row < n, other=-1)
+    pos = pos.to(tl.int32)
+    q = tl.load(q_ptr + b * stride_qb + row[:, None] * stride_qn + head[:, None] * stride_qh
+                + d[None, :], mask=lane_ok[:, None] & d_ok[None, :], other=0.0)
+    rows_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+    lane_slot = tl.load(slot_ptr + row, mask=(row < n) & (MODE != 0), other=-1)
+    row_slot = tl.load(slot_ptr + rows_n, mask=(rows_n < n) & (MODE != 0), other=-1)
+
+    lo = split * split_size
+    # causal: nothing past the last row; nothing past kv_len (= width), as the reference
+    hi = tl.minimum(tl.minimum(lo + split_size, tl.max(pos, axis=0) + 1), width)
+    m_i = tl.full([BLOCK_N * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_N * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_N * GROUP_PAD, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_K):
+        kpos = start + tl.arange(0, BLOCK_K)
+        k_ok = kpos < hi
+        page = tl.load(table_ptr + b * stride_tb + kpos // page_size, mask=k_ok, other=0)
+        slot = page.to(tl.int64) * page_size + kpos % page_size
+        kv_off = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, K] float32
+        if MODE != 0:
+            _emit_scores(s, kpos, k_ok, b, kvh, head, lane_ok, lane_slot, row_slot, sc_ptr, H,
+                         Hkv, num_slots, width, GROUP_PAD, BLOCK_N, BLOCK_K, MODE)
+        x = tl.where(kpos[None, :] <= pos[:, None], s * scale, float("-inf"))
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
+    finish_split(m_i, l_i, acc, b * n + row, head, lane_ok, d, d_ok, split, rows_total, H,
+                 out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, HEAD_DIM, SINGLE, WRITE_LSE)
+
+
+@triton.jit
+def _scores_kernel(sc_ptr, lse_ptr, rows_ptr, slot_ptr, pos_ptr, out_ptr,
+                   n, H, Hkv, num_slots, width, out_width, scale,
+                   stride_pb, stride_pn, stride_ob, stride_or, stride_og,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
+                   MODE: tl.constexpr, PER_KV: tl.constexpr):
+    """One (sequence, score row, key block): scratch -> out [B, R, G, W] (R = num_slots)."""
+    b = tl.program_id(0) // num_slots
+    r = tl.program_id(0) % num_slots
+    row = tl.load(rows_ptr + r).to(tl.int32)
+    plane = b * num_slots + tl.load(slot_ptr + row).to(tl.int64)
+    pos = tl.load(pos_ptr + b * stride_pb + row * stride_pn).to(tl.int32)
+    w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    visible = (w <= pos) & (w < width)
+    e = tl.arange(0, GROUP_PAD)
+    total = tl.zeros([BLOCK_W], tl.float32)
+    out_row = out_ptr + b * stride_ob + r * stride_or
+    for g in range(Hkv):
+        if MODE == 1:
+            h = g * GROUP + e
+            h_ok = e < GROUP
+            x = tl.load(sc_ptr + (plane * H + h)[:, None] * width + w[None, :],
+                        mask=h_ok[:, None] & visible[None, :], other=float("-inf"))
+            lse = tl.load(lse_ptr + (b * n + row) * H + h, mask=h_ok, other=0.0)
+            val = tl.sum(tl.exp(x * scale - lse[:, None]), axis=0)
+        else:
+            val = tl.load(sc_ptr + (plane * Hkv + g) * width + w, mask=visible, other=0.0)
+        if PER_KV:
+            tl.store(out_row + g * stride_og + w, val, mask=w < out_width)
+        else:
+            total += val
+    if not PER_KV:
+        tl.store(out_row + w, total, mask=w < out_width)
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           page_table: torch.Tensor, positions: torch.Tensor, kv_len: int) -> None:
+    assert q.dim() == 4 and k_cache.dim() == 3 and k_cache.shape == v_cache.shape
+    bsz, n, heads, dim = q.shape
+    assert dim == k_cache.shape[2] and heads % k_cache.shape[1] == 0
+    assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert q.dtype == k_cache.dtype == v_cache.dtype
+    assert page_table.dim() == 2 and page_table.shape[0] == bsz and page_table.stride(-1) == 1
+    assert positions.shape == (bsz, n) and not positions.is_floating_point()
+    assert not page_table.is_floating_point() and kv_len >= 1
+    assert q.device == k_cache.device == page_table.device == positions.device
+
+
+def _check_scores(rows: torch.Tensor, out: torch.Tensor, mode: str, bsz: int, hkv: int,
+                  kv_len: int) -> None:
+    assert mode in MODES, f"score mode must be one of {sorted(MODES)}"
+    assert rows.dim() == 1 and not rows.is_floating_point()
+    assert out.dim() == 4 and out.shape[:2] == (bsz, rows.shape[0])
+    assert out.shape[2] in (1, hkv) and out.shape[3] >= kv_len
+    assert out.dtype == torch.float32 and out.stride(-1) == 1
+
+
+@dataclass
+class _ScoreJob:
+    """mode 1 weight / 2 logit; rows [R]; out [B, R, G, W]; slots [n] int32 (scratch slot of
+    each query row, -1 = not requested); scratch [B, R, H or Hkv, L] float32 logits;
+    lse [B, n, H] float32 (weight mode)."""
+
+    mode: int
+    rows: torch.Tensor
+    out: torch.Tensor
+    slots: torch.Tensor
+    scratch: torch.Tensor
+    lse: torch.Tensor | None
+
+
+def _score_job(rows: torch.Tensor | None, out: torch.Tensor | None, mode_name: str,
+               q: torch.Tensor, hkv: int, kv_len: int) -> _ScoreJob | None:
+    if rows is None or rows.numel() == 0:
+        return None
+    assert out is not None, "score_rows needs score_out"
+    bsz, n, heads, _ = q.shape
+    _check_scores(rows, out, mode_name, bsz, hkv, kv_len)
+    mode = MODES[mode_name]
+    f32 = dict(dtype=torch.float32, device=q.device)
+    scratch = torch.empty(bsz, rows.shape[0], heads if mode == 1 else hkv, kv_len, **f32)
+    lse = torch.empty(bsz, n, heads, **f32) if mode == 1 else None
+    return _ScoreJob(mode, rows, out, _score_slots(rows, n), scratch, lse)
+
+
+def _score_slots(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """rows [R] -> slot [n] int32. A row requested twice gets one slot, read back for both."""
+    slot = torch.full((n,), -1, dtype=torch.int32, device=rows.device)
+    slot[rows.long()] = torch.arange(rows.shape[0], dtype=torch.int32, device=rows.device)
+    return slot
+
+
+def _finalise_scores(job: _ScoreJob, positions: torch.Tensor, scale: float, cfg: TileConfig,
+                     hkv: int) -> None:
+    bsz, num_slots, _, width = job.scratch.shape
+    out = job.out
+    block_w = 128 if out.is_cuda else 64
+    grid = (bsz * num_slots, triton.cdiv(out.shape[3], block_w))
+    _scores_kernel[grid](
+        job.scratch, job.scratch if job.lse is None else job.lse, job.rows, job.slots,
+        positions, out, positions.shape[1], hkv * cfg.group, hkv, num_slots, width,
+        out.shape[3], scale,
+        positions.stride(0), positions.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        GROUP=cfg.group, GROUP_PAD=cfg.group_pad, BLOCK_W=block_w, MODE=job.mode,
+        PER_KV=out.shape[2] > 1, num_warps=4)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
+                    kv_len: int, scale: float, score_rows: torch.Tensor | None = None,
+                    score_out: torch.Tensor | None = None, score_mode: str = "weight", *,
+                    block_k: int | None = None, split_size: int | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal paged attention; query i of sequence b sees keys 0..positions[b, i].
+
+    q [B, n, H, D] (RoPE applied); k_cache, v_cache [num_slots, Hkv, D];
+    page_table [B, P] (page_size slots per page); positions [B, n]; kv_len >= every sequence
+    length (host bound of the key axis). If score_rows [R] is given, score_out [B, R, G, W]
+    float32 (G = 1: summed over all query heads, G = Hkv: over each kv head's query heads;
+    W >= kv_len) receives softmax weights ("weight") or raw q.k ("logit") of those rows, 0
+    where the row cannot see the key. out: optional [B, n, H, D] result buffer.
+    Returns [B, n, H, D] in q's dtype."""
+    _check(q, k_cache, v_cache, page_table, positions, kv_len)
+    bsz, n, heads, dim = q.shape
+    hkv = k_cache.shape[1]
+    cfg = tile_config(q, hkv, block_k)
+    row_blocks = triton.cdiv(n, cfg.block_n)
+    size = split_size_for(kv_len, bsz * hkv * row_blocks, cfg.block_k, q.device, split_size)
+    splits = triton.cdiv(kv_len, size)
+    job = _score_job(score_rows, score_out, score_mode, q, hkv, kv_len)
+    out = output_buffer(q, out)
+    parts = Partials.empty(splits, bsz * n, heads, dim, q.device) if splits > 1 else None
+    lse = None if job is None else job.lse
+    _paged_split_kernel[(bsz * hkv, row_blocks, splits)](
+        q, k_cache, v_cache, page_table, positions,
+        out, out if lse is None else lse,
+        *((out, out, out) if parts is None else (parts.acc, parts.m, parts.l)),
+        positions if job is None else job.slots, out if job is None else job.scratch,
+        n, heads, hkv, page_size, size, scale, bsz * n, 0 if job is None else len(job.rows),
+        kv_len, q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
+        page_table.stride(0), positions.stride(0), positions.stride(1),
+        GROUP=cfg.group, GROUP_PAD=cfg.group_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_D=cfg.block_d, HEAD_DIM=dim, MODE=0 if job is None else job.mode,
+        SINGLE=parts is None, WRITE_LSE=lse is not None, DOT_PRECISION=cfg.dot_precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if parts is not None:
+        merge_splits(parts, out, lse)
+    if job is not None:
+        _finalise_scores(job, positions, scale, cfg, hkv)
+    return out

@@ -1,0 +1,143 @@
+"""Sparse draft attention: each (sequence, kv head) reads only a list of positions plus the
+recent range.
+
+Oracle: `vegas_spec.attention.torch_backend.sparse_attention_ref`.
+
+The keys of sequence b and kv head h form one virtual list: indices[b, g] (g = 0 when the
+list is shared by all kv heads, g = h otherwise; -1 = unused) followed by recent_start[b] + j
+for j < recent_max. Query i sees a listed or recent position p if 0 <= p <= positions[b, i].
+Like the reference, a position listed twice (or listed and recent) counts twice. The list is
+walked in blocks of keys gathered through the page table and cut into splits for large
+budgets (merged by `split_merge.merge_splits`); the query tile packs all query heads of the
+kv head, so each selected K/V row is read once per kv head. Recent positions past the last
+query's position are never visited."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vegas_spec.kernels.split_merge import (
+    Partials,
+    finish_split,
+    merge_splits,
+    output_buffer,
+    softmax_block,
+    split_size_for,
+    tile_config,
+)
+
+
+@triton.jit
+def _sparse_split_kernel(
+        q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, idx_ptr, start_ptr,
+        out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr,
+        n, H, Hkv, page_size, split_size, scale, rows_total, num_listed, recent_max,
+        stride_qb, stride_qn, stride_qh, stride_cs, stride_ch, stride_tb, stride_pb, stride_pn,
+        stride_ib, stride_ig,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+        SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    b = tl.program_id(0) // Hkv
+    kvh = tl.program_id(0) % Hkv
+    rb = tl.program_id(1)
+    split = tl.program_id(2)
+    lane = tl.arange(0, BLOCK_N * GROUP_PAD)  # lane = row_in_block * GROUP_PAD + head_in_group
+    row = rb * BLOCK_N + lane // GROUP_PAD
+    head = kvh * GROUP + lane % GROUP_PAD
+    lane_ok = (row < n) & (lane % GROUP_PAD < GROUP)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    pos = tl.load(pos_ptr + b * stride_pb + row * stride_pn, mask=row < n, other=-1)
+    pos = pos.to(tl.int32)
+    q = tl.load(q_ptr + b * stride_qb + row[:, None] * stride_qn + head[:, None] * stride_qh
+                + d[None, :], mask=lane_ok[:, None] & d_ok[None, :], other=0.0)
+    max_pos = tl.max(pos, axis=0)
+    recent0 = tl.load(start_ptr + b).to(tl.int32)
+    recent = tl.minimum(recent_max, tl.maximum(max_pos - recent0 + 1, 0))  # visible ones only
+    lo = split * split_size
+    hi = tl.minimum(lo + split_size, num_listed + recent)
+    idx_row = idx_ptr + b * stride_ib + kvh * stride_ig  # stride_ig = 0: shared list
+
+    m_i = tl.full([BLOCK_N * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_N * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_N * GROUP_PAD, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_K):
+        j = start + tl.arange(0, BLOCK_K)  # index into the virtual key list
+        listed = j < num_listed
+        chosen = tl.load(idx_row + j, mask=listed & (j < hi), other=-1).to(tl.int32)
+        kpos = tl.where(listed, chosen, recent0 + j - num_listed)
+        k_ok = (j < hi) & (kpos >= 0) & (kpos <= max_pos)
+        kpos = tl.where(k_ok, kpos, 0)
+        page = tl.load(table_ptr + b * stride_tb + kpos // page_size, mask=k_ok, other=0)
+        slot = page.to(tl.int64) * page_size + kpos % page_size
+        kv_off = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, K] float32
+        visible = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
+        x = tl.where(visible, s * scale, float("-inf"))
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
+    finish_split(m_i, l_i, acc, b * n + row, head, lane_ok, d, d_ok, split, rows_total, H,
+                 out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, HEAD_DIM, SINGLE, False)
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           page_table: torch.Tensor, positions: torch.Tensor, indices: torch.Tensor,
+           recent_start: torch.Tensor, recent_max: int) -> None:
+    assert q.dim() == 4 and k_cache.dim() == 3 and k_cache.shape == v_cache.shape
+    bsz, n, heads, dim = q.shape
+    hkv = k_cache.shape[1]
+    assert dim == k_cache.shape[2] and heads % hkv == 0
+    assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert q.dtype == k_cache.dtype == v_cache.dtype
+    assert page_table.dim() == 2 and page_table.shape[0] == bsz and page_table.stride(-1) == 1
+    assert positions.shape == (bsz, n) and not positions.is_floating_point()
+    assert indices.dim() == 3 and indices.shape[:2] in ((bsz, 1), (bsz, hkv))
+    assert indices.stride(-1) == 1 or indices.shape[2] <= 1
+    assert not indices.is_floating_point() and not page_table.is_floating_point()
+    assert recent_start.shape == (bsz,) and recent_start.is_contiguous() and recent_max >= 0
+    assert q.device == k_cache.device == indices.device == recent_start.device
+
+
+def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
+                     indices: torch.Tensor, recent_start: torch.Tensor, recent_max: int,
+                     scale: float, *, block_k: int | None = None,
+                     split_size: int | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention over listed positions plus a contiguous recent range.
+
+    q [B, n, H, D]; k_cache, v_cache [num_slots, Hkv, D]; page_table [B, P];
+    positions [B, n]; indices [B, G, K] positions (-1 = unused; G = 1 shared by every kv
+    head, or G = Hkv); recent_start [B]; recent_max: host bound on the recent range length.
+    Query i sees every listed p with 0 <= p <= positions[b, i] and recent_start[b] + j for
+    j < recent_max up to positions[b, i]. Returns [B, n, H, D] in q's dtype."""
+    _check(q, k_cache, v_cache, page_table, positions, indices, recent_start, recent_max)
+    bsz, n, heads, dim = q.shape
+    hkv = k_cache.shape[1]
+    if indices.shape[2] == 0:  # nothing listed: keep a valid pointer
+        indices = torch.full((bsz, 1, 1), -1, dtype=torch.int64, device=q.device)
+    cfg = tile_config(q, hkv, block_k)
+    row_blocks = triton.cdiv(n, cfg.block_n)
+    length = indices.shape[2] + recent_max
+    size = split_size_for(length, bsz * hkv * row_blocks, cfg.block_k, q.device, split_size)
+    splits = triton.cdiv(length, size)
+    out = output_buffer(q, out)
+    parts = Partials.empty(splits, bsz * n, heads, dim, q.device) if splits > 1 else None
+    stride_ig = indices.stride(1) if indices.shape[1] > 1 else 0
+    _sparse_split_kernel[(bsz * hkv, row_blocks, splits)](
+        q, k_cache, v_cache, page_table, positions, indices, recent_start,
+        out, out, *((out, out, out) if parts is None else (parts.acc, parts.m, parts.l)),
+        n, heads, hkv, page_size, size, scale, bsz * n, indices.shape[2], recent_max,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
+        page_table.stride(0), positions.stride(0), positions.stride(1),
+        indices.stride(0), stride_ig,
+        GROUP=cfg.group, GROUP_PAD=cfg.group_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_D=cfg.block_d, HEAD_DIM=dim, SINGLE=parts is None,
+        DOT_PRECISION=cfg.dot_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if parts is not None:
+        merge_splits(parts, out, None)
+    return out

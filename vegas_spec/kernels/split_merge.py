@@ -1,0 +1,190 @@
+"""Split-K (flash-decoding) plumbing shared by the paged and the sparse attention kernels.
+
+A decode or verify step has few query rows, so one program per (sequence, kv head) leaves most
+of the GPU idle on long contexts. The key axis is therefore cut into splits: each split program
+writes its partial softmax state (running max m, sum l and unnormalised output acc, all float32)
+and `merge_splits` combines them:
+
+    m = max_s m_s,   l = sum_s l_s exp(m_s - m),   out = sum_s acc_s exp(m_s - m) / l,
+    lse = m + log l   (natural log of the softmax denominator of scale * q.k).
+
+A split in which a row sees no key has l_s = 0 and leaves acc_s unwritten; the merge reads
+acc_s only where l_s > 0. With a single split the split kernel normalises in place and the
+merge is skipped.
+
+Also here: the block update of the online softmax and the split kernels' epilogue (both
+`triton.jit` helpers), the tile configuration and the split-size heuristic."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+MIN_DOT = 16  # tl.dot's smallest tile side on GPUs
+MAX_LANES = 64  # query rows x padded heads per program: a 64 x D float32 accumulator
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    group: int  # query heads per kv head
+    group_pad: int  # group rounded up to a power of two (lanes per query row)
+    block_n: int  # query rows per program
+    block_k: int  # keys per inner-loop step
+    block_d: int  # head dim rounded up to a power of two
+    num_warps: int
+    num_stages: int
+    dot_precision: str
+
+
+def tile_config(q: torch.Tensor, hkv: int, block_k: int | None = None) -> TileConfig:
+    """q [B, n, H, D]: the query tile packs block_n rows x group_pad heads of one kv head, so
+    K and V are read once per kv head (GQA); at least 16 lanes on a GPU for tl.dot."""
+    n, heads, dim = q.shape[1], q.shape[2], q.shape[3]
+    group = heads // hkv
+    group_pad = triton.next_power_of_2(group)
+    gpu = q.is_cuda
+    rows_cap = max(1, MAX_LANES // group_pad)
+    block_n = min(triton.next_power_of_2(n), rows_cap)
+    if gpu:
+        block_n = max(block_n, MIN_DOT // group_pad, 1)
+    block_k = block_k or (64 if gpu and dim > 64 else 128 if gpu else 32)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    return TileConfig(group, group_pad, block_n, block_k, max(triton.next_power_of_2(dim), 16),
+                      num_warps=4, num_stages=2 if gpu else 1, dot_precision=precision)
+
+
+@lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def split_size_for(length: int, programs: int, block_k: int, device: torch.device,
+                   split_size: int | None = None) -> int:
+    """Keys per split (a multiple of block_k): enough splits to give the GPU about two waves
+    of programs, but at least four key blocks per split."""
+    if split_size is not None:
+        assert split_size > 0 and split_size % block_k == 0, "split_size: a multiple of block_k"
+        return split_size
+    blocks = max(math.ceil(length / block_k), 1)
+    if device.type != "cuda":
+        return 4 * block_k  # the interpreter: several splits even on short test contexts
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    wanted = math.ceil(2 * _sm_count(index) / max(programs, 1))
+    splits = max(1, min(wanted, math.ceil(blocks / 4)))
+    return math.ceil(blocks / splits) * block_k
+
+
+@dataclass
+class Partials:
+    """Per-split softmax state: acc [S, B*n, H, D], m and l [S, B*n, H], all float32."""
+
+    acc: torch.Tensor
+    m: torch.Tensor
+    l: torch.Tensor  # noqa: E741
+
+    @classmethod
+    def empty(cls, splits: int, rows: int, heads: int, dim: int,
+              device: torch.device) -> Partials:
+        f32 = torch.float32
+        return cls(torch.empty(splits, rows, heads, dim, dtype=f32, device=device),
+                   torch.empty(splits, rows, heads, dtype=f32, device=device),
+                   torch.empty(splits, rows, heads, dtype=f32, device=device))
+
+
+def output_buffer(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The [B, n, H, D] result buffer: the caller's (a static one, a poisoned one in tests)
+    or a new one."""
+    if out is None:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    return out
+
+
+@triton.jit
+def softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """One key block of the online softmax. x [M, K] scaled logits (-inf = not visible),
+    v [K, D]; m_i, l_i [M] and acc [M, D] float32. A row that has seen no key keeps m = -inf,
+    l = 0, acc = 0 (m_use = 0 avoids inf - inf)."""
+    m_new = tl.maximum(m_i, tl.max(x, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(x - m_use[:, None])
+    alpha = tl.exp(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def finish_split(m_i, l_i, acc, flat_row, head, lane_ok, d, d_ok, split, rows_total, H,
+                 out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr,
+                 HEAD_DIM: tl.constexpr, SINGLE: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """Epilogue of a split program. flat_row = b * n + row, head, lane_ok: [M] per lane.
+    SINGLE: normalise into out [B, n, H, D] (and lse [B, n, H]); else write the partials."""
+    if SINGLE:
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o_off = (flat_row.to(tl.int64) * H + head)[:, None] * HEAD_DIM + d[None, :]
+        o = acc / l_safe[:, None]
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty),
+                 mask=lane_ok[:, None] & d_ok[None, :])
+        if WRITE_LSE:
+            tl.store(lse_ptr + flat_row * H + head, m_i + tl.log(l_safe), mask=lane_ok)
+    else:
+        base = (split * rows_total + flat_row).to(tl.int64) * H + head
+        tl.store(m_ptr + base, m_i, mask=lane_ok)
+        tl.store(l_ptr + base, l_i, mask=lane_ok)
+        live = lane_ok & (l_i > 0)
+        tl.store(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc,
+                 mask=live[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, num_splits, rows_total, H,
+                  HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                  WRITE_LSE: tl.constexpr):
+    flat_row = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    h_ok, d_ok = h < H, d < HEAD_DIM
+    m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for split in range(num_splits):
+        base = (split * rows_total + flat_row).to(tl.int64) * H + h
+        m_s = tl.load(m_ptr + base, mask=h_ok, other=float("-inf"))
+        l_s = tl.load(l_ptr + base, mask=h_ok, other=0.0)
+        live = l_s > 0
+        a_s = tl.load(acc_ptr + base[:, None] * HEAD_DIM + d[None, :],
+                      mask=live[:, None] & d_ok[None, :], other=0.0)
+        m_new = tl.maximum(m_run, tl.where(live, m_s, float("-inf")))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_run - m_use)
+        beta = tl.where(live, tl.exp(m_s - m_use), 0.0)
+        l_run = l_run * alpha + l_s * beta
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        m_run = m_new
+    l_safe = tl.where(l_run > 0, l_run, 1.0)
+    o_off = (flat_row.to(tl.int64) * H + h)[:, None] * HEAD_DIM + d[None, :]
+    o = acc / l_safe[:, None]
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+    if WRITE_LSE:
+        tl.store(lse_ptr + flat_row.to(tl.int64) * H + h, m_run + tl.log(l_safe), mask=h_ok)
+
+
+def merge_splits(parts: Partials, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    """parts (S splits) -> out [B, n, H, D] (contiguous) and, if given, lse [B, n, H] float32."""
+    splits, rows, heads, dim = parts.acc.shape
+    assert out.is_contiguous() and out.shape[0] * out.shape[1] == rows
+    assert out.shape[2:] == (heads, dim)
+    if lse is not None:
+        assert lse.is_contiguous() and lse.dtype == torch.float32 and lse.numel() == rows * heads
+    block_h = min(triton.next_power_of_2(heads), 16)
+    grid = (rows, triton.cdiv(heads, block_h))
+    _merge_kernel[grid](parts.acc, parts.m, parts.l, out, out if lse is None else lse,
+                        splits, rows, heads, HEAD_DIM=dim, BLOCK_H=block_h,
+                        BLOCK_D=triton.next_power_of_2(dim), WRITE_LSE=lse is not None,
+                        num_warps=4)
