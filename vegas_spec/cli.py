@@ -34,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     g.add_argument("--dtype", default="float32", choices=list(DTYPES))
     g.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights from the model's config.json (timing only)")
     g.add_argument("--kv-cache-gb", type=float, help="KV page pool size in GiB")
     g.add_argument("--method", default="vanilla", choices=METHODS)
     g.add_argument("--gamma", type=int, default=DEFAULT_SPEC.gamma)
@@ -49,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = {"device": args.device, "dtype": args.dtype, "backend": args.backend}
+    kwargs = {"device": args.device, "dtype": args.dtype, "backend": args.backend,
+              "load_format": args.load_format}
     if args.kv_cache_gb is not None:
         kwargs["kv_cache_bytes"] = int(args.kv_cache_gb * (1 << 30))
     return kwargs

@@ -160,17 +160,17 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
+        if not _is_number(self.temperature):
             raise ConfigError(f"temperature must be a finite number, got {self.temperature!r}")
         if self.temperature < 0:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ConfigError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not _is_int(self.seed):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
@@ -207,21 +207,29 @@ class SpecConfig:
             raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
         if not isinstance(self.gamma, int) or not 1 <= self.gamma <= MAX_GAMMA:
             raise ConfigError(f"gamma must be an integer in [1, {MAX_GAMMA}], got {self.gamma!r}")
-        if not (0.0 < self.ratio <= 1.0):
-            raise ConfigError(f"ratio must be in (0, 1], got {self.ratio}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 1:
+        if not _is_number(self.ratio) or not 0.0 < self.ratio <= 1.0:
+            raise ConfigError(f"ratio must be a number in (0, 1], got {self.ratio!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 1:
             raise ConfigError(f"min_tokens must be an integer >= 1, got {self.min_tokens!r}")
         _choice("score", self.score, ("weight", "logit"))
         _choice("collect", self.collect, ("2", "all"))
         _choice("granularity", self.granularity, ("layer", "kv_head"))
         for name in ("sink", "page", "chunk"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < (0 if name == "sink" else 1):
+            if not _is_int(value) or value < (0 if name == "sink" else 1):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
     @property
     def speculative(self) -> bool:
         return self.method != "vanilla"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
@@ -238,6 +246,8 @@ class EngineConfig:
     kv_cache_fraction: float = 0.5
     prefill_chunk: int = 512
     backend: str = "auto"
+    prefix_cache_bytes: int = 0  # > 0: keep prompt KV of up to this many bytes for reuse
+    load_format: str = "auto"  # "dummy": random weights from the config, for timing
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -249,6 +259,8 @@ class EngineConfig:
             raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ConfigError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"backend must be auto, torch or triton, got {self.backend!r}")
         try:

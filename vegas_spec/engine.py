@@ -19,7 +19,8 @@ from vegas_spec.attention.torch_backend import slots_of
 from vegas_spec.cache import PagedKVCache
 from vegas_spec.config import ConfigError, EngineConfig, SamplingParams, SpecConfig
 from vegas_spec.models.decoder import build_model
-from vegas_spec.models.loader import load_config, load_weights, resolve
+from vegas_spec.models.loader import dummy_weights, load_config, load_weights, resolve
+from vegas_spec.prefix_cache import PrefixCache
 from vegas_spec.sampling import BatchSampling, next_tokens, probs, sample
 from vegas_spec.spec.acceptance import accept_greedy, accept_sampling
 from vegas_spec.spec.policies import Policy, SelectionInput, make_policy
@@ -83,13 +84,18 @@ class LLM:
         self.device = torch.device(self.config.device)
         self.source = resolve(model)
         self.model_config = cfg = load_config(self.source)
-        weights = load_weights(self.source, cfg)
+        if self.config.load_format == "dummy":
+            weights = dummy_weights(cfg, self.config.torch_dtype, self.device)
+        else:
+            weights = load_weights(self.source, cfg)
         self.model = build_model(cfg, weights, self.config.torch_dtype, self.device)
         del weights
         self.backend = make_backend(self.config.resolved_backend)
         self.cache = PagedKVCache.from_budget(cfg, self._kv_budget(), self.config.page_size,
                                               self.config.torch_dtype, self.device)
         self._tokenizer = None
+        self.prefix_cache = PrefixCache(self.config.prefix_cache_bytes) \
+            if self.config.prefix_cache_bytes > 0 else None
 
     @property
     def tokenizer(self):  # noqa: ANN201
@@ -119,9 +125,10 @@ class LLM:
         prompts = _as_list(prompts)
         params_list = _params_list(params, len(prompts))
         seqs = [self._sequence(p, sp, chat, spec) for p, sp in zip(prompts, params_list)]
-        self.cache.check_fits([s.limit + spec.gamma + 1 for s in seqs])
+        extra = spec.gamma + 1 if spec.speculative else 0  # drafts past the last kept token
+        self.cache.check_fits([s.limit + extra for s in seqs])
         for s in seqs:
-            s.pages = self.cache.allocate(s.limit + spec.gamma + 1)
+            s.pages = self.cache.allocate(s.limit + extra)
         try:
             stats = self._run(seqs, spec)
         finally:
@@ -161,7 +168,8 @@ class LLM:
                               f"{self.max_model_len}: nothing is left to generate")
         limit = min(len(ids) + params.max_tokens, self.max_model_len)
         window = self.model_config.sliding_window
-        if window is not None and limit + spec.gamma + 1 > window:
+        extra = spec.gamma + 1 if spec.speculative else 0
+        if window is not None and limit + extra > window:
             raise ConfigError(f"sequences longer than the sliding window ({window} tokens) are "
                               "not supported")
         return Sequence(ids, params, limit, stats=SeqStats(gamma=spec.gamma
@@ -239,10 +247,11 @@ class LLM:
                            page_table=page_table, page_size=self.config.page_size,
                            kv_len_max=kv_len_max, scores=scores, sparse=sparse)
 
-    def _forward(self, tokens: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """tokens [B, n] -> logits [B, n, V] float32."""
+    def _forward(self, tokens: torch.Tensor, ctx: StepContext,
+                 last_only: bool = False) -> torch.Tensor:
+        """tokens [B, n] -> logits [B, n, V] float32 ([B, 1, V] with last_only)."""
         hidden = self.model(tokens, ctx, self.cache.layers, self.backend)
-        return self.model.logits(hidden)
+        return self.model.logits(hidden[:, -1:] if last_only else hidden)
 
     def _host_len(self, batch: Batch) -> int:
         return max(s.committed for s in batch.seqs)
@@ -250,7 +259,7 @@ class LLM:
     def _plain_step(self, batch: Batch) -> torch.Tensor:
         positions = batch.lengths[:, None]
         ctx = self._ctx(batch.page_table, positions, self._host_len(batch) + 1)
-        logits = self._forward(batch.last[:, None], ctx)[:, -1]
+        logits = self._forward(batch.last[:, None], ctx, last_only=True)[:, -1]
         return next_tokens(logits, batch.sampling)
 
     def _speculate(self, batch: Batch, spec: SpecConfig, policy: Policy, timer: PhaseTimer,
@@ -322,16 +331,40 @@ class LLM:
 
     def _prefill(self, seq: Sequence, page_table: torch.Tensor, policy: Policy | None,
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Chunks over all prompt tokens but the last (or their cached KV), then the last
+        token alone: logits [1, V] and, if the policy wants them, its scores."""
         ids = torch.tensor(seq.prompt_ids, device=self.device)
-        total, chunk = len(seq.prompt_ids), self.config.prefill_chunk
-        for start in range(0, total, chunk):
-            end = min(start + chunk, total)
-            positions = torch.arange(start, end, device=self.device)[None]
-            req = self._score_request(policy, 1, end - start, end, True) if end == total \
-                else None
-            logits = self._forward(ids[None, start:end], self._ctx(page_table, positions, end,
-                                                                    req))
+        head = len(seq.prompt_ids) - 1
+        if head > 0 and not self._restore_prefix(seq, page_table):
+            for start in range(0, head, self.config.prefill_chunk):
+                end = min(start + self.config.prefill_chunk, head)
+                positions = torch.arange(start, end, device=self.device)[None]
+                self.model(ids[None, start:end], self._ctx(page_table, positions, end),
+                           self.cache.layers, self.backend)
+            self._save_prefix(seq, page_table)
+        req = self._score_request(policy, 1, 1, head + 1, True)
+        ctx = self._ctx(page_table, torch.tensor([[head]], device=self.device), head + 1, req)
+        logits = self._forward(ids[None, head:], ctx)
         return logits[:, -1], None if req is None else req.out
+
+    def _prefix_slots(self, seq: Sequence, page_table: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(len(seq.prompt_ids) - 1, device=self.device)[None]
+        return slots_of(page_table, positions, self.config.page_size)[0]
+
+    def _restore_prefix(self, seq: Sequence, page_table: torch.Tensor) -> bool:
+        kv = self.prefix_cache.get(tuple(seq.prompt_ids[:-1])) if self.prefix_cache else None
+        if kv is None:
+            return False
+        slots = self._prefix_slots(seq, page_table)
+        for (k_cache, v_cache), (k, v) in zip(self.cache.layers, kv):
+            k_cache[slots], v_cache[slots] = k, v
+        return True
+
+    def _save_prefix(self, seq: Sequence, page_table: torch.Tensor) -> None:
+        if self.prefix_cache is not None:
+            slots = self._prefix_slots(seq, page_table)
+            self.prefix_cache.put(tuple(seq.prompt_ids[:-1]),
+                                  [(k[slots], v[slots]) for k, v in self.cache.layers])
 
     def _page_table(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.pages) for s in seqs)

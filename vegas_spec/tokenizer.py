@@ -22,6 +22,10 @@ def load_tokenizer(source: ModelSource):  # noqa: ANN201 - a transformers tokeni
     from transformers import AutoTokenizer
 
     if not source.is_gguf:
+        names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        if not any((source.path / n).exists() for n in names):
+            raise ConfigError(f"{source.path} has no tokenizer files: pass prompts as token-id "
+                              "lists, or add the tokenizer to the folder")
         return AutoTokenizer.from_pretrained(str(source.path))
     st = source.path.stat()
     key = hashlib.sha1(f"{source.path.name}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()

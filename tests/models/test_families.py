@@ -92,6 +92,24 @@ def test_logits_match_transformers(family: str, tmp_path: Path) -> None:
     assert_close_logits(ours, ref)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_is_as_close_as_transformers(dtype: str, tmp_path: Path) -> None:
+    """In half precision our logits stay as close to the float32 reference as transformers'
+    own half-precision logits do."""
+    model = build_hf("qwen2")
+    save(model, tmp_path)
+    ids = random_ids(60, seed=6)
+    ref = hf_logits(model, ids)
+    llm = engine(tmp_path, dtype=dtype)
+    assert llm.model.layers[0].qkv.weight.dtype == getattr(torch, dtype)
+    assert llm.cache.layers[0][0].dtype == getattr(torch, dtype)
+    ours = llm.logits(ids)
+    theirs = hf_logits(model.to(getattr(torch, dtype)), ids)
+    assert ours.dtype == torch.float32
+    ours_err, their_err = (ours - ref).abs().max(), (theirs - ref).abs().max()
+    assert 1e-4 < ours_err <= 2 * their_err + 1e-2
+
+
 def test_families_are_what_they_claim(tmp_path: Path) -> None:
     """The config fields that select a code path reach the normalised config."""
     cfgs = {}
@@ -176,3 +194,22 @@ def test_generation_stops_at_the_context_end(tmp_path: Path) -> None:
     spec = llm.generate([prompt], params, speculative=SpecConfig(method="full", gamma=MAX_GAMMA))
     assert spec[0].token_ids == plain.token_ids
     assert len(llm.cache.free_pages) == llm.cache.num_pages
+
+
+def test_eos_ids_of_generation_config(tmp_path: Path) -> None:
+    """transformers stops at the EOS ids of generation_config.json, which may differ from
+    config.json's (chat models add their end-of-turn token there): so must we."""
+    prompt = random_ids(9, seed=7)
+    free = hf_greedy(build_hf("qwen2", seed=9, eos_token_id=None), prompt, 20)
+    turn_end = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i])
+    model = build_hf("qwen2", seed=9, eos_token_id=2)
+    model.generation_config.eos_token_id = [2, turn_end]
+    save(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["eos_token_id"] == 2
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    with torch.no_grad():
+        ref = loaded.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)
+    ref_ids = ref[0, len(prompt):].tolist()
+    assert ref_ids[-1] == turn_end and len(ref_ids) < 20
+    out = engine(tmp_path).generate([prompt], SamplingParams(max_tokens=20))[0]
+    assert out.token_ids == ref_ids and out.finish_reason == "stop"

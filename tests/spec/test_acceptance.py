@@ -4,6 +4,8 @@ temperature / top-k / top-p transform is the same for draft and target."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -224,7 +226,7 @@ def _nucleus(x: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
 def test_top_p_stops_at_the_first_token_reaching_it() -> None:
     """Probabilities 1/2, 1/4, 1/8, 1/8 are exact in binary: with top_p = 3/4 the nucleus is
     the first two tokens, the third (mass before it exactly 3/4) is not needed."""
-    logits = torch.tensor([[0.0, -np.log(2), -2 * np.log(2), -2 * np.log(2)]])
+    logits = torch.tensor([[0.0, -1.0, -2.0, -2.0]]) * math.log(2)
     out = probs(logits, batch([SamplingParams(temperature=1.0, top_p=0.75)]))
     assert torch.allclose(out, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]))
 

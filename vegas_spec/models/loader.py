@@ -117,12 +117,38 @@ def load_config(source: ModelSource) -> ModelConfig:
     if source.is_gguf:
         return ModelConfig.from_hf(gguf_config(_gguf_reader(source.path)))
     with open(source.path / "config.json") as f:
-        return ModelConfig.from_hf(json.load(f))
+        cfg = json.load(f)
+    return ModelConfig.from_hf({**cfg, **_generation_eos(source.path)})
+
+
+def _generation_eos(folder: Path) -> dict:
+    # transformers' generate stops at generation_config.json's EOS ids when that file names
+    # them (chat models often list their end-of-turn token only there).
+    path = folder / "generation_config.json"
+    if not path.exists():
+        return {}
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    return {} if eos is None else {"eos_token_id": eos}
 
 
 def load_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     weights = _gguf_weights(source, cfg) if source.is_gguf else _safetensors_weights(source.path)
     check_weights(cfg, weights, str(source.path))
+    return weights
+
+
+def dummy_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                  seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights of the right shapes (timing runs without a checkpoint)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weights = {}
+    for name, shape in expected_shapes(cfg).items():
+        if len(shape) == 1:
+            weights[name] = torch.ones(shape, dtype=dtype, device=device)
+        else:
+            w = torch.empty(shape, dtype=dtype, device=device)
+            weights[name] = w.normal_(0.0, 0.02, generator=gen)
     return weights
 
 
