@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -86,8 +87,11 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.05)
     ap.add_argument("--min-tokens", type=int, default=256)
     ap.add_argument("--methods", nargs="+", default=METHODS)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu_methods.json"))
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     kv_bytes = args.prompts * (max(args.contexts) + args.max_tokens + 64) * 46080 + (64 << 20)
     llm = LLM(kv_cache_bytes=kv_bytes, prefix_cache_bytes=2 * kv_bytes)
     texts = essays()
@@ -100,11 +104,16 @@ def main() -> None:
             r = results[ctx][method]
             print(f"{ctx} {method}: tpi={r.get('tokens_per_iteration')} "
                   f"ms/token={r['ms_per_token']:.1f}", flush=True)
+            save(args, results)
+    print(table(results))
+
+
+def save(args: argparse.Namespace, results: dict) -> None:
     meta = {"date": time.strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(), "args": vars(args) | {"out": str(args.out)}}
+            "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "args": vars(args) | {"out": str(args.out)}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    print(table(results))
 
 
 if __name__ == "__main__":

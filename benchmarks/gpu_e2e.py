@@ -72,7 +72,9 @@ def run_hf(model, prompts: list[list[int]], max_tokens: int) -> float:  # noqa: 
     ids = torch.tensor(prompts, device="cuda")
     kwargs = dict(do_sample=False, cache_implementation="static", pad_token_id=0,
                   eos_token_id=None)
-    model.generate(ids[:, :64], max_new_tokens=4, **kwargs)
+    # Same shapes as the timed calls: a static cache compiles its step on first use.
+    model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, **kwargs)
+    model.generate(ids, max_new_tokens=1, **kwargs)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     model.generate(ids, max_new_tokens=1, **kwargs)
@@ -130,6 +132,11 @@ def main() -> None:
                 rows.append({"context": ctx, "batch": bsz, "method": "transformers-static",
                              "decode_tokens_per_s": run_hf(hf, prompts, args.max_tokens)})
                 print(json.dumps(rows[-1]), flush=True)
+            save(args, rows)
+
+
+def save(args: argparse.Namespace, rows: list[dict]) -> None:
+    """Rewritten after every batch so a run cut short keeps what it measured."""
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -24,6 +24,7 @@ class BatchSampling:
     top_p: torch.Tensor
     generators: list[torch.Generator]
     all_greedy: bool
+    filters: bool = True  # some row uses top-k or top-p (else both sorts are skipped)
 
     @classmethod
     def build(cls, params: list[SamplingParams], device: torch.device) -> BatchSampling:
@@ -38,13 +39,14 @@ class BatchSampling:
             top_p=torch.tensor([p.top_p for p in params], device=device),
             generators=gens,
             all_greedy=all(p.greedy for p in params),
+            filters=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
         )
 
     def select(self, keep: torch.Tensor) -> BatchSampling:
         """Rows of the sequences still running (keep: [B'] indices)."""
         idx = keep.tolist()
         return BatchSampling(self.temperature[keep], self.top_k[keep], self.top_p[keep],
-                             [self.generators[i] for i in idx], self.all_greedy)
+                             [self.generators[i] for i in idx], self.all_greedy, self.filters)
 
 
 def probs(logits: torch.Tensor, s: BatchSampling) -> torch.Tensor:
@@ -54,8 +56,8 @@ def probs(logits: torch.Tensor, s: BatchSampling) -> torch.Tensor:
     flat = logits.reshape(shape[0], -1, shape[-1])
     temp = s.temperature.clamp(min=1e-5)[:, None, None]
     x = flat / temp
-    x = _top_k(x, s.top_k)
-    x = _top_p(x, s.top_p)
+    if s.filters:
+        x = _top_p(_top_k(x, s.top_k), s.top_p)
     p = torch.softmax(x, dim=-1)
     greedy = torch.nn.functional.one_hot(flat.argmax(-1), shape[-1]).to(p.dtype)
     p = torch.where((s.temperature == 0)[:, None, None], greedy, p)
