@@ -37,6 +37,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from the model's config.json (timing only)")
     g.add_argument("--kv-cache-gb", type=float, help="KV page pool size in GiB")
+    g.add_argument("--eager", action="store_true",
+                   help="no CUDA graphs: run the decode loop eagerly with dynamic shapes")
+    g.add_argument("--max-model-len", type=int,
+                   help="longest sequence (default: the model's); bounds the static buffers")
     g.add_argument("--method", default="vanilla", choices=METHODS)
     g.add_argument("--gamma", type=int, default=DEFAULT_SPEC.gamma)
     g.add_argument("--ratio", type=float, default=DEFAULT_SPEC.ratio)
@@ -55,6 +59,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
               "load_format": args.load_format}
     if args.kv_cache_gb is not None:
         kwargs["kv_cache_bytes"] = int(args.kv_cache_gb * (1 << 30))
+    if args.eager:
+        kwargs["cuda_graphs"] = False
+    if args.max_model_len is not None:
+        kwargs["max_model_len"] = args.max_model_len
     return kwargs
 
 

@@ -248,6 +248,11 @@ class EngineConfig:
     backend: str = "auto"
     prefix_cache_bytes: int = 0  # > 0: keep prompt KV of up to this many bytes for reuse
     load_format: str = "auto"  # "dummy": random weights from the config, for timing
+    # Decode-loop forwards as CUDA graphs per batch-size bucket; None: on for CUDA, off for CPU.
+    cuda_graphs: bool | None = None
+    # Fixed-shape decode buffers without graphs (implied by cuda_graphs; the CPU test path).
+    static_shapes: bool = False
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -271,10 +276,27 @@ class EngineConfig:
             raise ConfigError("device cuda requested but CUDA is not available")
         if dev.type not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.cuda_graphs and dev.type != "cuda":
+            raise ConfigError("cuda_graphs needs device cuda (static_shapes=True runs the same "
+                              "fixed-shape buffers eagerly)")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def graphs(self) -> bool:
+        """Capture CUDA graphs: as asked, else on for CUDA."""
+        if self.cuda_graphs is None:
+            return torch.device(self.device).type == "cuda"
+        return self.cuda_graphs
+
+    @property
+    def static(self) -> bool:
+        """Decode-loop forwards read fixed-shape buffers (graphs need them)."""
+        return self.static_shapes or self.graphs
 
     @property
     def resolved_backend(self) -> str:

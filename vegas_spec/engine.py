@@ -3,7 +3,11 @@
 The engine owns the model, the paged KV cache and the attention backend. A request is
 prefilled alone (in chunks), then all requests decode together: one token per step for
 `vanilla`, or draft-verify-accept-select iterations for the speculative methods. Sequences
-keep their own lengths, budgets and stopping; finished ones leave the batch."""
+keep their own lengths, budgets and stopping; finished ones leave the batch.
+
+With static shapes (always under CUDA graphs) the decode-loop forwards run through a
+`GraphRunner` on fixed-shape buffers, and nothing inside an iteration reads the device: the
+host learns the accepted counts and tokens once per iteration, in `_commit`."""
 
 from __future__ import annotations
 
@@ -18,12 +22,13 @@ from vegas_spec.attention.context import ScoreRequest, SparsePlan, StepContext
 from vegas_spec.attention.torch_backend import slots_of
 from vegas_spec.cache import PagedKVCache
 from vegas_spec.config import ConfigError, EngineConfig, SamplingParams, SpecConfig
+from vegas_spec.graphs import GraphRunner, StaticShapes, bucket_for
 from vegas_spec.models.decoder import build_model
 from vegas_spec.models.loader import dummy_weights, load_config, load_weights, resolve
 from vegas_spec.prefix_cache import PrefixCache
 from vegas_spec.sampling import BatchSampling, next_tokens, probs, sample
 from vegas_spec.spec.acceptance import accept_greedy, accept_sampling
-from vegas_spec.spec.policies import Policy, SelectionInput, make_policy
+from vegas_spec.spec.policies import Policy, SelectionInput, make_policy, max_budget
 from vegas_spec.stats import PhaseTimer, RunStats, SeqStats
 from vegas_spec.tokenizer import encode, load_tokenizer
 
@@ -70,10 +75,13 @@ class Batch:
     sampling: BatchSampling
     plan: SparsePlan | None = None
 
-    def keep(self, keep: list[int]) -> Batch:
-        idx = torch.tensor(keep, device=self.lengths.device, dtype=torch.long)
+    def keep(self, keep: list[int], idx: torch.Tensor) -> Batch:
+        """The rows `keep` (idx: the same on the device)."""
+        s = self.sampling  # rows picked here: BatchSampling.select would read idx back
+        sampling = BatchSampling(s.temperature[idx], s.top_k[idx], s.top_p[idx],
+                                 [s.generators[i] for i in keep], s.all_greedy)
         return Batch([self.seqs[i] for i in keep], self.page_table[idx], self.lengths[idx],
-                     self.last[idx], self.sampling.select(idx))
+                     self.last[idx], sampling)
 
 
 class LLM:
@@ -84,6 +92,9 @@ class LLM:
         self.device = torch.device(self.config.device)
         self.source = resolve(model)
         self.model_config = cfg = load_config(self.source)
+        if (self.config.max_model_len or 0) > cfg.max_position_embeddings:
+            raise ConfigError(f"max_model_len {self.config.max_model_len} exceeds the model's "
+                              f"{cfg.max_position_embeddings} positions")
         if self.config.load_format == "dummy":
             weights = dummy_weights(cfg, self.config.torch_dtype, self.device)
         else:
@@ -93,6 +104,10 @@ class LLM:
         self.backend = make_backend(self.config.resolved_backend)
         self.cache = PagedKVCache.from_budget(cfg, self._kv_budget(), self.config.page_size,
                                               self.config.torch_dtype, self.device)
+        # Static shapes: padding rows of a batch bucket write into this page only.
+        self.scratch_page = self.cache.allocate(1)[0] if self.config.static else -1
+        self.graphs: GraphRunner | None = None  # the decode loop's buffers (static shapes)
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.config.graphs else None
         self._tokenizer = None
         self.prefix_cache = PrefixCache(self.config.prefix_cache_bytes) \
             if self.config.prefix_cache_bytes > 0 else None
@@ -105,7 +120,7 @@ class LLM:
 
     @property
     def max_model_len(self) -> int:
-        return self.model_config.max_position_embeddings
+        return self.config.max_model_len or self.model_config.max_position_embeddings
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_bytes is not None:
@@ -184,9 +199,13 @@ class LLM:
         stats = RunStats(spec.method, spec.gamma if spec.speculative else 0, timer,
                          prompt_tokens=sum(len(s.prompt_ids) for s in seqs),
                          seqs=[s.stats for s in seqs])
+        if self.config.static:
+            self.graphs = self._graph_runner(spec, policy, len(seqs))
         t0 = time.perf_counter()
         batch, scores = self._prefill_all(seqs, policy, timer)
         stats.wall_prefill = time.perf_counter() - t0
+        if self.graphs is not None:
+            self.graphs.set_batch(batch.page_table)
         t0 = time.perf_counter()
         row = batch.lengths - 1  # the prefill's last query row
         next_batch: Batch | None = self._select(batch, policy, spec.gamma, timer, scores, row,
@@ -210,14 +229,21 @@ class LLM:
         row = batch.lengths  # verify row 0 sat at the old length
         batch.lengths = batch.lengths + accepted + 1
         batch.last = emitted.gather(1, accepted[:, None])[:, 0]
-        plan = batch.plan
-        budgets = None if plan is None else plan.budget.tolist()
-        for i, (seq, a, toks) in enumerate(zip(batch.seqs, accepted.tolist(), emitted.tolist())):
-            if policy is not None:
-                seq.stats.record(a + 1, None if budgets is None else budgets[i])
-            self._append(seq, toks[: a + 1])
+        self._commit(batch, policy, accepted, emitted)
         timer.flush()
         return self._select(batch, policy, spec.gamma, timer, scores, row, accepted)
+
+    def _commit(self, batch: Batch, policy: Policy | None, accepted: torch.Tensor,
+                emitted: torch.Tensor) -> None:
+        """The iteration's one host read: accepted [B], emitted [B, n] and the budgets [B]
+        come back in one transfer; then the tokens are appended and stopping is checked."""
+        plan, n = batch.plan, emitted.shape[1]
+        cols = [accepted[:, None], emitted] + ([] if plan is None else [plan.budget[:, None]])
+        for seq, row in zip(batch.seqs, torch.cat(cols, 1).tolist()):
+            a = row[0]
+            if policy is not None:
+                seq.stats.record(a + 1, None if plan is None else row[1 + n])
+            self._append(seq, row[1 : a + 2])
 
     def _select(self, batch: Batch, policy: Policy | None, gamma: int, timer: PhaseTimer,
                 scores: torch.Tensor | None, row: torch.Tensor,
@@ -227,16 +253,28 @@ class LLM:
         if not alive:
             return None
         if len(alive) < len(batch.seqs):
-            idx = torch.tensor(alive, device=self.device)
+            idx = self._upload(alive)
             row, accepted = row[idx], accepted[idx]
             scores = None if scores is None else scores[:, idx]
-            batch = batch.keep(alive)
+            batch = batch.keep(alive, idx)
+            if self.graphs is not None:
+                self.graphs.set_batch(batch.page_table)
         if policy is not None:
             with timer.phase("select"):
-                batch.plan = policy.plan(SelectionInput(
-                    scores, row, accepted, batch.lengths, gamma, self.cache.layers,
-                    batch.page_table, self.config.page_size))
+                batch.plan = policy.plan(self._selection_input(batch, gamma, scores, row,
+                                                               accepted))
+                if self.graphs is not None:
+                    self.graphs.set_plan(batch.plan)
         return batch
+
+    def _selection_input(self, batch: Batch, gamma: int, scores: torch.Tensor | None,
+                         row: torch.Tensor, accepted: torch.Tensor) -> SelectionInput:
+        inp = SelectionInput(scores, row, accepted, batch.lengths, gamma, self.cache.layers,
+                             batch.page_table, self.config.page_size)
+        if self.graphs is not None:  # host bounds instead of reading the device
+            inp.kmax, inp.recent_max = self.graphs.shapes.kmax, self.graphs.shapes.recent_max
+            inp.max_len = self._host_len(batch)
+        return inp
 
     # --- steps --------------------------------------------------------------------------
 
@@ -253,13 +291,29 @@ class LLM:
         hidden = self.model(tokens, ctx, self.cache.layers, self.backend)
         return self.model.logits(hidden[:, -1:] if last_only else hidden)
 
+    def _upload(self, values: list[int]) -> torch.Tensor:
+        """Host ints -> an int64 device tensor without waiting for the device."""
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
+
     def _host_len(self, batch: Batch) -> int:
         return max(s.committed for s in batch.seqs)
 
+    def _step(self, batch: Batch, kind: str, tokens: torch.Tensor, positions: torch.Tensor,
+              kv_len: int) -> torch.Tensor:
+        """A one-token step ("plain" or "draft" over batch.plan): tokens, positions [B, 1]
+        -> logits [B, V]."""
+        if self.graphs is not None:
+            return self.graphs.run(kind, tokens, positions)[:, -1]
+        sparse = batch.plan if kind == "draft" else None
+        ctx = self._ctx(batch.page_table, positions, kv_len, sparse=sparse)
+        return self._forward(tokens, ctx, last_only=True)[:, -1]
+
     def _plain_step(self, batch: Batch) -> torch.Tensor:
-        positions = batch.lengths[:, None]
-        ctx = self._ctx(batch.page_table, positions, self._host_len(batch) + 1)
-        logits = self._forward(batch.last[:, None], ctx, last_only=True)[:, -1]
+        logits = self._step(batch, "plain", batch.last[:, None], batch.lengths[:, None],
+                            self._host_len(batch) + 1)
         return next_tokens(logits, batch.sampling)
 
     def _speculate(self, batch: Batch, spec: SpecConfig, policy: Policy, timer: PhaseTimer,
@@ -268,11 +322,7 @@ class LLM:
         with timer.phase("draft"):
             drafts, q = self._draft(batch, gamma)
         with timer.phase("verify"):
-            tokens = torch.cat([batch.last[:, None], drafts], dim=1)
-            positions = batch.lengths[:, None] + torch.arange(gamma + 1, device=self.device)
-            kv_len = self._host_len(batch) + gamma + 1
-            req = self._score_request(policy, len(batch.seqs), gamma + 1, kv_len, False)
-            logits = self._forward(tokens, self._ctx(batch.page_table, positions, kv_len, req))
+            logits, scores = self._verify(batch, policy, drafts, gamma)
         with timer.phase("accept"):
             if batch.sampling.all_greedy:
                 accepted, emitted = accept_greedy(drafts, logits)
@@ -280,17 +330,28 @@ class LLM:
                 assert q is not None
                 accepted, emitted = accept_sampling(drafts, q, probs(logits, batch.sampling),
                                                     batch.sampling)
-        return accepted, emitted, None if req is None else req.out
+        return accepted, emitted, scores
+
+    def _verify(self, batch: Batch, policy: Policy, drafts: torch.Tensor, gamma: int,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[x0, d1..dγ] with full attention -> logits [B, γ+1, V] and the policy's scores
+        [layers, B, R, G, W] (None if it wants none)."""
+        tokens = torch.cat([batch.last[:, None], drafts], dim=1)
+        positions = batch.lengths[:, None] + torch.arange(gamma + 1, device=self.device)
+        if self.graphs is not None:
+            return self.graphs.run("verify", tokens, positions), self.graphs.scores()
+        kv_len = self._host_len(batch) + gamma + 1
+        req = self._score_request(policy, len(batch.seqs), gamma + 1, kv_len, False)
+        logits = self._forward(tokens, self._ctx(batch.page_table, positions, kv_len, req))
+        return logits, None if req is None else req.out
 
     def _draft(self, batch: Batch, gamma: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """gamma sparse steps -> drafts [B, γ] and their distributions q [B, γ, V] (sampling)."""
         token, drafts, qs = batch.last, [], []
         kv_len = self._host_len(batch) + gamma
+        kind = "plain" if batch.plan is None else "draft"  # None: the `full` oracle
         for j in range(gamma):
-            positions = batch.lengths[:, None] + j
-            # plan None: the `full` oracle drafts with full attention
-            ctx = self._ctx(batch.page_table, positions, kv_len, sparse=batch.plan)
-            logits = self._forward(token[:, None], ctx)[:, -1]
+            logits = self._step(batch, kind, token[:, None], batch.lengths[:, None] + j, kv_len)
             if batch.sampling.all_greedy:
                 token = logits.argmax(-1)
             else:
@@ -299,6 +360,35 @@ class LLM:
                 qs.append(q)
             drafts.append(token)
         return torch.stack(drafts, 1), torch.stack(qs, 1) if qs else None
+
+    # --- static shapes ------------------------------------------------------------------
+
+    def _graph_runner(self, spec: SpecConfig, policy: Policy | None, bsz: int) -> GraphRunner:
+        """The runner of this method's shapes, rebuilt when they or the batch outgrow it."""
+        shapes = self._static_shapes(spec, policy)
+        runner = self.graphs
+        if runner is not None and runner.shapes == shapes and runner.capacity >= bsz:
+            return runner
+        self.graphs = None  # free the old buffers and graphs before capturing new ones
+        return GraphRunner(self.model, self.cache.layers, self.backend, shapes, bucket_for(bsz),
+                           self.config.page_size, self.scratch_page, self.config.graphs,
+                           self._graph_pool)
+
+    def _static_shapes(self, spec: SpecConfig, policy: Policy | None) -> StaticShapes:
+        if policy is None:
+            return StaticShapes(("plain",), 0, self.cache.pages_for(self.max_model_len))
+        gamma, hkv = spec.gamma, self.model_config.num_kv_heads
+        kmax = max_budget(spec, self.max_model_len)
+        width = policy.index_width(kmax)
+        draft = "plain" if policy.full_drafts else "draft" if width else None
+        return StaticShapes(
+            kinds=("verify",) + ((draft,) if draft else ()), verify_rows=gamma + 1,
+            pages=self.cache.pages_for(self.max_model_len + gamma + 1), kmax=kmax,
+            index_width=width, index_groups=hkv if policy.per_kv_head else 1,
+            recent_max=2 * gamma + 1,
+            score_rows=tuple(policy.score_rows(gamma + 1, False)) if policy.wants_scores else (),
+            score_groups=hkv if policy.per_kv_head else 1, score_mode=policy.score_mode,
+            per_kv_head=policy.per_kv_head)
 
     def _score_request(self, policy: Policy | None, bsz: int, n: int, width: int,
                        prefill: bool) -> ScoreRequest | None:

@@ -27,6 +27,9 @@ class SelectionInput:
     accepted:  [B] accepted drafts (0 after prefill): the last committed token is row `accepted`.
     lengths:   [B] committed KV length (positions 0..lengths-1 are exact).
     gamma:     draft steps that will read this plan.
+    kmax, recent_max, max_len: host bounds for fixed shapes (None: read from the tensors, a
+               host sync). kmax >= every budget fixes the index width, recent_max >= every
+               recent range (2γ+1), max_len >= every length sizes quest's page bounds.
     """
 
     scores: torch.Tensor | None
@@ -37,6 +40,9 @@ class SelectionInput:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     page_table: torch.Tensor
     page_size: int
+    kmax: int | None = None
+    recent_max: int | None = None
+    max_len: int | None = None
 
 
 def budget(cfg: SpecConfig, lengths: torch.Tensor, rankable: torch.Tensor) -> torch.Tensor:
@@ -47,11 +53,11 @@ def budget(cfg: SpecConfig, lengths: torch.Tensor, rankable: torch.Tensor) -> to
 
 
 def topk_positions(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
-                   ) -> torch.Tensor:
+                   kmax: int | None = None) -> torch.Tensor:
     """scores [..., B, G, W] -> the k[b] best positions < rankable[b], ascending, -1 padded:
-    [..., B, G, max(k)]."""
+    [..., B, G, min(kmax, W)]; kmax (a host bound on k) defaults to max(k), a host sync."""
     width = scores.shape[-1]
-    kmax = max(int(k.max()), 1)
+    kmax = max(int(k.max()), 1) if kmax is None else kmax
     pos = torch.arange(width, device=scores.device)
     visible = pos < rankable[:, None, None]
     masked = scores.masked_fill(~visible, float("-inf"))
@@ -78,12 +84,18 @@ def recent_bound(lengths: torch.Tensor, recent_start: torch.Tensor, gamma: int) 
     return int((lengths + gamma - recent_start).max())
 
 
+def max_budget(cfg: SpecConfig, max_len: int) -> int:
+    """The largest budget any sequence of at most max_len tokens can reach."""
+    return min(max(math.ceil(max_len * cfg.ratio), cfg.min_tokens), max_len)
+
+
 class Policy:
     """Base: subclasses pick score rows and turn a SelectionInput into a SparsePlan."""
 
     name = "base"
     wants_scores = False
     per_kv_head = False
+    full_drafts = False  # drafts attend to everything (no plan)
 
     def __init__(self, cfg: SpecConfig) -> None:
         self.cfg = cfg
@@ -100,12 +112,17 @@ class Policy:
         """[B] position of the query row the selection is made from."""
         return inp.row_pos
 
+    def index_width(self, kmax: int) -> int:
+        """Width of the plan's indices when budgets stay <= kmax (0: no indices)."""
+        return kmax
+
     def plan(self, inp: SelectionInput) -> SparsePlan | None:
         """None means: draft with full attention."""
         start = self.selection_row(inp)
         k = budget(self.cfg, inp.lengths, start)
-        return SparsePlan(self.indices(inp, start, k), start,
-                          recent_bound(inp.lengths, start, inp.gamma), k,
+        recent = inp.recent_max if inp.recent_max is not None \
+            else recent_bound(inp.lengths, start, inp.gamma)
+        return SparsePlan(self.indices(inp, start, k), start, recent, k,
                           self.selector(inp, start, k))
 
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
@@ -152,7 +169,7 @@ class Vegas(Policy):
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
         assert inp.scores is not None
-        return topk_positions(inp.scores.sum(2), rankable, k)
+        return topk_positions(inp.scores.sum(2), rankable, k, inp.kmax)
 
 
 @register
@@ -175,7 +192,7 @@ class LastQ(Vegas):
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
         assert inp.scores is not None
-        return topk_positions(_row(inp.scores, inp.accepted), rankable, k)
+        return topk_positions(_row(inp.scores, inp.accepted), rankable, k, inp.kmax)
 
 
 def _row(scores: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
@@ -193,6 +210,9 @@ class SpecExtend(LastQ):
 
     name = "specextend"
 
+    def index_width(self, kmax: int) -> int:
+        return math.ceil(kmax / self.cfg.chunk) * self.cfg.chunk
+
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
         assert inp.scores is not None
@@ -200,7 +220,9 @@ class SpecExtend(LastQ):
         last = _row(inp.scores[-1:], inp.accepted)[0, :, 0]  # [B, W]
         chunk_scores = _chunk_means(last, rankable, c)  # [B, C]
         n_chunks = units(k, rankable, c)
-        best = topk_positions(chunk_scores[:, None], torch.ceil(rankable / c).long(), n_chunks)
+        most = None if inp.kmax is None else math.ceil(inp.kmax / c)
+        best = topk_positions(chunk_scores[:, None], torch.ceil(rankable / c).long(), n_chunks,
+                              most)
         pos = best[..., None] * c + torch.arange(c, device=best.device)  # [B, 1, n, c]
         pos = torch.where((best[..., None] >= 0) & (pos < rankable[:, None, None, None]), pos, -1)
         pos = _sorted(pos.flatten(2))
@@ -226,7 +248,7 @@ class Stream(Policy):
 
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
-        kmax = max(int(k.max()), 1)
+        kmax = max(int(k.max()), 1) if inp.kmax is None else inp.kmax
         j = torch.arange(kmax, device=k.device)[None, :]
         sink = torch.clamp(k, max=self.cfg.sink)[:, None]
         window_pos = rankable[:, None] - (k[:, None] - j)  # the last k - sink positions
@@ -240,6 +262,10 @@ class Full(Policy):
     """Oracle: drafts attend to everything (greedy acceptance must be 100%)."""
 
     name = "full"
+    full_drafts = True
+
+    def index_width(self, kmax: int) -> int:
+        return 0
 
     def plan(self, inp: SelectionInput) -> SparsePlan | None:
         return None
@@ -254,20 +280,25 @@ class Quest(Policy):
     name = "quest"
     per_kv_head = True
 
+    def index_width(self, kmax: int) -> int:
+        return 0  # the selector picks positions inside every draft step
+
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor | None:
         return None
 
     def selector(self, inp: SelectionInput, rankable: torch.Tensor,
                  k: torch.Tensor) -> QuestSelector:
+        most = None if inp.kmax is None else math.ceil(inp.kmax / self.cfg.page)
         return QuestSelector(page_bounds(inp, rankable, self.cfg.page), rankable, k,
-                             self.cfg.page)
+                             self.cfg.page, most)
 
 
 def page_bounds(inp: SelectionInput, rankable: torch.Tensor, page: int,
                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (min, max) keys of every page of rankable positions: [B, NP, Hkv, D]."""
-    n_pages = max(math.ceil(int(rankable.max()) / page), 1)
+    longest = int(rankable.max()) if inp.max_len is None else inp.max_len
+    n_pages = max(math.ceil(longest / page), 1)
     pos = torch.arange(n_pages * page, device=rankable.device).expand(rankable.shape[0], -1)
     valid = (pos < rankable[:, None])[:, :, None, None]
     # Quest pages may end past the cache pages a sequence holds: look those slots up clamped,
@@ -285,9 +316,10 @@ def page_bounds(inp: SelectionInput, rankable: torch.Tensor, page: int,
 
 class QuestSelector:
     def __init__(self, bounds: list[tuple[torch.Tensor, torch.Tensor]], rankable: torch.Tensor,
-                 k: torch.Tensor, page: int) -> None:
+                 k: torch.Tensor, page: int, max_pages: int | None = None) -> None:
         self.bounds, self.rankable, self.page = bounds, rankable, page
         self.n_pages = units(k, rankable, page)
+        self.max_pages = max_pages  # host bound on n_pages (None: read it, a host sync)
 
     def __call__(self, layer: int, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """q [B, 1, H, D] -> positions [B, Hkv, K]."""
@@ -298,7 +330,7 @@ class QuestSelector:
         page_scores = torch.maximum(torch.einsum("bhgd,bphd->bhgpd", qg, lo),
                                     torch.einsum("bhgd,bphd->bhgpd", qg, hi)).sum((2, 4))
         pages = torch.ceil(self.rankable / self.page).long()
-        best = topk_positions(page_scores, pages, self.n_pages)  # [B, Hkv, n]
+        best = topk_positions(page_scores, pages, self.n_pages, self.max_pages)  # [B, Hkv, n]
         pos = best[..., None] * self.page + torch.arange(self.page, device=q.device)
         keep = (best[..., None] >= 0) & (pos < self.rankable[:, None, None, None])
         return torch.where(keep, pos, -1).flatten(2)

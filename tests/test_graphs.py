@@ -1,0 +1,363 @@
+"""Static shapes and CUDA graphs of the decode loop.
+
+On CPU the fixed-shape path (`static_shapes=True`) runs the same buffers eagerly that CUDA
+captures: its greedy and seeded outputs must equal the default eager path's token for token,
+for plain decoding and every speculative method, with a batch of 3 padded to bucket 4 and
+with sequences leaving the batch at different times; nothing inside an iteration may read the
+device. On CUDA the captured graphs replay and must give the eager tokens too."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from vegas_spec import SamplingParams, SpecConfig
+from vegas_spec.cli import _engine_kwargs, _parser
+from vegas_spec.config import ConfigError, EngineConfig
+from vegas_spec.engine import LLM
+from vegas_spec.graphs import GraphRunner, bucket_for, buckets_upto
+from vegas_spec.spec.policies import SelectionInput, make_policy, max_budget
+
+VOCAB = 256
+CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 64,
+          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+          "bos_token_id": 1, "eos_token_id": 2}
+ENGINE = dict(load_format="dummy", kv_cache_bytes=1 << 22)
+LENGTHS = (20, 45, 70)
+METHODS: list[dict[str, Any] | None] = [
+    None,
+    {"method": "vegas"},
+    {"method": "vegas", "score": "logit"},
+    {"method": "vegas", "collect": "all"},
+    {"method": "vegas", "granularity": "kv_head"},
+    {"method": "stream"},
+    {"method": "quest"},
+    {"method": "lastq"},
+    {"method": "specextend", "chunk": 4},
+    {"method": "full"},
+]
+IDS = ["vanilla"] + ["-".join(map(str, m.values())) for m in METHODS[1:]]  # type: ignore[union-attr]
+SYNCS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy")
+
+
+def spec_of(method: dict[str, Any] | None) -> SpecConfig | None:
+    # A budget of about 10% of these contexts: the drafts really are sparse.
+    return None if method is None else SpecConfig(gamma=3, ratio=0.1, min_tokens=8, **method)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    (folder / "config.json").write_text(json.dumps(CONFIG))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def eager(tiny: Path) -> LLM:
+    return LLM(str(tiny), **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def static(tiny: Path) -> LLM:
+    return LLM(str(tiny), static_shapes=True, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+@pytest.fixture
+def buckets(monkeypatch: pytest.MonkeyPatch) -> set[tuple[int, int]]:
+    """(bucket, rows) of every static step run during the test."""
+    seen: set[tuple[int, int]] = set()
+    run = GraphRunner.run
+
+    def record(self: GraphRunner, *args: Any) -> torch.Tensor:
+        seen.add((self.bucket, self.rows))
+        return run(self, *args)
+
+    monkeypatch.setattr(GraphRunner, "run", record)
+    return seen
+
+
+def same_tokens(a: LLM, b: LLM, prompts: list[list[int]], params: Any,
+                method: dict[str, Any] | None) -> list[list[int]]:
+    spec = spec_of(method)
+    ours = b.generate(prompts, params, speculative=spec)
+    ref = a.generate(prompts, params, speculative=spec)
+    for o, r in zip(ours, ref, strict=True):
+        assert o.token_ids == r.token_ids
+        assert o.stats["sequence"] == r.stats["sequence"]  # same iterations and budgets
+    return [o.token_ids for o in ours]
+
+
+# --- static shapes on CPU ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", METHODS, ids=IDS)
+def test_static_greedy_equals_eager(eager: LLM, static: LLM, prompts: list[list[int]],
+                                    method: dict[str, Any] | None,
+                                    buckets: set[tuple[int, int]]) -> None:
+    """3 sequences of different lengths run as bucket 4 (one dummy row)."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    tokens = same_tokens(eager, static, prompts, params, method)
+    assert [len(t) for t in tokens] == [16] * 3
+    assert static.graphs is not None and static.graphs.capacity == 4
+    assert (4, 3) in buckets
+
+
+@pytest.mark.parametrize("method", METHODS, ids=IDS)
+def test_static_uneven_finish_equals_eager(eager: LLM, static: LLM, prompts: list[list[int]],
+                                           method: dict[str, Any] | None,
+                                           buckets: set[tuple[int, int]]) -> None:
+    """Sequences leave at different times: the batch shrinks to bucket 2, then 1."""
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (25, 3, 11)]
+    tokens = same_tokens(eager, static, prompts, params, method)
+    assert [len(t) for t in tokens] == [25, 3, 11]
+    assert {(4, 3), (2, 2), (1, 1)} <= buckets
+
+
+@pytest.mark.parametrize("method", ["vegas", "quest"])
+def test_static_seeded_sampling_equals_eager(eager: LLM, static: LLM, prompts: list[list[int]],
+                                             method: str) -> None:
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=n, seed=i,
+                             ignore_eos=True) for i, n in enumerate((14, 6, 10))]
+    same_tokens(eager, static, prompts, params, {"method": method})
+
+
+def test_runner_is_reused_then_rebuilt_for_a_larger_batch(tiny: Path, eager: LLM,
+                                                          prompts: list[list[int]]) -> None:
+    llm = LLM(str(tiny), static_shapes=True, **ENGINE)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    spec = spec_of({"method": "stream"})
+    for batch, capacity in (([prompts[0]], 1), ([prompts[1]], 1), (prompts, 4), (prompts[:2], 4)):
+        outs = llm.generate(batch, params, speculative=spec)
+        assert [o.token_ids for o in outs] == \
+            [o.token_ids for o in eager.generate(batch, params, speculative=spec)]
+        assert llm.graphs is not None and llm.graphs.capacity == capacity
+    runner = llm.graphs
+    llm.generate(prompts[:2], params, speculative=spec)
+    assert llm.graphs is runner
+    llm.generate(prompts[:2], params, speculative=spec_of({"method": "vegas"}))
+    assert llm.graphs is not runner  # other shapes: a new runner
+
+
+def test_padding_rows_write_only_the_scratch_page(tiny: Path,
+                                                  prompts: list[list[int]]) -> None:
+    llm = LLM(str(tiny), static_shapes=True, **ENGINE)
+    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True),
+                 speculative=spec_of({"method": "vegas"}))
+    assert llm.cache.num_pages - len(llm.cache.free_pages) == 1  # the scratch page stays taken
+    size = llm.config.page_size
+    written = {p for p in range(llm.cache.num_pages)
+               if any(k[p * size:(p + 1) * size].abs().sum() > 0 for k, _ in llm.cache.layers)}
+    # Pages are handed out in order: the scratch page first, then each sequence's pages.
+    owned = 1 + sum(llm.cache.pages_for(len(p) + 8 + 4) for p in prompts)
+    assert llm.scratch_page == 0 and 0 in written and written <= set(range(owned))
+
+
+def padded_equal(static: torch.Tensor, dynamic: torch.Tensor) -> bool:
+    """static [..., K] equals dynamic [..., k] (k <= K) followed by -1 padding."""
+    k = dynamic.shape[-1]
+    return torch.equal(static[..., :k], dynamic) and bool((static[..., k:] == -1).all())
+
+
+@pytest.mark.parametrize("method", ["vegas", "lastq", "specextend", "stream", "quest"])
+def test_host_bounds_give_the_same_selection(method: str) -> None:
+    """A plan made with the static host bounds is the dynamic plan, -1 padded to the fixed
+    width, with the fixed recent range."""
+    layers, hkv, dim, page, gamma = 2, 2, 8, 4, 3
+    cfg = SpecConfig(method=method, gamma=gamma, ratio=0.1, min_tokens=5, chunk=4, page=page)
+    policy = make_policy(cfg)
+    g = torch.Generator().manual_seed(0)
+    lengths, accepted = torch.tensor([40, 17, 6]), torch.tensor([2, 0, 3])
+    row = lengths - accepted - 1
+    groups = hkv if policy.per_kv_head else 1
+    scores = torch.rand(layers, 3, len(policy.score_rows(gamma + 1, False)), groups,
+                        int(row.max()) + gamma + 1, generator=g)
+    caches = [(torch.randn(3 * 64, hkv, dim, generator=g), torch.zeros(3 * 64, hkv, dim))
+              for _ in range(layers)]
+    table = torch.arange(3 * 16, dtype=torch.int32).view(3, 16)
+    inp = SelectionInput(scores, row, accepted, lengths, gamma, caches, table, page)
+    kmax = max_budget(cfg, 64)
+    dynamic = policy.plan(inp)
+    static = policy.plan(dataclasses.replace(inp, kmax=kmax, recent_max=2 * gamma + 1,
+                                             max_len=int(lengths.max())))
+    assert dynamic is not None and static is not None
+    assert static.recent_max == 2 * gamma + 1 >= dynamic.recent_max
+    assert torch.equal(static.recent_start, dynamic.recent_start)
+    assert torch.equal(static.budget, dynamic.budget)
+    if dynamic.indices is not None:
+        assert static.indices is not None
+        assert static.indices.shape[-1] <= policy.index_width(kmax)
+        assert padded_equal(static.indices, dynamic.indices)
+        return
+    assert static.selector is not None and dynamic.selector is not None
+    q = torch.randn(3, 1, 2 * hkv, dim, generator=g)
+    for layer in range(layers):
+        assert padded_equal(static.selector(layer, q, None), dynamic.selector(layer, q, None))
+
+
+# --- no host synchronisation inside an iteration ----------------------------------------------
+
+class SyncGuard:
+    """Makes the Tensor methods that read device values raise while armed."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.armed = False
+        for name in SYNCS:
+            monkeypatch.setattr(torch.Tensor, name, self._forbid(name, getattr(torch.Tensor, name)))
+
+    def _forbid(self, name: str, original: Callable) -> Callable:
+        guard = self
+
+        def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if guard.armed:
+                raise AssertionError(f"host sync inside an iteration: Tensor.{name}")
+            return original(tensor, *args, **kwargs)
+
+        return call
+
+    def wrap(self, fn: Callable, armed: bool) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            before, self.armed = self.armed, armed
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.armed = before
+
+        return call
+
+
+@pytest.mark.parametrize("method", METHODS, ids=IDS)
+def test_static_iteration_reads_the_device_once(static: LLM, eager: LLM, prompts: list[list[int]],
+                                                method: dict[str, Any] | None,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Everything in an iteration but `_commit` (the one host read) runs with the reading
+    Tensor methods disabled; the first selection after prefill too."""
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 4, 13)]
+    expected = [o.token_ids for o in eager.generate(prompts, params,
+                                                    speculative=spec_of(method))]
+    guard = SyncGuard(monkeypatch)
+    calls: list[str] = []
+    commit = guard.wrap(static._commit, armed=False)
+    iteration = guard.wrap(static._iteration, armed=True)
+    monkeypatch.setattr(static, "_commit", lambda *a: calls.append("read") or commit(*a))
+    monkeypatch.setattr(static, "_iteration", lambda *a: calls.append("it") or iteration(*a))
+    monkeypatch.setattr(static, "_select", guard.wrap(static._select, armed=True))
+    outs = static.generate(prompts, params, speculative=spec_of(method))
+    assert [o.token_ids for o in outs] == expected
+    assert calls.count("read") == calls.count("it") >= 3
+
+
+@pytest.mark.parametrize("method", ["vegas", "quest"])
+def test_static_triton_equals_eager_triton(tiny: Path, prompts: list[list[int]], method: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels with the key axis at the page table's full width (Triton's interpreter on
+    CPU), under the sync guard too."""
+    engine = dict(ENGINE, backend="triton", max_model_len=128)
+    plain, static = LLM(str(tiny), **engine), LLM(str(tiny), static_shapes=True, **engine)
+    guard = SyncGuard(monkeypatch)
+    monkeypatch.setattr(static, "_commit", guard.wrap(static._commit, armed=False))
+    monkeypatch.setattr(static, "_iteration", guard.wrap(static._iteration, armed=True))
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (8, 3, 5)]
+    same_tokens(plain, static, prompts, params, {"method": method})
+
+
+def test_the_guard_catches_the_eager_path(eager: LLM, prompts: list[list[int]],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dynamic path reads host bounds (the budget's max) inside the iteration."""
+    guard = SyncGuard(monkeypatch)
+    monkeypatch.setattr(eager, "_commit", guard.wrap(eager._commit, armed=False))
+    monkeypatch.setattr(eager, "_iteration", guard.wrap(eager._iteration, armed=True))
+    with pytest.raises(AssertionError, match=r"host sync inside an iteration: Tensor.__int__"):
+        eager.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True),
+                       speculative=spec_of({"method": "vegas"}))
+
+
+def test_eager_path_is_untouched_by_static_buffers(eager: LLM, prompts: list[list[int]]) -> None:
+    eager.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True),
+                   speculative=spec_of({"method": "vegas"}))
+    assert eager.graphs is None and eager.scratch_page == -1
+
+
+# --- settings ---------------------------------------------------------------------------------
+
+def test_buckets() -> None:
+    assert [bucket_for(n) for n in (1, 2, 3, 4, 5, 8, 9, 100, 128, 129)] == \
+        [1, 2, 4, 4, 8, 8, 16, 128, 128, 256]
+    assert buckets_upto(8) == [1, 2, 4, 8]
+
+
+def test_graph_settings() -> None:
+    cpu = EngineConfig()
+    assert not cpu.graphs and not cpu.static
+    assert EngineConfig(static_shapes=True).static
+    assert not EngineConfig(cuda_graphs=False).graphs
+    with pytest.raises(ConfigError, match="cuda_graphs needs device cuda"):
+        EngineConfig(cuda_graphs=True)
+    with pytest.raises(ConfigError, match="max_model_len must be >= 2"):
+        EngineConfig(max_model_len=1)
+
+
+def test_max_model_len_bounds_the_static_shapes(tiny: Path, prompts: list[list[int]]) -> None:
+    llm = LLM(str(tiny), static_shapes=True, max_model_len=96, **ENGINE)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True),
+                        speculative=spec_of({"method": "vegas"}))
+    assert [len(o.token_ids) for o in outs] == [40, 40, 96 - LENGTHS[2]]
+    assert llm.graphs is not None and llm.graphs.kv_len == llm.cache.pages_for(96 + 4) * 16
+    with pytest.raises(ConfigError, match="exceeds the model's 256 positions"):
+        LLM(str(tiny), max_model_len=512, **ENGINE)
+
+
+def test_cli_eager_flag() -> None:
+    base = ["generate", "--prompt", "x"]
+    assert "cuda_graphs" not in _engine_kwargs(_parser().parse_args(base))
+    args = _parser().parse_args([*base, "--eager", "--max-model-len", "128"])
+    assert _engine_kwargs(args)["cuda_graphs"] is False
+    assert _engine_kwargs(args)["max_model_len"] == 128
+
+
+# --- CUDA graphs --------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_cuda_graphs_replay_equals_eager(tiny: Path, prompts: list[list[int]], backend: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replays give the tokens of the same buffers run eagerly and of the dynamic path, and
+    CUDA reports no synchronising call inside an iteration but the one in `_commit`."""
+    cuda = dict(ENGINE, device="cuda", backend=backend)
+    graphs = LLM(str(tiny), **cuda)  # on by default on CUDA
+    static = LLM(str(tiny), cuda_graphs=False, static_shapes=True, **cuda)
+    plain = LLM(str(tiny), cuda_graphs=False, **cuda)
+    monkeypatch.setattr(graphs, "_commit", sync_mode(graphs._commit, "default"))
+    monkeypatch.setattr(graphs, "_iteration", sync_mode(graphs._iteration, "error"))
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (25, 3, 11)]
+    for method in METHODS:
+        same_tokens(static, graphs, prompts, params, method)
+        same_tokens(plain, graphs, prompts, params, method)
+        runner = graphs.graphs
+        assert runner is not None and {b for _, b in runner.graphs} == {1, 2, 4}
+        assert static.graphs is not None and not static.graphs.graphs
+    assert plain.graphs is None
+
+
+def sync_mode(fn: Callable, mode: str) -> Callable:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        before = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+
+    return call

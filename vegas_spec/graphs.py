@@ -1,0 +1,238 @@
+"""Fixed-shape decode-loop forwards, captured as CUDA graphs per batch-size bucket.
+
+Three kinds of step run in the decode loop: `plain` (one token, full attention: vanilla
+decoding and the `full` oracle's drafts), `draft` (one token, sparse attention over the plan)
+and `verify` (γ+1 tokens, full attention and selection scores). Each reads only persistent
+buffers sized for the largest bucket: a batch of B rows runs as bucket(B) rows, the extra rows
+reading and writing a reserved scratch page, their outputs ignored. Before a step the
+engine's tensors are copied into the buffers (device to device, no host read); the step then
+replays its graph (CUDA) or runs eagerly on the same buffers (CPU), so both paths share every
+line of the buffer logic. quest's drafts always run eagerly on the real rows: its per-layer
+selector holds page bounds whose shape follows the context length.
+
+The key axis is the page table's full width, so `kv_len_max` never changes; the kernels stop
+at each row's position, and the reference masks the rest. Graphs are captured for every
+bucket up to the capacity when the runner is built (largest first, one shared memory pool),
+each after a warm-up run, on dummy buffers that only touch the scratch page."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vegas_spec.attention.backend import AttentionBackend
+from vegas_spec.attention.context import (
+    DynamicSelector,
+    ScoreRequest,
+    SparsePlan,
+    StepContext,
+)
+from vegas_spec.attention.torch_backend import slots_of
+from vegas_spec.models.decoder import Decoder
+
+KINDS = ("plain", "draft", "verify")
+
+
+def bucket_for(rows: int) -> int:
+    """The batch-size bucket of `rows` sequences: the next power of two (1, 2, 4, ... 128, ...)."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+def buckets_upto(capacity: int) -> list[int]:
+    return [1 << i for i in range(capacity.bit_length()) if 1 << i <= capacity]
+
+
+@dataclass(frozen=True)
+class StaticShapes:
+    """Everything that fixes the shapes of the decode-loop forwards of one method.
+
+    kinds:        the steps to capture, a subset of KINDS.
+    verify_rows:  γ+1 (0 for plain decoding).
+    pages:        page-table width P; kv_len_max = P * page_size.
+    kmax:         host bound on every selection budget.
+    index_width:  K of the plan's indices [layers, B, G, K] (0: none).
+    index_groups: G of those indices (1 or num_kv_heads).
+    recent_max:   2γ+1, the widest recent range a draft step reads.
+    score_rows:   verify rows whose selection scores the policy wants (() = none).
+    score_groups: G of the scores [layers, B, R, G, W].
+    """
+
+    kinds: tuple[str, ...]
+    verify_rows: int
+    pages: int
+    kmax: int = 0
+    index_width: int = 0
+    index_groups: int = 1
+    recent_max: int = 0
+    score_rows: tuple[int, ...] = ()
+    score_groups: int = 1
+    score_mode: str = "weight"
+    per_kv_head: bool = False
+
+
+class StaticBuffers:
+    """The inputs of every decode-loop forward, `capacity` rows each; a bucket reads the first
+    rows. tokens, positions: {n: [C, n] int64} for n = 1 and γ+1; page_table [C, P] int32;
+    indices [layers, C, G, K] int64; recent_start, budget [C] int64; score_rows [R] int64;
+    scores [layers, C, R, G, W] float32 (W = P * page_size)."""
+
+    def __init__(self, shapes: StaticShapes, capacity: int, layers: int, page_size: int,
+                 scratch_page: int, device: torch.device) -> None:
+        i64 = dict(dtype=torch.long, device=device)
+        widths = {1, shapes.verify_rows} - {0}
+        self.scratch_page = scratch_page
+        self.tokens = {n: torch.zeros(capacity, n, **i64) for n in widths}
+        self.positions = {n: torch.zeros(capacity, n, **i64) for n in widths}
+        self.page_table = torch.zeros(capacity, shapes.pages, dtype=torch.int32, device=device)
+        self.indices = torch.zeros(layers, capacity, shapes.index_groups, shapes.index_width,
+                                   **i64)
+        self.recent_start = torch.zeros(capacity, **i64)
+        self.budget = torch.zeros(capacity, **i64)
+        self.score_rows = torch.tensor(shapes.score_rows, **i64)
+        self.scores = torch.zeros(layers, capacity, len(shapes.score_rows), shapes.score_groups,
+                                  shapes.pages * page_size if shapes.score_rows else 0,
+                                  dtype=torch.float32, device=device)
+        self.reset()
+
+    def reset(self) -> None:
+        """Every row a dummy row: token 0 at position 0 on the scratch page, nothing listed."""
+        for n in self.tokens:
+            self.tokens[n].zero_()
+            self.positions[n].zero_()
+        self.page_table.fill_(self.scratch_page)
+        self.indices.fill_(-1)
+        self.recent_start.zero_()
+        self.budget.zero_()
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [bucket, n, V], rewritten by every replay
+
+
+class GraphRunner:
+    """Owns the fixed-shape buffers and the CUDA graphs of one method's decode loop.
+
+    set_batch once per batch (and whenever sequences leave it), set_plan once per selection,
+    then run(kind, tokens, positions) per step. With capture False every step runs eagerly on
+    the buffers (the CPU path)."""
+
+    def __init__(self, model: Decoder, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 backend: AttentionBackend, shapes: StaticShapes, capacity: int,
+                 page_size: int, scratch_page: int, capture: bool,
+                 pool: tuple[int, int] | None = None) -> None:
+        self.model, self.kv_caches, self.backend = model, kv_caches, backend
+        self.shapes, self.capacity, self.page_size = shapes, capacity, page_size
+        self.kv_len = shapes.pages * page_size
+        device = kv_caches[0][0].device
+        self.buf = StaticBuffers(shapes, capacity, len(kv_caches), page_size, scratch_page,
+                                 device)
+        self.rows, self.bucket = capacity, capacity
+        self.selector: DynamicSelector | None = None  # quest's, else None
+        self.pool = pool
+        self.graphs: dict[tuple[str, int], _Graph] = {}
+        if capture:
+            self._capture_all()
+
+    # --- per batch / per selection ----------------------------------------------------------
+
+    def set_batch(self, page_table: torch.Tensor) -> None:
+        """A new batch: page_table [B, P'] (P' <= P); rows past B become dummy rows."""
+        rows, width = page_table.shape
+        assert rows <= self.capacity and width <= self.shapes.pages
+        self.rows, self.bucket = rows, bucket_for(rows)
+        self.buf.reset()
+        self.buf.page_table[:rows, :width].copy_(page_table)
+
+    def set_plan(self, plan: SparsePlan | None) -> None:
+        """Copy the next draft round's selection into the buffers (None: full drafts)."""
+        self.selector = None if plan is None else plan.selector
+        if plan is None:
+            return
+        self.buf.recent_start[: self.rows].copy_(plan.recent_start)
+        self.buf.budget[: self.rows].copy_(plan.budget)
+        if plan.indices is not None:
+            self._set_indices(plan.indices)
+
+    def _set_indices(self, indices: torch.Tensor) -> None:
+        """indices [layers, B, G, k] (k <= K) -> the buffer, -1 padded to K."""
+        shape, width = tuple(indices.shape[:3]), indices.shape[3]
+        assert shape == (len(self.kv_caches), self.rows, self.shapes.index_groups), shape
+        assert width <= self.shapes.index_width, f"{width} indices exceed the static width"
+        dst = self.buf.indices[:, : self.rows]
+        dst[..., :width].copy_(indices)
+        dst[..., width:].fill_(-1)
+
+    # --- per step ---------------------------------------------------------------------------
+
+    def run(self, kind: str, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens, positions [B, n] -> logits [B, n, V] float32 (a view the next run of the
+        same kind overwrites)."""
+        n = tokens.shape[1]
+        self.buf.tokens[n][: self.rows].copy_(tokens)
+        self.buf.positions[n][: self.rows].copy_(positions)
+        if kind == "draft" and self.selector is not None:
+            return self._forward(kind, self.rows)  # quest: shapes follow the context
+        graph = self.graphs.get((kind, self.bucket))
+        if graph is None:
+            return self._forward(kind, self.bucket)[: self.rows]
+        graph.graph.replay()
+        return graph.logits[: self.rows]
+
+    def scores(self) -> torch.Tensor | None:
+        """The last verify step's scores [layers, B, R, G, W], or None if none were asked."""
+        return self.buf.scores[:, : self.rows] if self.shapes.score_rows else None
+
+    def _forward(self, kind: str, rows: int) -> torch.Tensor:
+        """One step of the first `rows` buffer rows: logits [rows, n, V] float32."""
+        n = self.shapes.verify_rows if kind == "verify" else 1
+        ctx = self._context(kind, rows, n)
+        hidden = self.model(self.buf.tokens[n][:rows], ctx, self.kv_caches, self.backend)
+        return self.model.logits(hidden)
+
+    def _context(self, kind: str, rows: int, n: int) -> StepContext:
+        positions, table = self.buf.positions[n][:rows], self.buf.page_table[:rows]
+        return StepContext(
+            positions=positions, seq_lens=positions[:, -1] + 1,
+            slot_mapping=slots_of(table, positions, self.page_size), page_table=table,
+            page_size=self.page_size, kv_len_max=self.kv_len,
+            scores=self._score_request(rows) if kind == "verify" else None,
+            sparse=self._plan(rows) if kind == "draft" else None)
+
+    def _score_request(self, rows: int) -> ScoreRequest | None:
+        s = self.shapes
+        if not s.score_rows:
+            return None
+        return ScoreRequest(self.buf.score_rows, self.buf.scores[:, :rows], s.score_mode,
+                            s.per_kv_head)
+
+    def _plan(self, rows: int) -> SparsePlan:
+        b = self.buf
+        indices = b.indices[:, :rows] if self.selector is None else None
+        return SparsePlan(indices, b.recent_start[:rows], self.shapes.recent_max,
+                          b.budget[:rows], self.selector)
+
+    # --- capture ----------------------------------------------------------------------------
+
+    def _capture_all(self) -> None:
+        """Every (bucket, kind), largest bucket first so the smaller ones reuse its pool."""
+        with torch.cuda.device(self.buf.page_table.device):
+            for bucket in reversed(buckets_upto(self.capacity)):
+                for kind in self.shapes.kinds:
+                    self.graphs[(kind, bucket)] = self._capture(kind, bucket)
+
+    def _capture(self, kind: str, bucket: int) -> _Graph:
+        # Warm-up on a side stream: Triton compiles and the allocator settles outside capture.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._forward(kind, bucket)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._forward(kind, bucket)
+        if self.pool is None:
+            self.pool = graph.pool()
+        return _Graph(graph, logits)
