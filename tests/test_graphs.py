@@ -258,6 +258,8 @@ def test_static_iteration_reads_the_device_once(static: LLM, eager: LLM, prompts
     assert calls.count("read") == calls.count("it") >= 3
 
 
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="CPU tensors reach Triton only through its interpreter (no CUDA)")
 @pytest.mark.parametrize("method", ["vegas", "quest"])
 def test_static_triton_equals_eager_triton(tiny: Path, prompts: list[list[int]], method: str,
                                            monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,8 +5,8 @@ prompts of different lengths (>= 2,000 tokens)."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import essay_prompt
+
 from vegas_spec import SamplingParams, SpecConfig
 
 MAX_TOKENS = 24
