@@ -20,8 +20,9 @@ import torch
 from vegas_spec import SamplingParams, SpecConfig
 from vegas_spec.cli import _engine_kwargs, _parser
 from vegas_spec.config import ConfigError, EngineConfig
-from vegas_spec.engine import LLM
+from vegas_spec.engine import LLM, Batch
 from vegas_spec.graphs import GraphRunner, bucket_for, buckets_upto
+from vegas_spec.sampling import BatchSampling
 from vegas_spec.spec.policies import SelectionInput, make_policy, max_budget
 
 VOCAB = 256
@@ -148,6 +149,17 @@ def test_runner_is_reused_then_rebuilt_for_a_larger_batch(tiny: Path, eager: LLM
     assert llm.graphs is runner
     llm.generate(prompts[:2], params, speculative=spec_of({"method": "vegas"}))
     assert llm.graphs is not runner  # other shapes: a new runner
+
+
+def test_leaving_rows_keep_every_sampling_setting() -> None:
+    params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate((1.0, 0.5, 0.7))]
+    sampling = BatchSampling.build(params, torch.device("cpu"))
+    batch = Batch([None] * 3, torch.zeros(3, 2, dtype=torch.int32), torch.arange(3),  # type: ignore[list-item]
+                  torch.arange(3), sampling)
+    kept = batch.keep([0, 2], torch.tensor([0, 2])).sampling
+    assert kept.temperature.tolist() == [1.0, 0.7]
+    assert kept.generators == [sampling.generators[0], sampling.generators[2]]
+    assert (kept.all_greedy, kept.filters) == (sampling.all_greedy, sampling.filters)
 
 
 def test_padding_rows_write_only_the_scratch_page(tiny: Path,

@@ -12,7 +12,7 @@ host learns the accepted counts and tokens once per iteration, in `_commit`."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -78,8 +78,8 @@ class Batch:
     def keep(self, keep: list[int], idx: torch.Tensor) -> Batch:
         """The rows `keep` (idx: the same on the device)."""
         s = self.sampling  # rows picked here: BatchSampling.select would read idx back
-        sampling = BatchSampling(s.temperature[idx], s.top_k[idx], s.top_p[idx],
-                                 [s.generators[i] for i in keep], s.all_greedy)
+        sampling = replace(s, temperature=s.temperature[idx], top_k=s.top_k[idx],
+                           top_p=s.top_p[idx], generators=[s.generators[i] for i in keep])
         return Batch([self.seqs[i] for i in keep], self.page_table[idx], self.lengths[idx],
                      self.last[idx], sampling)
 
