@@ -152,12 +152,12 @@ def test_runner_is_reused_then_rebuilt_for_a_larger_batch(tiny: Path, eager: LLM
 
 
 def test_leaving_rows_keep_every_sampling_setting() -> None:
-    params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate((1.0, 0.5, 0.7))]
+    params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate((1.0, 0.5, 0.75))]
     sampling = BatchSampling.build(params, torch.device("cpu"))
     batch = Batch([None] * 3, torch.zeros(3, 2, dtype=torch.int32), torch.arange(3),  # type: ignore[list-item]
                   torch.arange(3), sampling)
     kept = batch.keep([0, 2], torch.tensor([0, 2])).sampling
-    assert kept.temperature.tolist() == [1.0, 0.7]
+    assert kept.temperature.tolist() == [1.0, 0.75]
     assert kept.generators == [sampling.generators[0], sampling.generators[2]]
     assert (kept.all_greedy, kept.filters) == (sampling.all_greedy, sampling.filters)
 
