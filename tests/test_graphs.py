@@ -365,6 +365,22 @@ def test_cuda_graphs_replay_equals_eager(tiny: Path, prompts: list[list[int]], b
     assert plain.graphs is None
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_new_runner_captures_while_old_graph_memory_is_held(tiny: Path,
+                                                             prompts: list[list[int]]) -> None:
+    """Rebuilding the runner for another method must not join the old runner's memory pool:
+    with a block of that pool still referenced, the allocator refuses a capture into it."""
+    llm = LLM(str(tiny), **dict(ENGINE, device="cuda", dtype="float32"))
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    llm.generate(prompts, params)
+    assert llm.graphs is not None
+    held = next(iter(llm.graphs.graphs.values())).logits  # a block of the old pool
+    out = llm.generate(prompts, params, speculative={"method": "vegas", "min_tokens": 4})
+    assert [o.token_ids for o in out] == [o.token_ids for o in llm.generate(prompts, params)]
+    assert held.is_cuda
+
+
 def sync_mode(fn: Callable, mode: str) -> Callable:
     def call(*args: Any, **kwargs: Any) -> Any:
         before = torch.cuda.get_sync_debug_mode()

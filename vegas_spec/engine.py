@@ -107,7 +107,6 @@ class LLM:
         # Static shapes: padding rows of a batch bucket write into this page only.
         self.scratch_page = self.cache.allocate(1)[0] if self.config.static else -1
         self.graphs: GraphRunner | None = None  # the decode loop's buffers (static shapes)
-        self._graph_pool = torch.cuda.graph_pool_handle() if self.config.graphs else None
         self._tokenizer = None
         self.prefix_cache = PrefixCache(self.config.prefix_cache_bytes) \
             if self.config.prefix_cache_bytes > 0 else None
@@ -371,8 +370,7 @@ class LLM:
             return runner
         self.graphs = None  # free the old buffers and graphs before capturing new ones
         return GraphRunner(self.model, self.cache.layers, self.backend, shapes, bucket_for(bsz),
-                           self.config.page_size, self.scratch_page, self.config.graphs,
-                           self._graph_pool)
+                           self.config.page_size, self.scratch_page, self.config.graphs)
 
     def _static_shapes(self, spec: SpecConfig, policy: Policy | None) -> StaticShapes:
         if policy is None:

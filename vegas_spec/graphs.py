@@ -121,8 +121,7 @@ class GraphRunner:
 
     def __init__(self, model: Decoder, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  backend: AttentionBackend, shapes: StaticShapes, capacity: int,
-                 page_size: int, scratch_page: int, capture: bool,
-                 pool: tuple[int, int] | None = None) -> None:
+                 page_size: int, scratch_page: int, capture: bool) -> None:
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
         self.shapes, self.capacity, self.page_size = shapes, capacity, page_size
         self.kv_len = shapes.pages * page_size
@@ -131,7 +130,10 @@ class GraphRunner:
                                  device)
         self.rows, self.bucket = capacity, capacity
         self.selector: DynamicSelector | None = None  # quest's, else None
-        self.pool = pool
+        # The runner's own memory pool (made by its first capture): a pool shared with an
+        # earlier runner could outlive that runner's graphs while its blocks are still held,
+        # which the caching allocator refuses when the next capture joins it.
+        self.pool: tuple[int, int] | None = None
         self.graphs: dict[tuple[str, int], _Graph] = {}
         if capture:
             self._capture_all()

@@ -1,0 +1,217 @@
+"""Time of one plain step, one verify step, one draft step and one selection, each against its
+memory-bandwidth floor, on a dummy-weights model (timing only: the weights and the KV cache are
+random, so no token means anything).
+
+    python benchmarks/step_profile.py --config benchmarks/configs/llama-3.1-8b \
+        --contexts 32768 65536 131072 --batches 1 4 --out scaling.json
+    python benchmarks/step_profile.py --config benchmarks/configs/smollm2-135m \
+        --contexts 7500 --batches 64 --profile --out smollm2_steps.json
+
+Every step is the engine's own CUDA graph (the GraphRunner of the method, batch bucket =
+batch), replayed `--reps` times after a warm-up; the figure is the median of CUDA-event times.
+The selection is the vegas policy turning the verify step's scores into the next plan,
+including the copy of the plan into the graph buffers. Floors: bytes the step must read
+(weights once, K and V of every position it attends to) over the measured copy bandwidth.
+`--profile` adds a per-kernel table (torch.profiler) of one replay of each step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from vegas_spec import LLM, SpecConfig
+from vegas_spec.spec.policies import SelectionInput, make_policy
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy, read + write."""
+    src = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * 2 / sorted(times)[len(times) // 2]
+
+
+def median_ms(fn, reps: int) -> float:  # noqa: ANN001
+    fn()
+    if not torch.cuda.is_available():  # CPU smoke runs: wall time
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return sorted(times)[len(times) // 2]
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def kernel_table(fn, rows: int = 25) -> str:  # noqa: ANN001
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return "(no CUDA: no kernel table)"
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    total = sum(e.device_time for e in events)
+    head = f"{len(events)} kernels, {total / 1e3:.3f} ms of kernel time\n"
+    return head + prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
+def weight_bytes(llm: LLM) -> int:
+    """Bytes of weights a step reads: every parameter once, but of an untied input embedding
+    only the looked-up rows (ignored)."""
+    params = {p.data_ptr(): p for p in llm.model.parameters()}
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    embed, head = llm.model.embed.weight, llm.model.lm_head.weight
+    untied = embed.data_ptr() != head.data_ptr()
+    return total - (embed.numel() * embed.element_size() if untied else 0)
+
+
+def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.Namespace,
+            bandwidth: float) -> dict:
+    cfg, dev = llm.model_config, llm.device
+    gamma = spec.gamma
+    pages = [llm.cache.allocate(context + gamma + 1) for _ in range(bsz)]
+    try:
+        table = torch.tensor(pages, dtype=torch.int32, device=dev)
+        lengths = torch.full((bsz,), context, dtype=torch.long, device=dev)
+        tokens = torch.randint(0, cfg.vocab_size, (bsz, gamma + 1), device=dev)
+        positions = lengths[:, None] + torch.arange(gamma + 1, device=dev)
+        out: dict = {"context": context, "batch": bsz}
+        kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim \
+            * llm.cache.layers[0][0].element_size()
+        wbytes = weight_bytes(llm)
+        profiles: dict[str, str] = {}
+
+        plain = llm._graph_runner(SpecConfig(method="vanilla"), None, bsz)
+        plain.set_batch(table)
+        step = lambda: plain.run("plain", tokens[:, :1], positions[:, :1])  # noqa: E731
+        out["plain_ms"] = median_ms(step, args.reps)
+        if args.profile:
+            profiles["plain"] = kernel_table(step)
+        llm.graphs = None
+
+        policy = make_policy(spec)
+        runner = llm._graph_runner(spec, policy, bsz)
+        runner.set_batch(table)
+        verify = lambda: runner.run("verify", tokens, positions)  # noqa: E731
+        out["verify_ms"] = median_ms(verify, args.reps)
+        if args.profile:
+            profiles["verify"] = kernel_table(verify)
+        verify()
+        inp = SelectionInput(runner.scores(), lengths, torch.zeros_like(lengths), lengths + 1,
+                             gamma, llm.cache.layers, table, llm.config.page_size,
+                             runner.shapes.kmax, runner.shapes.recent_max, context + 1)
+
+        def select() -> None:
+            plan = policy.plan(inp)
+            runner.set_plan(plan)
+
+        out["select_ms"] = median_ms(select, args.reps)
+        select()
+        plan = policy.plan(inp)
+        budget = int(plan.budget.max())
+        draft = lambda: runner.run("draft", tokens[:, :1], positions[:, :1])  # noqa: E731
+        out["draft_ms"] = median_ms(draft, args.reps)
+        if args.profile:
+            profiles["draft"] = kernel_table(draft)
+            profiles["select"] = kernel_table(select)
+        llm.graphs = None
+        out["budget"] = budget
+        full_kv = bsz * context * kv_token
+        sparse_kv = bsz * (budget + 2 * gamma + 1) * kv_token
+        out["floor_plain_ms"] = 1e3 * (wbytes + full_kv) / bandwidth
+        out["floor_verify_ms"] = out["floor_plain_ms"]
+        out["floor_draft_ms"] = 1e3 * (wbytes + sparse_kv) / bandwidth
+        out["weight_bytes"], out["kv_bytes"] = wbytes, full_kv
+        for k in ("plain", "verify", "draft"):
+            out[f"{k}_vs_floor"] = out[f"{k}_ms"] / out[f"floor_{k}_ms"]
+        out["draft_over_plain"] = out["draft_ms"] / out["plain_ms"]
+        out["ideal_speedup_at_7_tokens"] = (gamma + 1) * out["plain_ms"] / (
+            gamma * out["draft_ms"] + out["verify_ms"] + out["select_ms"])
+        if profiles:
+            out["profiles"] = profiles
+        return out
+    finally:
+        for p in pages:
+            llm.cache.release(p)
+
+
+def kv_bytes_per_token(folder: Path, itemsize: int) -> int:
+    """K and V of one position over all layers."""
+    from vegas_spec.models.loader import load_config, resolve
+
+    cfg = load_config(resolve(str(folder)))
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", type=Path, required=True, help="folder with an HF config.json")
+    ap.add_argument("--contexts", type=int, nargs="+", required=True)
+    ap.add_argument("--batches", type=int, nargs="+", required=True)
+    ap.add_argument("--gamma", type=int, default=6)
+    ap.add_argument("--ratio", type=float, default=0.05)
+    ap.add_argument("--min-tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
+                      min_tokens=args.min_tokens)
+    cuda = torch.cuda.is_available()
+    bandwidth = copy_bandwidth() if cuda else 1e10
+    rows = []
+    for context in args.contexts:
+        # One engine per context, its static key axis sized for this context (max_model_len).
+        slots = max(args.batches) * (context + 128) + 4096
+        kv = slots * kv_bytes_per_token(args.config, 2 if cuda else 4)
+        llm = LLM(str(args.config), load_format="dummy", device="cuda" if cuda else "cpu",
+                  dtype="bfloat16" if cuda else "float32", kv_cache_bytes=kv,
+                  max_model_len=context + args.gamma + 64)
+        for k, v in llm.cache.layers:
+            k.normal_()
+            v.normal_()
+        for bsz in args.batches:
+            row = measure(llm, spec, context, bsz, args, bandwidth)
+            rows.append(row)
+            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
+                              for k, v in row.items() if k != "profiles"}), flush=True)
+            for name, text in row.get("profiles", {}).items():
+                print(f"--- {name} ---\n{text}", flush=True)
+        del llm
+        if cuda:
+            torch.cuda.empty_cache()
+    meta = {"date": time.strftime("%Y-%m-%d"),
+            "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+            "torch": torch.__version__, "copy_bandwidth_bytes_per_s": bandwidth,
+            "args": {k: str(v) for k, v in vars(args).items()}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
