@@ -1,8 +1,11 @@
 """Shared inputs of the kernel tests: the device, dtypes with their tolerances, and a paged
-KV cache whose pages are shuffled (so a wrong page-table walk cannot pass)."""
+KV cache whose pages are shuffled (so a wrong page-table walk cannot pass), and outputs poisoned
+with NaN (so an element a kernel forgets to write cannot pass)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -57,3 +60,19 @@ def query_positions(lens: list[int], n: int) -> torch.Tensor:
 def poisoned(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An output buffer full of NaN, so an element the kernel forgets fails the comparison."""
     return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+@contextmanager
+def nan_empty() -> Iterator[None]:
+    """Inside, torch.empty and friends return NaN-filled memory: for outputs that the kernels'
+    host wrappers allocate themselves."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore[attr-defined]

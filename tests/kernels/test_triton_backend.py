@@ -1,6 +1,6 @@
-"""TritonBackend against TorchBackend on a tiny random Llama: prefill with scores, a batch of
-sparse draft steps planned from them, and a verify step with a ScoreRequest, as the engine
-drives them; logits, scores and caches must agree."""
+"""TritonBackend against TorchBackend on a tiny random Llama and Qwen3 (q/k norm): prefill
+with scores, a batch of sparse draft steps planned from them, and a verify step with a
+ScoreRequest, as the engine drives them; logits, scores and caches must agree."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ HF = {"architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 12
       "rms_norm_eps": 1e-6, "eos_token_id": 2}
 
 
-def tiny_model() -> Decoder:
-    cfg = ModelConfig.from_hf(HF)
+def tiny_model(architecture: str) -> Decoder:
+    cfg = ModelConfig.from_hf({**HF, "architectures": [architecture]})
     gen = generator(0)
     weights = {}
     for name, shape in expected_shapes(cfg).items():
@@ -73,10 +73,12 @@ def test_make_backend_registers_triton() -> None:
     assert make_backend("triton").name == "triton"
 
 
-@pytest.mark.parametrize("mode,per_kv_head", [("weight", False), ("logit", True)])
-def test_same_logits_as_torch_backend(mode: str, per_kv_head: bool) -> None:
+@pytest.mark.parametrize("mode,per_kv_head,architecture", [
+    ("weight", False, "LlamaForCausalLM"), ("logit", True, "Qwen3ForCausalLM")])
+def test_same_logits_as_torch_backend(mode: str, per_kv_head: bool, architecture: str) -> None:
     torch.manual_seed(0)
-    model = tiny_model()
+    model = tiny_model(architecture)
+    assert model.cfg.qk_norm == (architecture == "Qwen3ForCausalLM")
     runs = [Runner(model, make_backend("torch")), Runner(model, make_backend("triton"))]
     gen = generator(1)
     prompts = [torch.randint(3, 96, (1, n), generator=gen).to(DEVICE) for n in PROMPTS]

@@ -8,21 +8,28 @@ from collections.abc import Callable
 import torch
 
 from vegas_spec.attention.context import StepContext
+from vegas_spec.models.decoder import add_rms_norm, rms_norm, silu_mul
+from vegas_spec.models.rope import apply_rope
 
 
 class AttentionBackend(ABC):
-    """One object per engine; `attend` is called by every attention layer of every step.
+    """One object per engine; every layer of every step calls `attend` and the per-token steps
+    around attention (`rope_store` inside `attend`, `norm`, `add_norm`, `silu_mul`), whose
+    defaults are the model's plain-PyTorch references; a backend overrides them to fuse each
+    into one kernel.
 
-    Shapes: q [B, n, H, D] (RoPE applied), k/v [B, n, Hkv, D], caches [num_slots, Hkv, D].
-    Returns [B, n, H, D]. Writes k/v into their slots first, then attends: full causal
-    attention when `ctx.sparse` is None, else sparse draft attention over the plan.
+    Shapes: q [B, n, H, D] and k/v [B, n, Hkv, D] before RoPE, caches [num_slots, Hkv, D],
+    rope [max_pos, D] float32 (cos | sin). `attend` returns [B, n, H, D]: it applies RoPE and
+    writes k/v into their slots first, then attends: full causal attention when `ctx.sparse`
+    is None, else sparse draft attention over the plan.
     """
 
     name = "abstract"
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        self.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+               k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
+               rope: torch.Tensor) -> torch.Tensor:
+        q = self.rope_store(q, k, v, k_cache, v_cache, ctx, rope)
         if ctx.sparse is None:
             return self.full(layer, q, k_cache, v_cache, ctx)
         plan = ctx.sparse
@@ -33,9 +40,31 @@ class AttentionBackend(ABC):
             indices = plan.indices[layer]
         return self.sparse(q, k_cache, v_cache, indices, ctx)
 
+    def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
+                   rope: torch.Tensor) -> torch.Tensor:
+        """RoPE on q and k at ctx.positions; k, v into slots ctx.slot_mapping -> rotated q."""
+        k = apply_rope(k, rope, ctx.positions)
+        self.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        return apply_rope(q, rope, ctx.positions)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [..., N] -> RMSNorm(x) * weight."""
+        return rms_norm(x, weight, eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual [..., N] -> (norm(h), h) with h = x + residual."""
+        return add_rms_norm(x, residual, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [..., 2I] -> silu(gate) * up [..., I]."""
+        return silu_mul(gate_up)
+
     @abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """k, v [B, n, Hkv, D] as they are (no RoPE) -> cache rows slot_mapping [B, n]."""
 
     @abstractmethod
     def full(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

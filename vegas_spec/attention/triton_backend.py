@@ -1,5 +1,6 @@
 """Triton attention: the same semantics as TorchBackend (its oracle), one kernel per file in
-`vegas_spec.kernels`. Runs on CUDA, or on CPU under Triton's interpreter (slow: tests only)."""
+`vegas_spec.kernels`, with the per-token steps around attention fused (add + RMSNorm, RoPE +
+KV store, SiLU * up). Runs on CUDA, or on CPU under Triton's interpreter (slow: tests only)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import torch
 from vegas_spec.attention.backend import AttentionBackend, register_backend
 from vegas_spec.attention.context import StepContext
 from vegas_spec.kernels.paged_attention import paged_attention
+from vegas_spec.kernels.rms_norm import rms_norm
+from vegas_spec.kernels.rope_store import rope_store
+from vegas_spec.kernels.silu_mul import silu_mul
 from vegas_spec.kernels.sparse_attention import sparse_attention
 from vegas_spec.kernels.store_kv import store_kv
 from vegas_spec.kernels.topk import topk_positions_triton
@@ -18,9 +22,25 @@ class TritonBackend(AttentionBackend):
     # Drop-in for vegas_spec.spec.policies.topk_positions on the backend's device.
     topk_positions = staticmethod(topk_positions_triton)
 
+    def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
+                   rope: torch.Tensor) -> torch.Tensor:
+        return rope_store(q, k, v, k_cache, v_cache, rope, ctx.positions, ctx.slot_mapping)
+
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The seam's plain store (no RoPE); `attend` goes through the fused `rope_store`."""
         store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, weight, eps, residual)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_mul(gate_up)
 
     def full(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              ctx: StepContext) -> torch.Tensor:

@@ -4,13 +4,18 @@
                     selection scores of chosen rows fused into the same pass (verify, prefill)
   sparse_attention  attention over listed positions plus the recent range (draft steps)
   split_merge       merge of the key splits of both (flash-decoding), shared tile helpers
-  store_kv          a step's new K/V into their cache slots
+  rope_store        RoPE on a step's q and k, with k and v written into their cache slots
+  store_kv          a step's new K/V into their cache slots (the seam's store without RoPE)
+  rms_norm          RMSNorm, fused with the residual add before it
+  silu_mul          SiLU(gate) * up of the fused gate/up projection
   topk              top-k positions per (layer, sequence, group) by radix select (selection)
 
-Every kernel has a plain-PyTorch reference (`vegas_spec.attention.torch_backend`,
-`vegas_spec.spec.policies.topk_positions`) that is its test oracle. On a machine without CUDA
-the kernels run on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`, set before
-triton is first imported)."""
+Every kernel has a plain-PyTorch reference that is its test oracle:
+`vegas_spec.attention.torch_backend` (attention, KV store), `vegas_spec.models.decoder`
+(`rms_norm`, `add_rms_norm`, `silu_mul`), `vegas_spec.models.rope.apply_rope` and
+`vegas_spec.spec.policies.topk_positions`. On a machine without CUDA the kernels run on CPU
+tensors under Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is first
+imported), patched below where it departs from compiled Triton."""
 
 from __future__ import annotations
 
@@ -39,5 +44,38 @@ def _fix_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patch
 
 
+def _fix_interpreter_bf16() -> None:
+    """Triton <= 3.6's interpreter casts float32 to bfloat16 by truncation, where compiled
+    Triton (cvt.rn), CUDA and torch round to nearest even, and it flushes some bfloat16
+    subnormals when widening them: bf16 results would be off by up to an ulp, and no bf16
+    kernel could be checked bit for bit. Convert as torch does (c10::round_to_nearest_even,
+    NaN kept NaN; widening is exact)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.cast_impl
+    if getattr(original, "_exact_bf16", False):
+        return
+
+    def cast_impl(self, src, dst_type):  # noqa: ANN001, ANN202
+        pair = (src.dtype.scalar, dst_type.scalar)
+        if pair == (tl.bfloat16, tl.float32):
+            bits = np.asarray(src.data).view(np.uint16).astype(np.uint32) << 16
+            return interpreter.TensorHandle(bits.view(np.float32), dst_type.scalar)
+        if pair == (tl.float32, tl.bfloat16):
+            data = np.asarray(src.data, dtype=np.float32)
+            bits = data.view(np.uint32)
+            rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16
+            rounded = np.where(np.isnan(data), (bits >> 16) | 0x40, rounded)
+            return interpreter.TensorHandle(rounded.astype(np.uint16), dst_type.scalar)
+        return original(self, src, dst_type)
+
+    cast_impl._exact_bf16 = True  # type: ignore[attr-defined]
+    builder.cast_impl = cast_impl
+
+
 if interpreting():
     _fix_interpreter_index()
+    _fix_interpreter_bf16()

@@ -2,18 +2,27 @@
 
 `forward(input_ids, positions, ctx)` is the only forward: prefill, plain decode, draft and
 verify differ only in the StepContext the attention backend reads. Weights keep their HF
-names at load time; q/k/v and gate/up are fused into one matmul each."""
+names at load time; q/k/v and gate/up are fused into one matmul each. The residual stream
+runs beside the hidden states (as vLLM's): each norm also adds the residual before it, so the
+backend can fuse add + norm, RoPE + KV store and SiLU * up into one kernel each.
+
+`rms_norm`, `add_rms_norm` and `silu_mul` are the plain-PyTorch references of those steps: the
+backend seam's default implementations and the oracles of the fused kernels."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vegas_spec.attention.backend import AttentionBackend
-from vegas_spec.attention.context import StepContext
 from vegas_spec.config import MAX_GAMMA, ModelConfig
-from vegas_spec.models.rope import apply_rope, rope_table
+from vegas_spec.models.rope import rope_table
+
+if TYPE_CHECKING:  # the seam imports this module's references: types only, no cycle
+    from vegas_spec.attention.backend import AttentionBackend
+    from vegas_spec.attention.context import StepContext
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -21,6 +30,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual -> (rms_norm(h), h): the residual add before a norm."""
+    h = x + residual
+    return rms_norm(h, weight, eps), h
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] -> silu(gate) * up [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class Layer(nn.Module):
@@ -38,30 +60,36 @@ class Layer(nn.Module):
         self.q_norm = nn.Parameter(torch.ones(d)) if cfg.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(d)) if cfg.qk_norm else None
 
-    def attention(self, x: torch.Tensor, rope: torch.Tensor, cache: tuple[torch.Tensor, ...],
+    def attention(self, h: torch.Tensor, rope: torch.Tensor, cache: tuple[torch.Tensor, ...],
                   backend: AttentionBackend, ctx: StepContext) -> torch.Tensor:
         cfg = self.cfg
-        bsz, n, _ = x.shape
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        bsz, n, _ = h.shape
+        q, k, v = self.qkv(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(bsz, n, cfg.num_heads, cfg.head_dim)
         k = k.view(bsz, n, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(bsz, n, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = rms_norm(q, self.q_norm, cfg.rms_norm_eps), rms_norm(k, self.k_norm,
-                                                                       cfg.rms_norm_eps)
-        q, k = apply_rope(q, rope, ctx.positions), apply_rope(k, rope, ctx.positions)
-        out = backend.attend(self.index, q, k, v, cache[0], cache[1], ctx)
+            q = backend.norm(q, self.q_norm, cfg.rms_norm_eps)
+            k = backend.norm(k, self.k_norm, cfg.rms_norm_eps)
+        out = backend.attend(self.index, q, k, v, cache[0], cache[1], ctx, rope)
         return self.o_proj(out.reshape(bsz, n, self.q_size))
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+    def mlp(self, h: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        return self.down(backend.silu_mul(self.gate_up(h)))
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: tuple[torch.Tensor, ...],
-                backend: AttentionBackend, ctx: StepContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: torch.Tensor,
+                cache: tuple[torch.Tensor, ...], backend: AttentionBackend, ctx: StepContext,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (the embeddings, residual None, for the first layer)
+        -> (this layer's output, the residual stream before it)."""
         eps = self.cfg.rms_norm_eps
-        x = x + self.attention(rms_norm(x, self.input_norm, eps), rope, cache, backend, ctx)
-        return x + self.mlp(rms_norm(x, self.post_norm, eps))
+        if residual is None:
+            h, residual = backend.norm(x, self.input_norm, eps), x
+        else:
+            h, residual = backend.add_norm(x, residual, self.input_norm, eps)
+        h, residual = backend.add_norm(self.attention(h, rope, cache, backend, ctx), residual,
+                                       self.post_norm, eps)
+        return self.mlp(h, backend), residual
 
 
 class Decoder(nn.Module):
@@ -78,10 +106,11 @@ class Decoder(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 backend: AttentionBackend) -> torch.Tensor:
         """input_ids [B, n] -> final hidden states [B, n, hidden] (normed)."""
-        x = self.embed(input_ids)
+        x, residual = self.embed(input_ids), None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, self.rope, cache, backend, ctx)
-        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+            x, residual = layer(x, residual, self.rope, cache, backend, ctx)
+        assert residual is not None, "a decoder has layers"
+        return backend.add_norm(x, residual, self.norm, self.cfg.rms_norm_eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

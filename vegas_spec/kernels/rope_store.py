@@ -1,0 +1,107 @@
+"""RoPE on a step's q and k, with k and v written into their paged-cache slots, in one pass.
+
+Oracle: `vegas_spec.models.rope.apply_rope` on q and k, then
+`vegas_spec.attention.torch_backend.store_kv_ref`. Program (token, j) takes a block of q heads
+(j < q_blocks) or of kv heads, read through any batch/token/head strides (views into the fused
+qkv projection). Each head's halves x1, x2 become x1*cos - x2*sin and x2*cos + x1*sin, with
+apply_rope's roundings in x's dtype: cos/sin rounded to it, each product and the sum rounded
+to it, so the result is bit-identical to the oracle's (float32 products are exact for half
+inputs; multiply-add fusion is off, as torch's separate kernels never fuse). Rotated q goes
+to a new contiguous tensor; rotated k and v go to row slot_mapping[b, i] of each cache (cast
+to the cache dtype), skipped for a negative slot, as `store_kv` does."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate(x_ptrs, mask, cos, sin, HALF: tl.constexpr):
+    """[BH, BLOCK_HALF] pointers to the first halves of heads -> their rotated halves."""
+    x1 = tl.load(x_ptrs, mask=mask, other=0.0)
+    x2 = tl.load(x_ptrs + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    c = cos.to(dtype).to(tl.float32)[None, :]
+    s = sin.to(dtype).to(tl.float32)[None, :]
+    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+    lo = (a1 * c).to(dtype).to(tl.float32) + (-a2 * s).to(dtype).to(tl.float32)
+    hi = (a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)
+    return lo.to(dtype), hi.to(dtype)
+
+
+@triton.jit
+def _rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, table_ptr,
+                       pos_ptr, slot_ptr, n, H, Hkv, q_blocks,
+                       stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
+                       stride_vb, stride_vn, stride_vh, stride_pb, stride_pn,
+                       stride_sb, stride_sn, stride_t, stride_cs, stride_ch,
+                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    b, i = token // n, token % n
+    j = tl.program_id(1)
+    pos = tl.load(pos_ptr + b * stride_pb + i * stride_pn).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    d_ok = d < HALF
+    cos = tl.load(table_ptr + pos * stride_t + d, mask=d_ok, other=0.0)
+    sin = tl.load(table_ptr + pos * stride_t + HALF + d, mask=d_ok, other=0.0)
+    if j < q_blocks:
+        h = j * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = (h < H)[:, None] & d_ok[None, :]
+        src = q_ptr + b * stride_qb + i * stride_qn + h[:, None] * stride_qh + d[None, :]
+        lo, hi = _rotate(src, mask, cos, sin, HALF)
+        dst = q_out_ptr + (token * H + h[:, None]) * (2 * HALF) + d[None, :]
+        tl.store(dst, lo, mask=mask)
+        tl.store(dst + HALF, hi, mask=mask)
+    else:  # names apart from the q branch's: Triton wants one type per name across branches
+        slot = tl.load(slot_ptr + b * stride_sb + i * stride_sn).to(tl.int64)
+        kv_h = (j - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        kv_mask = (kv_h < Hkv)[:, None] & d_ok[None, :] & (slot >= 0)
+        k_src = k_ptr + b * stride_kb + i * stride_kn + kv_h[:, None] * stride_kh + d[None, :]
+        k_lo, k_hi = _rotate(k_src, kv_mask, cos, sin, HALF)
+        row = slot * stride_cs + kv_h[:, None] * stride_ch + d[None, :]
+        k_dtype = k_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + row, k_lo.to(k_dtype), mask=kv_mask)
+        tl.store(k_cache_ptr + row + HALF, k_hi.to(k_dtype), mask=kv_mask)
+        v_src = v_ptr + b * stride_vb + i * stride_vn + kv_h[:, None] * stride_vh + d[None, :]
+        v_lo = tl.load(v_src, mask=kv_mask)
+        v_hi = tl.load(v_src + HALF, mask=kv_mask)
+        v_dtype = v_cache_ptr.dtype.element_ty
+        tl.store(v_cache_ptr + row, v_lo.to(v_dtype), mask=kv_mask)
+        tl.store(v_cache_ptr + row + HALF, v_hi.to(v_dtype), mask=kv_mask)
+
+
+def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, table: torch.Tensor, positions: torch.Tensor,
+               slot_mapping: torch.Tensor) -> torch.Tensor:
+    """q [B, n, H, D], k, v [B, n, Hkv, D], table [max_pos, D] float32 (cos | sin), positions
+    [B, n] -> rotated q [B, n, H, D] (contiguous); rotated k and v -> k_cache, v_cache
+    [num_slots, Hkv, D] at rows slot_mapping [B, n] (negative: skipped)."""
+    assert q.dim() == 4 and k.dim() == 4 and k.shape == v.shape
+    bsz, n, heads, dim = q.shape
+    hkv = k.shape[2]
+    assert k.shape[:2] == (bsz, n) and k.shape[3] == dim and dim % 2 == 0
+    assert q.dtype == k.dtype and k_cache.shape == v_cache.shape
+    assert k_cache.dim() == 3 and k_cache.shape[1:] == (hkv, dim)
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert table.dtype == torch.float32 and table.dim() == 2 and table.shape[1] == dim
+    assert table.stride(-1) == 1
+    assert positions.shape == (bsz, n) and not positions.is_floating_point()
+    assert slot_mapping.shape == (bsz, n) and not slot_mapping.is_floating_point()
+    assert q.device == k_cache.device == table.device == positions.device == slot_mapping.device
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if bsz * n == 0:
+        return q_out
+    block_h = min(triton.next_power_of_2(max(heads, hkv)), 8)
+    q_blocks = triton.cdiv(heads, block_h)
+    grid = (bsz * n, q_blocks + triton.cdiv(hkv, block_h))
+    _rope_store_kernel[grid](
+        q, k, v, q_out, k_cache, v_cache, table, positions, slot_mapping, n, heads, hkv,
+        q_blocks, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), positions.stride(0), positions.stride(1),
+        slot_mapping.stride(0), slot_mapping.stride(1), table.stride(0), k_cache.stride(0),
+        k_cache.stride(1), HALF=dim // 2, BLOCK_H=block_h,
+        BLOCK_HALF=triton.next_power_of_2(dim // 2), num_warps=4, enable_fp_fusion=False)
+    return q_out
