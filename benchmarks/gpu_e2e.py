@@ -26,12 +26,12 @@ METHODS = ["vanilla", "vegas", "stream", "quest", "lastq", "specextend"]
 
 
 def make_prompts(tokenizer, texts: list[str], tokens: int, count: int) -> list[list[int]]:  # noqa: ANN001
-    out = []
-    for i in range(count):
-        offset = (i * 7) % len(texts)
-        text = "\n\n".join(texts[offset:] + texts[:offset])
-        out.append(tokenizer(text, add_special_tokens=False)["input_ids"][:tokens])
-    return out
+    """`count` distinct windows of `tokens` tokens, evenly spread over all essays (~200K
+    tokens): neighbouring prompts overlap when count * tokens exceeds the text."""
+    ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"]
+    stride = (len(ids) - tokens) // max(count - 1, 1)
+    assert stride > 0, "not enough essay text for prompts this long"
+    return [ids[i * stride : i * stride + tokens] for i in range(count)]
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -49,8 +49,9 @@ def margin_at(llm: LLM, prompt: list[int], generated: list[int], index: int) -> 
 
 
 def run_method(llm: LLM, prompts: list[list[int]], method: str, args: argparse.Namespace,
+               gamma: int | None = None, ratio: float | None = None,
                ) -> tuple[dict, list[list[int]]]:
-    spec = SpecConfig(method=method, gamma=args.gamma, ratio=args.ratio,
+    spec = SpecConfig(method=method, gamma=gamma or args.gamma, ratio=ratio or args.ratio,
                       min_tokens=args.min_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), speculative=spec)
@@ -90,6 +91,9 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.05)
     ap.add_argument("--min-tokens", type=int, default=256)
     ap.add_argument("--methods", nargs="+", default=METHODS)
+    ap.add_argument("--sweep-gammas", type=int, nargs="*", default=[],
+                    help="also run vegas at every (gamma, ratio) of these lists")
+    ap.add_argument("--sweep-ratios", type=float, nargs="*", default=[])
     ap.add_argument("--hf", action="store_true", help="also time transformers generate")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--out", type=Path, required=True)
@@ -121,6 +125,16 @@ def main() -> None:
                 print(json.dumps({k: row.get(k) for k in (
                     "context", "batch", "method", "decode_tokens_per_s", "tokens_per_iteration",
                     "phase_fraction", "divergences")}), flush=True)
+            for gamma in args.sweep_gammas:
+                for ratio in args.sweep_ratios or [args.ratio]:
+                    stats, tokens = run_method(llm, prompts, "vegas", args, gamma, ratio)
+                    row = {"context": ctx, "batch": bsz, "method": f"vegas g{gamma} r{ratio}",
+                           "gamma": gamma, "ratio": ratio, **stats}
+                    if base_tokens is not None:
+                        row["divergences"] = divergences(llm, prompts, base_tokens, tokens)
+                    rows.append(row)
+                    print(json.dumps({k: row.get(k) for k in (
+                        "method", "decode_tokens_per_s", "tokens_per_iteration")}), flush=True)
             if hf is not None:
                 rows.append({"context": ctx, "batch": bsz, "method": "transformers-static",
                              "decode_tokens_per_s": run_hf(hf, prompts, args.max_tokens)})
