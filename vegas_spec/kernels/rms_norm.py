@@ -1,16 +1,15 @@
 """RMSNorm, optionally fused with the residual add before it, as transformers computes it.
 
 Oracle: `vegas_spec.models.decoder.rms_norm` and `add_rms_norm`. One program per row of
-x [..., N] on a GPU (16 rows under the interpreter). With a residual, h = x + residual is the
-float32 sum rounded to x's dtype (as torch adds) and is written out as the next residual; the
-row of h (or x) is normalised in float32, rounded to x's dtype, and scaled by the weight in that
-dtype (float32 product, rounded).
+x [..., N]. With a residual, h = x + residual is the float32 sum rounded to x's dtype (as torch
+adds) and is written out as the next residual; the row of h (or x) is normalised in float32,
+rounded to x's dtype, and scaled by the weight in that dtype (float32 product, rounded).
 
-Every product and sum is rounded on its own (multiply-add fusion is off), as in torch's separate
-kernels. The mean of squares is the only reduction: its float32 sum runs in the kernel's order,
-so a row whose partial sums round differently from torch's may differ by one ulp of the output.
-The mean itself is taken as torch takes it on the device: the sum divided by N on the CPU,
-multiplied by float32(1 / N) on CUDA."""
+Every product and sum is rounded on its own (multiply-add fusion is off), as in torch's
+separate kernels. The mean of squares is the only reduction: its float32 sum runs in the
+kernel's order, so a row whose partial sums round differently from torch's may differ by one
+ulp of the output. The mean itself is taken as torch takes it on the device: the sum divided
+by N on the CPU, multiplied by float32(1 / N) on CUDA."""
 
 from __future__ import annotations
 
@@ -20,38 +19,32 @@ import torch
 import triton
 import triton.language as tl
 
-# Rows per program under the interpreter, where every program costs a Python-level launch; on
-# a GPU one row per program.
-ROWS_INTERPRETED = 16
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, total, inner, N, inv_n, eps,
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, inner, N, inv_n, eps,
                      stride_xo, stride_xi, stride_ro, stride_ri,
                      HAS_RESIDUAL: tl.constexpr, MEAN_BY_RECIPROCAL: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+                     BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
     outer, i = row // inner, row % inner
     cols = tl.arange(0, BLOCK)
-    mask = (row < total)[:, None] & (cols < N)[None, :]
+    mask = cols < N
     dtype = out_ptr.dtype.element_ty
-    x = tl.load(x_ptr + (outer * stride_xo + i * stride_xi)[:, None] + cols[None, :], mask=mask,
-                other=0.0)
+    x = tl.load(x_ptr + outer * stride_xo + i * stride_xi + cols, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    flat = row[:, None] * N + cols[None, :]
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + (outer * stride_ro + i * stride_ri)[:, None] + cols[None, :],
-                    mask=mask, other=0.0)
+        r = tl.load(res_ptr + outer * stride_ro + i * stride_ri + cols, mask=mask, other=0.0)
         h = (x + r.to(tl.float32)).to(dtype)
-        tl.store(h_ptr + flat, h, mask=mask)
+        tl.store(h_ptr + row * N + cols, h, mask=mask)
         x = h.to(tl.float32)
-    squares = tl.sum(x * x, axis=1)
+    squares = tl.sum(x * x, axis=0)
     if MEAN_BY_RECIPROCAL:
         mean = squares * inv_n
     else:
         mean = squares / N
-    normed = (x * tl.math.rsqrt(mean + eps)[:, None]).to(dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + flat, (w[None, :] * normed).to(dtype), mask=mask)
+    normed = (x * tl.math.rsqrt(mean + eps)).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, (w * normed).to(dtype), mask=mask)
 
 
 @overload
@@ -84,12 +77,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     rows = x.reshape(-1, x.shape[-2], n)  # [outer, inner, N]: a view for heads of a projection
     res = rows if residual is None else residual.reshape(rows.shape)
     block = triton.next_power_of_2(n)
-    total = rows.shape[0] * rows.shape[1]
-    per_program = 1 if x.is_cuda else ROWS_INTERPRETED
-    _rms_norm_kernel[(triton.cdiv(total, per_program),)](
-        rows, res, weight, out, out if h is None else h, total, rows.shape[1], n, 1.0 / n, eps,
+    _rms_norm_kernel[(rows.shape[0] * rows.shape[1],)](
+        rows, res, weight, out, out if h is None else h, rows.shape[1], n, 1.0 / n, eps,
         rows.stride(0), rows.stride(1), res.stride(0), res.stride(1),
-        HAS_RESIDUAL=residual is not None, MEAN_BY_RECIPROCAL=x.is_cuda, ROWS=per_program,
-        BLOCK=block,
+        HAS_RESIDUAL=residual is not None, MEAN_BY_RECIPROCAL=x.is_cuda, BLOCK=block,
         num_warps=min(max(block // 256, 1), 16), enable_fp_fusion=False)
     return out if h is None else (out, h)

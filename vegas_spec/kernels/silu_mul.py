@@ -1,11 +1,10 @@
 """SiLU(gate) * up of the fused gate/up projection, as torch computes `F.silu(gate) * up`.
 
-Oracle: `vegas_spec.models.decoder.silu_mul`. Program (rows, j) reads columns j*BLOCK.. of the
-gate half and the up half of one row of gate_up [..., 2I] (16 rows under the interpreter).
-silu(g) = g / (1 + exp(-g)) is taken in float32 with a correctly rounded division and rounded to
-the dtype, then multiplied by up in float32 and rounded again: torch's two kernels, one rounding
-each. exp is the CUDA math library's expf, as torch's kernel calls it (numpy's exp under the
-interpreter)."""
+Oracle: `vegas_spec.models.decoder.silu_mul`. Program (row, j) reads columns j*BLOCK.. of the
+gate half and the up half of one row of gate_up [..., 2I]. silu(g) = g / (1 + exp(-g)) is
+taken in float32 with a correctly rounded division and rounded to the dtype, then multiplied
+by up in float32 and rounded again: torch's two kernels, one rounding each. exp is the CUDA
+math library's expf, as torch's kernel calls it (numpy's exp under the interpreter)."""
 
 from __future__ import annotations
 
@@ -18,21 +17,20 @@ from vegas_spec.kernels import interpreting
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, total, inter, stride_x, LIBDEVICE_EXP: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, LIBDEVICE_EXP: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = (row < total)[:, None] & (cols < inter)[None, :]
+    mask = cols < inter
     dtype = out_ptr.dtype.element_ty
-    src = x_ptr + row[:, None] * stride_x + cols[None, :]
-    gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(src + inter, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
     if LIBDEVICE_EXP:
         e = libdevice.exp(-gate)
     else:
         e = tl.exp(-gate)
     silu = tl.math.div_rn(gate, 1.0 + e).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row[:, None] * inter + cols[None, :], (silu * up).to(dtype), mask=mask)
+    tl.store(out_ptr + row * inter + cols, (silu * up).to(dtype), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -44,9 +42,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     rows = gate_up.reshape(-1, 2 * inter)
     block = min(triton.next_power_of_2(inter), 2048)
-    per_program = 1 if gate_up.is_cuda else 16  # the interpreter pays per program
-    grid = (triton.cdiv(rows.shape[0], per_program), triton.cdiv(inter, block))
-    _silu_mul_kernel[grid](
-        rows, out, rows.shape[0], inter, rows.stride(0), LIBDEVICE_EXP=not interpreting(),
-        ROWS=per_program, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
+        rows, out, inter, rows.stride(0), LIBDEVICE_EXP=not interpreting(), BLOCK=block,
+        num_warps=4)
     return out
