@@ -23,7 +23,7 @@ from vegas_spec.config import ConfigError, EngineConfig
 from vegas_spec.engine import LLM, Batch
 from vegas_spec.graphs import GraphRunner, bucket_for, buckets_upto
 from vegas_spec.sampling import BatchSampling
-from vegas_spec.spec.policies import SelectionInput, make_policy, max_budget
+from vegas_spec.spec.policies import QuestState, SelectionInput, make_policy, max_budget
 
 VOCAB = 256
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 64,
@@ -213,9 +213,17 @@ def test_host_bounds_give_the_same_selection(method: str) -> None:
         assert padded_equal(static.indices, dynamic.indices)
         return
     assert static.selector is not None and dynamic.selector is not None
+    # quest's captured form: page bounds of every page of the key width in a QuestState
+    state = QuestState.empty(layers, 4, 64 // page, hkv, dim, torch.device("cpu"))
+    fixed = policy.plan(dataclasses.replace(inp, kmax=kmax, recent_max=2 * gamma + 1,
+                                            quest_state=state))
+    assert fixed is not None and fixed.selector is not None
     q = torch.randn(3, 1, 2 * hkv, dim, generator=g)
     for layer in range(layers):
-        assert padded_equal(static.selector(layer, q, None), dynamic.selector(layer, q, None))
+        want = dynamic.selector(layer, q, None)
+        assert padded_equal(static.selector(layer, q, None), want)
+        assert padded_equal(fixed.selector(layer, q, None), want)
+        assert padded_equal(state.selector(3, page, -(-kmax // page))(layer, q, None), want)
 
 
 # --- no host synchronisation inside an iteration ----------------------------------------------

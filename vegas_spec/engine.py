@@ -11,6 +11,7 @@ host learns the accepted counts and tokens once per iteration, in `_commit`."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -273,6 +274,7 @@ class LLM:
         if self.graphs is not None:  # host bounds instead of reading the device
             inp.kmax, inp.recent_max = self.graphs.shapes.kmax, self.graphs.shapes.recent_max
             inp.max_len = self._host_len(batch)
+            inp.quest_state = self.graphs.buf.quest
         return inp
 
     # --- steps --------------------------------------------------------------------------
@@ -378,15 +380,19 @@ class LLM:
         gamma, hkv = spec.gamma, self.model_config.num_kv_heads
         kmax = max_budget(spec, self.max_model_len)
         width = policy.index_width(kmax)
-        draft = "plain" if policy.full_drafts else "draft" if width else None
+        dynamic = policy.selects_in_step
+        draft = "plain" if policy.full_drafts else "draft" if width or dynamic else None
+        pages = self.cache.pages_for(self.max_model_len + gamma + 1)
         return StaticShapes(
             kinds=("verify",) + ((draft,) if draft else ()), verify_rows=gamma + 1,
-            pages=self.cache.pages_for(self.max_model_len + gamma + 1), kmax=kmax,
+            pages=pages, kmax=kmax,
             index_width=width, index_groups=hkv if policy.per_kv_head else 1,
             recent_max=2 * gamma + 1,
             score_rows=tuple(policy.score_rows(gamma + 1, False)) if policy.wants_scores else (),
             score_groups=hkv if policy.per_kv_head else 1, score_mode=policy.score_mode,
-            per_kv_head=policy.per_kv_head)
+            per_kv_head=policy.per_kv_head,
+            quest_pages=math.ceil(pages * self.config.page_size / spec.page) if dynamic else 0,
+            quest_page=spec.page)
 
     def _score_request(self, policy: Policy | None, bsz: int, n: int, width: int,
                        prefill: bool) -> ScoreRequest | None:

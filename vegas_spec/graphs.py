@@ -7,8 +7,9 @@ buffers sized for the largest bucket: a batch of B rows runs as bucket(B) rows, 
 reading and writing a reserved scratch page, their outputs ignored. Before a step the
 engine's tensors are copied into the buffers (device to device, no host read); the step then
 replays its graph (CUDA) or runs eagerly on the same buffers (CPU), so both paths share every
-line of the buffer logic. quest's drafts always run eagerly on the real rows: its per-layer
-selector holds page bounds whose shape follows the context length.
+line of the buffer logic. quest selects inside every draft step: its page bounds and counts
+live in a `QuestState` of fixed shape (all pages of the static key width), which each plan
+fills and the captured draft step's selector reads.
 
 The key axis is the page table's full width, so `kv_len_max` never changes; the kernels stop
 at each row's position, and the reference masks the rest. Graphs are captured for every
@@ -17,19 +18,16 @@ each after a warm-up run, on dummy buffers that only touch the scratch page."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from vegas_spec.attention.backend import AttentionBackend
-from vegas_spec.attention.context import (
-    DynamicSelector,
-    ScoreRequest,
-    SparsePlan,
-    StepContext,
-)
+from vegas_spec.attention.context import ScoreRequest, SparsePlan, StepContext
 from vegas_spec.attention.torch_backend import slots_of
 from vegas_spec.models.decoder import Decoder
+from vegas_spec.spec.policies import QuestState
 
 KINDS = ("plain", "draft", "verify")
 
@@ -56,6 +54,7 @@ class StaticShapes:
     recent_max:   2γ+1, the widest recent range a draft step reads.
     score_rows:   verify rows whose selection scores the policy wants (() = none).
     score_groups: G of the scores [layers, B, R, G, W].
+    quest_pages:  NP of quest's page bounds (0 = the method does not select in its steps).
     """
 
     kinds: tuple[str, ...]
@@ -69,16 +68,19 @@ class StaticShapes:
     score_groups: int = 1
     score_mode: str = "weight"
     per_kv_head: bool = False
+    quest_pages: int = 0  # pages of quest's page bounds (0: not quest)
+    quest_page: int = 16  # tokens per quest page
 
 
 class StaticBuffers:
     """The inputs of every decode-loop forward, `capacity` rows each; a bucket reads the first
     rows. tokens, positions: {n: [C, n] int64} for n = 1 and γ+1; page_table [C, P] int32;
     indices [layers, C, G, K] int64; recent_start, budget [C] int64; score_rows [R] int64;
-    scores [layers, C, R, G, W] float32 (W = P * page_size)."""
+    scores [layers, C, R, G, W] float32 (W = P * page_size); quest: its QuestState."""
 
-    def __init__(self, shapes: StaticShapes, capacity: int, layers: int, page_size: int,
-                 scratch_page: int, device: torch.device) -> None:
+    def __init__(self, shapes: StaticShapes, capacity: int, kv_cache: torch.Tensor, layers: int,
+                 page_size: int, scratch_page: int) -> None:
+        device = kv_cache.device
         i64 = dict(dtype=torch.long, device=device)
         widths = {1, shapes.verify_rows} - {0}
         self.scratch_page = scratch_page
@@ -93,6 +95,8 @@ class StaticBuffers:
         self.scores = torch.zeros(layers, capacity, len(shapes.score_rows), shapes.score_groups,
                                   shapes.pages * page_size if shapes.score_rows else 0,
                                   dtype=torch.float32, device=device)
+        self.quest = QuestState.empty(layers, capacity, shapes.quest_pages, *kv_cache.shape[1:],
+                                      device) if shapes.quest_pages else None
         self.reset()
 
     def reset(self) -> None:
@@ -104,6 +108,9 @@ class StaticBuffers:
         self.indices.fill_(-1)
         self.recent_start.zero_()
         self.budget.zero_()
+        if self.quest is not None:
+            self.quest.rankable.zero_()
+            self.quest.n_pages.zero_()
 
 
 @dataclass
@@ -125,11 +132,9 @@ class GraphRunner:
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
         self.shapes, self.capacity, self.page_size = shapes, capacity, page_size
         self.kv_len = shapes.pages * page_size
-        device = kv_caches[0][0].device
-        self.buf = StaticBuffers(shapes, capacity, len(kv_caches), page_size, scratch_page,
-                                 device)
+        self.buf = StaticBuffers(shapes, capacity, kv_caches[0][0], len(kv_caches), page_size,
+                                 scratch_page)
         self.rows, self.bucket = capacity, capacity
-        self.selector: DynamicSelector | None = None  # quest's, else None
         # The runner's own memory pool (made by its first capture): a pool shared with an
         # earlier runner could outlive that runner's graphs while its blocks are still held,
         # which the caching allocator refuses when the next capture joins it.
@@ -149,8 +154,8 @@ class GraphRunner:
         self.buf.page_table[:rows, :width].copy_(page_table)
 
     def set_plan(self, plan: SparsePlan | None) -> None:
-        """Copy the next draft round's selection into the buffers (None: full drafts)."""
-        self.selector = None if plan is None else plan.selector
+        """Copy the next draft round's selection into the buffers (None: full drafts; quest's
+        plan has already filled `buf.quest`)."""
         if plan is None:
             return
         self.buf.recent_start[: self.rows].copy_(plan.recent_start)
@@ -175,8 +180,6 @@ class GraphRunner:
         n = tokens.shape[1]
         self.buf.tokens[n][: self.rows].copy_(tokens)
         self.buf.positions[n][: self.rows].copy_(positions)
-        if kind == "draft" and self.selector is not None:
-            return self._forward(kind, self.rows)  # quest: shapes follow the context
         graph = self.graphs.get((kind, self.bucket))
         if graph is None:
             return self._forward(kind, self.bucket)[: self.rows]
@@ -211,10 +214,12 @@ class GraphRunner:
                             s.per_kv_head)
 
     def _plan(self, rows: int) -> SparsePlan:
-        b = self.buf
-        indices = b.indices[:, :rows] if self.selector is None else None
-        return SparsePlan(indices, b.recent_start[:rows], self.shapes.recent_max,
-                          b.budget[:rows], self.selector)
+        b, s = self.buf, self.shapes
+        if b.quest is None:
+            return SparsePlan(b.indices[:, :rows], b.recent_start[:rows], s.recent_max,
+                              b.budget[:rows])
+        selector = b.quest.selector(rows, s.quest_page, math.ceil(s.kmax / s.quest_page))
+        return SparsePlan(None, b.recent_start[:rows], s.recent_max, b.budget[:rows], selector)
 
     # --- capture ----------------------------------------------------------------------------
 

@@ -43,6 +43,33 @@ class SelectionInput:
     kmax: int | None = None
     recent_max: int | None = None
     max_len: int | None = None
+    quest_state: QuestState | None = None
+
+
+@dataclass
+class QuestState:
+    """Fixed-shape home of quest's selection for captured draft steps: per layer the page
+    bounds lo, hi [layers, C, NP, Hkv, D] float32 and per sequence rankable, n_pages [C]
+    int64, for C >= B rows and NP pages (the static key width over the quest page). A plan
+    fills rows [:B]; the captured draft graph's selector reads them."""
+
+    lo: torch.Tensor
+    hi: torch.Tensor
+    rankable: torch.Tensor
+    n_pages: torch.Tensor
+
+    @classmethod
+    def empty(cls, layers: int, rows: int, pages: int, hkv: int, dim: int,
+              device: torch.device) -> QuestState:
+        f32, i64 = dict(dtype=torch.float32, device=device), dict(dtype=torch.long, device=device)
+        shape = (layers, rows, pages, hkv, dim)
+        return cls(torch.zeros(shape, **f32), torch.zeros(shape, **f32),
+                   torch.zeros(rows, **i64), torch.zeros(rows, **i64))
+
+    def selector(self, rows: int, page: int, max_pages: int) -> QuestSelector:
+        """The selector of the first `rows` rows, reading this state."""
+        bounds = [(self.lo[i, :rows], self.hi[i, :rows]) for i in range(self.lo.shape[0])]
+        return QuestSelector(bounds, self.rankable[:rows], self.n_pages[:rows], page, max_pages)
 
 
 def budget(cfg: SpecConfig, lengths: torch.Tensor, rankable: torch.Tensor) -> torch.Tensor:
@@ -96,6 +123,7 @@ class Policy:
     wants_scores = False
     per_kv_head = False
     full_drafts = False  # drafts attend to everything (no plan)
+    selects_in_step = False  # a per-layer selector runs inside every draft step (quest)
 
     def __init__(self, cfg: SpecConfig) -> None:
         self.cfg = cfg
@@ -279,6 +307,7 @@ class Quest(Policy):
 
     name = "quest"
     per_kv_head = True
+    selects_in_step = True
 
     def index_width(self, kmax: int) -> int:
         return 0  # the selector picks positions inside every draft step
@@ -289,16 +318,30 @@ class Quest(Policy):
 
     def selector(self, inp: SelectionInput, rankable: torch.Tensor,
                  k: torch.Tensor) -> QuestSelector:
-        most = None if inp.kmax is None else math.ceil(inp.kmax / self.cfg.page)
-        return QuestSelector(page_bounds(inp, rankable, self.cfg.page), rankable, k,
-                             self.cfg.page, most)
+        page = self.cfg.page
+        most = None if inp.kmax is None else math.ceil(inp.kmax / page)
+        n_pages = units(k, rankable, page)
+        state = inp.quest_state
+        if state is None:
+            return QuestSelector(page_bounds(inp, rankable, page), rankable, n_pages, page, most)
+        assert most is not None, "a fixed-shape quest selection needs the host bound kmax"
+        rows = rankable.shape[0]
+        for layer, (lo, hi) in enumerate(page_bounds(inp, rankable, page, state.lo.shape[2])):
+            state.lo[layer, :rows].copy_(lo)
+            state.hi[layer, :rows].copy_(hi)
+        state.rankable[:rows].copy_(rankable)
+        state.n_pages[:rows].copy_(n_pages)
+        return state.selector(rows, page, most)
 
 
 def page_bounds(inp: SelectionInput, rankable: torch.Tensor, page: int,
-                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (min, max) keys of every page of rankable positions: [B, NP, Hkv, D]."""
-    longest = int(rankable.max()) if inp.max_len is None else inp.max_len
-    n_pages = max(math.ceil(longest / page), 1)
+                n_pages: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (min, max) keys of every page of rankable positions: [B, NP, Hkv, D]
+    (NP = n_pages, or enough pages for the longest sequence; pages past a sequence's rankable
+    positions hold +inf / -inf)."""
+    if n_pages is None:
+        longest = int(rankable.max()) if inp.max_len is None else inp.max_len
+        n_pages = max(math.ceil(longest / page), 1)
     pos = torch.arange(n_pages * page, device=rankable.device).expand(rankable.shape[0], -1)
     valid = (pos < rankable[:, None])[:, :, None, None]
     # Quest pages may end past the cache pages a sequence holds: look those slots up clamped,
@@ -315,10 +358,12 @@ def page_bounds(inp: SelectionInput, rankable: torch.Tensor, page: int,
 
 
 class QuestSelector:
+    """bounds: per layer (lo, hi) [B, NP, Hkv, D]; rankable [B]; n_pages [B] pages to keep."""
+
     def __init__(self, bounds: list[tuple[torch.Tensor, torch.Tensor]], rankable: torch.Tensor,
-                 k: torch.Tensor, page: int, max_pages: int | None = None) -> None:
+                 n_pages: torch.Tensor, page: int, max_pages: int | None = None) -> None:
         self.bounds, self.rankable, self.page = bounds, rankable, page
-        self.n_pages = units(k, rankable, page)
+        self.n_pages = n_pages
         self.max_pages = max_pages  # host bound on n_pages (None: read it, a host sync)
 
     def __call__(self, layer: int, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -327,8 +372,11 @@ class QuestSelector:
         bsz, _, heads, dim = q.shape
         hkv = lo.shape[2]
         qg = q[:, 0].float().view(bsz, hkv, heads // hkv, dim)
-        page_scores = torch.maximum(torch.einsum("bhgd,bphd->bhgpd", qg, lo),
-                                    torch.einsum("bhgd,bphd->bhgpd", qg, hi)).sum((2, 4))
+        # max(q_d lo_d, q_d hi_d) is q_d hi_d where q_d >= 0 and q_d lo_d elsewhere (lo <= hi),
+        # so the sum over d and the group's heads is two batched products, no [.., NP, D] temp
+        up, down = qg.clamp(min=0).sum(2), qg.clamp(max=0).sum(2)  # [B, Hkv, D]
+        page_scores = (torch.einsum("bhd,bphd->bhp", up, hi)
+                       + torch.einsum("bhd,bphd->bhp", down, lo))  # [B, Hkv, NP]
         pages = torch.ceil(self.rankable / self.page).long()
         best = topk_positions(page_scores, pages, self.n_pages, self.max_pages)  # [B, Hkv, n]
         pos = best[..., None] * self.page + torch.arange(self.page, device=q.device)
