@@ -291,7 +291,8 @@ def test_static_triton_equals_eager_triton(tiny: Path, prompts: list[list[int]],
     monkeypatch.setattr(static, "_commit", guard.wrap(static._commit, armed=False))
     monkeypatch.setattr(static, "_iteration", guard.wrap(static._iteration, armed=True))
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (8, 3, 5)]
-    same_tokens(plain, static, prompts, params, {"method": method})
+    short = [p[:n] for p, n in zip(prompts, (12, 20, 30))]  # the interpreter is slow
+    same_tokens(plain, static, short, params, {"method": method})
 
 
 def test_the_guard_catches_the_eager_path(eager: LLM, prompts: list[list[int]],
