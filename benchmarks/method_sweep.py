@@ -88,7 +88,7 @@ def make_prompts(tok, texts: list[str], lengths: list[int], fmt: str) -> list[li
     out = []
     for i, n in enumerate(lengths):
         offset = (2 * i) % len(texts)
-        body = tok("\n\n".join(texts[offset:] + texts[:offset]),
+        body = tok(leading_text(texts[offset:] + texts[:offset], 8 * n),
                    add_special_tokens=False)["input_ids"]
         if fmt == "raw":
             cue = tok(CUE, add_special_tokens=False)["input_ids"]
@@ -98,6 +98,17 @@ def make_prompts(tok, texts: list[str], lengths: list[int], fmt: str) -> list[li
             text = tok.decode(body[: n - overhead]) + ASK
             out.append(chat(tok, text))
     return out
+
+
+def leading_text(texts: list[str], chars: int) -> str:
+    """The first essays joined, at least `chars` characters when there is that much: ample
+    for n tokens at 8 characters each, so the first n tokens are those of the whole text."""
+    out: list[str] = []
+    for text in texts:
+        out.append(text)
+        if sum(map(len, out)) >= chars:
+            break
+    return "\n\n".join(out)
 
 
 def chat(tok, text: str) -> list[int]:  # noqa: ANN001

@@ -1,0 +1,45 @@
+"""The benchmark scripts still run (tiny sizes, CPU): their figures are recorded in
+BENCHMARKS.md, so an API change must not silently break them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+        "bos_token_id": 1, "eos_token_id": 2}
+
+
+def run(script: str, *args: str) -> None:
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], check=True,
+                   cwd=ROOT / "benchmarks", capture_output=True, text=True, timeout=600)
+
+
+def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    out = tmp_path / "steps.json"
+    run("step_profile.py", "--config", str(tmp_path), "--contexts", "200", "--batches", "2",
+        "--reps", "2", "--min-tokens", "16", "--out", str(out))
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["context"], row["batch"], row["budget"]) == (200, 2, 16)
+    for kind in ("plain", "verify", "draft"):
+        assert row[f"{kind}_ms"] > 0 and row[f"floor_{kind}_ms"] > 0
+    assert row["floor_draft_ms"] < row["floor_plain_ms"]
+
+
+def test_method_sweep_pairs_prompts_and_checks_losslessness(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    run("method_sweep.py", "--prompts", "2", "--min-context", "120", "--max-context", "160",
+        "--max-tokens", "5", "--formats", "raw", "--variants", "vanilla", "vegas-acc",
+        "--min-tokens", "32", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert data["meta"]["lengths"] == [120, 160]
+    rows = data["results"]["raw"]
+    assert list(rows) == ["vanilla", "vegas-acc"]  # an ablation swapped in for vegas
+    assert len(rows["vegas-acc"]["per_prompt"]) == 2
+    assert rows["vegas-acc"]["token_ids"] == rows["vanilla"]["token_ids"]
