@@ -16,7 +16,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -128,7 +128,11 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     if rope_type not in ROPE_TYPES:
         raise ConfigError(
             f"unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
-    if rope_type != "default" and "factor" not in rope:
+    if rope_type == "freq_factors":  # llama.cpp's per-frequency divisors (GGUF rope_freqs)
+        rope["factors"] = tuple(float(f) for f in rope.get("factors") or ())
+        if not rope["factors"]:
+            raise ConfigError("rope type 'freq_factors' needs its 'factors'")
+    elif rope_type != "default" and "factor" not in rope:
         raise ConfigError(f"rope type {rope_type!r} needs a 'factor'")
     rope["rope_type"] = rope_type
     return theta, rope

@@ -105,3 +105,93 @@ def test_real_gguf_logits_match_transformers(llm, hf_model, essays) -> None:
     rel = diff / ref.abs().max().item()
     assert diff <= 1e-3 or rel <= 1e-4, f"max abs diff {diff:.3g}, relative {rel:.3g}"
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+# --- Llama 3.1-style GGUF: RoPE scaling stored as the rope_freqs tensor ------------------------
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+
+
+def write_tiny_llama_gguf(path, hf_model, rope_freqs: np.ndarray | None) -> None:  # noqa: ANN001
+    """hf_model's weights as llama.cpp writes them (q/k permuted), plus rope_freqs."""
+    import gguf
+
+    cfg = hf_model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for key, t in hf_model.state_dict().items():
+        a = t.float().numpy()
+        if key == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", a)
+        elif key == "model.norm.weight":
+            w.add_tensor("output_norm.weight", a)
+        elif key == "lm_head.weight":
+            w.add_tensor("output.weight", a)
+        else:
+            layer, rest = key.split(".")[2], ".".join(key.split(".")[3:-1])
+            if rest == "self_attn.q_proj":
+                a = llama_cpp_permute(a, cfg.num_attention_heads)
+            elif rest == "self_attn.k_proj":
+                a = llama_cpp_permute(a, cfg.num_key_value_heads)
+            w.add_tensor(f"blk.{layer}.{names[rest]}.weight", a)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_rope_freqs_gguf_gives_transformers_llama3_logits(tmp_path) -> None:  # noqa: ANN001
+    """A GGUF whose RoPE scaling is llama.cpp's rope_freqs tensor (as converted Llama 3.1
+    files carry) loads, and past the original context gives the logits of transformers'
+    llama3 RoPE; without the tensor the logits differ there."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vegas_spec import LLM
+    from vegas_spec.models.rope import _base_inv_freq, _llama3
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      rope_parameters={"rope_theta": 10000.0, **LLAMA3})
+    hf = LlamaForCausalLM(cfg).eval()
+    base = _base_inv_freq(10000.0, 16)
+    freqs = (base / _llama3(base, LLAMA3)).numpy()  # what llama.cpp's converter writes
+    assert not np.allclose(freqs, 1.0)
+    ids = torch.randint(3, 64, (120,)).tolist()  # well past the original 32 positions
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].float()
+    for name, tensor in (("scaled.gguf", freqs), ("plain.gguf", None)):
+        write_tiny_llama_gguf(tmp_path / name, hf, tensor)
+        got = LLM(str(tmp_path / name), kv_cache_bytes=1 << 24).logits(ids)
+        close = torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+        assert close == (tensor is not None), name
+
+
+def test_freq_factors_rope_needs_its_factors() -> None:
+    from vegas_spec.config import ConfigError, ModelConfig
+
+    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8,
+            "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1}
+    with pytest.raises(ConfigError, match="needs its 'factors'"):
+        ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "freq_factors"}})
+    cfg = ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "freq_factors",
+                                                        "factors": [1.0, 2.0, 4.0, 8.0]}})
+    assert cfg.rope["factors"] == (1.0, 2.0, 4.0, 8.0)

@@ -186,6 +186,7 @@ _GGUF_LAYER = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+ROPE_FREQS = "rope_freqs.weight"
 _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
              "output": "lm_head"}
 
@@ -235,6 +236,10 @@ def gguf_config(reader) -> dict:  # noqa: ANN001
         cfg["rope_scaling"] = {"rope_type": scaling, "factor": a("rope.scaling.factor"),
                                "original_max_position_embeddings":
                                    a("rope.scaling.original_context_length")}
+    elif ROPE_FREQS in names:  # llama.cpp writes Llama 3.1's rope scaling as this tensor
+        freqs = next(t for t in reader.tensors if t.name == ROPE_FREQS)
+        cfg["rope_scaling"] = {"rope_type": "freq_factors",
+                               "factors": [float(f) for f in np.asarray(freqs.data).ravel()]}
     return cfg
 
 
@@ -261,6 +266,8 @@ def _gguf_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, torch.Tens
     permuted = _field(reader, "general.architecture") in ("llama", "mistral")
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        if t.name == ROPE_FREQS:
+            continue  # read into the config's RoPE by gguf_config
         w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         name = _gguf_name(t.name)
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):

@@ -1,5 +1,6 @@
 """Rotary position embeddings with the scaling variants of Llama/Mistral/Qwen configs
-(default, linear, llama3, yarn), computed as `transformers` does."""
+(default, linear, llama3, yarn), computed as `transformers` does, and the per-frequency
+divisors that llama.cpp stores as a GGUF's `rope_freqs` tensor (Llama 3.1 and later)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import torch
 
-from vegas_spec.config import ModelConfig
+from vegas_spec.config import ConfigError, ModelConfig
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -62,6 +63,12 @@ def inv_freq_and_scale(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     if kind == "yarn":
         return _yarn(cfg, dim, rope)
     inv_freq = _base_inv_freq(cfg.rope_theta, dim)
+    if kind == "freq_factors":  # llama.cpp: theta_i = pos * base^(-2i/d) / factors[i]
+        factors = torch.tensor(rope["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ConfigError(f"rope_freqs has {factors.numel()} factors, the head dim needs "
+                              f"{inv_freq.numel()}")
+        return inv_freq / factors, 1.0
     if kind == "linear":
         inv_freq = inv_freq / rope["factor"]
     elif kind == "llama3":
