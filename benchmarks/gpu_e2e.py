@@ -122,6 +122,7 @@ def main() -> None:
                 elif base_tokens is not None:
                     row["divergences"] = divergences(llm, prompts, base_tokens, tokens)
                 rows.append(row)
+                save(args, rows)
                 print(json.dumps({k: row.get(k) for k in (
                     "context", "batch", "method", "decode_tokens_per_s", "tokens_per_iteration",
                     "phase_fraction", "divergences")}), flush=True)
@@ -133,6 +134,7 @@ def main() -> None:
                     if base_tokens is not None:
                         row["divergences"] = divergences(llm, prompts, base_tokens, tokens)
                     rows.append(row)
+                    save(args, rows)
                     print(json.dumps({k: row.get(k) for k in (
                         "method", "decode_tokens_per_s", "tokens_per_iteration")}), flush=True)
             if hf is not None:
@@ -143,7 +145,7 @@ def main() -> None:
 
 
 def save(args: argparse.Namespace, rows: list[dict]) -> None:
-    """Rewritten after every batch so a run cut short keeps what it measured."""
+    """Rewritten after every row so a run cut short keeps what it measured."""
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
