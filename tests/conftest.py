@@ -17,6 +17,19 @@ if not torch.cuda.is_available():
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 
+# Every speculative method and vegas variant, for the tests that run them all.
+SPEC_VARIANTS: list[dict] = [
+    {"method": "vegas"},
+    {"method": "vegas", "score": "logit"},
+    {"method": "vegas", "collect": "all"},
+    {"method": "vegas", "granularity": "kv_head"},
+    {"method": "stream"},
+    {"method": "quest"},
+    {"method": "lastq"},
+    {"method": "specextend"},
+    {"method": "full"},
+]
+
 
 def package_dir(name: str) -> Path:
     spec = importlib.util.find_spec(name)

@@ -5,22 +5,11 @@ prompts of different lengths (>= 2,000 tokens)."""
 from __future__ import annotations
 
 import pytest
-from conftest import essay_prompt
+from conftest import SPEC_VARIANTS, essay_prompt
 
 from vegas_spec import SamplingParams, SpecConfig
 
 MAX_TOKENS = 24
-VARIANTS = [
-    {"method": "vegas"},
-    {"method": "vegas", "score": "logit"},
-    {"method": "vegas", "collect": "all"},
-    {"method": "vegas", "granularity": "kv_head"},
-    {"method": "stream"},
-    {"method": "quest"},
-    {"method": "lastq"},
-    {"method": "specextend"},
-    {"method": "full"},
-]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +23,7 @@ def plain(llm, prompts):
     return llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
+@pytest.mark.parametrize("variant", SPEC_VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
 def test_greedy_speculative_equals_plain(llm, prompts, plain, variant) -> None:
     # min_tokens 64 keeps the budget at ~3% of these contexts, so drafts really are sparse.
     spec = SpecConfig(gamma=6, ratio=0.02, min_tokens=64, **variant)
