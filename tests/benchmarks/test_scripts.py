@@ -16,8 +16,9 @@ TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size":
 
 
 def run(script: str, *args: str) -> None:
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], check=True,
-                   cwd=ROOT / "benchmarks", capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
+                          cwd=ROOT / "benchmarks", capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{script} failed:\n{done.stderr[-3000:]}"
 
 
 def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> None:

@@ -24,8 +24,8 @@ next to the bandwidth of a large device-to-device copy (read + written bytes). B
 Every kernel is first run against its PyTorch reference at a small size (a failing check marks
 its rows FAIL and they are not timed). The references are also timed at a few small sizes.
 
-    python benchmarks/kernels.py --out kernels.json          # CUDA: the full sweep
-    python benchmarks/kernels.py --smoke --out /tmp/k.json   # CPU, Triton interpreter, tiny
+    python benchmarks/kernel_bench.py --out kernels.json          # CUDA: the full sweep
+    python benchmarks/kernel_bench.py --smoke --out /tmp/k.json   # CPU, Triton interpreter, tiny
 """
 
 from __future__ import annotations
