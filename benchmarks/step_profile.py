@@ -10,7 +10,8 @@ random, so no token means anything).
 Every step is the engine's own CUDA graph (the GraphRunner of the method, batch bucket =
 batch), replayed `--reps` times after a warm-up; the figure is the median of CUDA-event times.
 The selection is the vegas policy turning the verify step's scores into the next plan,
-including the copy of the plan into the graph buffers. Floors: bytes the step must read
+including the copy of the plan into the graph buffers. A round is what a greedy iteration
+replays: the γ draft steps, the verify step and acceptance captured as one graph. Floors: bytes the step must read
 (weights once, K and V of every position it attends to) over the measured copy bandwidth.
 `--profile` adds a per-kernel table (torch.profiler) of one replay of each step.
 """
@@ -138,6 +139,18 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         if args.profile:
             profiles["draft"] = kernel_table(draft)
             profiles["select"] = kernel_table(select)
+        plan = policy.plan(inp)
+        llm.graphs = None
+
+        # A greedy round as the engine runs it: γ drafts, verify and acceptance in one graph.
+        greedy = llm._graph_runner(spec, policy, bsz, greedy=True)
+        greedy.set_batch(table)
+        greedy.set_plan(plan)
+        last = tokens[:, 0].contiguous()
+        round_ = lambda: greedy.run_spec(last, lengths)  # noqa: E731
+        out["round_ms"] = median_ms(round_, args.reps)
+        if args.profile:
+            profiles["round"] = kernel_table(round_)
         llm.graphs = None
         out["budget"] = budget
         full_kv = bsz * context * kv_token
@@ -151,6 +164,9 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         out["draft_over_plain"] = out["draft_ms"] / out["plain_ms"]
         out["ideal_speedup_at_7_tokens"] = (gamma + 1) * out["plain_ms"] / (
             gamma * out["draft_ms"] + out["verify_ms"] + out["select_ms"])
+        out["round_over_steps"] = out["round_ms"] / (gamma * out["draft_ms"] + out["verify_ms"])
+        out["ideal_speedup_at_7_tokens_round"] = (gamma + 1) * out["plain_ms"] / (
+            out["round_ms"] + out["select_ms"])
         if profiles:
             out["profiles"] = profiles
         return out

@@ -72,13 +72,15 @@ def prompts() -> list[list[int]]:
 def buckets(monkeypatch: pytest.MonkeyPatch) -> set[tuple[int, int]]:
     """(bucket, rows) of every static step run during the test."""
     seen: set[tuple[int, int]] = set()
-    run = GraphRunner.run
 
-    def record(self: GraphRunner, *args: Any) -> torch.Tensor:
-        seen.add((self.bucket, self.rows))
-        return run(self, *args)
+    def recording(run: Callable) -> Callable:
+        def record(self: GraphRunner, *args: Any) -> Any:
+            seen.add((self.bucket, self.rows))
+            return run(self, *args)
+        return record
 
-    monkeypatch.setattr(GraphRunner, "run", record)
+    monkeypatch.setattr(GraphRunner, "run", recording(GraphRunner.run))
+    monkeypatch.setattr(GraphRunner, "run_spec", recording(GraphRunner.run_spec))
     return seen
 
 
@@ -105,6 +107,8 @@ def test_static_greedy_equals_eager(eager: LLM, static: LLM, prompts: list[list[
     assert [len(t) for t in tokens] == [16] * 3
     assert static.graphs is not None and static.graphs.capacity == 4
     assert (4, 3) in buckets
+    # greedy rounds run as one `spec` step: drafts, verify and acceptance together
+    assert static.graphs.shapes.kinds == (("plain",) if method is None else ("spec",))
 
 
 @pytest.mark.parametrize("method", METHODS, ids=IDS)
@@ -124,6 +128,7 @@ def test_static_seeded_sampling_equals_eager(eager: LLM, static: LLM, prompts: l
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=n, seed=i,
                              ignore_eos=True) for i, n in enumerate((14, 6, 10))]
     same_tokens(eager, static, prompts, params, {"method": method})
+    assert static.graphs is not None and static.graphs.shapes.kinds == ("verify", "draft")
 
 
 def test_runner_is_reused_then_rebuilt_for_a_larger_batch(tiny: Path, eager: LLM,

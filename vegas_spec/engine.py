@@ -7,7 +7,8 @@ keep their own lengths, budgets and stopping; finished ones leave the batch.
 
 With static shapes (always under CUDA graphs) the decode-loop forwards run through a
 `GraphRunner` on fixed-shape buffers, and nothing inside an iteration reads the device: the
-host learns the accepted counts and tokens once per iteration, in `_commit`."""
+host learns the accepted counts and tokens once per iteration, in `_commit`. A greedy batch
+runs each round's drafts, verification and acceptance as one `spec` graph."""
 
 from __future__ import annotations
 
@@ -200,7 +201,8 @@ class LLM:
                          prompt_tokens=sum(len(s.prompt_ids) for s in seqs),
                          seqs=[s.stats for s in seqs])
         if self.config.static:
-            self.graphs = self._graph_runner(spec, policy, len(seqs))
+            greedy = all(s.params.greedy for s in seqs)
+            self.graphs = self._graph_runner(spec, policy, len(seqs), greedy)
         t0 = time.perf_counter()
         batch, scores = self._prefill_all(seqs, policy, timer)
         stats.wall_prefill = time.perf_counter() - t0
@@ -320,6 +322,10 @@ class LLM:
     def _speculate(self, batch: Batch, spec: SpecConfig, policy: Policy, timer: PhaseTimer,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         gamma = spec.gamma
+        if self.graphs is not None and "spec" in self.graphs.shapes.kinds:
+            with timer.phase("speculate"):  # drafts, verify and acceptance: one graph
+                accepted, emitted = self.graphs.run_spec(batch.last, batch.lengths)
+            return accepted, emitted, self.graphs.scores()
         with timer.phase("draft"):
             drafts, q = self._draft(batch, gamma)
         with timer.phase("verify"):
@@ -364,9 +370,11 @@ class LLM:
 
     # --- static shapes ------------------------------------------------------------------
 
-    def _graph_runner(self, spec: SpecConfig, policy: Policy | None, bsz: int) -> GraphRunner:
-        """The runner of this method's shapes, rebuilt when they or the batch outgrow it."""
-        shapes = self._static_shapes(spec, policy)
+    def _graph_runner(self, spec: SpecConfig, policy: Policy | None, bsz: int,
+                      greedy: bool = False) -> GraphRunner:
+        """The runner of this method's shapes, rebuilt when they or the batch outgrow it;
+        greedy: whole rounds as `spec` graphs instead of separate draft and verify steps."""
+        shapes = self._static_shapes(spec, policy, greedy)
         runner = self.graphs
         if runner is not None and runner.shapes == shapes and runner.capacity >= bsz:
             return runner
@@ -374,7 +382,8 @@ class LLM:
         return GraphRunner(self.model, self.cache.layers, self.backend, shapes, bucket_for(bsz),
                            self.config.page_size, self.scratch_page, self.config.graphs)
 
-    def _static_shapes(self, spec: SpecConfig, policy: Policy | None) -> StaticShapes:
+    def _static_shapes(self, spec: SpecConfig, policy: Policy | None,
+                       greedy: bool) -> StaticShapes:
         if policy is None:
             return StaticShapes(("plain",), 0, self.cache.pages_for(self.max_model_len))
         gamma, hkv = spec.gamma, self.model_config.num_kv_heads
@@ -383,8 +392,9 @@ class LLM:
         dynamic = policy.selects_in_step
         draft = "plain" if policy.full_drafts else "draft" if width or dynamic else None
         pages = self.cache.pages_for(self.max_model_len + gamma + 1)
+        kinds = ("spec",) if greedy and draft else ("verify",) + ((draft,) if draft else ())
         return StaticShapes(
-            kinds=("verify",) + ((draft,) if draft else ()), verify_rows=gamma + 1,
+            kinds=kinds, verify_rows=gamma + 1, draft_kind=draft or "draft",
             pages=pages, kmax=kmax,
             index_width=width, index_groups=hkv if policy.per_kv_head else 1,
             recent_max=2 * gamma + 1,

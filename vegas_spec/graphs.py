@@ -2,7 +2,10 @@
 
 Three kinds of step run in the decode loop: `plain` (one token, full attention: vanilla
 decoding and the `full` oracle's drafts), `draft` (one token, sparse attention over the plan)
-and `verify` (γ+1 tokens, full attention and selection scores). Each reads only persistent
+and `verify` (γ+1 tokens, full attention and selection scores). With greedy drafts a fourth
+kind, `spec`, chains a whole round into one graph: γ draft steps, each feeding its argmax to
+the next, then the verify step and greedy acceptance, so an iteration launches one graph
+instead of γ+1 graphs with copies and argmaxes between them. Each reads only persistent
 buffers sized for the largest bucket: a batch of B rows runs as bucket(B) rows, the extra rows
 reading and writing a reserved scratch page, their outputs ignored. Before a step the
 engine's tensors are copied into the buffers (device to device, no host read); the step then
@@ -27,9 +30,10 @@ from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import ScoreRequest, SparsePlan, StepContext
 from vegas_spec.attention.torch_backend import slots_of
 from vegas_spec.models.decoder import Decoder
+from vegas_spec.spec.acceptance import accept_greedy
 from vegas_spec.spec.policies import QuestState
 
-KINDS = ("plain", "draft", "verify")
+KINDS = ("plain", "draft", "verify", "spec")
 
 
 def bucket_for(rows: int) -> int:
@@ -55,6 +59,7 @@ class StaticShapes:
     score_rows:   verify rows whose selection scores the policy wants (() = none).
     score_groups: G of the scores [layers, B, R, G, W].
     quest_pages:  NP of quest's page bounds (0 = the method does not select in its steps).
+    draft_kind:   the step a `spec` round drafts with ("draft", or "plain" for full drafts).
     """
 
     kinds: tuple[str, ...]
@@ -70,13 +75,15 @@ class StaticShapes:
     per_kv_head: bool = False
     quest_pages: int = 0  # pages of quest's page bounds (0: not quest)
     quest_page: int = 16  # tokens per quest page
+    draft_kind: str = "draft"
 
 
 class StaticBuffers:
     """The inputs of every decode-loop forward, `capacity` rows each; a bucket reads the first
     rows. tokens, positions: {n: [C, n] int64} for n = 1 and γ+1; page_table [C, P] int32;
     indices [layers, C, G, K] int64; recent_start, budget [C] int64; score_rows [R] int64;
-    scores [layers, C, R, G, W] float32 (W = P * page_size); quest: its QuestState."""
+    scores [layers, C, R, G, W] float32 (W = P * page_size); quest: its QuestState;
+    last, lengths [C] int64: a `spec` round's newest tokens and committed lengths."""
 
     def __init__(self, shapes: StaticShapes, capacity: int, kv_cache: torch.Tensor, layers: int,
                  page_size: int, scratch_page: int) -> None:
@@ -97,6 +104,8 @@ class StaticBuffers:
                                   dtype=torch.float32, device=device)
         self.quest = QuestState.empty(layers, capacity, shapes.quest_pages, *kv_cache.shape[1:],
                                       device) if shapes.quest_pages else None
+        self.last = torch.zeros(capacity, **i64)
+        self.lengths = torch.zeros(capacity, **i64)
         self.reset()
 
     def reset(self) -> None:
@@ -108,6 +117,8 @@ class StaticBuffers:
         self.indices.fill_(-1)
         self.recent_start.zero_()
         self.budget.zero_()
+        self.last.zero_()
+        self.lengths.zero_()
         if self.quest is not None:
             self.quest.rankable.zero_()
             self.quest.n_pages.zero_()
@@ -116,15 +127,15 @@ class StaticBuffers:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [bucket, n, V], rewritten by every replay
+    out: tuple[torch.Tensor, ...]  # rewritten by every replay
 
 
 class GraphRunner:
     """Owns the fixed-shape buffers and the CUDA graphs of one method's decode loop.
 
     set_batch once per batch (and whenever sequences leave it), set_plan once per selection,
-    then run(kind, tokens, positions) per step. With capture False every step runs eagerly on
-    the buffers (the CPU path)."""
+    then run(kind, tokens, positions) per step, or run_spec(last, lengths) per greedy round.
+    With capture False every step runs eagerly on the buffers (the CPU path)."""
 
     def __init__(self, model: Decoder, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  backend: AttentionBackend, shapes: StaticShapes, capacity: int,
@@ -180,15 +191,51 @@ class GraphRunner:
         n = tokens.shape[1]
         self.buf.tokens[n][: self.rows].copy_(tokens)
         self.buf.positions[n][: self.rows].copy_(positions)
+        return self._replay(kind)[0][: self.rows]
+
+    def run_spec(self, last: torch.Tensor, lengths: torch.Tensor,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One greedy round: last, lengths [B] -> accepted [B] and emitted [B, γ+1] as
+        `accept_greedy` returns them (views the next round overwrites); the verify step's
+        scores are in `scores()` after it."""
+        self.buf.last[: self.rows].copy_(last)
+        self.buf.lengths[: self.rows].copy_(lengths)
+        accepted, emitted = self._replay("spec")
+        return accepted[: self.rows], emitted[: self.rows]
+
+    def _replay(self, kind: str) -> tuple[torch.Tensor, ...]:
         graph = self.graphs.get((kind, self.bucket))
         if graph is None:
-            return self._forward(kind, self.bucket)[: self.rows]
+            return self._body(kind, self.bucket)
         graph.graph.replay()
-        return graph.logits[: self.rows]
+        return graph.out
 
     def scores(self) -> torch.Tensor | None:
         """The last verify step's scores [layers, B, R, G, W], or None if none were asked."""
         return self.buf.scores[:, : self.rows] if self.shapes.score_rows else None
+
+    def _body(self, kind: str, rows: int) -> tuple[torch.Tensor, ...]:
+        """What a graph of `kind` captures, on the first `rows` buffer rows."""
+        if kind == "spec":
+            return self._speculate(rows)
+        return (self._forward(kind, rows),)
+
+    def _speculate(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """γ greedy draft steps from buf.last at buf.lengths, then the verify step over
+        [last, drafts] and greedy acceptance: accepted [rows], emitted [rows, γ+1]."""
+        b, n = self.buf, self.shapes.verify_rows
+        last, lengths = b.last[:rows], b.lengths[:rows]
+        token, drafts = last, []
+        for j in range(n - 1):
+            b.tokens[1][:rows, 0].copy_(token)
+            b.positions[1][:rows, 0].copy_(lengths + j)
+            token = self._forward(self.shapes.draft_kind, rows)[:, -1].argmax(-1)
+            drafts.append(token)
+        draft = torch.stack(drafts, 1)
+        b.tokens[n][:rows, 0].copy_(last)
+        b.tokens[n][:rows, 1:].copy_(draft)
+        b.positions[n][:rows].copy_(lengths[:, None] + torch.arange(n, device=lengths.device))
+        return accept_greedy(draft, self._forward("verify", rows))
 
     def _forward(self, kind: str, rows: int) -> torch.Tensor:
         """One step of the first `rows` buffer rows: logits [rows, n, V] float32."""
@@ -235,11 +282,11 @@ class GraphRunner:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._forward(kind, bucket)
+            self._body(kind, bucket)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(kind, bucket)
+            out = self._body(kind, bucket)
         if self.pool is None:
             self.pool = graph.pool()
-        return _Graph(graph, logits)
+        return _Graph(graph, out)

@@ -11,7 +11,10 @@ from typing import Any
 
 import torch
 
-PHASES = ("prefill", "draft", "verify", "select", "accept", "decode")
+PHASES = ("prefill", "draft", "verify", "speculate", "select", "accept", "decode")
+# A speculative iteration's phases; "speculate" is a whole greedy round run as one CUDA graph
+# (drafts, verify and acceptance), in place of draft + verify + accept.
+SPEC_PHASES = ("draft", "verify", "speculate", "select", "accept")
 
 
 class PhaseTimer:
@@ -92,7 +95,7 @@ class RunStats:
         tpi = [t for s in self.seqs for t in s.tokens_per_iteration]
         budget = [b for s in self.seqs for b in s.budget]
         phases = {k: round(v, 6) for k, v in self.timer.totals.items()}
-        spec_total = sum(phases.get(k, 0.0) for k in ("draft", "verify", "select", "accept"))
+        spec_total = sum(phases.get(k, 0.0) for k in SPEC_PHASES)
         out: dict[str, Any] = {
             "method": self.method, "gamma": self.gamma,
             "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
@@ -102,7 +105,7 @@ class RunStats:
             "phase_s": phases,
         }
         if spec_total > 0:
-            out["phase_fraction"] = {k: phases.get(k, 0.0) / spec_total
-                                     for k in ("draft", "verify", "select", "accept")}
+            out["phase_fraction"] = {k: phases[k] / spec_total for k in SPEC_PHASES
+                                     if k in phases}
         out.update(summarize(tpi, self.gamma, budget))
         return out
