@@ -11,8 +11,9 @@ Every step is the engine's own CUDA graph (the GraphRunner of the method, batch 
 batch), replayed `--reps` times after a warm-up; the figure is the median of CUDA-event times.
 The selection is the vegas policy turning the verify step's scores into the next plan,
 including the copy of the plan into the graph buffers. A round is what a greedy iteration
-replays: the γ draft steps, the verify step and acceptance captured as one graph. Floors: bytes the step must read
-(weights once, K and V of every position it attends to) over the measured copy bandwidth.
+replays: the γ draft steps, the verify step and acceptance captured as one graph. Floors:
+bytes the step must read (weights once, K and V of every position it attends to) over the
+measured copy bandwidth.
 `--profile` adds a per-kernel table (torch.profiler) of one replay of each step.
 """
 
