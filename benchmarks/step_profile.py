@@ -11,7 +11,9 @@ Every step is the engine's own CUDA graph (the GraphRunner of the method, batch 
 batch), replayed `--reps` times after a warm-up; the figure is the median of CUDA-event times.
 The selection is the vegas policy turning the verify step's scores into the next plan,
 including the copy of the plan into the graph buffers. A round is what a greedy iteration
-replays: the γ draft steps, the verify step and acceptance captured as one graph. Floors:
+replays: the γ draft steps, the verify step, acceptance and the next selection captured as
+one graph (also timed without the selection: the difference is the selection's cost inside
+the graph, `select_in_round_ms`). Floors:
 bytes the step must read (weights once, K and V of every position it attends to) over the
 measured copy bandwidth.
 `--profile` adds a per-kernel table (torch.profiler) of one replay of each step.
@@ -20,6 +22,8 @@ measured copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -27,6 +31,7 @@ from pathlib import Path
 import torch
 
 from vegas_spec import LLM, SpecConfig
+from vegas_spec.graphs import GraphRunner
 from vegas_spec.spec.policies import SelectionInput, make_policy
 
 
@@ -143,16 +148,24 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         plan = policy.plan(inp)
         llm.graphs = None
 
-        # A greedy round as the engine runs it: γ drafts, verify and acceptance in one graph.
-        greedy = llm._graph_runner(spec, policy, bsz, greedy=True)
-        greedy.set_batch(table)
-        greedy.set_plan(plan)
+        # A greedy round as the engine runs it: γ drafts, verify, acceptance and the next
+        # selection in one graph; and the same round without the selection.
         last = tokens[:, 0].contiguous()
-        round_ = lambda: greedy.run_spec(last, lengths)  # noqa: E731
-        out["round_ms"] = median_ms(round_, args.reps)
-        if args.profile:
-            profiles["round"] = kernel_table(round_)
-        llm.graphs = None
+        shapes = llm._static_shapes(spec, policy, greedy=True)
+        for key, plans in (("round_ms", True), ("round_unplanned_ms", False)):
+            llm.graphs = GraphRunner(llm.model, llm.cache.layers, llm.backend,
+                                     dataclasses.replace(shapes, plans=plans), bsz,
+                                     llm.config.page_size, llm.scratch_page, llm.config.graphs,
+                                     policy)
+            greedy = llm.graphs
+            greedy.set_batch(table)
+            greedy.set_plan(plan)
+            round_ = functools.partial(greedy.run_spec, last, lengths)
+            out[key] = median_ms(round_, args.reps)
+            if args.profile and plans:
+                profiles["round"] = kernel_table(round_)
+            llm.graphs = None
+        out["select_in_round_ms"] = out["round_ms"] - out["round_unplanned_ms"]
         out["budget"] = budget
         full_kv = bsz * context * kv_token
         sparse_kv = bsz * (budget + 2 * gamma + 1) * kv_token
@@ -165,9 +178,9 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         out["draft_over_plain"] = out["draft_ms"] / out["plain_ms"]
         out["ideal_speedup_at_7_tokens"] = (gamma + 1) * out["plain_ms"] / (
             gamma * out["draft_ms"] + out["verify_ms"] + out["select_ms"])
-        out["round_over_steps"] = out["round_ms"] / (gamma * out["draft_ms"] + out["verify_ms"])
-        out["ideal_speedup_at_7_tokens_round"] = (gamma + 1) * out["plain_ms"] / (
-            out["round_ms"] + out["select_ms"])
+        out["round_over_steps"] = out["round_unplanned_ms"] / (
+            gamma * out["draft_ms"] + out["verify_ms"])
+        out["ideal_speedup_at_7_tokens_round"] = (gamma + 1) * out["plain_ms"] / out["round_ms"]
         if profiles:
             out["profiles"] = profiles
         return out

@@ -221,39 +221,44 @@ class LLM:
 
     def _iteration(self, batch: Batch, spec: SpecConfig, policy: Policy | None,
                    timer: PhaseTimer) -> Batch | None:
-        scores = None
+        scores, budget, planned = None, None, False
         if policy is None:
             with timer.phase("decode"):
                 emitted = self._plain_step(batch)[:, None]
             accepted = torch.zeros_like(batch.lengths)
         else:
-            accepted, emitted, scores = self._speculate(batch, spec, policy, timer)
+            accepted, emitted, scores, budget, planned = self._speculate(batch, spec, policy,
+                                                                         timer)
         row = batch.lengths  # verify row 0 sat at the old length
         batch.lengths = batch.lengths + accepted + 1
         batch.last = emitted.gather(1, accepted[:, None])[:, 0]
-        self._commit(batch, policy, accepted, emitted)
+        self._commit(batch, policy, accepted, emitted, budget)
         timer.flush()
-        return self._select(batch, policy, spec.gamma, timer, scores, row, accepted)
+        return self._select(batch, policy, spec.gamma, timer, scores, row, accepted, planned)
 
     def _commit(self, batch: Batch, policy: Policy | None, accepted: torch.Tensor,
-                emitted: torch.Tensor) -> None:
+                emitted: torch.Tensor, budget: torch.Tensor | None) -> None:
         """The iteration's one host read: accepted [B], emitted [B, n] and the budgets [B]
-        come back in one transfer; then the tokens are appended and stopping is checked."""
-        plan, n = batch.plan, emitted.shape[1]
-        cols = [accepted[:, None], emitted] + ([] if plan is None else [plan.budget[:, None]])
+        the drafts read come back in one transfer; then the tokens are appended and
+        stopping is checked."""
+        n = emitted.shape[1]
+        cols = [accepted[:, None], emitted] + ([] if budget is None else [budget[:, None]])
         for seq, row in zip(batch.seqs, torch.cat(cols, 1).tolist()):
             a = row[0]
             if policy is not None:
-                seq.stats.record(a + 1, None if plan is None else row[1 + n])
+                seq.stats.record(a + 1, None if budget is None else row[1 + n])
             self._append(seq, row[1 : a + 2])
 
     def _select(self, batch: Batch, policy: Policy | None, gamma: int, timer: PhaseTimer,
-                scores: torch.Tensor | None, row: torch.Tensor,
-                accepted: torch.Tensor) -> Batch | None:
-        """Drop finished sequences, then choose the next draft round's KV positions."""
+                scores: torch.Tensor | None, row: torch.Tensor, accepted: torch.Tensor,
+                planned: bool = False) -> Batch | None:
+        """Drop finished sequences, then choose the next draft round's KV positions (unless
+        the round's graph already did, `planned`, and no sequence left)."""
         alive = [i for i, s in enumerate(batch.seqs) if s.finish_reason is None]
         if not alive:
             return None
+        if planned and len(alive) == len(batch.seqs):
+            return batch
         if len(alive) < len(batch.seqs):
             idx = self._upload(alive)
             row, accepted = row[idx], accepted[idx]
@@ -320,12 +325,20 @@ class LLM:
         return next_tokens(logits, batch.sampling)
 
     def _speculate(self, batch: Batch, spec: SpecConfig, policy: Policy, timer: PhaseTimer,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                              torch.Tensor | None, bool]:
+        """One draft-verify-accept round: accepted [B], emitted [B, γ+1], the verify pass's
+        scores, the budgets [B] the drafts read, and whether the next plan is already made
+        (a planning `spec` graph)."""
         gamma = spec.gamma
-        if self.graphs is not None and "spec" in self.graphs.shapes.kinds:
-            with timer.phase("speculate"):  # drafts, verify and acceptance: one graph
-                accepted, emitted = self.graphs.run_spec(batch.last, batch.lengths)
-            return accepted, emitted, self.graphs.scores()
+        graphs = self.graphs
+        if graphs is not None and "spec" in graphs.shapes.kinds:
+            # drafts, verify, acceptance (and the next selection): one graph
+            with timer.phase("speculate"):
+                accepted, emitted, budget = graphs.run_spec(batch.last, batch.lengths)
+            return (accepted, emitted, graphs.scores(),
+                    None if batch.plan is None else budget, graphs.shapes.plans)
+        budget = None if batch.plan is None else batch.plan.budget
         with timer.phase("draft"):
             drafts, q = self._draft(batch, gamma)
         with timer.phase("verify"):
@@ -337,7 +350,7 @@ class LLM:
                 assert q is not None
                 accepted, emitted = accept_sampling(drafts, q, probs(logits, batch.sampling),
                                                     batch.sampling)
-        return accepted, emitted, scores
+        return accepted, emitted, scores, budget, False
 
     def _verify(self, batch: Batch, policy: Policy, drafts: torch.Tensor, gamma: int,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -380,7 +393,7 @@ class LLM:
             return runner
         self.graphs = None  # free the old buffers and graphs before capturing new ones
         return GraphRunner(self.model, self.cache.layers, self.backend, shapes, bucket_for(bsz),
-                           self.config.page_size, self.scratch_page, self.config.graphs)
+                           self.config.page_size, self.scratch_page, self.config.graphs, policy)
 
     def _static_shapes(self, spec: SpecConfig, policy: Policy | None,
                        greedy: bool) -> StaticShapes:
@@ -392,9 +405,11 @@ class LLM:
         dynamic = policy.selects_in_step
         draft = "plain" if policy.full_drafts else "draft" if width or dynamic else None
         pages = self.cache.pages_for(self.max_model_len + gamma + 1)
-        kinds = ("spec",) if greedy and draft else ("verify",) + ((draft,) if draft else ())
+        spec_round = greedy and draft is not None
+        kinds = ("spec",) if spec_round else ("verify",) + ((draft,) if draft else ())
         return StaticShapes(
             kinds=kinds, verify_rows=gamma + 1, draft_kind=draft or "draft",
+            plans=spec_round and not policy.full_drafts,
             pages=pages, kmax=kmax,
             index_width=width, index_groups=hkv if policy.per_kv_head else 1,
             recent_max=2 * gamma + 1,

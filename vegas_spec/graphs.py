@@ -4,8 +4,9 @@ Three kinds of step run in the decode loop: `plain` (one token, full attention: 
 decoding and the `full` oracle's drafts), `draft` (one token, sparse attention over the plan)
 and `verify` (γ+1 tokens, full attention and selection scores). With greedy drafts a fourth
 kind, `spec`, chains a whole round into one graph: γ draft steps, each feeding its argmax to
-the next, then the verify step and greedy acceptance, so an iteration launches one graph
-instead of γ+1 graphs with copies and argmaxes between them. Each reads only persistent
+the next, then the verify step, greedy acceptance and the policy's selection for the next
+round (written into the plan buffers), so an iteration launches one graph instead of γ+1
+graphs with copies and argmaxes between them and an eager selection. Each reads only persistent
 buffers sized for the largest bucket: a batch of B rows runs as bucket(B) rows, the extra rows
 reading and writing a reserved scratch page, their outputs ignored. Before a step the
 engine's tensors are copied into the buffers (device to device, no host read); the step then
@@ -31,7 +32,7 @@ from vegas_spec.attention.context import ScoreRequest, SparsePlan, StepContext
 from vegas_spec.attention.torch_backend import slots_of
 from vegas_spec.models.decoder import Decoder
 from vegas_spec.spec.acceptance import accept_greedy
-from vegas_spec.spec.policies import QuestState
+from vegas_spec.spec.policies import Policy, QuestState, SelectionInput
 
 KINDS = ("plain", "draft", "verify", "spec")
 
@@ -60,6 +61,7 @@ class StaticShapes:
     score_groups: G of the scores [layers, B, R, G, W].
     quest_pages:  NP of quest's page bounds (0 = the method does not select in its steps).
     draft_kind:   the step a `spec` round drafts with ("draft", or "plain" for full drafts).
+    plans:        a `spec` round ends with the selection of the next round's plan.
     """
 
     kinds: tuple[str, ...]
@@ -76,6 +78,7 @@ class StaticShapes:
     quest_pages: int = 0  # pages of quest's page bounds (0: not quest)
     quest_page: int = 16  # tokens per quest page
     draft_kind: str = "draft"
+    plans: bool = False
 
 
 class StaticBuffers:
@@ -133,14 +136,19 @@ class _Graph:
 class GraphRunner:
     """Owns the fixed-shape buffers and the CUDA graphs of one method's decode loop.
 
-    set_batch once per batch (and whenever sequences leave it), set_plan once per selection,
-    then run(kind, tokens, positions) per step, or run_spec(last, lengths) per greedy round.
-    With capture False every step runs eagerly on the buffers (the CPU path)."""
+    set_batch once per batch (and whenever sequences leave it), set_plan once per selection
+    made outside the runner, then run(kind, tokens, positions) per step, or
+    run_spec(last, lengths) per greedy round (which makes the next selection itself when
+    shapes.plans, with `policy`). With capture False every step runs eagerly on the buffers
+    (the CPU path)."""
 
     def __init__(self, model: Decoder, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  backend: AttentionBackend, shapes: StaticShapes, capacity: int,
-                 page_size: int, scratch_page: int, capture: bool) -> None:
+                 page_size: int, scratch_page: int, capture: bool,
+                 policy: Policy | None = None) -> None:
+        assert policy is not None or not shapes.plans, "a planning round needs the policy"
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
+        self.policy = policy
         self.shapes, self.capacity, self.page_size = shapes, capacity, page_size
         self.kv_len = shapes.pages * page_size
         self.buf = StaticBuffers(shapes, capacity, kv_caches[0][0], len(kv_caches), page_size,
@@ -167,19 +175,22 @@ class GraphRunner:
     def set_plan(self, plan: SparsePlan | None) -> None:
         """Copy the next draft round's selection into the buffers (None: full drafts; quest's
         plan has already filled `buf.quest`)."""
+        self._write_plan(plan, self.rows)
+
+    def _write_plan(self, plan: SparsePlan | None, rows: int) -> None:
         if plan is None:
             return
-        self.buf.recent_start[: self.rows].copy_(plan.recent_start)
-        self.buf.budget[: self.rows].copy_(plan.budget)
+        self.buf.recent_start[:rows].copy_(plan.recent_start)
+        self.buf.budget[:rows].copy_(plan.budget)
         if plan.indices is not None:
-            self._set_indices(plan.indices)
+            self._set_indices(plan.indices, rows)
 
-    def _set_indices(self, indices: torch.Tensor) -> None:
+    def _set_indices(self, indices: torch.Tensor, rows: int) -> None:
         """indices [layers, B, G, k] (k <= K) -> the buffer, -1 padded to K."""
         shape, width = tuple(indices.shape[:3]), indices.shape[3]
-        assert shape == (len(self.kv_caches), self.rows, self.shapes.index_groups), shape
+        assert shape == (len(self.kv_caches), rows, self.shapes.index_groups), shape
         assert width <= self.shapes.index_width, f"{width} indices exceed the static width"
-        dst = self.buf.indices[:, : self.rows]
+        dst = self.buf.indices[:, :rows]
         dst[..., :width].copy_(indices)
         dst[..., width:].fill_(-1)
 
@@ -194,14 +205,15 @@ class GraphRunner:
         return self._replay(kind)[0][: self.rows]
 
     def run_spec(self, last: torch.Tensor, lengths: torch.Tensor,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One greedy round: last, lengths [B] -> accepted [B] and emitted [B, γ+1] as
-        `accept_greedy` returns them (views the next round overwrites); the verify step's
-        scores are in `scores()` after it."""
+        `accept_greedy` returns them, and the budget [B] its drafts read (views the next
+        round overwrites). The verify step's scores are in `scores()` after it; with
+        shapes.plans the buffers then hold the next round's plan."""
         self.buf.last[: self.rows].copy_(last)
         self.buf.lengths[: self.rows].copy_(lengths)
-        accepted, emitted = self._replay("spec")
-        return accepted[: self.rows], emitted[: self.rows]
+        accepted, emitted, budget = self._replay("spec")
+        return accepted[: self.rows], emitted[: self.rows], budget[: self.rows]
 
     def _replay(self, kind: str) -> tuple[torch.Tensor, ...]:
         graph = self.graphs.get((kind, self.bucket))
@@ -212,7 +224,10 @@ class GraphRunner:
 
     def scores(self) -> torch.Tensor | None:
         """The last verify step's scores [layers, B, R, G, W], or None if none were asked."""
-        return self.buf.scores[:, : self.rows] if self.shapes.score_rows else None
+        return self.scores_of(self.rows)
+
+    def scores_of(self, rows: int) -> torch.Tensor | None:
+        return self.buf.scores[:, :rows] if self.shapes.score_rows else None
 
     def _body(self, kind: str, rows: int) -> tuple[torch.Tensor, ...]:
         """What a graph of `kind` captures, on the first `rows` buffer rows."""
@@ -220,29 +235,45 @@ class GraphRunner:
             return self._speculate(rows)
         return (self._forward(kind, rows),)
 
-    def _speculate(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """γ greedy draft steps from buf.last at buf.lengths, then the verify step over
-        [last, drafts] and greedy acceptance: accepted [rows], emitted [rows, γ+1]."""
+    def _speculate(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """γ greedy draft steps from buf.last at buf.lengths, the verify step over
+        [last, drafts], greedy acceptance, then (shapes.plans) the next round's selection:
+        accepted [rows], emitted [rows, γ+1], the budget [rows] the drafts read."""
         b, n = self.buf, self.shapes.verify_rows
         last, lengths = b.last[:rows], b.lengths[:rows]
+        budget = b.budget[:rows].clone()
         token, drafts = last, []
         for j in range(n - 1):
             b.tokens[1][:rows, 0].copy_(token)
             b.positions[1][:rows, 0].copy_(lengths + j)
-            token = self._forward(self.shapes.draft_kind, rows)[:, -1].argmax(-1)
+            token = self._forward(self.shapes.draft_kind, rows, raw=True)[:, -1].argmax(-1)
             drafts.append(token)
         draft = torch.stack(drafts, 1)
         b.tokens[n][:rows, 0].copy_(last)
         b.tokens[n][:rows, 1:].copy_(draft)
         b.positions[n][:rows].copy_(lengths[:, None] + torch.arange(n, device=lengths.device))
-        return accept_greedy(draft, self._forward("verify", rows))
+        accepted, emitted = accept_greedy(draft, self._forward("verify", rows, raw=True))
+        if self.shapes.plans:
+            self._plan_next(rows, lengths, accepted)
+        return accepted, emitted, budget
 
-    def _forward(self, kind: str, rows: int) -> torch.Tensor:
-        """One step of the first `rows` buffer rows: logits [rows, n, V] float32."""
+    def _plan_next(self, rows: int, lengths: torch.Tensor, accepted: torch.Tensor) -> None:
+        """The policy's selection from this round's verify pass (row 0 at `lengths`) into the
+        plan buffers, with the host bounds of the static shapes."""
+        assert self.policy is not None
+        s, b = self.shapes, self.buf
+        inp = SelectionInput(self.scores_of(rows), lengths, accepted, lengths + accepted + 1,
+                             s.verify_rows - 1, self.kv_caches, b.page_table[:rows],
+                             self.page_size, s.kmax, s.recent_max, quest_state=b.quest)
+        self._write_plan(self.policy.plan(inp), rows)
+
+    def _forward(self, kind: str, rows: int, raw: bool = False) -> torch.Tensor:
+        """One step of the first `rows` buffer rows: logits [rows, n, V] float32 (raw: in the
+        model's dtype, for an argmax, which the exact float32 cast would not change)."""
         n = self.shapes.verify_rows if kind == "verify" else 1
         ctx = self._context(kind, rows, n)
         hidden = self.model(self.buf.tokens[n][:rows], ctx, self.kv_caches, self.backend)
-        return self.model.logits(hidden)
+        return self.model.lm_head(hidden) if raw else self.model.logits(hidden)
 
     def _context(self, kind: str, rows: int, n: int) -> StepContext:
         positions, table = self.buf.positions[n][:rows], self.buf.page_table[:rows]

@@ -88,16 +88,18 @@ def topk_positions(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor
     pos = torch.arange(width, device=scores.device)
     visible = pos < rankable[:, None, None]
     masked = scores.masked_fill(~visible, float("-inf"))
+    # topk's output is in descending order: its first k[b] are row b's k[b] best.
     idx = masked.topk(min(kmax, width), dim=-1).indices
     keep = torch.arange(idx.shape[-1], device=idx.device) < k[:, None, None]
     return _sorted(torch.where(keep, idx, -1))
 
 
 def _sorted(idx: torch.Tensor) -> torch.Tensor:
-    """Ascending valid positions first, -1 padding last."""
-    big = torch.iinfo(torch.int64).max
-    s = torch.sort(torch.where(idx < 0, big, idx), dim=-1).values
-    return torch.where(s == big, -1, s)
+    """Ascending valid positions first, -1 padding last (sorted as int32: positions are far
+    below 2^31, and the radix sort needs half the passes of int64)."""
+    big = torch.iinfo(torch.int32).max
+    s = torch.sort(torch.where(idx < 0, big, idx).int(), dim=-1).values
+    return torch.where(s == big, -1, s).long()
 
 
 def units(k: torch.Tensor, rankable: torch.Tensor, size: int) -> torch.Tensor:
