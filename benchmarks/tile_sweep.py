@@ -1,0 +1,118 @@
+"""Tile and split settings of the paged attention kernel at one verify/decode shape (CUDA).
+
+Times `paged_attention` for n = 7 query rows with and without selection scores (weight mode,
+rows 0 and 6) and for n = 1, over key blocks of 64 and 128, 2-4 pipeline stages and a few
+split sizes, on random bf16 K/V behind a shuffled page table. Each figure is the median per
+call of 20 replays of a CUDA graph of 30 calls (the kernel count of one step of a 30-layer
+model), with the registers, spills and shared memory of the kernel variants each setting
+compiled. What it decided: `paged_attention.SCORE_BLOCK_K`.
+
+    python benchmarks/tile_sweep.py --out tile_sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import vegas_spec.kernels.paged_attention as pa  # noqa: E402
+from vegas_spec.kernels.split_merge import tile_config  # noqa: E402
+
+
+def graph_us(fn: Callable[[], object], calls: int = 30, reps: int = 20) -> float:
+    """Median µs per call of `calls` calls captured in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def compiled() -> dict[int, object]:
+    """Every compiled variant of the paged kernel so far, by object id."""
+    return {id(kern): kern for cache, *_ in pa._paged_split_kernel.device_caches.values()
+            for kern in cache.values()}
+
+
+def with_stages(stages: int) -> None:
+    """Make the kernel wrapper build its tiles with `stages` pipeline stages."""
+    pa.tile_config = lambda q, hkv, block_k=None: dataclasses.replace(  # type: ignore[assignment]
+        tile_config(q, hkv, block_k), num_stages=stages)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=7500)
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "tile_sweep times CUDA kernels"
+    torch.manual_seed(0)
+    dev, page = "cuda", 16
+    bsz, heads, hkv, dim, ctx = args.batch, args.heads, args.kv_heads, args.head_dim, args.context
+    kv_len = -(-(ctx + 52) // page) * page  # the engine's static key width at this context
+    pages = kv_len // page
+    table = torch.randperm(bsz * pages, device=dev).int().view(bsz, pages).contiguous()
+    k = torch.randn(bsz * pages * page, hkv, dim, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    scale = dim ** -0.5
+    rows: list[dict] = []
+    for n, modes in ((7, ("weight", "none")), (1, ("none",))):
+        q = torch.randn(bsz, n, heads, dim, device=dev, dtype=torch.bfloat16)
+        pos = torch.full((bsz, 1), ctx, device=dev) + torch.arange(n, device=dev)
+        score_rows = torch.tensor([0, n - 1], device=dev)
+        scores = torch.empty(bsz, 2, 1, kv_len, device=dev)
+        out = torch.empty_like(q)
+        for mode in modes:
+            for block_k in (64, 128):
+                for stages in (2, 3, 4):
+                    for split in (None, 2048, 1024) if n > 1 else (None, 2048):
+                        extra = (score_rows, scores, "weight") if mode == "weight" else ()
+                        before = compiled()
+                        with_stages(stages)
+                        us = graph_us(lambda: pa.paged_attention(  # noqa: B023
+                            q, k, v, table, pos, page, kv_len, scale, *extra,  # noqa: B023
+                            block_k=block_k, split_size=split, out=out))  # noqa: B023
+                        pa.tile_config = tile_config
+                        row = {"n": n, "mode": mode, "block_k": block_k, "stages": stages,
+                               "split": split, "us": us}
+                        new = [kern for i, kern in compiled().items() if i not in before]
+                        if new:  # the variants this setting compiled: registers per thread
+                            row["compiled"] = [{"registers": kern.n_regs,
+                                                "spills": kern.n_spills,
+                                                "shared_bytes": kern.metadata.shared}
+                                               for kern in new]
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
+            "args": {k: str(v) for k, v in vars(args).items()}}
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
