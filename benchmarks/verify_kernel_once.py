@@ -1,0 +1,50 @@
+"""The verify step's paged attention at one shape, with and without selection scores, for a
+kernel profiler (CUDA). Each variant runs twice: the first call compiles, the second is the
+one to profile, e.g. with Nsight Compute:
+
+    ncu --clock-control none -k regex:_paged_split_kernel --launch-skip 2 --launch-count 2 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+        python benchmarks/verify_kernel_once.py --score-block-k 128
+
+(launches in order: without scores, with scores, without, with; skip the first two).
+Shape: SmolLM2 (9 query heads, 3 kv heads, head dim 64), batch 64, 7 query rows at 7,500 tokens,
+weight scores of rows 0 and 6, random bf16 K/V behind a shuffled page table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import vegas_spec.kernels.paged_attention as pa  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--score-block-k", type=int, default=None,
+                    help="key block of the score-emitting call (default: the library's)")
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "this script runs CUDA kernels"
+    bsz, heads, hkv, dim, page, ctx, kv_len, n = 64, 9, 3, 64, 16, 7500, 7552, 7
+    pages = kv_len // page
+    table = torch.randperm(bsz * pages, device="cuda").int().view(bsz, pages).contiguous()
+    k = torch.randn(bsz * pages * page, hkv, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(bsz, n, heads, dim, device="cuda", dtype=torch.bfloat16)
+    pos = torch.full((bsz, 1), ctx, device="cuda") + torch.arange(n, device="cuda")
+    rows = torch.tensor([0, n - 1], device="cuda")
+    scores = torch.empty(bsz, 2, 1, kv_len, device="cuda")
+    for _ in range(2):
+        pa.paged_attention(q, k, v, table, pos, page, kv_len, dim ** -0.5)
+        pa.paged_attention(q, k, v, table, pos, page, kv_len, dim ** -0.5, rows, scores,
+                           "weight", block_k=args.score_block_k)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
