@@ -56,6 +56,17 @@ def compiled() -> dict[int, object]:
             for kern in cache.values()}
 
 
+def paged_cache(bsz: int, hkv: int, dim: int, context: int, page: int = 16,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Random bf16 K/V caches behind a shuffled page table, with the engine's static key width
+    at this context: (page_table [B, P], k_cache, v_cache [slots, Hkv, D], kv_len)."""
+    kv_len = -(-(context + 52) // page) * page
+    pages = kv_len // page
+    table = torch.randperm(bsz * pages, device="cuda").int().view(bsz, pages).contiguous()
+    k = torch.randn(bsz * pages * page, hkv, dim, device="cuda", dtype=torch.bfloat16)
+    return table, k, torch.randn_like(k), kv_len
+
+
 def with_stages(stages: int) -> None:
     """Make the kernel wrapper build its tiles with `stages` pipeline stages."""
     pa.tile_config = lambda q, hkv, block_k=None: dataclasses.replace(  # type: ignore[assignment]
@@ -75,11 +86,7 @@ def main() -> None:
     torch.manual_seed(0)
     dev, page = "cuda", 16
     bsz, heads, hkv, dim, ctx = args.batch, args.heads, args.kv_heads, args.head_dim, args.context
-    kv_len = -(-(ctx + 52) // page) * page  # the engine's static key width at this context
-    pages = kv_len // page
-    table = torch.randperm(bsz * pages, device=dev).int().view(bsz, pages).contiguous()
-    k = torch.randn(bsz * pages * page, hkv, dim, device=dev, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
+    table, k, v, kv_len = paged_cache(bsz, hkv, dim, ctx, page)
     scale = dim ** -0.5
     rows: list[dict] = []
     for n, modes in ((7, ("weight", "none")), (1, ("none",))):

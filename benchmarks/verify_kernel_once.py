@@ -9,7 +9,7 @@ one to profile, e.g. with Nsight Compute:
 
 (launches in order: without scores, with scores, without, with; skip the first two).
 Shape: SmolLM2 (9 query heads, 3 kv heads, head dim 64), batch 64, 7 query rows at 7,500 tokens,
-weight scores of rows 0 and 6, random bf16 K/V behind a shuffled page table.
+weight scores of rows 0 and 6, random bf16 K/V behind a shuffled page table (as tile_sweep.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tile_sweep import paged_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vegas_spec.kernels.paged_attention as pa  # noqa: E402
@@ -30,11 +31,8 @@ def main() -> None:
                     help="key block of the score-emitting call (default: the library's)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this script runs CUDA kernels"
-    bsz, heads, hkv, dim, page, ctx, kv_len, n = 64, 9, 3, 64, 16, 7500, 7552, 7
-    pages = kv_len // page
-    table = torch.randperm(bsz * pages, device="cuda").int().view(bsz, pages).contiguous()
-    k = torch.randn(bsz * pages * page, hkv, dim, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
+    bsz, heads, hkv, dim, page, ctx, n = 64, 9, 3, 64, 16, 7500, 7
+    table, k, v, kv_len = paged_cache(bsz, hkv, dim, ctx, page)
     q = torch.randn(bsz, n, heads, dim, device="cuda", dtype=torch.bfloat16)
     pos = torch.full((bsz, 1), ctx, device="cuda") + torch.arange(n, device="cuda")
     rows = torch.tensor([0, n - 1], device="cuda")

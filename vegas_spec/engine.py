@@ -279,9 +279,8 @@ class LLM:
         inp = SelectionInput(scores, row, accepted, batch.lengths, gamma, self.cache.layers,
                              batch.page_table, self.config.page_size)
         if self.graphs is not None:  # host bounds instead of reading the device
-            inp.kmax, inp.recent_max = self.graphs.shapes.kmax, self.graphs.shapes.recent_max
             inp.max_len = self._host_len(batch)
-            inp.quest_state = self.graphs.buf.quest
+            return self.graphs.bound(inp)
         return inp
 
     # --- steps --------------------------------------------------------------------------

@@ -261,11 +261,17 @@ class GraphRunner:
         """The policy's selection from this round's verify pass (row 0 at `lengths`) into the
         plan buffers, with the host bounds of the static shapes."""
         assert self.policy is not None
-        s, b = self.shapes, self.buf
         inp = SelectionInput(self.scores_of(rows), lengths, accepted, lengths + accepted + 1,
-                             s.verify_rows - 1, self.kv_caches, b.page_table[:rows],
-                             self.page_size, s.kmax, s.recent_max, quest_state=b.quest)
-        self._write_plan(self.policy.plan(inp), rows)
+                             self.shapes.verify_rows - 1, self.kv_caches,
+                             self.buf.page_table[:rows], self.page_size)
+        self._write_plan(self.policy.plan(self.bound(inp)), rows)
+
+    def bound(self, inp: SelectionInput) -> SelectionInput:
+        """`inp` with the host bounds of these static shapes, so that the selection reads
+        nothing back from the device, and quest's fixed-shape state to fill."""
+        inp.kmax, inp.recent_max = self.shapes.kmax, self.shapes.recent_max
+        inp.quest_state = self.buf.quest
+        return inp
 
     def _forward(self, kind: str, rows: int, raw: bool = False) -> torch.Tensor:
         """One step of the first `rows` buffer rows: logits [rows, n, V] float32 (raw: in the
