@@ -248,7 +248,9 @@ class EngineConfig:
     page_size: int = 16
     kv_cache_bytes: int | None = None
     kv_cache_fraction: float = 0.5
-    prefill_chunk: int = 512
+    # Tokens per prefill forward, summed over the prompts it packs (a longer prompt is cut
+    # across forwards): bounds the activations, never the prompt length.
+    prefill_chunk: int = 8192
     backend: str = "auto"
     prefix_cache_bytes: int = 0  # > 0: keep prompt KV of up to this many bytes for reuse
     load_format: str = "auto"  # "dummy": random weights from the config, for timing

@@ -12,6 +12,7 @@ runs each round's drafts, verification and acceptance as one `spec` graph."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from vegas_spec.attention.backend import make_backend
-from vegas_spec.attention.context import ScoreRequest, SparsePlan, StepContext
+from vegas_spec.attention.context import PrefillPlan, ScoreRequest, SparsePlan, StepContext
 from vegas_spec.attention.torch_backend import slots_of
 from vegas_spec.cache import PagedKVCache
 from vegas_spec.config import ConfigError, EngineConfig, SamplingParams, SpecConfig
@@ -156,21 +157,36 @@ class LLM:
                 for p, s in zip(prompts, seqs)]
 
     @torch.inference_mode()
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits [n, V] (float32) of every prompt position, through the paged prefill path."""
+    def logits(self, token_ids: list[int], *, chunk: int | None = None) -> torch.Tensor:
+        """Logits [n, V] (float32) of every prompt position, through the packed prefill path
+        in forwards of `chunk` tokens (default: the engine's prefill_chunk)."""
         seq = self._sequence(token_ids, SamplingParams(max_tokens=1), False, _spec(None))
         pages = self.cache.allocate(len(token_ids))
+        if chunk is not None and chunk < 1:
+            raise ConfigError(f"chunk must be >= 1, got {chunk}")
         try:
             table = torch.tensor([pages], dtype=torch.int32, device=self.device)
-            ids = torch.tensor(seq.prompt_ids, device=self.device)
-            out = []
-            for start in range(0, len(ids), self.config.prefill_chunk):
-                end = min(start + self.config.prefill_chunk, len(ids))
-                positions = torch.arange(start, end, device=self.device)[None]
-                out.append(self._forward(ids[None, start:end], self._ctx(table, positions, end)))
-            return torch.cat(out, dim=1)[0]
+            hidden = self._prefill_spans([seq.prompt_ids], [(0, 0, len(token_ids))], table,
+                                         chunk or self.config.prefill_chunk, keep=True)
+            return self.model.logits(torch.cat(hidden))
         finally:
             self.cache.release(pages)
+
+    @torch.inference_mode()
+    def next_token_logits(self, prompts: str | list[str] | list[int] | list[list[int]], *,
+                          chat: bool = False) -> torch.Tensor:
+        """Logits [B, V] (float32) of the token after each prompt, through the prefill that
+        `generate` runs (batched, chunked, with the prefix cache when it is on)."""
+        seqs = [self._sequence(p, SamplingParams(max_tokens=1), chat, _spec(None))
+                for p in _as_list(prompts)]
+        self.cache.check_fits([s.limit for s in seqs])
+        for s in seqs:
+            s.pages = self.cache.allocate(s.limit)
+        try:
+            return self._prefill(seqs, self._page_table(seqs), None)[0]
+        finally:
+            for s in seqs:
+                self.cache.release(s.pages)
 
     def _sequence(self, prompt: str | list[int], params: SamplingParams, chat: bool,
                   spec: SpecConfig) -> Sequence:
@@ -298,9 +314,9 @@ class LLM:
         hidden = self.model(tokens, ctx, self.cache.layers, self.backend)
         return self.model.logits(hidden[:, -1:] if last_only else hidden)
 
-    def _upload(self, values: list[int]) -> torch.Tensor:
+    def _upload(self, values: list[int] | torch.Tensor) -> torch.Tensor:
         """Host ints -> an int64 device tensor without waiting for the device."""
-        host = torch.tensor(values, dtype=torch.long)
+        host = torch.as_tensor(values, dtype=torch.long)
         if self.device.type == "cuda":
             host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
@@ -433,54 +449,109 @@ class LLM:
 
     def _prefill_all(self, seqs: list[Sequence], policy: Policy | None, timer: PhaseTimer,
                      ) -> tuple[Batch, torch.Tensor | None]:
-        """Prefill every sequence alone, sample its first token; scores [layers, B, 1, G, W]
-        of each prompt's last query row when the policy selects from them."""
+        """Prefill every sequence, sample its first token; scores [layers, B, 1, G, W] of each
+        prompt's last query row when the policy selects from them."""
         page_table = self._page_table(seqs)
         sampling = BatchSampling.build([s.params for s in seqs], self.device)
         with timer.phase("prefill"):
-            outs = [self._prefill(s, page_table[i : i + 1], policy) for i, s in enumerate(seqs)]
-            first = next_tokens(torch.cat([lg for lg, _ in outs]), sampling)
+            logits, scores = self._prefill(seqs, page_table, policy)
+            first = next_tokens(logits, sampling)
         lengths = torch.tensor([len(s.prompt_ids) for s in seqs], device=self.device)
         for seq, tok in zip(seqs, first.tolist()):
             self._append(seq, [tok])
-        scores = [sc for _, sc in outs if sc is not None]
-        merged = _merge_scores(scores) if scores else None
-        return Batch(seqs, page_table, lengths, first, sampling), merged
+        return Batch(seqs, page_table, lengths, first, sampling), scores
 
-    def _prefill(self, seq: Sequence, page_table: torch.Tensor, policy: Policy | None,
+    def _prefill(self, seqs: list[Sequence], page_table: torch.Tensor, policy: Policy | None,
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Chunks over all prompt tokens but the last (or their cached KV), then the last
-        token alone: logits [1, V] and, if the policy wants them, its scores."""
-        ids = torch.tensor(seq.prompt_ids, device=self.device)
-        head = len(seq.prompt_ids) - 1
-        if head > 0 and not self._restore_prefix(seq, page_table):
-            for start in range(0, head, self.config.prefill_chunk):
-                end = min(start + self.config.prefill_chunk, head)
-                positions = torch.arange(start, end, device=self.device)[None]
-                self.model(ids[None, start:end], self._ctx(page_table, positions, end),
-                           self.cache.layers, self.backend)
-            self._save_prefix(seq, page_table)
-        req = self._score_request(policy, 1, 1, head + 1, True)
-        ctx = self._ctx(page_table, torch.tensor([[head]], device=self.device), head + 1, req)
-        logits = self._forward(ids[None, head:], ctx)
-        return logits[:, -1], None if req is None else req.out
+        """Every prompt position but the last, packed (`_prefill_spans`) after restoring each
+        prompt's longest cached prefix; then the last tokens of all prompts in one step,
+        which also yields the first selection's scores: logits [B, V] and the scores."""
+        heads = [len(s.prompt_ids) - 1 for s in seqs]
+        done = [self._restore_prefix(s, page_table[i]) for i, s in enumerate(seqs)]
+        spans = [(i, done[i], heads[i]) for i in range(len(seqs)) if done[i] < heads[i]]
+        self._prefill_spans([s.prompt_ids for s in seqs], spans, page_table,
+                            self.config.prefill_chunk)
+        for i, _, _ in spans:
+            self._save_prefix(seqs[i], page_table[i])
+        width = max(heads) + 1
+        req = self._score_request(policy, len(seqs), 1, width, True)
+        last = self._upload([s.prompt_ids[-1] for s in seqs] + heads).view(2, -1)
+        ctx = self._ctx(page_table, last[1][:, None], width, req)
+        logits = self._forward(last[0][:, None], ctx)[:, -1]
+        return logits, None if req is None else req.out
 
-    def _prefix_slots(self, seq: Sequence, page_table: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(len(seq.prompt_ids) - 1, device=self.device)[None]
-        return slots_of(page_table, positions, self.config.page_size)[0]
+    def _prefill_spans(self, prompts: list[list[int]], spans: list[tuple[int, int, int]],
+                       page_table: torch.Tensor, budget: int,
+                       keep: bool = False) -> list[torch.Tensor]:
+        """Positions start..end-1 of prompt `row` for each span (row, start, end), whose
+        earlier positions are cached: packed end to end into forwards of at most
+        `budget` tokens, a span cut across forwards where it does not fit, one
+        launch per kernel and layer for all prompts of a forward. keep: return each
+        forward's final hidden states [T, hidden] (else nothing)."""
+        chunk, used, hidden = [], 0, []
+        for row, start, end in spans:
+            while start < end:
+                take = min(end - start, budget - used)
+                chunk.append((row, start, start + take))
+                used, start = used + take, start + take
+                if used == budget:
+                    hidden.append(self._prefill_chunk(prompts, chunk, page_table, keep))
+                    chunk, used = [], 0
+        if chunk:
+            hidden.append(self._prefill_chunk(prompts, chunk, page_table, keep))
+        return hidden if keep else []
 
-    def _restore_prefix(self, seq: Sequence, page_table: torch.Tensor) -> bool:
-        kv = self.prefix_cache.get(tuple(seq.prompt_ids[:-1])) if self.prefix_cache else None
+    def _prefill_chunk(self, prompts: list[list[int]], pieces: list[tuple[int, int, int]],
+                       page_table: torch.Tensor, keep: bool) -> torch.Tensor:
+        """One packed forward over the pieces (row, start, end); nothing waits for the device
+        (one host-to-device copy of the step's metadata)."""
+        lengths = [end - start for _, start, end in pieces]
+        starts = [start for _, start, _ in pieces]
+        total = sum(lengths)
+        host = torch.cat([
+            torch.tensor([t for row, a, b in pieces for t in prompts[row][a:b]]),
+            torch.cat([torch.arange(a, b) for _, a, b in pieces]),
+            torch.repeat_interleave(torch.arange(len(pieces)), torch.tensor(lengths)),
+            torch.tensor([0, *itertools.accumulate(lengths)] + starts
+                         + [row for row, _, _ in pieces]),
+        ])
+        dev = self._upload(host)
+        tokens, positions, piece = dev[:total], dev[total : 2 * total], dev[2 * total : 3 * total]
+        meta = dev[3 * total :].to(torch.int32)
+        count = len(pieces)
+        cu_q, start, rows = meta[: count + 1], meta[count + 1 : 2 * count + 1], meta[-count:]
+        table = page_table[rows.long()]
+        ps = self.config.page_size
+        slots = table.long()[piece, positions // ps] * ps + positions % ps
+        plan = PrefillPlan(cu_q, start, tuple(lengths), tuple(starts))
+        ctx = StepContext(positions=positions[None], seq_lens=start + cu_q.diff(),
+                          slot_mapping=slots[None], page_table=table, page_size=ps,
+                          kv_len_max=max(a + n for a, n in zip(starts, lengths)), prefill=plan)
+        hidden = self.model(tokens[None], ctx, self.cache.layers, self.backend)
+        return hidden[0] if keep else hidden
+
+    def _prefix_slots(self, seq: Sequence, page_table: torch.Tensor, length: int,
+                      ) -> torch.Tensor:
+        positions = torch.arange(length, device=self.device)[None]
+        return slots_of(page_table[None], positions, self.config.page_size)[0]
+
+    def _restore_prefix(self, seq: Sequence, page_table: torch.Tensor) -> int:
+        """Copy the longest cached prefix of the prompt (all but its last token) into the
+        sequence's pages -> how many positions it covers (0 without a hit)."""
+        if self.prefix_cache is None:
+            return 0
+        length, kv = self.prefix_cache.longest(seq.prompt_ids[:-1])
         if kv is None:
-            return False
-        slots = self._prefix_slots(seq, page_table)
+            return 0
+        slots = self._prefix_slots(seq, page_table, length)
         for (k_cache, v_cache), (k, v) in zip(self.cache.layers, kv):
-            k_cache[slots], v_cache[slots] = k, v
-        return True
+            k_cache[slots], v_cache[slots] = k[:length], v[:length]
+        return length
 
     def _save_prefix(self, seq: Sequence, page_table: torch.Tensor) -> None:
         if self.prefix_cache is not None:
-            slots = self._prefix_slots(seq, page_table)
+            head = len(seq.prompt_ids) - 1
+            slots = self._prefix_slots(seq, page_table, head)
             self.prefix_cache.put(tuple(seq.prompt_ids[:-1]),
                                   [(k[slots], v[slots]) for k, v in self.cache.layers])
 
@@ -548,9 +619,3 @@ def _params_list(params: SamplingParams | list[SamplingParams] | None,
     if len(params) != n:
         raise ConfigError(f"{len(params)} sampling params for {n} prompts")
     return list(params)
-
-
-def _merge_scores(scores: list[torch.Tensor]) -> torch.Tensor:
-    """Per-sequence prefill scores [layers, 1, R, G, W_i] -> [layers, B, R, G, max W]."""
-    width = max(s.shape[-1] for s in scores)
-    return torch.cat([torch.nn.functional.pad(s, (0, width - s.shape[-1])) for s in scores], 1)

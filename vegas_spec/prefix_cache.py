@@ -1,9 +1,11 @@
 """A byte-bounded LRU of prompt KV, keyed by the prompt's token ids.
 
-Prefill computes every prompt position but the last in chunks and the last token in a step of
-its own (that step also yields the first selection's scores). The chunked part is what this
-cache keeps, so a repeated prompt (the same context under another method, a benchmark's
-second run) skips it and produces bit-identical KV, logits and scores."""
+Prefill computes every prompt position but the last in packed chunks and the last token in a
+step of its own (that step also yields the first selection's scores). The chunked part is what
+this cache keeps. A new prompt restores the longest stored key that is a prefix of it and
+prefills only the rest, whose attention reads the restored positions from the pages; a
+repeated prompt (the same context under another method, a benchmark's second run) skips the
+chunked part entirely and produces bit-identical KV, logits and scores."""
 
 from __future__ import annotations
 
@@ -25,6 +27,19 @@ class PrefixCache:
         if kv is not None:
             self.entries.move_to_end(key)
         return kv
+
+    def longest(self, ids: list[int]) -> tuple[int, KV | None]:
+        """The longest stored key that is a prefix of ids -> (its length, its KV), or
+        (0, None)."""
+        best: tuple[int, ...] | None = None
+        for key in self.entries:
+            if len(key) <= len(ids) and (best is None or len(key) > len(best)) \
+                    and list(key) == ids[: len(key)]:
+                best = key
+        if best is None or not best:
+            return 0, None
+        kv = self.get(best)
+        return len(best), kv
 
     def put(self, key: tuple[int, ...], kv: KV) -> None:
         size = _size(kv)

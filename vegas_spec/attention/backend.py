@@ -20,8 +20,9 @@ class AttentionBackend(ABC):
 
     Shapes: q [B, n, H, D] and k/v [B, n, Hkv, D] before RoPE, caches [num_slots, Hkv, D],
     rope [max_pos, D] float32 (cos | sin). `attend` returns [B, n, H, D]: it applies RoPE and
-    writes k/v into their slots first, then attends: full causal attention when `ctx.sparse`
-    is None, else sparse draft attention over the plan.
+    writes k/v into their slots first, then attends: packed causal prefill attention when
+    `ctx.prefill` is set, full causal attention when `ctx.sparse` is None, else sparse draft
+    attention over the plan.
     """
 
     name = "abstract"
@@ -30,6 +31,9 @@ class AttentionBackend(ABC):
                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
                rope: torch.Tensor) -> torch.Tensor:
         q = self.rope_store(q, k, v, k_cache, v_cache, ctx, rope)
+        if ctx.prefill is not None:
+            assert ctx.scores is None and ctx.sparse is None, "a packed prefill emits no scores"
+            return self.prefill(q[0], k_cache, v_cache, ctx)[None]
         if ctx.sparse is None:
             return self.full(layer, q, k_cache, v_cache, ctx)
         plan = ctx.sparse
@@ -69,6 +73,11 @@ class AttentionBackend(ABC):
     @abstractmethod
     def full(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              ctx: StepContext) -> torch.Tensor: ...
+
+    @abstractmethod
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                ctx: StepContext) -> torch.Tensor:
+        """q [T, H, D] of the packed pieces of ctx.prefill -> [T, H, D]."""
 
     @abstractmethod
     def sparse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -5,7 +5,7 @@ The model has one forward; prefill, plain decode, draft and verify differ only i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -54,12 +54,34 @@ class SparsePlan:
 
 
 @dataclass
+class PrefillPlan:
+    """A packed prefill step: its T tokens ([1, T] inputs) are pieces of S prompts laid end to
+    end. Piece s holds positions starts[s] .. starts[s] + lengths[s] - 1 of the sequence whose
+    pages are row s of the step's page table; the keys before starts[s] are already cached
+    (an earlier chunk, a prefix-cache hit), the piece's own are stored by this step.
+
+    cu_q [S + 1] int32: piece s is tokens cu_q[s] .. cu_q[s + 1] - 1 of the packed axis.
+    start [S] int32: starts on the device.
+    lengths, starts: the same on the host (tiling, the reference).
+    memo: per-step values a backend derives once and reuses in every layer (tile lists).
+    """
+
+    cu_q: torch.Tensor
+    start: torch.Tensor
+    lengths: tuple[int, ...]
+    starts: tuple[int, ...]
+    memo: dict = field(default_factory=dict)
+
+
+@dataclass
 class StepContext:
     """positions:    [B, n] position of each input token.
     seq_lens:     [B] KV length once this step's tokens are written (= positions[:, -1] + 1).
     slot_mapping: [B, n] cache slot receiving each token's K/V.
     page_table:   [B, P] pages of each sequence (page_size slots each).
     kv_len_max:   host bound on seq_lens (the key axis of the reference gather).
+    prefill:      set for a packed prefill step (B = 1, n = T; page_table and seq_lens
+                  then have one row per piece).
     """
 
     positions: torch.Tensor
@@ -70,3 +92,4 @@ class StepContext:
     kv_len_max: int
     scores: ScoreRequest | None = None
     sparse: SparsePlan | None = None
+    prefill: PrefillPlan | None = None

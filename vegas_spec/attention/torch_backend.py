@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from vegas_spec.attention.backend import AttentionBackend, register_backend
 from vegas_spec.attention.context import ScoreRequest, StepContext
@@ -66,6 +67,50 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out.reshape(bsz, n, heads, dim), scores
 
 
+def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          page_table: torch.Tensor, lengths: tuple[int, ...],
+                          starts: tuple[int, ...], page_size: int, scale: float) -> torch.Tensor:
+    """Causal attention of packed prompt pieces (the prefill kernel's oracle).
+
+    q [T, H, D]: piece s is the next lengths[s] rows, positions starts[s] .. starts[s] +
+    lengths[s] - 1 of the sequence with pages page_table[s]; query i of piece s sees keys
+    0 .. starts[s] + i, all in the cache. Returns [T, H, D]."""
+    outs, offset = [], 0
+    for s, (n, start) in enumerate(zip(lengths, starts)):
+        pos = (start + torch.arange(n, device=q.device))[None]  # [1, n]
+        out, _ = paged_attention_ref(q[None, offset : offset + n], k_cache, v_cache,
+                                     page_table[s : s + 1], pos, page_size, start + n, scale)
+        outs.append(out[0])
+        offset += n
+    return torch.cat(outs) if outs else q.new_empty(q.shape)
+
+
+def prefill_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           page_table: torch.Tensor, lengths: tuple[int, ...],
+                           starts: tuple[int, ...], page_size: int,
+                           scale: float) -> torch.Tensor:
+    """The same through torch's fused scaled_dot_product_attention, one call per piece: the
+    CPU path's prefill, which never forms the n x n score matrix in the reference's float32
+    einsum form."""
+    outs, offset = [], 0
+    hkv = k_cache.shape[1]
+    for s, (n, start) in enumerate(zip(lengths, starts)):
+        key_pos = torch.arange(start + n, device=q.device)[None]
+        slots = slots_of(page_table[s : s + 1], key_pos, page_size)[0]
+        keys = k_cache[slots].transpose(0, 1)[None]  # [1, Hkv, L, D]
+        values = v_cache[slots].transpose(0, 1)[None]
+        query = q[offset : offset + n].transpose(0, 1)[None]  # [1, H, n, D]
+        mask = None
+        if start > 0:  # the cached context is visible to every query of the piece
+            mask = key_pos[0][None, :] <= (start + torch.arange(n, device=q.device))[:, None]
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
+                                             is_causal=start == 0, scale=scale,
+                                             enable_gqa=q.shape[1] != hkv)
+        outs.append(out[0].transpose(0, 1))
+        offset += n
+    return torch.cat(outs) if outs else q.new_empty(q.shape)
+
+
 def sparse_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
                          indices: torch.Tensor, recent_start: torch.Tensor, recent_max: int,
@@ -116,6 +161,13 @@ class TorchBackend(AttentionBackend):
         if req is not None and scores is not None:
             write_scores(req, layer, scores)
         return out
+
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                ctx: StepContext) -> torch.Tensor:
+        plan = ctx.prefill
+        assert plan is not None
+        return prefill_attention_sdpa(q, k_cache, v_cache, ctx.page_table, plan.lengths,
+                                      plan.starts, ctx.page_size, q.shape[-1] ** -0.5)
 
     def sparse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                indices: torch.Tensor, ctx: StepContext) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 from vegas_spec.attention.backend import AttentionBackend, register_backend
 from vegas_spec.attention.context import StepContext
 from vegas_spec.kernels.paged_attention import paged_attention
+from vegas_spec.kernels.prefill_attention import prefill_attention, prefill_config, prefill_tiles
 from vegas_spec.kernels.rms_norm import rms_norm
 from vegas_spec.kernels.rope_store import rope_store
 from vegas_spec.kernels.silu_mul import silu_mul
@@ -52,6 +53,20 @@ class TritonBackend(AttentionBackend):
             q, k_cache, v_cache, ctx.page_table, ctx.positions, ctx.page_size, ctx.kv_len_max,
             q.shape[-1] ** -0.5, None if req is None else req.rows,
             None if req is None else req.out[layer], "weight" if req is None else req.mode)
+
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                ctx: StepContext) -> torch.Tensor:
+        """The tile list is built once per step (ctx.prefill.memo) and read by every layer."""
+        plan = ctx.prefill
+        assert plan is not None
+        cfg = prefill_config(q)
+        key = ("prefill_tiles", cfg.block_m)
+        if key not in plan.memo:
+            plan.memo[key] = prefill_tiles(list(plan.lengths), list(plan.starts), cfg.block_m,
+                                           q.device)
+        return prefill_attention(q, k_cache, v_cache, ctx.page_table, plan.cu_q, plan.start,
+                                 plan.memo[key], ctx.page_size, q.shape[-1] ** -0.5,
+                                 config=cfg)
 
     def sparse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                indices: torch.Tensor, ctx: StepContext) -> torch.Tensor:

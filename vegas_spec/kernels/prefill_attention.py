@@ -1,0 +1,192 @@
+"""Prefill attention (FlashAttention-2 style) over the paged cache, for packed ragged prompts.
+
+Oracle: `vegas_spec.attention.torch_backend.prefill_attention_ref`.
+
+A prefill step packs pieces of several prompts end to end on one token axis (T tokens, no
+padding). Piece s holds the queries of positions start[s] .. start[s] + len[s] - 1 of one
+sequence; its keys 0 .. start[s] + len[s] - 1 are all in that sequence's pages when the
+kernel runs: the earlier ones from an earlier chunk or a prefix-cache hit, the piece's own
+ones written just before by the fused RoPE + KV store. So one kernel serves a whole prompt,
+a later chunk of a prompt and a prompt whose prefix came from the cache.
+
+Layout of the work: one program per (query head, query tile of BLOCK_M rows of one piece).
+Consecutive programs are the heads of one tile, so the GROUP heads that share a kv head read
+the same K/V blocks while they are in L2. Tiles are listed longest key range first (the
+causal tail of a long prompt is the most work), which keeps the last wave short. A program
+walks its keys in BLOCK_N blocks: the blocks every row of the tile sees in full without a
+mask, then the few blocks on the diagonal with the causal mask. Scores stay in registers
+(online softmax in base 2, float32 accumulator): memory grows with T, never with T x keys.
+
+Bytes and FLOPs of a piece of n queries after c cached tokens, per layer: Q and O once
+(2·n·H·D·itemsize), K and V once per tile and kv head from L2 or HBM, and
+4·H·D·(n·c + n²/2) FLOPs on tensor cores: the kernel is compute-bound for n >= a few
+hundred."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int  # query rows per program
+    block_n: int  # keys per inner-loop step
+    num_warps: int
+    num_stages: int
+
+
+def prefill_config(q: torch.Tensor) -> PrefillConfig:
+    """q [T, H, D]: 128 x 64 tiles on a GPU (64 x 64 for head dims past 128, which would
+    spill); small tiles under the interpreter, whose cost is per program step."""
+    if not q.is_cuda:
+        return PrefillConfig(32, 32, 1, 1)
+    if q.shape[-1] > 128:
+        return PrefillConfig(64, 64, 4, 2)
+    return PrefillConfig(128, 64, 8, 3)
+
+
+def prefill_tiles(lengths: list[int], starts: list[int], block_m: int,
+                  device: torch.device) -> torch.Tensor:
+    """Host lengths/starts of the pieces -> [2, tiles] int32 on the device: the piece of each
+    query tile and the tile's first row inside it, longest key range first."""
+    tiles = [(start + min(first + block_m, n), piece, first)
+             for piece, (n, start) in enumerate(zip(lengths, starts))
+             for first in range(0, n, block_m)]
+    tiles.sort(key=lambda t: -t[0])
+    host = torch.tensor([[t[1] for t in tiles], [t[2] for t in tiles]], dtype=torch.int32)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+@triton.jit
+def _load_kv(k_ptr, v_ptr, table_ptr, kpos, k_ok, kvh, d, d_ok, page_size, stride_cs,
+             stride_ch):
+    page = tl.load(table_ptr + kpos // page_size, mask=k_ok, other=0)
+    slot = page.to(tl.int64) * page_size + kpos % page_size
+    off = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+    mask = k_ok[:, None] & d_ok[None, :]
+    return tl.load(k_ptr + off, mask=mask, other=0.0), tl.load(v_ptr + off, mask=mask, other=0.0)
+
+
+@triton.jit
+def _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """Online softmax in base 2; s [M, N] already scaled by scale·log2(e), -inf where masked.
+    Every row sees key 0 in the first block, so m_i is finite after it."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, cu_ptr, start_ptr, tiles_ptr,
+                    num_tiles, qk_scale, page_size,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch,
+                    stride_tb,
+                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    h = tl.program_id(0)
+    tile = tl.program_id(1)
+    kvh = h // GROUP
+    piece = tl.load(tiles_ptr + tile)
+    first = tl.load(tiles_ptr + num_tiles + tile)
+    q0 = tl.load(cu_ptr + piece)
+    q_len = tl.load(cu_ptr + piece + 1) - q0
+    ctx0 = tl.load(start_ptr + piece)
+    m = first + tl.arange(0, BLOCK_M)
+    m_ok = m < q_len
+    qpos = ctx0 + m
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    tok = (q0 + m).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    table = table_ptr + piece.to(tl.int64) * stride_tb
+    # keys [0, last) for this tile; the first `full` of them are visible to all its rows
+    last = ctx0 + tl.minimum(first + BLOCK_M, q_len)
+    full = (ctx0 + first + 1) // BLOCK_N * BLOCK_N
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    all_keys = tl.full([BLOCK_N], 1, tl.int1)
+    for start in range(0, full, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        k, v = _load_kv(k_ptr, v_ptr, table, kpos, all_keys, kvh, d, d_ok, page_size,
+                        stride_cs, stride_ch)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+    for start in range(full, last, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        k_ok = kpos < last
+        k, v = _load_kv(k_ptr, v_ptr, table, kpos, k_ok, kvh, d, d_ok, page_size,
+                        stride_cs, stride_ch)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           page_table: torch.Tensor, cu_q: torch.Tensor, starts: torch.Tensor) -> None:
+    assert q.dim() == 3 and k_cache.dim() == 3 and k_cache.shape == v_cache.shape
+    assert q.shape[2] == k_cache.shape[2] and q.shape[1] % k_cache.shape[1] == 0
+    assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert q.dtype == k_cache.dtype == v_cache.dtype
+    assert page_table.dim() == 2 and page_table.stride(-1) == 1
+    assert not page_table.is_floating_point()
+    pieces = page_table.shape[0]
+    assert cu_q.shape == (pieces + 1,) and starts.shape == (pieces,)
+    assert cu_q.dtype == starts.dtype == torch.int32
+    assert q.device == k_cache.device == page_table.device == cu_q.device == starts.device
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      page_table: torch.Tensor, cu_q: torch.Tensor, starts: torch.Tensor,
+                      tiles: torch.Tensor, page_size: int, scale: float, *,
+                      config: PrefillConfig | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of packed prompt pieces over their pages.
+
+    q [T, H, D] (RoPE applied); k_cache, v_cache [num_slots, Hkv, D], every key of every
+    piece already stored; page_table [S, P]: the pages of piece s's sequence in row s;
+    cu_q [S + 1] int32: piece s is q[cu_q[s]:cu_q[s + 1]]; starts [S] int32: the position of
+    its first query (the keys before it are cached context); tiles: `prefill_tiles` of the
+    same pieces for `config.block_m`. Query i of piece s (position starts[s] + i) sees keys
+    0 .. starts[s] + i. Returns [T, H, D] in q's dtype (into `out` if given)."""
+    _check(q, k_cache, v_cache, page_table, cu_q, starts)
+    tokens, heads, dim = q.shape
+    cfg = config or prefill_config(q)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    num_tiles = tiles.shape[1]
+    if tokens == 0 or num_tiles == 0:
+        return out
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _prefill_kernel[(heads, num_tiles)](
+        q, k_cache, v_cache, out, page_table, cu_q, starts, tiles, num_tiles,
+        scale * LOG2E, page_size,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
+        GROUP=heads // k_cache.shape[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_D=max(triton.next_power_of_2(dim), 16), HEAD_DIM=dim,
+        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def prefill_flops(lengths: list[int], starts: list[int], heads: int, dim: int) -> float:
+    """Attention FLOPs of the pieces (QK^T and PV, causal: each query over its visible keys)."""
+    return sum(4.0 * heads * dim * n * (c + (n + 1) / 2) for n, c in zip(lengths, starts))
