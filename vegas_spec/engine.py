@@ -138,6 +138,7 @@ class LLM:
                  params: SamplingParams | list[SamplingParams] | None = None, *,
                  chat: bool = False, speculative: SpecConfig | dict | None = None,
                  ) -> list[RequestOutput]:
+        started = time.perf_counter()
         spec = _spec(speculative) if speculative is not None else self.spec
         prompts = _as_list(prompts)
         params_list = _params_list(params, len(prompts))
@@ -147,7 +148,7 @@ class LLM:
         for s in seqs:
             s.pages = self.cache.allocate(s.limit + extra)
         try:
-            stats = self._run(seqs, spec)
+            stats = self._run(seqs, spec, started)
         finally:
             for s in seqs:
                 self.cache.release(s.pages)
@@ -210,7 +211,8 @@ class LLM:
     # --- the loop -----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def _run(self, seqs: list[Sequence], spec: SpecConfig) -> RunStats:
+    def _run(self, seqs: list[Sequence], spec: SpecConfig, started: float) -> RunStats:
+        """started: when generate() was called (time to first token counts from it)."""
         policy = make_policy(spec) if spec.speculative else None
         timer = PhaseTimer(self.device)
         stats = RunStats(spec.method, spec.gamma if spec.speculative else 0, timer,
@@ -222,6 +224,7 @@ class LLM:
         t0 = time.perf_counter()
         batch, scores = self._prefill_all(seqs, policy, timer)
         stats.wall_prefill = time.perf_counter() - t0
+        stats.ttft = time.perf_counter() - started  # the first tokens are on the host
         if self.graphs is not None:
             self.graphs.set_batch(batch.page_table)
         t0 = time.perf_counter()
@@ -232,6 +235,7 @@ class LLM:
             next_batch = self._iteration(next_batch, spec, policy, timer)
         timer.flush()
         stats.wall_decode = time.perf_counter() - t0
+        stats.wall_total = time.perf_counter() - started
         stats.generated_tokens = sum(len(s.output) for s in seqs)
         return stats
 

@@ -89,6 +89,8 @@ class RunStats:
     generated_tokens: int = 0
     wall_prefill: float = 0.0
     wall_decode: float = 0.0
+    ttft: float = 0.0  # from generate() to the first tokens on the host
+    wall_total: float = 0.0
     seqs: list[SeqStats] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
@@ -99,7 +101,8 @@ class RunStats:
         out: dict[str, Any] = {
             "method": self.method, "gamma": self.gamma,
             "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
-            "prefill_s": round(self.wall_prefill, 6), "decode_s": round(self.wall_decode, 6),
+            "ttft_s": round(self.ttft, 6), "prefill_s": round(self.wall_prefill, 6),
+            "decode_s": round(self.wall_decode, 6), "total_s": round(self.wall_total, 6),
             "decode_tokens_per_s": self.generated_tokens / self.wall_decode
             if self.wall_decode > 0 else None,
             "phase_s": phases,

@@ -66,13 +66,29 @@ def prefill_tiles(lengths: list[int], starts: list[int], block_m: int,
 
 
 @triton.jit
-def _load_kv(k_ptr, v_ptr, table_ptr, kpos, k_ok, kvh, d, d_ok, page_size, stride_cs,
-             stride_ch):
-    page = tl.load(table_ptr + kpos // page_size, mask=k_ok, other=0)
-    slot = page.to(tl.int64) * page_size + kpos % page_size
+def _load_kv(k_ptr, v_ptr, table_ptr, kpos, k_ok, kvh, d, d_ok, stride_cs, stride_ch,
+             PAGE: tl.constexpr, MASK_K: tl.constexpr, EVEN_D: tl.constexpr):
+    """K and V [BLOCK_N, BLOCK_D] of key positions kpos through the page table. Masks only
+    where needed (MASK_K: keys past the end; not EVEN_D: head-dim padding), so that the
+    unmasked loads stay vectorised."""
+    if MASK_K:
+        page = tl.load(table_ptr + kpos // PAGE, mask=k_ok, other=0)
+    else:
+        page = tl.load(table_ptr + kpos // PAGE)
+    slot = page.to(tl.int64) * PAGE + kpos % PAGE
     off = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-    mask = k_ok[:, None] & d_ok[None, :]
-    return tl.load(k_ptr + off, mask=mask, other=0.0), tl.load(v_ptr + off, mask=mask, other=0.0)
+    if EVEN_D:
+        if MASK_K:
+            k = tl.load(k_ptr + off, mask=k_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + off, mask=k_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptr + off)
+            v = tl.load(v_ptr + off)
+    else:
+        mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + off, mask=mask, other=0.0)
+        v = tl.load(v_ptr + off, mask=mask, other=0.0)
+    return k, v
 
 
 @triton.jit
@@ -89,12 +105,12 @@ def _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, cu_ptr, start_ptr, tiles_ptr,
-                    num_tiles, qk_scale, page_size,
+                    num_tiles, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch,
                     stride_tb,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+                    PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     h = tl.program_id(0)
     tile = tl.program_id(1)
     kvh = h // GROUP
@@ -118,18 +134,17 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, cu_ptr, start_ptr, 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    all_keys = tl.full([BLOCK_N], 1, tl.int1)
     for start in range(0, full, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
-        k, v = _load_kv(k_ptr, v_ptr, table, kpos, all_keys, kvh, d, d_ok, page_size,
-                        stride_cs, stride_ch)
+        k, v = _load_kv(k_ptr, v_ptr, table, kpos, kpos >= 0, kvh, d, d_ok, stride_cs,
+                        stride_ch, PAGE, False, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
     for start in range(full, last, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         k_ok = kpos < last
-        k, v = _load_kv(k_ptr, v_ptr, table, kpos, k_ok, kvh, d, d_ok, page_size,
-                        stride_cs, stride_ch)
+        k, v = _load_kv(k_ptr, v_ptr, table, kpos, k_ok, kvh, d, d_ok, stride_cs,
+                        stride_ch, PAGE, True, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -176,13 +191,14 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if tokens == 0 or num_tiles == 0:
         return out
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    block_d = max(triton.next_power_of_2(dim), 16)
     _prefill_kernel[(heads, num_tiles)](
         q, k_cache, v_cache, out, page_table, cu_q, starts, tiles, num_tiles,
-        scale * LOG2E, page_size,
+        scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
         GROUP=heads // k_cache.shape[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_D=max(triton.next_power_of_2(dim), 16), HEAD_DIM=dim,
+        BLOCK_D=block_d, HEAD_DIM=dim, EVEN_D=block_d == dim, PAGE=page_size,
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
