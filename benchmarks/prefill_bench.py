@@ -279,12 +279,18 @@ def busy_fraction(prof, wall_us: float) -> tuple[float, list[dict]]:  # noqa: AN
 
 
 def profile_section(args: argparse.Namespace) -> list[dict]:
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=int(8 << 30))
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=int(8 << 30),
+              load_format=args.load_format)
     rows = []
     for batch in args.batches:
-        prompts = essay_prompts(llm.tokenizer, args.context, batch)
+        prompts = random_prompts(llm.model_config.vocab_size, args.context, batch) \
+            if args.load_format == "dummy" else essay_prompts(llm.tokenizer, args.context, batch)
         params = SamplingParams(max_tokens=1, ignore_eos=True)
         llm.generate(prompts, params)
         sync(llm.device)
@@ -296,8 +302,16 @@ def profile_section(args: argparse.Namespace) -> list[dict]:
             sync(llm.device)
             wall = time.perf_counter() - t0
         busy, top = busy_fraction(prof, wall * 1e6)
+        host = cProfile.Profile()
+        host.enable()
+        llm.generate(prompts, params)
+        sync(llm.device)
+        host.disable()
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(25)
         rows.append({"batch": batch, "context": args.context, "wall_ms": 1e3 * wall,
-                     "gpu_busy_fraction": busy, "top_kernels": top})
+                     "gpu_busy_fraction": busy, "top_kernels": top,
+                     "host_profile": text.getvalue().splitlines()[-40:]})
         print(json.dumps(rows[-1]), flush=True)
     del llm
     gc.collect()
@@ -348,6 +362,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--backend", default="auto")
+    p.add_argument("--load-format", default="auto", help="dummy: random weights (profile)")
     p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
     p.add_argument("--context", type=int, default=7500)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
