@@ -54,15 +54,22 @@ def test_prefix_cache_hit_prefills_only_the_rest(llm, hf_model, essays) -> None:
     new ones, reading the restored keys from its pages: same logits as transformers."""
     ids = _essay_ids(llm, essays, 360)
     ids[0] = 17  # a prefix no other test stores
-    llm.next_token_logits([ids[:201]])  # stores positions 0..199
+    llm.next_token_logits([ids[:201]])  # stores positions 0..200
     calls: list[tuple[int, ...]] = []
     original, llm.model.forward = _count_forwards(llm, calls)
     try:
         got = llm.next_token_logits([ids])[0]
     finally:
         llm.model.forward = original
-    assert calls == [(1, 359 - 200), (1, 1)]  # the rest of the head, then the last token
+    assert calls == [(1, 360 - 201)]  # only the positions the cache did not hold
     assert_close_logits(got[None], hf_logits(hf_model, ids)[-1:])
+    calls.clear()
+    llm.model.forward = _count_forwards(llm, calls)[1]
+    try:
+        again = llm.next_token_logits([ids])[0]
+    finally:
+        llm.model.forward = original
+    assert calls == [] and torch.equal(again, got)  # a whole hit runs no forward
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -78,7 +85,7 @@ def test_ragged_prompts_share_forwards(backend: str, tmp_path: Path) -> None:
         got = llm.next_token_logits(prompts)
     finally:
         llm.model.forward = original
-    assert calls == [(1, 50), (1, 50), (1, 50), (1, 14), (3, 1)]  # 96 + 5 + 63 = 164 tokens
+    assert calls == [(1, 50), (1, 50), (1, 50), (1, 17)]  # 97 + 6 + 64 = 167 tokens
     ref = torch.stack([hf_logits(model, p)[-1] for p in prompts])
     assert_close_logits(got, ref)
 

@@ -21,14 +21,20 @@ from typing import Any
 import torch
 
 from vegas_spec.attention.backend import make_backend
-from vegas_spec.attention.context import PrefillPlan, ScoreRequest, SparsePlan, StepContext
+from vegas_spec.attention.context import (
+    LastRows,
+    PrefillPlan,
+    ScoreRequest,
+    SparsePlan,
+    StepContext,
+)
 from vegas_spec.attention.torch_backend import slots_of
 from vegas_spec.cache import PagedKVCache
 from vegas_spec.config import ConfigError, EngineConfig, SamplingParams, SpecConfig
 from vegas_spec.graphs import GraphRunner, StaticShapes, bucket_for
 from vegas_spec.models.decoder import build_model
 from vegas_spec.models.loader import dummy_weights, load_config, load_weights, resolve
-from vegas_spec.prefix_cache import PrefixCache
+from vegas_spec.prefix_cache import PrefixCache, PrefixEntry
 from vegas_spec.sampling import BatchSampling, next_tokens, probs, sample
 from vegas_spec.spec.acceptance import accept_greedy, accept_sampling
 from vegas_spec.spec.policies import Policy, SelectionInput, make_policy, max_budget
@@ -54,6 +60,19 @@ class Sequence:
     def committed(self) -> int:
         """KV positions that hold exact values: the prompt and all outputs but the last."""
         return len(self.prompt_ids) + len(self.output) - 1
+
+
+@dataclass
+class _PrefillSink:
+    """Where a prefill's chunks put what the caller needs: the next-token logits [B, V] and
+    the batch's ScoreRequest of the prompts' last rows; the last rows' queries per batch row
+    (for the prefix cache) when q_last is a dict; or, when hidden is a list, every chunk's
+    final hidden states [T, hidden] instead (`LLM.logits`)."""
+
+    logits: torch.Tensor | None = None
+    scores: ScoreRequest | None = None
+    q_last: dict[int, torch.Tensor] | None = None
+    hidden: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -167,9 +186,11 @@ class LLM:
             raise ConfigError(f"chunk must be >= 1, got {chunk}")
         try:
             table = torch.tensor([pages], dtype=torch.int32, device=self.device)
-            hidden = self._prefill_spans([seq.prompt_ids], [(0, 0, len(token_ids))], table,
-                                         chunk or self.config.prefill_chunk, keep=True)
-            return self.model.logits(torch.cat(hidden))
+            sink = _PrefillSink(hidden=[])
+            self._prefill_spans([seq.prompt_ids], [(0, 0, len(token_ids))], table,
+                                chunk or self.config.prefill_chunk, sink)
+            assert sink.hidden is not None
+            return self.model.logits(torch.cat(sink.hidden))
         finally:
             self.cache.release(pages)
 
@@ -467,97 +488,170 @@ class LLM:
 
     def _prefill(self, seqs: list[Sequence], page_table: torch.Tensor, policy: Policy | None,
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Every prompt position but the last, packed (`_prefill_spans`) after restoring each
-        prompt's longest cached prefix; then the last tokens of all prompts in one step,
-        which also yields the first selection's scores: logits [B, V] and the scores."""
-        heads = [len(s.prompt_ids) - 1 for s in seqs]
-        done = [self._restore_prefix(s, page_table[i]) for i, s in enumerate(seqs)]
-        spans = [(i, done[i], heads[i]) for i in range(len(seqs)) if done[i] < heads[i]]
-        self._prefill_spans([s.prompt_ids for s in seqs], spans, page_table,
-                            self.config.prefill_chunk)
+        """Every prompt position, packed (`_prefill_spans`) after restoring each prompt's
+        longest cached prefix, -> the next-token logits [B, V] and, if the policy selects
+        from them, the scores [layers, B, 1, G, W] of each prompt's last row (scored in the
+        forward that computes it). A prompt found whole in the prefix cache runs no forward:
+        its logits are restored and its scores recomputed from the kept queries."""
+        prompts = [s.prompt_ids for s in seqs]
+        width = max(len(p) for p in prompts)
+        sink = _PrefillSink(
+            logits=torch.empty(len(seqs), self.model_config.vocab_size, device=self.device),
+            scores=self._score_request(policy, len(seqs), 1, width, True),
+            q_last={} if self.prefix_cache is not None else None)
+        hits = [self._restore_prefix(s, page_table[i]) for i, s in enumerate(seqs)]
+        spans = [(i, done, len(p)) for i, (p, (done, _)) in enumerate(zip(prompts, hits))
+                 if done < len(p)]
+        self._prefill_spans(prompts, spans, page_table, self.config.prefill_chunk, sink)
+        whole = [(i, entry) for i, (done, entry) in enumerate(hits)
+                 if entry is not None and done == len(prompts[i])]
+        if whole:
+            self._replay_last_rows(prompts, whole, page_table, sink)
         for i, _, _ in spans:
-            self._save_prefix(seqs[i], page_table[i])
-        width = max(heads) + 1
-        req = self._score_request(policy, len(seqs), 1, width, True)
-        last = self._upload([s.prompt_ids[-1] for s in seqs] + heads).view(2, -1)
-        ctx = self._ctx(page_table, last[1][:, None], width, req)
-        logits = self._forward(last[0][:, None], ctx)[:, -1]
-        return logits, None if req is None else req.out
+            self._save_prefix(seqs[i], page_table[i], sink, i)
+        return sink.logits, None if sink.scores is None else sink.scores.out
 
     def _prefill_spans(self, prompts: list[list[int]], spans: list[tuple[int, int, int]],
-                       page_table: torch.Tensor, budget: int,
-                       keep: bool = False) -> list[torch.Tensor]:
+                       page_table: torch.Tensor, budget: int, sink: _PrefillSink) -> None:
         """Positions start..end-1 of prompt `row` for each span (row, start, end), whose
-        earlier positions are cached: packed end to end into forwards of at most
-        `budget` tokens, a span cut across forwards where it does not fit, one
-        launch per kernel and layer for all prompts of a forward. keep: return each
-        forward's final hidden states [T, hidden] (else nothing)."""
-        chunk, used, hidden = [], 0, []
+        earlier positions are cached: packed end to end into forwards of at most `budget`
+        tokens, a span cut across forwards where it does not fit, one launch per kernel and
+        layer for all prompts of a forward."""
+        chunk, used = [], 0
         for row, start, end in spans:
             while start < end:
                 take = min(end - start, budget - used)
                 chunk.append((row, start, start + take))
                 used, start = used + take, start + take
                 if used == budget:
-                    hidden.append(self._prefill_chunk(prompts, chunk, page_table, keep))
+                    self._prefill_chunk(prompts, chunk, page_table, sink)
                     chunk, used = [], 0
         if chunk:
-            hidden.append(self._prefill_chunk(prompts, chunk, page_table, keep))
-        return hidden if keep else []
+            self._prefill_chunk(prompts, chunk, page_table, sink)
 
     def _prefill_chunk(self, prompts: list[list[int]], pieces: list[tuple[int, int, int]],
-                       page_table: torch.Tensor, keep: bool) -> torch.Tensor:
+                       page_table: torch.Tensor, sink: _PrefillSink) -> None:
         """One packed forward over the pieces (row, start, end); nothing waits for the device
-        (one host-to-device copy of the step's metadata)."""
+        (one host-to-device copy of the step's metadata). The prompts that end here give
+        their logits, scores and last queries to the sink."""
         lengths = [end - start for _, start, end in pieces]
         starts = [start for _, start, _ in pieces]
-        total = sum(lengths)
+        offsets = list(itertools.accumulate(lengths))
+        ends = [j for j, (row, _, end) in enumerate(pieces)
+                if end == len(prompts[row]) and sink.hidden is None]
+        total, count = offsets[-1], len(pieces)
         host = torch.cat([
             torch.tensor([t for row, a, b in pieces for t in prompts[row][a:b]]),
             torch.cat([torch.arange(a, b) for _, a, b in pieces]),
-            torch.repeat_interleave(torch.arange(len(pieces)), torch.tensor(lengths)),
-            torch.tensor([0, *itertools.accumulate(lengths)] + starts
-                         + [row for row, _, _ in pieces]),
+            torch.repeat_interleave(torch.arange(count), torch.tensor(lengths)),
+            torch.tensor([0, *offsets] + starts + [row for row, _, _ in pieces]),
+            torch.tensor([offsets[j] - 1 for j in ends] + [pieces[j][0] for j in ends]),
         ])
         dev = self._upload(host)
         tokens, positions, piece = dev[:total], dev[total : 2 * total], dev[2 * total : 3 * total]
-        meta = dev[3 * total :].to(torch.int32)
-        count = len(pieces)
+        meta = dev[3 * total : 3 * total + 2 * count + 1 + count].to(torch.int32)
         cu_q, start, rows = meta[: count + 1], meta[count + 1 : 2 * count + 1], meta[-count:]
         table = page_table[rows.long()]
         ps = self.config.page_size
         slots = table.long()[piece, positions // ps] * ps + positions % ps
         plan = PrefillPlan(cu_q, start, tuple(lengths), tuple(starts))
+        scores = None
+        if ends:
+            index, batch_rows = dev[-2 * len(ends) :].view(2, -1)
+            plan.last, scores = self._last_rows(prompts, [pieces[j][0] for j in ends], index,
+                                                batch_rows, page_table, slots, positions, sink)
         ctx = StepContext(positions=positions[None], seq_lens=start + cu_q.diff(),
                           slot_mapping=slots[None], page_table=table, page_size=ps,
-                          kv_len_max=max(a + n for a, n in zip(starts, lengths)), prefill=plan)
-        hidden = self.model(tokens[None], ctx, self.cache.layers, self.backend)
-        return hidden[0] if keep else hidden
+                          kv_len_max=max(a + n for a, n in zip(starts, lengths)),
+                          scores=scores, prefill=plan)
+        hidden = self.model(tokens[None], ctx, self.cache.layers, self.backend)[0]
+        if sink.hidden is not None:
+            sink.hidden.append(hidden)
+        elif ends:
+            assert plan.last is not None
+            self._collect_last(plan.last, scores, hidden, batch_rows,
+                               [pieces[j][0] for j in ends], sink)
 
-    def _prefix_slots(self, seq: Sequence, page_table: torch.Tensor, length: int,
-                      ) -> torch.Tensor:
+    def _last_rows(self, prompts: list[list[int]], rows: list[int], index: torch.Tensor,
+                   batch_rows: torch.Tensor, page_table: torch.Tensor, slots: torch.Tensor,
+                   positions: torch.Tensor, sink: _PrefillSink,
+                   ) -> tuple[LastRows, ScoreRequest | None]:
+        """The LastRows of prompts `rows` (their last tokens at packed rows `index`) and the
+        step's own ScoreRequest for them."""
+        cfg = self.model_config
+        q_out = None if sink.q_last is None else torch.empty(
+            cfg.num_layers, len(rows), cfg.num_heads, cfg.head_dim, device=self.device,
+            dtype=self.config.torch_dtype)
+        last = LastRows(index, positions[index][:, None], slots[index][:, None],
+                        page_table[batch_rows], max(len(prompts[r]) for r in rows), q_out)
+        req = sink.scores
+        if req is None:
+            return last, None
+        out = torch.empty(req.out.shape[0], len(rows), *req.out.shape[2:], device=self.device)
+        return last, ScoreRequest(req.rows, out, req.mode, req.per_kv_head)
+
+    def _collect_last(self, last: LastRows, scores: ScoreRequest | None, hidden: torch.Tensor,
+                      batch_rows: torch.Tensor, rows: list[int], sink: _PrefillSink) -> None:
+        sink.logits[batch_rows] = self.model.logits(hidden[last.index])
+        if scores is not None and sink.scores is not None:
+            sink.scores.out[:, batch_rows] = scores.out
+        if last.q_out is not None and sink.q_last is not None:
+            for j, row in enumerate(rows):
+                sink.q_last[row] = last.q_out[:, j]
+
+    def _replay_last_rows(self, prompts: list[list[int]], whole: list[tuple[int, PrefixEntry]],
+                          page_table: torch.Tensor, sink: _PrefillSink) -> None:
+        """Prompts restored whole from the prefix cache: their logits as stored, their scores
+        recomputed from the stored last queries (the same kernel on the same values as when
+        they were prefilled)."""
+        rows = [i for i, _ in whole]
+        batch_rows = self._upload(rows)
+        sink.logits[batch_rows] = torch.stack([e.logits for _, e in whole])
+        if sink.q_last is not None:
+            for i, entry in whole:
+                sink.q_last[i] = entry.q_last
+        req = sink.scores
+        if req is None:
+            return
+        positions = self._upload([len(prompts[i]) - 1 for i in rows])[:, None]
+        table = page_table[batch_rows]
+        last = LastRows(torch.arange(len(rows), device=self.device), positions,
+                        slots_of(table, positions, self.config.page_size), table,
+                        max(len(prompts[i]) for i in rows))
+        out = torch.empty(req.out.shape[0], len(rows), *req.out.shape[2:], device=self.device)
+        scores = ScoreRequest(req.rows, out, req.mode, req.per_kv_head)
+        q = torch.stack([e.q_last for _, e in whole], 1)  # [layers, S', H, D]
+        for layer, (k_cache, v_cache) in enumerate(self.cache.layers):
+            self.backend.last_row_scores(layer, q[layer], k_cache, v_cache, last, scores,
+                                         self.config.page_size)
+        req.out[:, batch_rows] = out
+
+    def _prefix_slots(self, page_table: torch.Tensor, length: int) -> torch.Tensor:
         positions = torch.arange(length, device=self.device)[None]
         return slots_of(page_table[None], positions, self.config.page_size)[0]
 
-    def _restore_prefix(self, seq: Sequence, page_table: torch.Tensor) -> int:
-        """Copy the longest cached prefix of the prompt (all but its last token) into the
-        sequence's pages -> how many positions it covers (0 without a hit)."""
+    def _restore_prefix(self, seq: Sequence, page_table: torch.Tensor,
+                        ) -> tuple[int, PrefixEntry | None]:
+        """Copy the longest cached prefix of the prompt into the sequence's pages -> how many
+        positions it covers and its entry ((0, None) without a hit)."""
         if self.prefix_cache is None:
-            return 0
-        length, kv = self.prefix_cache.longest(seq.prompt_ids[:-1])
-        if kv is None:
-            return 0
-        slots = self._prefix_slots(seq, page_table, length)
-        for (k_cache, v_cache), (k, v) in zip(self.cache.layers, kv):
-            k_cache[slots], v_cache[slots] = k[:length], v[:length]
-        return length
+            return 0, None
+        length, entry = self.prefix_cache.longest(seq.prompt_ids)
+        if entry is None:
+            return 0, None
+        slots = self._prefix_slots(page_table, length)
+        for (k_cache, v_cache), (k, v) in zip(self.cache.layers, entry.kv):
+            k_cache[slots], v_cache[slots] = k, v
+        return length, entry
 
-    def _save_prefix(self, seq: Sequence, page_table: torch.Tensor) -> None:
-        if self.prefix_cache is not None:
-            head = len(seq.prompt_ids) - 1
-            slots = self._prefix_slots(seq, page_table, head)
-            self.prefix_cache.put(tuple(seq.prompt_ids[:-1]),
-                                  [(k[slots], v[slots]) for k, v in self.cache.layers])
+    def _save_prefix(self, seq: Sequence, page_table: torch.Tensor, sink: _PrefillSink,
+                     row: int) -> None:
+        if self.prefix_cache is None or sink.q_last is None or row not in sink.q_last:
+            return
+        slots = self._prefix_slots(page_table, len(seq.prompt_ids))
+        kv = [(k[slots], v[slots]) for k, v in self.cache.layers]
+        self.prefix_cache.put(tuple(seq.prompt_ids),
+                              PrefixEntry(kv, sink.logits[row].clone(), sink.q_last[row]))
 
     def _page_table(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.pages) for s in seqs)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from vegas_spec.attention.context import StepContext
+from vegas_spec.attention.context import LastRows, ScoreRequest, StepContext
 from vegas_spec.models.decoder import add_rms_norm, rms_norm, silu_mul
 from vegas_spec.models.rope import apply_rope
 
@@ -32,8 +32,17 @@ class AttentionBackend(ABC):
                rope: torch.Tensor) -> torch.Tensor:
         q = self.rope_store(q, k, v, k_cache, v_cache, ctx, rope)
         if ctx.prefill is not None:
-            assert ctx.scores is None and ctx.sparse is None, "a packed prefill emits no scores"
-            return self.prefill(q[0], k_cache, v_cache, ctx)[None]
+            assert ctx.sparse is None, "a packed prefill attends to everything"
+            out = self.prefill(q[0], k_cache, v_cache, ctx)
+            last = ctx.prefill.last
+            if last is not None:
+                q_last = q[0, last.index]
+                if last.q_out is not None:
+                    last.q_out[layer] = q_last
+                if ctx.scores is not None:
+                    self.last_row_scores(layer, q_last, k_cache, v_cache, last, ctx.scores,
+                                         ctx.page_size)
+            return out[None]
         if ctx.sparse is None:
             return self.full(layer, q, k_cache, v_cache, ctx)
         plan = ctx.sparse
@@ -43,6 +52,17 @@ class AttentionBackend(ABC):
             assert plan.indices is not None
             indices = plan.indices[layer]
         return self.sparse(q, k_cache, v_cache, indices, ctx)
+
+    def last_row_scores(self, layer: int, q_last: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, last: LastRows, scores: ScoreRequest,
+                        page_size: int) -> None:
+        """Selection scores of prompts' last rows (q_last [S', H, D], rotated) into
+        scores.out[layer] ([S', R, G, W]): a one-row full-attention step over their pages,
+        whose attention output is dropped."""
+        ctx = StepContext(positions=last.positions, seq_lens=last.positions[:, -1] + 1,
+                          slot_mapping=last.slots, page_table=last.page_table,
+                          page_size=page_size, kv_len_max=last.kv_len_max, scores=scores)
+        self.full(layer, q_last[:, None], k_cache, v_cache, ctx)
 
     def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,

@@ -54,6 +54,25 @@ class SparsePlan:
 
 
 @dataclass
+class LastRows:
+    """The prompts whose last token is in a packed prefill step: their first selection comes
+    from that token's attention, scored in the same step.
+
+    index [S'] packed row of each last token; positions, slots [S', 1] its position and cache
+    slot; page_table [S', P] its sequence's pages; kv_len_max: host bound on positions + 1.
+    q_out: [layers, S', H, D] or None: receives each layer's rotated query of those rows
+    (the prefix cache keeps it, to score a repeated prompt again without a forward).
+    """
+
+    index: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    page_table: torch.Tensor
+    kv_len_max: int
+    q_out: torch.Tensor | None = None
+
+
+@dataclass
 class PrefillPlan:
     """A packed prefill step: its T tokens ([1, T] inputs) are pieces of S prompts laid end to
     end. Piece s holds positions starts[s] .. starts[s] + lengths[s] - 1 of the sequence whose
@@ -63,6 +82,7 @@ class PrefillPlan:
     cu_q [S + 1] int32: piece s is tokens cu_q[s] .. cu_q[s + 1] - 1 of the packed axis.
     start [S] int32: starts on the device.
     lengths, starts: the same on the host (tiling, the reference).
+    last: the prompts that end in this step (their scores go to the step's ScoreRequest).
     memo: per-step values a backend derives once and reuses in every layer (tile lists).
     """
 
@@ -70,6 +90,7 @@ class PrefillPlan:
     start: torch.Tensor
     lengths: tuple[int, ...]
     starts: tuple[int, ...]
+    last: LastRows | None = None
     memo: dict = field(default_factory=dict)
 
 
@@ -81,7 +102,7 @@ class StepContext:
     page_table:   [B, P] pages of each sequence (page_size slots each).
     kv_len_max:   host bound on seq_lens (the key axis of the reference gather).
     prefill:      set for a packed prefill step (B = 1, n = T; page_table and seq_lens
-                  then have one row per piece).
+                  then have one row per piece; `scores` then covers prefill.last's rows).
     """
 
     positions: torch.Tensor
