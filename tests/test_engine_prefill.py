@@ -101,3 +101,36 @@ def test_triton_prefill_gives_torch_tokens(tmp_path: Path) -> None:
     spec = engine(folder, prefill_chunk=40, backend="triton").generate(
         prompts, params, speculative={"method": "vegas", "gamma": 3, "min_tokens": 8})
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fixed_shape_prefill_gives_the_same_logits(backend: str, tmp_path: Path) -> None:
+    """The prefill graphs' padded buffers (run eagerly on CPU): tokens padded to a bucket,
+    pieces padded with empty ones, several chunks through one buffer set, then a second
+    batch of another size; each prompt's next-token logits are its own."""
+    model = build_hf("qwen3")
+    llm = engine(save(model, tmp_path), prefill_chunk=60, page_size=8, backend=backend,
+                 static_shapes=True)
+    assert llm.prefill_graphs is not None
+    for lengths in [(97, 6, 64), (30,)]:
+        prompts = [random_ids(n, seed=n + 1) for n in lengths]
+        got = llm.next_token_logits(prompts)
+        ref = torch.stack([hf_logits(model, p)[-1] for p in prompts])
+        assert_close_logits(got, ref)
+    buckets = {key[:2] for key in llm.prefill_graphs.entries}
+    assert buckets == {(64, 1), (64, 4), (48, 1), (32, 1)}  # 60, 60 (3 pieces), 47; 30 tokens
+
+
+def test_fixed_shape_prefill_scores_and_tokens(tmp_path: Path) -> None:
+    """Greedy vegas through the fixed-shape prefill (first selection scored inside it) and
+    the fixed-shape decode loop equals plain decoding."""
+    model = build_hf("llama-tied")
+    folder = save(model, tmp_path)
+    prompts = [random_ids(n, seed=n) for n in (75, 40)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    plain = engine(folder).generate(prompts, params)
+    static = engine(folder, static_shapes=True, prefill_chunk=64)
+    for method in ("vegas", "lastq"):
+        outs = static.generate(prompts, params,
+                               speculative={"method": method, "gamma": 3, "min_tokens": 8})
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain], method

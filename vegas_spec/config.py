@@ -241,6 +241,9 @@ def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
         raise ConfigError(f"{name} must be one of {', '.join(options)}, got {value!r}")
 
 
+PREFILL_ACTIVATION_BYTES = 1 << 30
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     device: str = "cpu"
@@ -249,8 +252,9 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     kv_cache_fraction: float = 0.5
     # Tokens per prefill forward, summed over the prompts it packs (a longer prompt is cut
-    # across forwards): bounds the activations, never the prompt length.
-    prefill_chunk: int = 8192
+    # across forwards): bounds the activations, never the prompt length. None: as many as
+    # keep a forward's activations near PREFILL_ACTIVATION_BYTES (`prefill_tokens`).
+    prefill_chunk: int | None = None
     backend: str = "auto"
     prefix_cache_bytes: int = 0  # > 0: keep prompt KV of up to this many bytes for reuse
     load_format: str = "auto"  # "dummy": random weights from the config, for timing
@@ -266,7 +270,7 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
-        if self.prefill_chunk < 1:
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ConfigError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
@@ -287,6 +291,18 @@ class EngineConfig:
                               "fixed-shape buffers eagerly)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def prefill_tokens(self, model: ModelConfig) -> int:
+        """prefill_chunk, or by default the tokens whose activations (the widest tensors a
+        layer holds at once: gate/up and its product, q/k/v, attention output and the
+        residual stream) fit PREFILL_ACTIVATION_BYTES, in [2048, 32768] (Llama-3.1-8B in
+        bf16: 8192; SmolLM2-135M: 32768)."""
+        if self.prefill_chunk is not None:
+            return self.prefill_chunk
+        width = 3 * model.intermediate_size + (2 * model.num_heads + 2 * model.num_kv_heads) \
+            * model.head_dim + 3 * model.hidden_size
+        tokens = PREFILL_ACTIVATION_BYTES // (width * DTYPES[self.dtype].itemsize)
+        return max(2048, min(32768, tokens // 1024 * 1024))
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -30,10 +30,11 @@ from vegas_spec.attention.context import (
 )
 from vegas_spec.attention.torch_backend import slots_of
 from vegas_spec.cache import PagedKVCache
-from vegas_spec.config import ConfigError, EngineConfig, SamplingParams, SpecConfig
+from vegas_spec.config import MAX_GAMMA, ConfigError, EngineConfig, SamplingParams, SpecConfig
 from vegas_spec.graphs import GraphRunner, StaticShapes, bucket_for
 from vegas_spec.models.decoder import build_model
 from vegas_spec.models.loader import dummy_weights, load_config, load_weights, resolve
+from vegas_spec.prefill_graphs import Chunk, PrefillGraphs, ScoreKind
 from vegas_spec.prefix_cache import PrefixCache, PrefixEntry
 from vegas_spec.sampling import BatchSampling, next_tokens, probs, sample
 from vegas_spec.spec.acceptance import accept_greedy, accept_sampling
@@ -73,6 +74,7 @@ class _PrefillSink:
     scores: ScoreRequest | None = None
     q_last: dict[int, torch.Tensor] | None = None
     hidden: list[torch.Tensor] | None = None
+    pages: list[list[int]] | None = None  # host pages of each batch row (prefill graphs)
 
 
 @dataclass
@@ -129,6 +131,10 @@ class LLM:
         # Static shapes: padding rows of a batch bucket write into this page only.
         self.scratch_page = self.cache.allocate(1)[0] if self.config.static else -1
         self.graphs: GraphRunner | None = None  # the decode loop's buffers (static shapes)
+        self.prefill_graphs = PrefillGraphs(
+            self.model, self.cache.layers, self.backend, self.config.page_size,
+            self.cache.pages_for(self.max_model_len + MAX_GAMMA + 1), self.scratch_page,
+            self.config.graphs) if self.config.static else None
         self._tokenizer = None
         self.prefix_cache = PrefixCache(self.config.prefix_cache_bytes) \
             if self.config.prefix_cache_bytes > 0 else None
@@ -179,7 +185,7 @@ class LLM:
     @torch.inference_mode()
     def logits(self, token_ids: list[int], *, chunk: int | None = None) -> torch.Tensor:
         """Logits [n, V] (float32) of every prompt position, through the packed prefill path
-        in forwards of `chunk` tokens (default: the engine's prefill_chunk)."""
+        in forwards of `chunk` tokens (default: the engine's prefill chunk)."""
         seq = self._sequence(token_ids, SamplingParams(max_tokens=1), False, _spec(None))
         pages = self.cache.allocate(len(token_ids))
         if chunk is not None and chunk < 1:
@@ -188,7 +194,7 @@ class LLM:
             table = torch.tensor([pages], dtype=torch.int32, device=self.device)
             sink = _PrefillSink(hidden=[])
             self._prefill_spans([seq.prompt_ids], [(0, 0, len(token_ids))], table,
-                                chunk or self.config.prefill_chunk, sink)
+                                chunk or self.config.prefill_tokens(self.model_config), sink)
             assert sink.hidden is not None
             return self.model.logits(torch.cat(sink.hidden))
         finally:
@@ -498,11 +504,13 @@ class LLM:
         sink = _PrefillSink(
             logits=torch.empty(len(seqs), self.model_config.vocab_size, device=self.device),
             scores=self._score_request(policy, len(seqs), 1, width, True),
-            q_last={} if self.prefix_cache is not None else None)
+            q_last={} if self.prefix_cache is not None else None,
+            pages=[s.pages for s in seqs])
         hits = [self._restore_prefix(s, page_table[i]) for i, s in enumerate(seqs)]
         spans = [(i, done, len(p)) for i, (p, (done, _)) in enumerate(zip(prompts, hits))
                  if done < len(p)]
-        self._prefill_spans(prompts, spans, page_table, self.config.prefill_chunk, sink)
+        self._prefill_spans(prompts, spans, page_table,
+                            self.config.prefill_tokens(self.model_config), sink)
         whole = [(i, entry) for i, (done, entry) in enumerate(hits)
                  if entry is not None and done == len(prompts[i])]
         if whole:
@@ -539,6 +547,9 @@ class LLM:
         offsets = list(itertools.accumulate(lengths))
         ends = [j for j, (row, _, end) in enumerate(pieces)
                 if end == len(prompts[row]) and sink.hidden is None]
+        if self.prefill_graphs is not None and sink.pages is not None:
+            self._prefill_static(Chunk(prompts, pieces, sink.pages, ends), sink)
+            return
         total, count = offsets[-1], len(pieces)
         host = torch.cat([
             torch.tensor([t for row, a, b in pieces for t in prompts[row][a:b]]),
@@ -571,6 +582,23 @@ class LLM:
             assert plan.last is not None
             self._collect_last(plan.last, scores, hidden, batch_rows,
                                [pieces[j][0] for j in ends], sink)
+
+    def _prefill_static(self, chunk: Chunk, sink: _PrefillSink) -> None:
+        """The chunk on the prefill graphs' fixed-shape buffers (a replay on CUDA)."""
+        assert self.prefill_graphs is not None and sink.logits is not None
+        req = sink.scores
+        kind = None if req is None else ScoreKind(req.mode, req.per_kv_head)
+        logits, scores, q_out = self.prefill_graphs.run(chunk, kind)
+        if not chunk.ends:
+            return
+        rows = [chunk.pieces[j][0] for j in chunk.ends]
+        batch_rows = self._upload(rows)
+        sink.logits[batch_rows] = logits
+        if req is not None and scores is not None:
+            req.out[:, batch_rows] = scores[..., : req.out.shape[-1]]
+        if sink.q_last is not None:
+            for j, row in enumerate(rows):
+                sink.q_last[row] = q_out[:, j].clone()
 
     def _last_rows(self, prompts: list[list[int]], rows: list[int], index: torch.Tensor,
                    batch_rows: torch.Tensor, page_table: torch.Tensor, slots: torch.Tensor,

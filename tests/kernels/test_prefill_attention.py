@@ -60,7 +60,7 @@ def _reference(case: Case, cache, q: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("case", CASES)
 def test_prefill_attention_matches_reference(case: Case, dtype: torch.dtype) -> None:
     cache, q, cu, starts = _inputs(case, dtype, seed=sum(case.lengths) + case.heads)
-    cfg = prefill_config(q)
+    cfg = prefill_config(case.dim, q.is_cuda)
     tiles = prefill_tiles(list(case.lengths), list(case.starts), cfg.block_m, q.device)
     out = poisoned(*q.shape, dtype=dtype)
     prefill_attention(q, cache.k, cache.v, cache.page_table, cu, starts, tiles,

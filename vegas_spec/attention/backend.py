@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from vegas_spec.attention.context import LastRows, ScoreRequest, StepContext
@@ -63,6 +64,16 @@ class AttentionBackend(ABC):
                           slot_mapping=last.slots, page_table=last.page_table,
                           page_size=page_size, kv_len_max=last.kv_len_max, scores=scores)
         self.full(layer, q_last[:, None], k_cache, v_cache, ctx)
+
+    def prefill_block_rows(self, head_dim: int, device: torch.device) -> int | None:
+        """Query rows per tile of this backend's prefill kernel, whose tile list
+        (`prefill_tile_list`) is then all its prefill reads from the host side; None: the
+        prefill reads the pieces' host lengths itself (it cannot be captured in a graph)."""
+        return None
+
+    def prefill_tile_list(self, lengths: list[int], starts: list[int],
+                          block_m: int) -> np.ndarray:
+        raise NotImplementedError(f"the {self.name} backend's prefill does not tile")
 
     def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,

@@ -18,10 +18,15 @@ def slots_of(page_table: torch.Tensor, pos: torch.Tensor, page_size: int) -> tor
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-    """k, v [B, n, Hkv, D] -> cache rows slot_mapping [B, n]."""
+    """k, v [B, n, Hkv, D] -> cache rows slot_mapping [B, n] (negative: skipped, as the
+    padding rows of a fixed-shape prefill)."""
     slots = slot_mapping.reshape(-1).long()
-    k_cache.index_copy_(0, slots, k.reshape(-1, *k.shape[2:]).to(k_cache.dtype))
-    v_cache.index_copy_(0, slots, v.reshape(-1, *v.shape[2:]).to(v_cache.dtype))
+    keep = slots >= 0
+    k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+    if not bool(keep.all()):
+        slots, k, v = slots[keep], k[keep], v[keep]
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def _softmax_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -74,15 +79,15 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
     q [T, H, D]: piece s is the next lengths[s] rows, positions starts[s] .. starts[s] +
     lengths[s] - 1 of the sequence with pages page_table[s]; query i of piece s sees keys
-    0 .. starts[s] + i, all in the cache. Returns [T, H, D]."""
-    outs, offset = [], 0
+    0 .. starts[s] + i, all in the cache. Returns [T, H, D] (rows past the pieces: 0)."""
+    out, offset = torch.zeros_like(q), 0
     for s, (n, start) in enumerate(zip(lengths, starts)):
         pos = (start + torch.arange(n, device=q.device))[None]  # [1, n]
-        out, _ = paged_attention_ref(q[None, offset : offset + n], k_cache, v_cache,
-                                     page_table[s : s + 1], pos, page_size, start + n, scale)
-        outs.append(out[0])
+        piece, _ = paged_attention_ref(q[None, offset : offset + n], k_cache, v_cache,
+                                       page_table[s : s + 1], pos, page_size, start + n, scale)
+        out[offset : offset + n] = piece[0]
         offset += n
-    return torch.cat(outs) if outs else q.new_empty(q.shape)
+    return out
 
 
 def prefill_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -92,7 +97,7 @@ def prefill_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """The same through torch's fused scaled_dot_product_attention, one call per piece: the
     CPU path's prefill, which never forms the n x n score matrix in the reference's float32
     einsum form."""
-    outs, offset = [], 0
+    result, offset = torch.zeros_like(q), 0
     hkv = k_cache.shape[1]
     for s, (n, start) in enumerate(zip(lengths, starts)):
         key_pos = torch.arange(start + n, device=q.device)[None]
@@ -106,9 +111,9 @@ def prefill_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
                                              is_causal=start == 0, scale=scale,
                                              enable_gqa=q.shape[1] != hkv)
-        outs.append(out[0].transpose(0, 1))
+        result[offset : offset + n] = out[0].transpose(0, 1)
         offset += n
-    return torch.cat(outs) if outs else q.new_empty(q.shape)
+    return result
 
 
 def sparse_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

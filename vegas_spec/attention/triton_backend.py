@@ -4,12 +4,18 @@ KV store, SiLU * up). Runs on CUDA, or on CPU under Triton's interpreter (slow: 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from vegas_spec.attention.backend import AttentionBackend, register_backend
 from vegas_spec.attention.context import StepContext
 from vegas_spec.kernels.paged_attention import paged_attention
-from vegas_spec.kernels.prefill_attention import prefill_attention, prefill_config, prefill_tiles
+from vegas_spec.kernels.prefill_attention import (
+    prefill_attention,
+    prefill_config,
+    prefill_tiles,
+    tile_list,
+)
 from vegas_spec.kernels.rms_norm import rms_norm
 from vegas_spec.kernels.rope_store import rope_store
 from vegas_spec.kernels.silu_mul import silu_mul
@@ -59,7 +65,7 @@ class TritonBackend(AttentionBackend):
         """The tile list is built once per step (ctx.prefill.memo) and read by every layer."""
         plan = ctx.prefill
         assert plan is not None
-        cfg = prefill_config(q)
+        cfg = prefill_config(q.shape[-1], q.is_cuda)
         key = ("prefill_tiles", cfg.block_m)
         if key not in plan.memo:
             plan.memo[key] = prefill_tiles(list(plan.lengths), list(plan.starts), cfg.block_m,
@@ -67,6 +73,13 @@ class TritonBackend(AttentionBackend):
         return prefill_attention(q, k_cache, v_cache, ctx.page_table, plan.cu_q, plan.start,
                                  plan.memo[key], ctx.page_size, q.shape[-1] ** -0.5,
                                  config=cfg)
+
+    def prefill_block_rows(self, head_dim: int, device: torch.device) -> int | None:
+        return prefill_config(head_dim, device.type == "cuda").block_m
+
+    def prefill_tile_list(self, lengths: list[int], starts: list[int],
+                          block_m: int) -> np.ndarray:
+        return tile_list(lengths, starts, block_m)
 
     def sparse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                indices: torch.Tensor, ctx: StepContext) -> torch.Tensor:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -41,25 +42,32 @@ class PrefillConfig:
     num_stages: int
 
 
-def prefill_config(q: torch.Tensor) -> PrefillConfig:
-    """q [T, H, D]: 128 x 64 tiles on a GPU (64 x 64 for head dims past 128, which would
-    spill); small tiles under the interpreter, whose cost is per program step."""
-    if not q.is_cuda:
+def prefill_config(dim: int, gpu: bool) -> PrefillConfig:
+    """Tiles for head dim `dim`. On a GPU (H200, bf16, measured by benchmarks/prefill_bench.py):
+    128 query rows x 64 keys, 8 warps for D <= 64 (305-314 TFLOP/s at 16 x 7.5K), 4 warps for
+    D = 128 (382-401 TFLOP/s at 4 x 8K and 1 x 32K); 64 x 64 past 128, which would spill.
+    Small tiles under the interpreter, whose cost is per program step."""
+    if not gpu:
         return PrefillConfig(32, 32, 1, 1)
-    if q.shape[-1] > 128:
+    if dim > 128:
         return PrefillConfig(64, 64, 4, 2)
-    return PrefillConfig(128, 64, 8, 3)
+    return PrefillConfig(128, 64, 8 if dim <= 64 else 4, 3)
 
 
-def prefill_tiles(lengths: list[int], starts: list[int], block_m: int,
-                  device: torch.device) -> torch.Tensor:
-    """Host lengths/starts of the pieces -> [2, tiles] int32 on the device: the piece of each
-    query tile and the tile's first row inside it, longest key range first."""
+def tile_list(lengths: list[int], starts: list[int], block_m: int) -> np.ndarray:
+    """Host lengths/starts of the pieces -> [2, tiles] int32: the piece of each query tile
+    and the tile's first row inside it, longest key range first."""
     tiles = [(start + min(first + block_m, n), piece, first)
              for piece, (n, start) in enumerate(zip(lengths, starts))
              for first in range(0, n, block_m)]
     tiles.sort(key=lambda t: -t[0])
-    host = torch.tensor([[t[1] for t in tiles], [t[2] for t in tiles]], dtype=torch.int32)
+    return np.array([[t[1] for t in tiles], [t[2] for t in tiles]], dtype=np.int32).reshape(2, -1)
+
+
+def prefill_tiles(lengths: list[int], starts: list[int], block_m: int,
+                  device: torch.device) -> torch.Tensor:
+    """`tile_list` on the device."""
+    host = torch.from_numpy(tile_list(lengths, starts, block_m))
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
@@ -183,7 +191,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     0 .. starts[s] + i. Returns [T, H, D] in q's dtype (into `out` if given)."""
     _check(q, k_cache, v_cache, page_table, cu_q, starts)
     tokens, heads, dim = q.shape
-    cfg = config or prefill_config(q)
+    cfg = config or prefill_config(dim, q.is_cuda)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1

@@ -1,0 +1,234 @@
+"""Packed prefill forwards on fixed-shape buffers, captured as CUDA graphs per bucket.
+
+An eager prefill forward launches about ten kernels per layer from Python; on a small model
+the host then takes longer to issue a chunk than the GPU takes to run it, and a one-prompt
+prefill leaves the GPU idle most of the time. Here a chunk is packed on the host (tokens,
+positions, slots, the pieces' page rows and query tiles, the rows that end a prompt) into two
+flat buffers, copied to the device in two transfers, and the whole forward (every layer, the
+logits of the prompts' last rows, their selection scores and queries) is one graph replay.
+
+A graph is fixed by (token bucket, piece bucket, score kind): tokens are padded to the next
+bucket of the 1, 1.5, 2, 3, 4, 6, ... x 512 ladder (x 16 when nothing is captured) (padding rows write no cache slot and
+are in no query tile, so they cost only their share of the matrix products), pieces to the
+next power of two (padding pieces are empty, their tiles do nothing, their last rows read
+the scratch page). The key axis of the last rows' scores is the static page-table width, as
+in the decode graphs. On CPU, or with a backend that needs the host lengths of the pieces
+(the torch backend), the same buffers run eagerly, so both paths share every line of the
+buffer logic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vegas_spec.attention.backend import AttentionBackend
+from vegas_spec.attention.context import LastRows, PrefillPlan, ScoreRequest, StepContext
+from vegas_spec.models.decoder import Decoder
+
+
+def token_bucket(tokens: int, smallest: int = 512) -> int:
+    """The smallest bucket of smallest x (1, 1.5, 2, 3, 4, 6, ...) holding `tokens`
+    (smallest: a power of two)."""
+    bucket = smallest
+    while bucket < tokens:
+        bucket = bucket * 3 // 2 if bucket & (bucket - 1) == 0 else bucket // 3 * 4
+    return bucket
+
+
+def piece_bucket(pieces: int) -> int:
+    return 1 << max(pieces - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class ScoreKind:
+    """What the first selection needs from the prompts' last rows: scores [layers, S, 1, G,
+    W] in `mode`, G = num_kv_heads if per_kv_head else 1."""
+
+    mode: str
+    per_kv_head: bool
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A packed chunk on the host: pieces (row, start, end) of `prompts` (batch rows) with
+    their sequences' pages; ends: the pieces that finish their prompt."""
+
+    prompts: list[list[int]]
+    pieces: list[tuple[int, int, int]]
+    pages: list[list[int]]
+    ends: list[int]
+
+
+class PrefillBuffers:
+    """Every tensor one bucket's forward reads or writes. ints (int64): tokens, positions,
+    slots [T]; last_index, last_pos, last_slots [S]. small (int32): cu_q [S + 2], start
+    [S + 1], table [S + 1, P], tiles [2, NT], last_table [S, P]. Piece S is always empty."""
+
+    def __init__(self, tokens: int, pieces: int, pages: int, tiles: int, model: Decoder,
+                 device: torch.device, dtype: torch.dtype, score: ScoreKind | None,
+                 page_size: int) -> None:
+        cfg = model.cfg
+        t, s, p = tokens, pieces, pages
+        self.tokens_cap, self.pieces_cap, self.pages, self.tiles_cap = t, s, p, tiles
+        self.ints = torch.zeros(3 * t + 3 * s, dtype=torch.long, device=device)
+        self.small = torch.zeros(s + 2 + s + 1 + (s + 1) * p + 2 * tiles + s * p,
+                                 dtype=torch.int32, device=device)
+        i, m = self.ints, self.small
+        self.tokens, self.positions, self.slots = i[:t], i[t : 2 * t], i[2 * t : 3 * t]
+        self.last_index = i[3 * t : 3 * t + s]
+        self.last_pos = i[3 * t + s : 3 * t + 2 * s].view(s, 1)
+        self.last_slots = i[3 * t + 2 * s :].view(s, 1)
+        o = 0
+        self.cu_q, o = m[o : o + s + 2], o + s + 2
+        self.start, o = m[o : o + s + 1], o + s + 1
+        self.table, o = m[o : o + (s + 1) * p].view(s + 1, p), o + (s + 1) * p
+        self.tiles, o = m[o : o + 2 * tiles].view(2, tiles), o + 2 * tiles
+        self.last_table = m[o:].view(s, p)
+        self.q_out = torch.zeros(cfg.num_layers, s, cfg.num_heads, cfg.head_dim, device=device,
+                                 dtype=dtype)
+        self.logits = torch.zeros(s, cfg.vocab_size, device=device)
+        self.scores = None
+        if score is not None:
+            groups = cfg.num_kv_heads if score.per_kv_head else 1
+            out = torch.zeros(cfg.num_layers, s, 1, groups, p * page_size, device=device)
+            self.scores = ScoreRequest(torch.zeros(1, dtype=torch.long, device=device), out,
+                                       score.mode, score.per_kv_head)
+
+
+@dataclass
+class _Entry:
+    buf: PrefillBuffers
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class PrefillGraphs:
+    """The prefill forwards of one engine: `run(chunk, score)` -> the last rows' logits
+    [E, V], scores [layers, E, 1, G, W] (or None) and queries [layers, E, H, D], views that
+    the next run of the same bucket overwrites."""
+
+    def __init__(self, model: Decoder, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 backend: AttentionBackend, page_size: int, pages: int, scratch_page: int,
+                 capture: bool) -> None:
+        self.model, self.kv_caches, self.backend = model, kv_caches, backend
+        self.page_size, self.pages, self.scratch_page = page_size, pages, scratch_page
+        k_cache = kv_caches[0][0]
+        self.device, self.dtype = k_cache.device, k_cache.dtype
+        self.block_m = backend.prefill_block_rows(model.cfg.head_dim, self.device)
+        # Graphs need a backend whose prefill reads only device buffers (the tile list).
+        self.capture = capture and self.block_m is not None
+        # Graphs pad to coarse buckets (few captures); eager runs pad little.
+        self.smallest = 512 if self.capture else 16
+        self.entries: dict[tuple[int, int, ScoreKind | None], _Entry] = {}
+        self.pool: tuple[int, int] | None = None
+
+    def run(self, chunk: Chunk, score: ScoreKind | None,
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        total = sum(end - start for _, start, end in chunk.pieces)
+        key = (token_bucket(total, self.smallest), piece_bucket(len(chunk.pieces)), score)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = self._entry(*key)
+        lengths, starts = self._fill(entry.buf, chunk)
+        if entry.graph is not None:
+            entry.graph.replay()
+        else:
+            self._body(entry.buf, lengths, starts)
+        b, e = entry.buf, len(chunk.ends)
+        scores = None if b.scores is None else b.scores.out[:, :e]
+        return b.logits[:e], scores, b.q_out[:, :e]
+
+    # --- buffers ----------------------------------------------------------------------------
+
+    def _entry(self, tokens: int, pieces: int, score: ScoreKind | None) -> _Entry:
+        tiles = 0 if self.block_m is None else -(-tokens // self.block_m) + pieces
+        buf = PrefillBuffers(tokens, pieces, self.pages, max(tiles, 1), self.model,
+                             self.device, self.dtype, score, self.page_size)
+        entry = _Entry(buf)
+        self._fill(buf, Chunk([], [], [], []))  # all padding: touches only the scratch page
+        if self.capture:
+            entry.graph = self._capture(buf)
+        return entry
+
+    def _fill(self, buf: PrefillBuffers, chunk: Chunk) -> tuple[tuple[int, ...], ...]:
+        """Pack the chunk (padded to the buffers' shapes) on the host, copy it over in two
+        transfers -> the pieces' host lengths and starts."""
+        t, s, p, ps = buf.tokens_cap, buf.pieces_cap, buf.pages, self.page_size
+        scratch = np.full(p, self.scratch_page, dtype=np.int32)
+        ints = np.zeros(3 * t + 3 * s, dtype=np.int64)
+        ints[2 * t : 3 * t] = -1  # padding rows write no slot
+        lengths = [end - start for _, start, end in chunk.pieces]
+        starts = [start for _, start, _ in chunk.pieces]
+        offsets = np.cumsum([0, *lengths])
+        total = int(offsets[-1])
+        table = np.tile(scratch, (s + 1, 1))
+        for j, (row, a, b) in enumerate(chunk.pieces):
+            lo, hi = offsets[j], offsets[j + 1]
+            pos = np.arange(a, b)
+            pages = np.asarray(chunk.pages[row], dtype=np.int64)
+            ints[lo:hi] = chunk.prompts[row][a:b]
+            ints[t + lo : t + hi] = pos
+            ints[2 * t + lo : 2 * t + hi] = pages[pos // ps] * ps + pos % ps
+            table[j, : len(pages)] = pages
+        last_table = np.tile(scratch, (s, 1))
+        ints[3 * t : 3 * t + s] = t - 1
+        ints[3 * t + 2 * s :] = self.scratch_page * ps
+        for e, j in enumerate(chunk.ends):
+            row, _, end = chunk.pieces[j]
+            ints[3 * t + e] = offsets[j + 1] - 1
+            ints[3 * t + s + e] = end - 1
+            ints[3 * t + 2 * s + e] = ints[2 * t + offsets[j + 1] - 1]
+            last_table[e] = table[j]
+        cu = np.full(s + 2, total, dtype=np.int32)
+        cu[: len(offsets)] = offsets
+        start = np.zeros(s + 1, dtype=np.int32)
+        start[: len(starts)] = starts
+        tiles = np.zeros((2, buf.tiles_cap), dtype=np.int32)
+        tiles[0] = s  # padding tiles: the empty piece S
+        if self.block_m is not None:
+            real = self.backend.prefill_tile_list(lengths, starts, self.block_m)
+            tiles[:, : real.shape[1]] = real
+        small = np.concatenate([cu, start, table.ravel(), tiles.ravel(), last_table.ravel()])
+        self._upload(buf.ints, ints)
+        self._upload(buf.small, small)
+        return tuple(lengths), tuple(starts)
+
+    def _upload(self, dst: torch.Tensor, host: np.ndarray) -> None:
+        src = torch.from_numpy(host)
+        if dst.is_cuda:
+            src = src.pin_memory()
+        dst.copy_(src, non_blocking=True)
+
+    # --- the forward ------------------------------------------------------------------------
+
+    def _body(self, buf: PrefillBuffers, lengths: tuple[int, ...],
+              starts: tuple[int, ...]) -> None:
+        """The forward a graph captures: the model over the packed tokens, then the logits of
+        the last rows (their scores and queries are written inside the forward)."""
+        kv_len = self.pages * self.page_size
+        last = LastRows(buf.last_index, buf.last_pos, buf.last_slots, buf.last_table, kv_len,
+                        buf.q_out)
+        memo = {} if self.block_m is None else {("prefill_tiles", self.block_m): buf.tiles}
+        plan = PrefillPlan(buf.cu_q, buf.start, lengths, starts, last, memo)
+        ctx = StepContext(positions=buf.positions[None], seq_lens=buf.start + buf.cu_q.diff(),
+                          slot_mapping=buf.slots[None], page_table=buf.table,
+                          page_size=self.page_size, kv_len_max=kv_len, scores=buf.scores,
+                          prefill=plan)
+        hidden = self.model(buf.tokens[None], ctx, self.kv_caches, self.backend)[0]
+        buf.logits.copy_(self.model.logits(hidden[buf.last_index]))
+
+    def _capture(self, buf: PrefillBuffers) -> torch.cuda.CUDAGraph:
+        """Warm-up on a side stream (Triton compiles, the allocator settles), then capture,
+        on the all-padding buffers; every capture shares one memory pool."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._body(buf, (), ())
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._body(buf, (), ())
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph
