@@ -8,8 +8,9 @@ flat buffers, copied to the device in two transfers, and the whole forward (ever
 logits of the prompts' last rows, their selection scores and queries) is one graph replay.
 
 A graph is fixed by (token bucket, piece bucket, score kind): tokens are padded to the next
-bucket of the 1, 1.5, 2, 3, 4, 6, ... x 512 ladder (x 16 when nothing is captured) (padding rows write no cache slot and
-are in no query tile, so they cost only their share of the matrix products), pieces to the
+bucket of the 1, 1.5, 2, 3, 4, 6, ... x 512 ladder (x 16 when nothing is captured; padding
+rows write no cache slot and are in no query tile, so they cost only their share of the
+matrix products), pieces to the
 next power of two (padding pieces are empty, their tiles do nothing, their last rows read
 the scratch page). The key axis of the last rows' scores is the static page-table width, as
 in the decode graphs. On CPU, or with a backend that needs the host lengths of the pieces
