@@ -221,7 +221,7 @@ class LLM:
         ids = encode(self.tokenizer, prompt, chat) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ConfigError("empty prompt")
-        if any(not 0 <= t < self.model_config.vocab_size for t in ids):
+        if min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
             raise ConfigError(f"prompt token ids must lie in [0, {self.model_config.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ConfigError(f"prompt has {len(ids)} tokens but the model's context is "

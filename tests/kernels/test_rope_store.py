@@ -28,14 +28,15 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Te
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-@pytest.mark.parametrize("bsz,n,heads,hkv,dim", [
-    (1, 1, 4, 4, 64),  # one decode row, no GQA
-    (2, 7, 6, 2, 128),  # a verify step, 3 query heads per kv head
-    (3, 1, 8, 1, 64),  # decode, 8 per kv head
-    (1, 7, 12, 2, 64),  # more heads than one block of 8
+@pytest.mark.parametrize("bsz,n,heads,hkv,dim,per_program", [
+    (1, 1, 4, 4, 64, None),  # one decode row, no GQA
+    (2, 7, 6, 2, 128, None),  # a verify step, 3 query heads per kv head
+    (3, 1, 8, 1, 64, None),  # decode, 8 per kv head
+    (1, 7, 18, 2, 64, None),  # more heads than one block of 16
+    (1, 21, 9, 3, 64, 8),  # a prefill's 8 tokens per program, the last program partial
 ])
 def test_matches_reference(bsz: int, n: int, heads: int, hkv: int, dim: int,
-                           dtype: torch.dtype) -> None:
+                           per_program: int | None, dtype: torch.dtype) -> None:
     gen = generator(heads * n)
     slots = 4 * bsz * n
     # q, k and v as the model has them: strided views into one fused projection
@@ -51,7 +52,8 @@ def test_matches_reference(bsz: int, n: int, heads: int, hkv: int, dim: int,
     k_cache, v_cache = poisoned(slots, hkv, dim, dtype=dtype), poisoned(slots, hkv, dim,
                                                                        dtype=dtype)
     with nan_empty():
-        got_q = rope_store(q, k, v, k_cache, v_cache, table, positions, slot_mapping)
+        got_q = rope_store(q, k, v, k_cache, v_cache, table, positions, slot_mapping,
+                           per_program)
     want_q, want_k, want_v = reference(q, k, v, table, positions, slot_mapping, slots)
     assert got_q.is_contiguous() and torch.equal(got_q, want_q)
     exact = {"rtol": 0.0, "atol": 0.0, "equal_nan": True}

@@ -1,8 +1,8 @@
 """RoPE on a step's q and k, with k and v written into their paged-cache slots, in one pass.
 
 Oracle: `vegas_spec.models.rope.apply_rope` on q and k, then
-`vegas_spec.attention.torch_backend.store_kv_ref`. Program (token, j) takes a block of q heads
-(j < q_blocks) or of kv heads, read through any batch/token/head strides (views into the fused
+`vegas_spec.attention.torch_backend.store_kv_ref`. Program (tokens, j) takes a block of q heads
+(j < q_blocks) or of kv heads of BLOCK_T consecutive tokens, read through any batch/token/head strides (views into the fused
 qkv projection). Each head's halves x1, x2 become x1*cos - x2*sin and x2*cos + x1*sin, with
 apply_rope's roundings in x's dtype: cos/sin rounded to it, each product and the sum rounded
 to it, so the result is bit-identical to the oracle's (float32 products are exact for half
@@ -33,48 +33,55 @@ def _rotate(x_ptrs, mask, cos, sin, HALF: tl.constexpr):
 
 @triton.jit
 def _rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, table_ptr,
-                       pos_ptr, slot_ptr, n, H, Hkv, q_blocks,
+                       pos_ptr, slot_ptr, n, total, H, Hkv, q_blocks,
                        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                        stride_vb, stride_vn, stride_vh, stride_pb, stride_pn,
                        stride_sb, stride_sn, stride_t, stride_cs, stride_ch,
-                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    b, i = token // n, token % n
+                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                       BLOCK_T: tl.constexpr):
     j = tl.program_id(1)
-    pos = tl.load(pos_ptr + b * stride_pb + i * stride_pn).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
     d_ok = d < HALF
-    cos = tl.load(table_ptr + pos * stride_t + d, mask=d_ok, other=0.0)
-    sin = tl.load(table_ptr + pos * stride_t + HALF + d, mask=d_ok, other=0.0)
-    if j < q_blocks:
-        h = j * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask = (h < H)[:, None] & d_ok[None, :]
-        src = q_ptr + b * stride_qb + i * stride_qn + h[:, None] * stride_qh + d[None, :]
-        lo, hi = _rotate(src, mask, cos, sin, HALF)
-        dst = q_out_ptr + (token * H + h[:, None]) * (2 * HALF) + d[None, :]
-        tl.store(dst, lo, mask=mask)
-        tl.store(dst + HALF, hi, mask=mask)
-    else:  # names apart from the q branch's: Triton wants one type per name across branches
-        slot = tl.load(slot_ptr + b * stride_sb + i * stride_sn).to(tl.int64)
-        kv_h = (j - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-        kv_mask = (kv_h < Hkv)[:, None] & d_ok[None, :] & (slot >= 0)
-        k_src = k_ptr + b * stride_kb + i * stride_kn + kv_h[:, None] * stride_kh + d[None, :]
-        k_lo, k_hi = _rotate(k_src, kv_mask, cos, sin, HALF)
-        row = slot * stride_cs + kv_h[:, None] * stride_ch + d[None, :]
-        k_dtype = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + row, k_lo.to(k_dtype), mask=kv_mask)
-        tl.store(k_cache_ptr + row + HALF, k_hi.to(k_dtype), mask=kv_mask)
-        v_src = v_ptr + b * stride_vb + i * stride_vn + kv_h[:, None] * stride_vh + d[None, :]
-        v_lo = tl.load(v_src, mask=kv_mask)
-        v_hi = tl.load(v_src + HALF, mask=kv_mask)
-        v_dtype = v_cache_ptr.dtype.element_ty
-        tl.store(v_cache_ptr + row, v_lo.to(v_dtype), mask=kv_mask)
-        tl.store(v_cache_ptr + row + HALF, v_hi.to(v_dtype), mask=kv_mask)
+    for r in tl.static_range(BLOCK_T):
+        token = tl.program_id(0).to(tl.int64) * BLOCK_T + r
+        live = token < total
+        b, i = token // n, token % n
+        pos = tl.load(pos_ptr + b * stride_pb + i * stride_pn, mask=live, other=0).to(tl.int64)
+        cos = tl.load(table_ptr + pos * stride_t + d, mask=d_ok, other=0.0)
+        sin = tl.load(table_ptr + pos * stride_t + HALF + d, mask=d_ok, other=0.0)
+        if j < q_blocks:
+            h = j * BLOCK_H + tl.arange(0, BLOCK_H)
+            mask = (h < H)[:, None] & d_ok[None, :] & live
+            src = q_ptr + b * stride_qb + i * stride_qn + h[:, None] * stride_qh + d[None, :]
+            lo, hi = _rotate(src, mask, cos, sin, HALF)
+            dst = q_out_ptr + (token * H + h[:, None]) * (2 * HALF) + d[None, :]
+            tl.store(dst, lo, mask=mask)
+            tl.store(dst + HALF, hi, mask=mask)
+        else:  # names apart from the q branch's: Triton wants one type per name across branches
+            slot = tl.load(slot_ptr + b * stride_sb + i * stride_sn, mask=live,
+                           other=-1).to(tl.int64)
+            kv_h = (j - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+            kv_mask = (kv_h < Hkv)[:, None] & d_ok[None, :] & (slot >= 0)
+            k_src = k_ptr + b * stride_kb + i * stride_kn + kv_h[:, None] * stride_kh \
+                + d[None, :]
+            k_lo, k_hi = _rotate(k_src, kv_mask, cos, sin, HALF)
+            row = slot * stride_cs + kv_h[:, None] * stride_ch + d[None, :]
+            k_dtype = k_cache_ptr.dtype.element_ty
+            tl.store(k_cache_ptr + row, k_lo.to(k_dtype), mask=kv_mask)
+            tl.store(k_cache_ptr + row + HALF, k_hi.to(k_dtype), mask=kv_mask)
+            v_src = v_ptr + b * stride_vb + i * stride_vn + kv_h[:, None] * stride_vh \
+                + d[None, :]
+            v_lo = tl.load(v_src, mask=kv_mask)
+            v_hi = tl.load(v_src + HALF, mask=kv_mask)
+            v_dtype = v_cache_ptr.dtype.element_ty
+            tl.store(v_cache_ptr + row, v_lo.to(v_dtype), mask=kv_mask)
+            tl.store(v_cache_ptr + row + HALF, v_hi.to(v_dtype), mask=kv_mask)
 
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, table: torch.Tensor, positions: torch.Tensor,
-               slot_mapping: torch.Tensor) -> torch.Tensor:
+               slot_mapping: torch.Tensor, tokens_per_program: int | None = None,
+               ) -> torch.Tensor:
     """q [B, n, H, D], k, v [B, n, Hkv, D], table [max_pos, D] float32 (cos | sin), positions
     [B, n] -> rotated q [B, n, H, D] (contiguous); rotated k and v -> k_cache, v_cache
     [num_slots, Hkv, D] at rows slot_mapping [B, n] (negative: skipped)."""
@@ -94,14 +101,19 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if bsz * n == 0:
         return q_out
-    block_h = min(triton.next_power_of_2(max(heads, hkv)), 8)
+    block_h = min(triton.next_power_of_2(max(heads, hkv)), 16)
     q_blocks = triton.cdiv(heads, block_h)
-    grid = (bsz * n, q_blocks + triton.cdiv(hkv, block_h))
+    # A prefill's thousands of tokens: 8 per program (few, fuller programs); a decode step's
+    # few: one each (more programs in flight).
+    block_t = tokens_per_program or (8 if bsz * n >= 4096 else 1)
+    grid = (triton.cdiv(bsz * n, block_t), q_blocks + triton.cdiv(hkv, block_h))
     _rope_store_kernel[grid](
-        q, k, v, q_out, k_cache, v_cache, table, positions, slot_mapping, n, heads, hkv,
+        q, k, v, q_out, k_cache, v_cache, table, positions, slot_mapping, n, bsz * n, heads,
+        hkv,
         q_blocks, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), positions.stride(0), positions.stride(1),
         slot_mapping.stride(0), slot_mapping.stride(1), table.stride(0), k_cache.stride(0),
         k_cache.stride(1), HALF=dim // 2, BLOCK_H=block_h,
-        BLOCK_HALF=triton.next_power_of_2(dim // 2), num_warps=4, enable_fp_fusion=False)
+        BLOCK_HALF=triton.next_power_of_2(dim // 2), BLOCK_T=block_t, num_warps=4,
+        enable_fp_fusion=False)
     return q_out
