@@ -4,11 +4,12 @@ Oracle: `vegas_spec.models.rope.apply_rope` on q and k, then
 `vegas_spec.attention.torch_backend.store_kv_ref`. Program (tokens, j) takes a block of q
 heads (j < q_blocks) or of kv heads of BLOCK_T consecutive tokens, read through any
 batch/token/head strides (views into the fused qkv projection). Each head's halves x1, x2
-become x1*cos - x2*sin and x2*cos + x1*sin, with apply_rope's roundings in x's dtype: cos/sin rounded to it, each product and the sum rounded
-to it, so the result is bit-identical to the oracle's (float32 products are exact for half
-inputs; multiply-add fusion is off, as torch's separate kernels never fuse). Rotated q goes
-to a new contiguous tensor; rotated k and v go to row slot_mapping[b, i] of each cache (cast
-to the cache dtype), skipped for a negative slot, as `store_kv` does."""
+become x1*cos - x2*sin and x2*cos + x1*sin, with apply_rope's roundings in x's dtype:
+cos/sin rounded to it, each product and the sum rounded to it, so the result is
+bit-identical to the oracle's (float32 products are exact for half inputs; multiply-add
+fusion is off, as torch's separate kernels never fuse). Rotated q goes to a new contiguous
+tensor; rotated k and v go to row slot_mapping[b, i] of each cache (cast to the cache
+dtype), skipped for a negative slot, as `store_kv` does."""
 
 from __future__ import annotations
 
