@@ -19,6 +19,11 @@ from models.test_families import (
 
 from vegas_spec import SamplingParams
 from vegas_spec.engine import LLM
+from vegas_spec.prefill_graphs import token_bucket
+
+# The Triton kernels run compiled on a GPU (the prefill graphs are then captured) and under
+# the interpreter on CPU tensors otherwise.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _essay_ids(llm: LLM, essays: list[str], n: int) -> list[int]:
@@ -77,7 +82,9 @@ def test_ragged_prompts_share_forwards(backend: str, tmp_path: Path) -> None:
     """Three prompts of different lengths packed into forwards of 50 tokens (each prompt cut
     across forwards at unaligned positions): each prompt's next-token logits are its own."""
     model = build_hf("llama-tied")
-    llm = engine(save(model, tmp_path), prefill_chunk=50, page_size=8, backend=backend)
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    llm = engine(save(model, tmp_path), prefill_chunk=50, page_size=8, backend=backend,
+                 device=device)
     prompts = [random_ids(n, seed=n) for n in (97, 6, 64)]
     calls: list[tuple[int, ...]] = []
     original, llm.model.forward = _count_forwards(llm, calls)
@@ -87,7 +94,7 @@ def test_ragged_prompts_share_forwards(backend: str, tmp_path: Path) -> None:
         llm.model.forward = original
     assert calls == [(1, 50), (1, 50), (1, 50), (1, 17)]  # 97 + 6 + 64 = 167 tokens
     ref = torch.stack([hf_logits(model, p)[-1] for p in prompts])
-    assert_close_logits(got, ref)
+    assert_close_logits(got.cpu(), ref)
 
 
 def test_triton_prefill_gives_torch_tokens(tmp_path: Path) -> None:
@@ -98,7 +105,7 @@ def test_triton_prefill_gives_torch_tokens(tmp_path: Path) -> None:
     prompts = [random_ids(n, seed=n) for n in (70, 33)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     plain = engine(folder, prefill_chunk=40).generate(prompts, params)
-    spec = engine(folder, prefill_chunk=40, backend="triton").generate(
+    spec = engine(folder, prefill_chunk=40, backend="triton", device=TRITON_DEVICE).generate(
         prompts, params, speculative={"method": "vegas", "gamma": 3, "min_tokens": 8})
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
 
@@ -109,16 +116,21 @@ def test_fixed_shape_prefill_gives_the_same_logits(backend: str, tmp_path: Path)
     pieces padded with empty ones, several chunks through one buffer set, then a second
     batch of another size; each prompt's next-token logits are its own."""
     model = build_hf("qwen3")
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
     llm = engine(save(model, tmp_path), prefill_chunk=60, page_size=8, backend=backend,
-                 static_shapes=True)
-    assert llm.prefill_graphs is not None
+                 static_shapes=True, device=device)
+    graphs = llm.prefill_graphs
+    assert graphs is not None
     for lengths in [(97, 6, 64), (30,)]:
         prompts = [random_ids(n, seed=n + 1) for n in lengths]
         got = llm.next_token_logits(prompts)
         ref = torch.stack([hf_logits(model, p)[-1] for p in prompts])
-        assert_close_logits(got, ref)
-    buckets = {key[:2] for key in llm.prefill_graphs.entries}
-    assert buckets == {(64, 1), (64, 4), (48, 1), (32, 1)}  # 60, 60 (3 pieces), 47; 30 tokens
+        assert_close_logits(got.cpu(), ref)
+    # chunks of 60, 60 (3 pieces), 47 tokens; then 30
+    chunks = [(60, 1), (60, 4), (47, 1), (30, 1)]
+    assert {key[:2] for key in graphs.entries} == {(token_bucket(n, graphs.smallest), s)
+                                                   for n, s in chunks}
+    assert all((e.graph is not None) == graphs.capture for e in graphs.entries.values())
 
 
 def test_fixed_shape_prefill_scores_and_tokens(tmp_path: Path) -> None:
@@ -129,7 +141,8 @@ def test_fixed_shape_prefill_scores_and_tokens(tmp_path: Path) -> None:
     prompts = [random_ids(n, seed=n) for n in (75, 40)]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     plain = engine(folder).generate(prompts, params)
-    static = engine(folder, static_shapes=True, prefill_chunk=64)
+    static = engine(folder, static_shapes=True, prefill_chunk=64, backend="triton",
+                    device=TRITON_DEVICE)
     for method in ("vegas", "lastq"):
         outs = static.generate(prompts, params,
                                speculative={"method": method, "gamma": 3, "min_tokens": 8})
