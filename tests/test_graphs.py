@@ -275,6 +275,23 @@ def test_static_iteration_reads_the_device_once(static: LLM, eager: LLM, prompts
     assert calls.count("read") == calls.count("it") >= 3
 
 
+@pytest.mark.parametrize("method", [None, {"method": "vegas"}], ids=["vanilla", "vegas"])
+def test_prefill_chunks_read_nothing_back(static: LLM, eager: LLM, prompts: list[list[int]],
+                                          method: dict[str, Any] | None,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fixed-shape prefill chunk (packing, copies, the forward, the last rows' logits and
+    scores) runs with the reading Tensor methods disabled."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    expected = [o.token_ids for o in eager.generate(prompts, params,
+                                                    speculative=spec_of(method))]
+    guard = SyncGuard(monkeypatch)
+    chunks: list[int] = []
+    chunk = guard.wrap(static._prefill_chunk, armed=True)
+    monkeypatch.setattr(static, "_prefill_chunk", lambda *a: chunks.append(1) or chunk(*a))
+    outs = static.generate(prompts, params, speculative=spec_of(method))
+    assert [o.token_ids for o in outs] == expected and chunks == [1]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="CPU tensors reach Triton only through its interpreter (no CUDA)")
 @pytest.mark.parametrize("method", ["vegas", "quest"])
@@ -381,7 +398,7 @@ def test_a_new_runner_captures_while_old_graph_memory_is_held(tiny: Path,
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     llm.generate(prompts, params)
     assert llm.graphs is not None
-    held = next(iter(llm.graphs.graphs.values())).logits  # a block of the old pool
+    held = next(iter(llm.graphs.graphs.values())).out[0]  # a block of the old pool
     out = llm.generate(prompts, params, speculative={"method": "vegas", "min_tokens": 4})
     assert [o.token_ids for o in out] == [o.token_ids for o in llm.generate(prompts, params)]
     assert held.is_cuda

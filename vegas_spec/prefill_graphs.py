@@ -9,7 +9,7 @@ logits of the prompts' last rows, their selection scores and queries) is one gra
 
 A graph is fixed by (token bucket, piece bucket, score kind): tokens are padded to the next
 bucket of the 1, 1.5, 2, 3, 4, 6, ... x 512 ladder (x 16 when nothing is captured; padding
-rows write no cache slot and are in no query tile, so they cost only their share of the
+rows write only the scratch page and are in no query tile, so they cost only their share of the
 matrix products), pieces to the
 next power of two (padding pieces are empty, their tiles do nothing, their last rows read
 the scratch page). The key axis of the last rows' scores is the static page-table width, as
@@ -158,7 +158,7 @@ class PrefillGraphs:
         t, s, p, ps = buf.tokens_cap, buf.pieces_cap, buf.pages, self.page_size
         scratch = np.full(p, self.scratch_page, dtype=np.int32)
         ints = np.zeros(3 * t + 3 * s, dtype=np.int64)
-        ints[2 * t : 3 * t] = -1  # padding rows write no slot
+        ints[2 * t : 3 * t] = self.scratch_page * ps  # padding rows write the scratch page
         lengths = [end - start for _, start, end in chunk.pieces]
         starts = [start for _, start, _ in chunk.pieces]
         offsets = np.cumsum([0, *lengths])

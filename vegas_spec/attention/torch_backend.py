@@ -18,15 +18,10 @@ def slots_of(page_table: torch.Tensor, pos: torch.Tensor, page_size: int) -> tor
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-    """k, v [B, n, Hkv, D] -> cache rows slot_mapping [B, n] (negative: skipped, as the
-    padding rows of a fixed-shape prefill)."""
+    """k, v [B, n, Hkv, D] -> cache rows slot_mapping [B, n]."""
     slots = slot_mapping.reshape(-1).long()
-    keep = slots >= 0
-    k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
-    if not bool(keep.all()):
-        slots, k, v = slots[keep], k[keep], v[keep]
-    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+    k_cache.index_copy_(0, slots, k.reshape(-1, *k.shape[2:]).to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.reshape(-1, *v.shape[2:]).to(v_cache.dtype))
 
 
 def _softmax_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
