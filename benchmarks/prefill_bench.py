@@ -21,7 +21,8 @@ Sections:
   memory   a 128K-token prompt at the Llama-3.1-8B shape: peak allocation beyond the weights
            and the KV pool.
   profile  torch.profiler over one prefill of each SmolLM2 batch: GPU kernel time (union of
-           kernel intervals) over wall time, and the top kernels.
+           kernel intervals) over the wall time of generate(max_tokens=1) and over its time
+           to first token, the top kernels, and a host profile (cProfile).
   e2e      the largest batch (16) x 7.5K, 256 new tokens, greedy: prefill, decode and total
            time of vanilla, vegas and stream, on both kinds of prompt.
 """
@@ -298,10 +299,12 @@ def profile_section(args: argparse.Namespace) -> list[dict]:
                                                if llm.device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             t0 = time.perf_counter()
-            llm.generate(prompts, params)
+            ttft = llm.generate(prompts, params)[0].stats["ttft_s"]
             sync(llm.device)
             wall = time.perf_counter() - t0
         busy, top = busy_fraction(prof, wall * 1e6)
+        # nearly every kernel of a one-token generate() is the prefill's
+        busy_ttft = busy * wall / ttft
         host = cProfile.Profile()
         host.enable()
         llm.generate(prompts, params)
@@ -310,7 +313,8 @@ def profile_section(args: argparse.Namespace) -> list[dict]:
         text = io.StringIO()
         pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(25)
         rows.append({"batch": batch, "context": args.context, "wall_ms": 1e3 * wall,
-                     "gpu_busy_fraction": busy, "top_kernels": top,
+                     "ttft_ms": 1e3 * ttft, "gpu_busy_fraction": busy,
+                     "gpu_busy_fraction_of_ttft": busy_ttft, "top_kernels": top,
                      "host_profile": text.getvalue().splitlines()[-40:]})
         print(json.dumps(rows[-1]), flush=True)
     del llm
