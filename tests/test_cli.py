@@ -21,6 +21,7 @@ def test_compare_runs_vanilla_then_each_method(capsys: pytest.CaptureFixture[str
     assert rows[0]["vs_vanilla"] == 1.0 and rows[0]["tokens_per_iteration"] is None
     assert rows[1]["tokens_per_iteration"] >= 1.0 and rows[1]["decode_tokens_per_s"] > 0
     assert all(r["identical"] == r["prompts"] == 1 for r in rows)
+    assert all(0 < r["ttft_s"] < r["total_s"] for r in rows)  # time to first token, then all
 
 
 class FakeLLM:
@@ -32,7 +33,8 @@ class FakeLLM:
     def generate(self, prompts: list, params: Any, chat: bool = False,
                  speculative: Any = None) -> list:
         tokens = [1, 2, 3] if speculative.method == "vanilla" else [1, 2, 4]
-        stats = {"decode_tokens_per_s": 10.0, "tokens_per_iteration": None}
+        stats = {"decode_tokens_per_s": 10.0, "tokens_per_iteration": None, "ttft_s": 0.5,
+                 "total_s": 2.0}
         return [SimpleNamespace(token_ids=tokens, stats=stats) for _ in prompts]
 
 
@@ -43,6 +45,7 @@ def test_compare_fails_when_an_output_differs(monkeypatch: pytest.MonkeyPatch,
     out = capsys.readouterr().out
     assert code == 1
     assert "identical to vanilla: 0/2" in out and "identical to vanilla: 2/2" in out
+    assert "first token    500.0 ms" in out
 
 
 def test_compare_takes_only_speculative_methods() -> None:

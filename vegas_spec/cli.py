@@ -139,6 +139,7 @@ def _comparison(method: str, stats: dict, tokens: list[list[int]], base: list[li
     speed = stats["decode_tokens_per_s"]
     return {"method": method, "decode_tokens_per_s": speed,
             "vs_vanilla": speed / rows[0]["decode_tokens_per_s"] if rows else 1.0,
+            "ttft_s": stats["ttft_s"], "total_s": stats["total_s"],
             "tokens_per_iteration": stats.get("tokens_per_iteration"),
             "identical": sum(a == b for a, b in zip(tokens, base)), "prompts": len(base)}
 
@@ -147,6 +148,7 @@ def _line(row: dict) -> str:
     tpi = row["tokens_per_iteration"]
     return (f"{row['method']:<11} {row['decode_tokens_per_s']:10.1f} tok/s  "
             f"{row['vs_vanilla']:5.2f}x vanilla  "
+            f"first token {1e3 * row['ttft_s']:8.1f} ms  total {row['total_s']:7.2f} s  "
             f"tokens/iter {'-' if tpi is None else f'{tpi:.2f}':>5}  "
             f"identical to vanilla: {row['identical']}/{row['prompts']}")
 
