@@ -6,7 +6,7 @@ setup:
 	@bash scripts/setup.sh
 
 run: setup
-	.venv/bin/vegas generate --chat --method vegas --max-tokens 64 --json \
+	.venv/bin/vegas generate --chat --method vegas --max-tokens 64 --stats \
 		--prompt "Explain in two sentences why decoding long contexts is memory-bound."
 
 test: setup

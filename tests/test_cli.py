@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from test_errors import tiny_checkpoint
 
 from vegas_spec import cli
 
@@ -51,3 +57,191 @@ def test_compare_fails_when_an_output_differs(monkeypatch: pytest.MonkeyPatch,
 def test_compare_takes_only_speculative_methods() -> None:
     with pytest.raises(SystemExit):
         cli._parser().parse_args(["compare", "--prompt", "a", "--methods", "vanilla"])
+
+
+
+# --- every bad input: one line `vegas: error: ...`, exit code 2 ------------------------------
+
+WORDS = 70  # the test model's context is 64 tokens, one token a word
+LONG = " ".join(["w5"] * WORDS)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random checkpoint with a word-level tokenizer (one token per word)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tiny_checkpoint(tmp_path_factory.mktemp("cli") / "model")
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, **{f"w{i}": i for i in range(1, 128)}},
+                                       unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def files(model: Path) -> dict[str, str]:
+    """Bad and good inputs beside the model, by name."""
+    root = model.parent
+    (root / "binary.txt").write_bytes(b"\xff\xfe\x00 prompt")
+    (root / "folder.txt").mkdir()
+    (root / "short.txt").write_text("w1 w2 w3")
+    (root / "long.txt").write_text(LONG)
+    (root / "random.gguf").write_bytes(bytes(range(256)) * 4)
+    (root / "notjson").mkdir()
+    (root / "notjson" / "config.json").write_text("{'single': 'quotes'}")
+    (root / "badweights").mkdir()
+    (root / "badweights" / "config.json").write_text((model / "config.json").read_text())
+    (root / "badweights" / "model.safetensors").write_bytes(b"not safetensors")
+    return {p.name.replace(".", "_"): str(p) for p in root.iterdir()}
+
+
+BAD_COMMANDS = [
+    ("prompt-file-binary", "generate --prompt-file {binary_txt}",
+     r"prompt file .*binary\.txt is not UTF-8 text \(byte 0xff at offset 0\); convert it"),
+    ("prompt-file-directory", "generate --prompt-file {folder_txt}",
+     r"prompt file .*folder\.txt is a directory, not a file$"),
+    ("kv-cache-negative", "generate --prompt a --kv-cache-gb -1",
+     "--kv-cache-gb must be a positive number of GiB, got -1$"),
+    ("kv-cache-beyond-memory", "generate --model {model} --prompt a --kv-cache-gb 1e9",
+     r"a KV cache of 976562\.5 TiB does not fit in the .* of memory available on cpu"),
+    ("config-not-json", "generate --model {notjson} --prompt a",
+     r"notjson/config\.json is not valid JSON: Expecting property name enclosed in double "
+     r"quotes at line 1 column 2$"),
+    ("gguf-random-bytes", "generate --model {random_gguf} --prompt a",
+     r"random\.gguf is not a GGUF file"),
+    ("weights-not-safetensors", "generate --model {badweights} --prompt a",
+     r"badweights/model\.safetensors is not a readable safetensors file"),
+    ("batch-file-too-long",
+     "generate --model {model} --prompt-file {short_txt} --prompt-file {long_txt}",
+     rf"prompt 2 of 2 \(.*long\.txt\) has {WORDS} tokens but the model's context is 64: "
+     "nothing is left to generate$"),
+    ("file-too-long", "generate --model {model} --prompt-file {long_txt}",
+     rf"prompt file .*long\.txt has {WORDS} tokens but the model's context is 64"),
+    ("batch-prompt-too-long", "compare --model {model} --prompt w1 --prompt w2 --prompt {LONG}",
+     rf"prompt 3 of 3 has {WORDS} tokens but the model's context is 64"),
+    ("gamma-zero", "compare --model {model}/nowhere --prompt a --gamma 0",
+     r"gamma must be an integer in \[1, 32\], got 0$"),
+    ("empty-prompt", "generate --model {model} --prompt=", r"prompt is empty \(no tokens\)$"),
+    ("triton-without-gpu", "generate --model {model}/nowhere --prompt a --backend triton",
+     "backend triton runs its kernels on a GPU"),
+]
+
+
+def _argv(command: str, files: dict[str, str]) -> list[str]:
+    return [part.format(LONG=LONG, **files) for part in command.split()]
+
+
+@pytest.mark.parametrize(("command", "message"), [c[1:] for c in BAD_COMMANDS],
+                         ids=[c[0] for c in BAD_COMMANDS])
+def test_bad_input_is_one_line(files: dict[str, str], command: str, message: str,
+                               capsys: pytest.CaptureFixture[str],
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a machine without a GPU
+    code = cli.main(_argv(command, files))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    (line,) = err.splitlines()
+    assert line.startswith("vegas: error: ") and re.search(message, line), line
+
+
+def test_max_tokens_beyond_the_context_is_capped_and_said(
+        model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["generate", "--model", str(model), "--prompt", "w1 w2", "--max-tokens",
+                     "1000000000", "--ignore-eos", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert err.splitlines() == ["vegas: warning: prompt leaves room for 62 new tokens in the "
+                                "model's context of 64: max_tokens 1000000000 is capped to 62"]
+    row = json.loads(out)
+    assert row["finish_reason"] == "length" and len(row["token_ids"]) == 62
+    (tmp_path / "a.txt").write_text("w1")
+    (tmp_path / "b.txt").write_text(" ".join(["w2"] * 60))
+    code = cli.main(["generate", "--model", str(model), "--prompt-file", str(tmp_path / "a.txt"),
+                     "--prompt-file", str(tmp_path / "b.txt"), "--max-tokens", "5"])
+    assert code == 0
+    assert capsys.readouterr().err.splitlines() == [
+        f"vegas: warning: prompt 2 of 2 ({tmp_path / 'b.txt'}) leaves room for 4 new tokens in "
+        "the model's context of 64: max_tokens 5 is capped to 4"]
+
+
+def test_json_statistics_of_short_and_plain_runs(model: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    for max_tokens, rate in ((1, False), (2, False), (5, True)):
+        assert cli.main(["generate", "--model", str(model), "--prompt", "w1 w2", "--ignore-eos",
+                         "--max-tokens", str(max_tokens), "--json"]) == 0
+        stats = json.loads(capsys.readouterr().out)["stats"]
+        assert (stats["decode_tokens_per_s"] is not None) == rate, stats
+        # vanilla: one decode step per token after the prefill's
+        assert stats["iterations"] == stats["sequence"]["iterations"] == max_tokens - 1
+
+
+def test_stats_follow_the_text(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["generate", "--model", str(model), "--prompt", "w1 w2", "--prompt", "w3",
+                     "--ignore-eos", "--max-tokens", "5", "--method", "vegas", "--stats"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "--- vegas (prompt 1 of 2): 2 prompt tokens, 5 generated (finish: length)"
+    assert lines[2].startswith("    batch: prefill ") and lines[2].endswith(" tokens/s)")
+    assert re.fullmatch(r"    \d+ iterations?, [\d.]+ tokens per iteration; acceptance per "
+                        r"draft position: [\d. ]+; mean budget \d+ tokens", lines[3])
+    assert lines[5].startswith("--- vegas (prompt 2 of 2): 1 prompt tokens")
+
+
+@pytest.mark.parametrize("command", ["generate", "compare"])
+def test_every_option_explains_itself(command: str) -> None:
+    sub = next(a for a in cli._parser()._actions if a.dest == "command").choices[command]
+    formatter = sub.formatter_class("vegas")
+    for action in sub._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        text = formatter._get_help_string(action) % vars(action)
+        assert len(action.help or "") > 10, action.option_strings
+        if action.default is not None and action.default is not False and action.default != []:
+            shown = " ".join(action.default) if isinstance(action.default, list) \
+                else action.default
+            assert text.endswith(f"(default: {shown})"), (action.option_strings, text)
+    text = " ".join(sub.format_help().split())
+    assert "(default: 64)" in text and "(default: float32)" in text
+    if command == "generate":
+        assert "0 decodes greedily (default: 0.0)" in text
+    assert "weight = softmax probability per head" in text and "logit = raw q.k" in text
+    assert "2 = the first and the last row, all = all gamma+1 rows" in text
+    assert "layer = one selection per layer shared by all heads, kv_head = one per KV head" \
+        in text
+
+
+# --- through the console entry point: exit codes, one line, no traceback ----------------------
+
+def _vegas(*args: str, **kwargs: Any) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "vegas_spec.cli", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # a shell's background jobs ignore SIGINT; a terminal's do not
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                            **kwargs)
+
+
+def test_console_error_is_one_line(files: dict[str, str]) -> None:
+    proc = _vegas("generate", "--model", files["random_gguf"], "--prompt", "a")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and not out
+    assert err.splitlines() == [f"vegas: error: {files['random_gguf']} is not a GGUF file: it "
+                                "does not start with the bytes 'GGUF'"]
+
+
+def test_ctrl_c_is_one_line_and_exit_code_130(model: Path, tmp_path: Path) -> None:
+    # random weights and a long context: decoding would go on for minutes
+    config = json.loads((model / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config,
+                                                      "max_position_embeddings": 1 << 16}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((model / name).read_bytes())
+    proc = _vegas("generate", "--model", str(tmp_path), "--load-format", "dummy", "--prompt",
+                  "w1", "--max-tokens", "30000", "--ignore-eos", "--kv-cache-gb", "0.01")
+    try:
+        proc.communicate(timeout=2.5)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.splitlines() == ["vegas: interrupted"] and not out

@@ -3,8 +3,10 @@ touched where possible; and the KV page pool is shared and returned intact."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from vegas_spec.cache import OutOfMemoryError, PagedKVCache
 from vegas_spec.config import (
     ConfigError,
     EngineConfig,
+    LengthCapWarning,
     ModelConfig,
     SamplingParams,
     SpecConfig,
@@ -175,9 +178,9 @@ def test_prompt_longer_than_context(tiny_llm: LLM) -> None:
 
 
 def test_bad_prompts(tiny_llm: LLM) -> None:
-    with pytest.raises(ConfigError, match="empty prompt"):
+    with pytest.raises(ConfigError, match="prompt is empty"):
         tiny_llm.generate([[]])
-    with pytest.raises(ConfigError, match=r"prompt token ids must lie in \[0, 128\)"):
+    with pytest.raises(ConfigError, match=r"prompt holds token ids outside \[0, 128\), e\.g\. 128"):
         tiny_llm.generate([[5, 128]])
     with pytest.raises(ConfigError, match="prompts must be a string, a list of strings"):
         tiny_llm.generate([])
@@ -189,7 +192,8 @@ def test_sliding_window_exceeded(tmp_path: Path) -> None:
     llm = LLM(str(tiny_checkpoint(tmp_path, family="Mistral", sliding_window=32)),
               kv_cache_bytes=1 << 20)
     assert len(llm.generate([[5] * 10], SamplingParams(max_tokens=8))[0].token_ids) == 8
-    with pytest.raises(ConfigError, match=r"longer than the sliding window \(32 tokens\)"):
+    with pytest.raises(ConfigError, match=r"prompt would grow to 40 tokens, past the sliding "
+                                          r"window \(32 tokens\)"):
         llm.generate([[5] * 20], SamplingParams(max_tokens=20))
 
 
@@ -225,6 +229,10 @@ def test_kv_budget_below_one_page(tiny: Path) -> None:
     ({"max_tokens": -3}, "max_tokens must be an integer >= 1, got -3"),
     ({"seed": "abc"}, "seed must be an integer, got 'abc'"),
     ({"stop": ("",)}, "stop strings must be non-empty"),
+    ({"stop": None}, r"stop must be a string or a list of strings \(\(\) for none\), got None"),
+    ({"stop": ["a", 1]}, r"stop must be a string or a list of strings .*got \['a', 1\]"),
+    ({"seed": 2**64}, "seed must fit in 64 bits"),
+    ({"ignore_eos": "no"}, "ignore_eos must be True or False, got 'no'"),
 ])
 def test_invalid_sampling_params(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -246,8 +254,11 @@ def test_single_stop_string_becomes_a_tuple() -> None:
     ({"collect": 3}, "collect must be one of 2, all, got '3'"),
     ({"granularity": "head"}, "granularity must be one of layer, kv_head, got 'head'"),
     ({"min_tokens": 0}, "min_tokens must be an integer >= 1, got 0"),
-    ({"page": 0}, "page must be a positive integer, got 0"),
-    ({"sink": -1}, "sink must be a positive integer, got -1"),
+    ({"page": 0}, "page must be an integer >= 1, got 0"),
+    ({"sink": -1}, "sink must be an integer >= 0, got -1"),
+    ({"gamma": True}, r"gamma must be an integer in \[1, 32\], got True"),
+    ({"chunk": False}, "chunk must be an integer >= 1, got False"),
+    ({"sink": True}, "sink must be an integer >= 0, got True"),
 ])
 def test_invalid_spec_config(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -267,9 +278,19 @@ def test_spec_config_accepts_its_documented_range() -> None:
     ({"device": "mps"}, "device must be cpu or cuda, got 'mps'"),
     ({"page_size": 12}, "page_size must be a power of two, got 12"),
     ({"page_size": 0}, "page_size must be a power of two, got 0"),
-    ({"prefill_chunk": 0}, "prefill_chunk must be >= 1, got 0"),
+    ({"prefill_chunk": 0}, "prefill_chunk must be an integer >= 1, got 0"),
     ({"kv_cache_fraction": 0.0}, r"kv_cache_fraction must be in \(0, 1\], got 0\.0"),
     ({"backend": "flash"}, "backend must be auto, torch or triton, got 'flash'"),
+    ({"page_size": "8"}, "page_size must be a power of two, got '8'"),
+    ({"page_size": True}, "page_size must be a power of two, got True"),
+    ({"prefill_chunk": 2.5}, "prefill_chunk must be an integer >= 1, got 2.5"),
+    ({"kv_cache_bytes": -(1 << 30)}, "kv_cache_bytes must be a positive number of bytes .*"
+                                     "got -1073741824"),
+    ({"kv_cache_bytes": "1GB"}, "kv_cache_bytes must be a positive number of bytes"),
+    ({"kv_cache_fraction": "half"}, r"kv_cache_fraction must be in \(0, 1\], got 'half'"),
+    ({"prefix_cache_bytes": -1}, "prefix_cache_bytes must be an integer >= 0"),
+    ({"max_model_len": 10.5}, "max_model_len must be an integer, got 10.5"),
+    ({"cuda_graphs": "no"}, "cuda_graphs must be True or False, got 'no'"),
 ])
 def test_invalid_engine_config(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -381,3 +402,242 @@ def test_pages_are_released_after_a_failed_request(tiny_llm: LLM,
         tiny_llm.logits([5] * 40)  # five chunks of 8; the fourth fails
     assert len(calls) == 4
     assert sorted(cache.free_pages) == list(range(cache.num_pages))
+
+
+def test_triton_backend_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match="backend triton runs its kernels on a GPU .*"
+                                          "TRITON_INTERPRET=1.*choose backend torch"):
+        EngineConfig(backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert EngineConfig(backend="triton").resolved_backend == "triton"
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match="backend triton needs the triton package"):
+        EngineConfig(backend="triton")
+    assert EngineConfig(backend="torch").resolved_backend == "torch"
+
+
+# --- bad model files: one ConfigError or WeightError naming the file --------------------------
+
+def _gguf(path: Path) -> Path:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.ones(64, 64).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _config(tiny: Path, dst: Path, **changes: Any) -> Path:
+    """The tiny checkpoint's config.json alone, with `changes` (None: the key removed)."""
+    cfg = json.loads((tiny / "config.json").read_text())
+    for key, value in changes.items():
+        cfg.pop(key) if value is None else cfg.update({key: value})
+    dst.mkdir()
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _truncated_gguf(tiny: Path, tmp: Path) -> Path:
+    path = _gguf(tmp / "cut.gguf")
+    path.write_bytes(path.read_bytes()[:-100])
+    return path
+
+
+def _write(path: Path, data: bytes) -> Path:
+    """A file (in a new folder for a config.json) -> the model path to give LLM."""
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(data)
+    return path.parent if path.name == "config.json" else path
+
+
+def _with_file(name: str, data: bytes):  # noqa: ANN202
+    """A copy of the tiny checkpoint with `name` replaced by `data`."""
+    def build(tiny: Path, tmp: Path) -> Path:
+        folder = copy_checkpoint(tiny, tmp / "m")
+        (folder / name).write_bytes(data)
+        return folder
+    return build
+
+
+BAD_MODEL_FILES = [
+    ("config-not-json", lambda tiny, tmp: _write(tmp / "m" / "config.json", b"{not json"),
+     ConfigError, r"config\.json is not valid JSON: Expecting property name enclosed in double "
+                  r"quotes at line 1 column 2"),
+    ("config-a-list", lambda tiny, tmp: _write(tmp / "m" / "config.json", b"[1, 2]"),
+     ConfigError, r"config\.json must hold a JSON object, got list"),
+    ("config-not-utf8", lambda tiny, tmp: _write(tmp / "m" / "config.json", b"\xff\xfe{}"),
+     ConfigError, r"config\.json is not valid JSON: it is not UTF-8 text"),
+    ("config-lacks-heads", lambda tiny, tmp: _config(tiny, tmp / "m", num_attention_heads=None),
+     ConfigError, r"config\.json: the model config lacks 'num_attention_heads'"),
+    ("config-bad-layers", lambda tiny, tmp: _config(tiny, tmp / "m", num_hidden_layers="two"),
+     ConfigError, r"config\.json: the model config's 'num_hidden_layers' must be a positive "
+                  r"integer, got 'two'"),
+    ("config-zero-heads", lambda tiny, tmp: _config(tiny, tmp / "m", num_attention_heads=0),
+     ConfigError, "'num_attention_heads' must be a positive integer, got 0"),
+    ("config-bad-rope", lambda tiny, tmp: _config(tiny, tmp / "m", rope_scaling="linear"),
+     ConfigError, "'rope_scaling' must be an object, got 'linear'"),
+    ("config-bad-eos", lambda tiny, tmp: _config(tiny, tmp / "m", eos_token_id="</s>"),
+     ConfigError, "eos_token_id must be token ids, got '</s>'"),
+    ("generation-config-not-json", _with_file("generation_config.json", b"{"),
+     ConfigError, r"generation_config\.json is not valid JSON"),
+    ("safetensors-garbage", _with_file("model.safetensors", b"garbage"),
+     WeightError, r"model\.safetensors is not a readable safetensors file: Error while "
+                  r"deserializing header"),
+    ("safetensors-empty", _with_file("model.safetensors", b""),
+     WeightError, r"model\.safetensors is not a readable safetensors file"),
+    ("index-not-json", _with_file("model.safetensors.index.json", b"{"),
+     WeightError, r"model\.safetensors\.index\.json is not valid JSON"),
+    ("index-without-map", _with_file("model.safetensors.index.json", b"{}"),
+     WeightError, r"index\.json has no 'weight_map'"),
+    ("gguf-random-bytes", lambda tiny, tmp: _write(tmp / "r.gguf", bytes(range(256)) * 8),
+     ConfigError, r"r\.gguf is not a GGUF file: it does not start with the bytes 'GGUF'"),
+    ("gguf-empty", lambda tiny, tmp: _write(tmp / "e.gguf", b""),
+     ConfigError, r"e\.gguf is not a GGUF file"),
+    ("gguf-truncated", _truncated_gguf,
+     ConfigError, r"cut\.gguf is a truncated or corrupt GGUF file \(\d+ bytes; reading it "
+                  r"failed with \w+Error"),
+    ("gguf-header-only", lambda tiny, tmp: _write(tmp / "h.gguf", b"GGUF\x03\x00\x00\x00"),
+     ConfigError, r"h\.gguf is a truncated or corrupt GGUF file"),
+    ("gguf-without-metadata", lambda tiny, tmp: _gguf(tmp / "g.gguf"),
+     ConfigError, r"g\.gguf: the model config lacks 'num_attention_heads'"),
+]
+
+
+@pytest.mark.parametrize(("build", "error", "message"), [c[1:] for c in BAD_MODEL_FILES],
+                         ids=[c[0] for c in BAD_MODEL_FILES])
+def test_bad_model_files(tiny: Path, tmp_path: Path, build, error: type, message: str) -> None:  # noqa: ANN001
+    with pytest.raises(error, match=message) as info:
+        LLM(str(build(tiny, tmp_path)))
+    assert "\n" not in str(info.value)
+
+
+def test_malformed_tokenizer(tiny: Path, tmp_path: Path) -> None:
+    folder = _with_file("tokenizer.json", b'{"model": {"type": "BPE", "vocab": 5}}')(tiny, tmp_path)
+    llm = LLM(str(folder), kv_cache_bytes=1 << 20)
+    with pytest.raises(ConfigError, match=r"cannot load the tokenizer of .*m: KeyError"):
+        llm.generate("hello")
+
+
+# --- the Python API: every bad argument is a ConfigError, and the engine goes on ---------------
+
+FEW = SamplingParams(max_tokens=4)
+BAD_CALLS = [
+    ("mixed-ints-and-strings", lambda llm: llm.generate([5, "a"]),
+     r"prompts\[1\] is 'a' \(str\), not a token id"),
+    ("none-prompt", lambda llm: llm.generate([None]),
+     r"prompts\[0\] is None \(NoneType\): each prompt must be a string or a list of token ids"),
+    ("none-token", lambda llm: llm.generate([[5], [5, None]]),
+     r"prompts\[1\]\[1\] is None \(NoneType\), not a token id"),
+    ("bool-token", lambda llm: llm.generate([[True, 5]]),
+     r"prompts\[0\]\[0\] is True \(a bool\), not a token id"),
+    ("bool-in-flat-prompt", lambda llm: llm.generate([5, False]),
+     r"prompts\[1\] is False \(a bool\), not a token id"),
+    ("float-token", lambda llm: llm.generate([[1.5]]), r"prompts\[0\]\[0\] is 1\.5 \(float\)"),
+    ("tensor-prompts", lambda llm: llm.generate(torch.tensor([1, 2])),
+     "prompts must be a string, a list of strings or of token-id lists, got Tensor"),
+    ("bytes-prompt", lambda llm: llm.generate(b"abc"), "got bytes"),
+    ("params-dict", lambda llm: llm.generate([[5]], {"max_tokens": 3}),
+     r"params must be a SamplingParams, a list of them \(one per prompt\) or None, got dict; "
+     r"build one with SamplingParams\(\*\*d\)"),
+    ("params-list-of-dicts", lambda llm: llm.generate([[5]], [{"max_tokens": 3}]),
+     r"params\[0\] must be a SamplingParams, got dict"),
+    ("params-string", lambda llm: llm.generate([[5]], "greedy"),
+     "params must be a SamplingParams, .* got str"),
+    ("speculative-unknown-key", lambda llm: llm.generate([[5]], speculative={"gama": 4}),
+     r"unknown speculative setting 'gama' \(did you mean 'gamma'\?\); known: method, gamma"),
+    ("speculative-a-string", lambda llm: llm.generate([[5]], speculative="vegas"),
+     r"speculative must be a SpecConfig, a dict of its fields or None, got str 'vegas'"),
+    ("speculative-bool-gamma", lambda llm: llm.generate([[5]], speculative={"gamma": True}),
+     r"gamma must be an integer in \[1, 32\], got True"),
+    ("batch-prompt-too-long", lambda llm: llm.generate([[5] * 3, [6] * 64], FEW),
+     r"prompts\[1\] has 64 tokens but the model's context is 64: nothing is left to generate"),
+    ("batch-prompt-empty", lambda llm: llm.generate([[5], []], FEW), r"prompts\[1\] is empty"),
+    ("batch-token-out-of-range", lambda llm: llm.generate([[5], [6], [7, -1]], FEW),
+     r"prompts\[2\] holds token ids outside \[0, 128\), e\.g\. -1"),
+]
+
+
+@pytest.mark.parametrize(("call", "message"), [c[1:] for c in BAD_CALLS],
+                         ids=[c[0] for c in BAD_CALLS])
+def test_bad_api_calls(tiny_llm: LLM, call, message: str) -> None:  # noqa: ANN001
+    with pytest.raises(ConfigError, match=message):
+        call(tiny_llm)
+    assert sorted(tiny_llm.cache.free_pages) == list(range(tiny_llm.cache.num_pages))
+    out = tiny_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
+
+
+def test_llm_arguments_are_checked_before_loading(tmp_path: Path) -> None:
+    nowhere = str(tmp_path / "nowhere")  # loading would fail with another message
+    with pytest.raises(ConfigError, match=r"unknown engine setting 'unknown_kwarg'; known: "
+                                          r"device, dtype"):
+        LLM(nowhere, unknown_kwarg=1)
+    with pytest.raises(ConfigError, match=r"unknown engine setting 'kv_cache_byte' \(did you "
+                                          r"mean 'kv_cache_bytes'\?\)"):
+        LLM(nowhere, kv_cache_byte=1 << 20)
+    with pytest.raises(ConfigError, match="speculative must be a SpecConfig, .* got int 3"):
+        LLM(nowhere, speculative=3)
+    with pytest.raises(ConfigError, match="unknown speculative setting 'methd'"):
+        LLM(nowhere, speculative={"methd": "vegas"})
+    with pytest.raises(ConfigError, match=r"model must be a path \(a folder or a \.gguf file\) "
+                                          r"or None, got int 5"):
+        LLM(5)  # type: ignore[arg-type]
+
+
+# --- memory ---------------------------------------------------------------------------------
+
+def test_kv_budget_beyond_the_machine_is_refused_before_loading(tmp_path: Path) -> None:
+    with pytest.raises(OutOfMemoryError, match=r"a KV cache of 1048576\.0 TiB does not fit in "
+                                               r"the [\d.]+ [KMGT]?i?B of memory available on "
+                                               r"cpu"):
+        LLM(str(tmp_path / "nowhere"), kv_cache_bytes=1 << 60)
+
+
+def test_default_cpu_budget_fits_the_available_memory(tiny: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import vegas_spec.cache
+    import vegas_spec.engine
+
+    for module in (vegas_spec.cache, vegas_spec.engine):
+        monkeypatch.setattr(module, "available_bytes", lambda device: 64 << 10)
+    llm = LLM(str(tiny), page_size=8)  # half of the 64 KiB: 16 pages of 2 KiB
+    assert llm.cache.num_pages == 16
+    with pytest.raises(OutOfMemoryError, match=r"a KV cache of 128\.0 KiB does not fit in the "
+                                               r"64\.0 KiB of memory available on cpu"):
+        LLM(str(tiny), kv_cache_bytes=128 << 10)
+
+
+# --- outputs that explain themselves --------------------------------------------------------
+
+def test_max_tokens_beyond_the_context_is_capped_with_a_warning(tiny_llm: LLM) -> None:
+    params = SamplingParams(max_tokens=10**9, ignore_eos=True)
+    with pytest.warns(LengthCapWarning, match=r"^prompt leaves room for 6 new tokens in the "
+                                              r"model's context of 64: max_tokens 1000000000 "
+                                              r"is capped to 6$"):
+        (out,) = tiny_llm.generate([[5] * 58], params)
+    assert out.finish_reason == "length" and len(out.token_ids) == 6
+    with pytest.warns(LengthCapWarning, match=r"^prompts\[1\] leaves room for 4 new tokens"):
+        tiny_llm.generate([[5] * 2, [6] * 60], SamplingParams(max_tokens=5, ignore_eos=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tiny_llm.generate([[5] * 58], SamplingParams(max_tokens=6, ignore_eos=True))
+
+
+def test_statistics_of_plain_decoding(tiny_llm: LLM) -> None:
+    outs = tiny_llm.generate([[5] * 4, [6] * 9], SamplingParams(max_tokens=6, ignore_eos=True))
+    stats = outs[0].stats
+    assert [o.stats["sequence"]["iterations"] for o in outs] == [5, 5]  # one step per token
+    assert stats["iterations"] == 10 and stats["generated_tokens"] == 12
+    assert stats["decode_tokens_per_s"] == pytest.approx(10 / stats["decode_s"], rel=1e-3)
+    for max_tokens in (1, 2):  # the prefill's token, then at most one decoded: no rate
+        (out,) = tiny_llm.generate([[5] * 4], SamplingParams(max_tokens=max_tokens,
+                                                             ignore_eos=True))
+        assert out.stats["decode_tokens_per_s"] is None
+        assert out.stats["iterations"] == max_tokens - 1

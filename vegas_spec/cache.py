@@ -7,6 +7,7 @@ page_table[p // page_size] * page_size + p % page_size."""
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -23,11 +24,51 @@ def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
 
 
 def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} GiB"
+    return f"{n:.1f} TiB"
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation can take now: free device memory (plus what PyTorch's caching
+    allocator holds unused) on CUDA; on CPU MemAvailable of /proc/meminfo (else the free
+    physical pages), bounded by a cgroup's memory limit. None where it cannot be told."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            return None
+    try:  # a container's limit (cgroup v2)
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                avail = min(avail, int(limit) - int(f.read()))
+    except (OSError, ValueError):
+        pass
+    return max(avail, 0)
+
+
+def check_memory(budget_bytes: int, device: torch.device) -> None:
+    """Refuse a KV budget larger than the memory available for it, before allocating."""
+    avail = available_bytes(device)
+    if avail is not None and budget_bytes > avail:
+        raise OutOfMemoryError(f"a KV cache of {fmt_bytes(budget_bytes)} does not fit in the "
+                               f"{fmt_bytes(avail)} of memory available on {device.type}; "
+                               "lower the KV budget (--kv-cache-gb, kv_cache_bytes)")
 
 
 class PagedKVCache:
@@ -48,6 +89,7 @@ class PagedKVCache:
         if pages < 1:
             raise OutOfMemoryError(f"KV budget {fmt_bytes(budget_bytes)} holds no page of "
                                    f"{fmt_bytes(page_bytes(cfg, page_size, dtype))}")
+        check_memory(pages * page_bytes(cfg, page_size, dtype), device)
         return cls(cfg, pages, page_size, dtype, device)
 
     def pages_for(self, tokens: int) -> int:

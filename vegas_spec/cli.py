@@ -1,78 +1,152 @@
-"""`vegas generate ...` and `vegas compare ...`: the command line over `LLM.generate`."""
+"""`vegas generate ...` and `vegas compare ...`: the command line over `LLM.generate`.
+
+Every input the engine refuses ends in one line `vegas: error: ...` and exit code 2; Ctrl-C in
+one line `vegas: interrupted` and exit code 130."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
+import warnings
 from pathlib import Path
 
-from vegas_spec.config import DTYPES, METHODS, ConfigError, SamplingParams, SpecConfig
-from vegas_spec.models.loader import WeightError
+# Only the standard library at import time: the rest (torch first) is imported inside main,
+# where Ctrl-C is caught.
+EXIT_ERROR, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 2, 130, 141  # 128 + SIGINT, SIGPIPE
 
-DEFAULT_SPEC = SpecConfig()
+
+class _Formatter(argparse.HelpFormatter):
+    """Each option's help ends with its default, unless it has none (None, False, [])."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text, default = action.help or "", action.default
+        if (action.option_strings and "%(default)" not in text and default is not None
+                and default is not False and default != [] and default is not argparse.SUPPRESS):
+            shown = " ".join(default) if isinstance(default, list) else str(default)
+            text += f" (default: {shown.replace('%', '%%')})"
+        return text
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vegas", description=__doc__)
+    from vegas_spec.config import METHODS
+
+    parser = argparse.ArgumentParser(
+        prog="vegas", formatter_class=_Formatter,
+        description="Lossless self-speculative decoding: generate text, or compare methods side "
+                    "by side. A bad input ends in one line `vegas: error: ...` and exit code 2; "
+                    "Ctrl-C in `vegas: interrupted` and exit code 130.")
     sub = parser.add_subparsers(dest="command", required=True)
     common = _common()
-    g = sub.add_parser("generate", parents=[common],
-                       help="generate text (plain or self-speculative)")
-    g.add_argument("--method", default="vanilla", choices=METHODS)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    c = sub.add_parser("compare", parents=[common],
+    g = sub.add_parser("generate", parents=[common], formatter_class=_Formatter,
+                       help="generate text (plain or self-speculative)",
+                       description="Generate text for each prompt, plainly (--method vanilla) "
+                                   "or self-speculatively; greedy output is identical either "
+                                   "way.")
+    g.add_argument("--method", default="vanilla", choices=METHODS,
+                   help="vanilla: plain decoding; vegas: self-speculative decoding whose verify "
+                        "pass selects the KV positions the next drafts read; stream, quest, "
+                        "lastq, specextend: the same loop with other selections (baselines); "
+                        "full: dense drafts (an oracle)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 decodes greedily")
+    g.add_argument("--top-k", type=int, default=0,
+                   help="sample among the k likeliest tokens only (0: no limit)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the likeliest tokens whose probabilities add up to p "
+                        "(1: no limit)")
+    g.add_argument("--seed", type=int,
+                   help="seed of the sampling (default: a new one each run)")
+    g.add_argument("--stop", action="append", default=[],
+                   help="stop string: the text ends before it (repeatable)")
+    out = g.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true",
+                     help="one JSON object per prompt: text, token_ids, finish_reason, stats")
+    out.add_argument("--stats", action="store_true",
+                     help="after each text, its statistics in a few readable lines")
+    c = sub.add_parser("compare", parents=[common], formatter_class=_Formatter,
                        help="greedy decoding with plain and speculative methods side by side: "
-                            "decode speed, tokens per iteration, identical output")
+                            "decode speed, tokens per iteration, identical output",
+                       description="Greedy decoding with vanilla, then each method, on the same "
+                                   "prompts in one engine: decode speed, tokens per iteration "
+                                   "and whether every output equals vanilla's (exit code 1 if "
+                                   "not).")
     c.add_argument("--methods", nargs="+", default=["vegas"],
                    choices=[m for m in METHODS if m != "vanilla"],
-                   help="speculative methods to run after vanilla (default: vegas)")
+                   help="speculative methods to run after vanilla")
     c.add_argument("--json", action="store_true", help="one JSON object per method")
     return parser
 
 
 def _common() -> argparse.ArgumentParser:
     """Options shared by every command: model, prompts, engine and speculative settings."""
+    from vegas_spec.config import DTYPES, SpecConfig
+
+    DEFAULT_SPEC = SpecConfig()  # noqa: N806
     g = argparse.ArgumentParser(add_help=False)
-    g.add_argument("--model", help="HF folder (config.json + safetensors) or .gguf file; "
-                   "default: the embedded SmolLM2-135M-Instruct")
+    g.add_argument("--model", help="HF folder (config.json + *.safetensors) or .gguf file "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     src.add_argument("--prompt-file", action="append", type=Path,
-                     help="file whose whole text is one prompt (repeat for a batch)")
-    g.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    g.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    g.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+                     help="UTF-8 text file whose whole text is one prompt (repeat for a batch)")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap each prompt in the model's chat template as a user turn")
+    g.add_argument("--max-tokens", type=int, default=64,
+                   help="most tokens to generate per prompt; where the model's context leaves "
+                        "less room after a prompt, capped to that room, with a warning")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="go on past the end-of-sequence token, up to --max-tokens")
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the model runs")
+    g.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                   help="type of the weights, activations and KV cache")
+    g.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="kernels: torch (plain PyTorch) or triton (GPU; on CPU only under "
+                        "TRITON_INTERPRET=1); auto: triton on cuda, torch on cpu")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from the model's config.json (timing only)")
-    g.add_argument("--kv-cache-gb", type=float, help="KV page pool size in GiB")
+    g.add_argument("--kv-cache-gb", type=float,
+                   help="KV page pool size in GiB (default: half the free GPU memory on cuda; "
+                        "on cpu 2 GiB, or half the available memory if that is less)")
     g.add_argument("--eager", action="store_true",
                    help="no CUDA graphs: run the decode loop eagerly with dynamic shapes")
     g.add_argument("--max-model-len", type=int,
                    help="longest sequence (default: the model's); bounds the static buffers")
-    g.add_argument("--gamma", type=int, default=DEFAULT_SPEC.gamma)
-    g.add_argument("--ratio", type=float, default=DEFAULT_SPEC.ratio)
-    g.add_argument("--min-tokens", type=int, default=DEFAULT_SPEC.min_tokens)
-    g.add_argument("--score", default=DEFAULT_SPEC.score, choices=["weight", "logit"])
-    g.add_argument("--collect", default=DEFAULT_SPEC.collect, choices=["2", "all"])
+    g.add_argument("--gamma", type=int, default=DEFAULT_SPEC.gamma,
+                   help="draft tokens per speculative iteration (1 to 32)")
+    g.add_argument("--ratio", type=float, default=DEFAULT_SPEC.ratio,
+                   help="share of the context each draft step attends to: the selection "
+                        "budget is ratio x context length, at least --min-tokens")
+    g.add_argument("--min-tokens", type=int, default=DEFAULT_SPEC.min_tokens,
+                   help="smallest selection budget in tokens; shorter contexts draft with "
+                        "full attention")
+    g.add_argument("--score", default=DEFAULT_SPEC.score, choices=["weight", "logit"],
+                   help="how the verify pass ranks cached positions: weight = softmax "
+                        "probability per head (heads comparable), logit = raw q.k")
+    g.add_argument("--collect", default=DEFAULT_SPEC.collect, choices=["2", "all"],
+                   help="verify rows whose scores select: 2 = the first and the last row, "
+                        "all = all gamma+1 rows")
     g.add_argument("--granularity", default=DEFAULT_SPEC.granularity,
-                   choices=["layer", "kv_head"])
-    g.add_argument("--sink", type=int, default=DEFAULT_SPEC.sink, help="stream: sink tokens")
+                   choices=["layer", "kv_head"],
+                   help="layer = one selection per layer shared by all heads, kv_head = one "
+                        "per KV head")
+    g.add_argument("--sink", type=int, default=DEFAULT_SPEC.sink,
+                   help="stream: first tokens always attended to (attention sink)")
     return g
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
+    from vegas_spec.config import ConfigError
+
     kwargs = {"device": args.device, "dtype": args.dtype, "backend": args.backend,
               "load_format": args.load_format}
     if args.kv_cache_gb is not None:
+        if not math.isfinite(args.kv_cache_gb) or args.kv_cache_gb <= 0:
+            raise ConfigError(f"--kv-cache-gb must be a positive number of GiB, got "
+                              f"{args.kv_cache_gb:g}")
         kwargs["kv_cache_bytes"] = int(args.kv_cache_gb * (1 << 30))
     if args.eager:
         kwargs["cuda_graphs"] = False
@@ -82,53 +156,104 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _prompts(args: argparse.Namespace) -> list[str]:
+    from vegas_spec.config import ConfigError
+
     if args.prompt:
         return args.prompt
-    missing = [str(p) for p in args.prompt_file if not p.is_file()]
+    for p in args.prompt_file:
+        if p.is_dir():
+            raise ConfigError(f"prompt file {p} is a directory, not a file")
+    missing = [str(p) for p in args.prompt_file if not p.exists()]
     if missing:
         raise ConfigError(f"prompt file not found: {', '.join(missing)}")
-    return [p.read_text(encoding="utf-8") for p in args.prompt_file]
+    return [_read_prompt(p) for p in args.prompt_file]
 
 
-def _spec(args: argparse.Namespace, method: str) -> SpecConfig:
+def _read_prompt(path: Path) -> str:
+    from vegas_spec.config import ConfigError
+
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"cannot read prompt file {path}: {err.strerror or err}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"prompt file {path} is not UTF-8 text (byte 0x{data[err.start]:02x} "
+                          f"at offset {err.start}); convert it, e.g. with iconv") from None
+
+
+def _spec(args: argparse.Namespace, method: str):  # noqa: ANN202 - a SpecConfig
+    from vegas_spec.config import SpecConfig
+
     return SpecConfig(method=method, gamma=args.gamma, ratio=args.ratio,
                       min_tokens=args.min_tokens, score=args.score, collect=args.collect,
                       granularity=args.granularity, sink=args.sink)
 
 
 def generate(args: argparse.Namespace) -> int:
+    from vegas_spec.config import SamplingParams
     from vegas_spec.engine import LLM
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop),
                             ignore_eos=args.ignore_eos)
-    prompts = _prompts(args)
-    llm = LLM(args.model, speculative=_spec(args, args.method), **_engine_kwargs(args))
-    for out in llm.generate(prompts, params, chat=args.chat):
+    spec, kwargs, prompts = _spec(args, args.method), _engine_kwargs(args), _prompts(args)
+    llm = LLM(args.model, speculative=spec, **kwargs)
+    outs = llm.generate(prompts, params, chat=args.chat)
+    for i, out in enumerate(outs):
         if args.json:
             print(json.dumps({"text": out.text, "token_ids": out.token_ids,
                               "finish_reason": out.finish_reason, "stats": out.stats}))
         else:
             print(out.text)
+            if args.stats:
+                print(_stats_text(out, i, len(outs)))
     return 0
+
+
+def _stats_text(out, index: int, n: int) -> str:  # noqa: ANN001 - a RequestOutput
+    """A few readable lines: what was generated, how fast, how well the drafts did."""
+    s, seq = out.stats, out.stats["sequence"]
+    which = f" (prompt {index + 1} of {n})" if n > 1 else ""
+    speed = s["decode_tokens_per_s"]
+    lines = [
+        f"--- {s['method']}{which}: {len(out.prompt_token_ids)} prompt tokens, "
+        f"{len(out.token_ids)} generated (finish: {out.finish_reason})",
+        f"    batch: prefill {s['prefill_s']:.3f} s, decode {s['decode_s']:.3f} s"
+        + ("" if speed is None else f" ({speed:.1f} tokens/s)"),
+    ]
+    if "tokens_per_iteration" in seq:
+        acc = " ".join(f"{a:.2f}" for a in seq["acceptance_rate_per_position"])
+        n = seq["iterations"]
+        line = (f"    {n} iteration{'s' * (n != 1)}, {seq['tokens_per_iteration']:.2f} tokens "
+                f"per iteration; acceptance per draft position: {acc}")
+        if "budget_mean" in seq:
+            line += f"; mean budget {seq['budget_mean']:.0f} tokens"
+        lines.append(line)
+    else:
+        n = seq["iterations"]
+        lines.append(f"    {n} decode step{'s' * (n != 1)}")
+    return "\n".join(lines)
 
 
 def compare(args: argparse.Namespace) -> int:
     """vanilla, then each method, on the same prompts in one engine; each first warmed up on
     the first prompt (kernels compile, graphs are captured), then timed."""
+    from vegas_spec.config import SamplingParams
     from vegas_spec.engine import LLM
 
-    prompts = _prompts(args)
-    llm = LLM(args.model, **_engine_kwargs(args))
+    specs = [_spec(args, method) for method in ["vanilla", *args.methods]]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    kwargs, prompts = _engine_kwargs(args), _prompts(args)
+    llm = LLM(args.model, **kwargs)
     rows, base = [], None
-    for method in ["vanilla", *args.methods]:
-        spec = _spec(args, method)
+    for spec in specs:
         llm.generate(prompts[:1], SamplingParams(max_tokens=2), chat=args.chat, speculative=spec)
         outs = llm.generate(prompts, params, chat=args.chat, speculative=spec)
         tokens = [o.token_ids for o in outs]
         base = tokens if base is None else base
-        rows.append(_comparison(method, outs[0].stats, tokens, base, rows))
+        rows.append(_comparison(spec.method, outs[0].stats, tokens, base, rows))
     for row in rows:
         print(json.dumps(row) if args.json else _line(row))
     return 0 if all(r["identical"] == r["prompts"] for r in rows) else 1
@@ -136,30 +261,78 @@ def compare(args: argparse.Namespace) -> int:
 
 def _comparison(method: str, stats: dict, tokens: list[list[int]], base: list[list[int]],
                 rows: list[dict]) -> dict:
-    speed = stats["decode_tokens_per_s"]
+    speed = stats["decode_tokens_per_s"]  # None: too few decoded tokens to time
+    plain = rows[0]["decode_tokens_per_s"] if rows else speed
     return {"method": method, "decode_tokens_per_s": speed,
-            "vs_vanilla": speed / rows[0]["decode_tokens_per_s"] if rows else 1.0,
+            "vs_vanilla": speed / plain if speed is not None and plain else None,
             "ttft_s": stats["ttft_s"], "total_s": stats["total_s"],
             "tokens_per_iteration": stats.get("tokens_per_iteration"),
             "identical": sum(a == b for a, b in zip(tokens, base)), "prompts": len(base)}
 
 
 def _line(row: dict) -> str:
-    tpi = row["tokens_per_iteration"]
-    return (f"{row['method']:<11} {row['decode_tokens_per_s']:10.1f} tok/s  "
-            f"{row['vs_vanilla']:5.2f}x vanilla  "
+    tpi, speed, ratio = row["tokens_per_iteration"], row["decode_tokens_per_s"], row["vs_vanilla"]
+    return (f"{row['method']:<11} {'-' if speed is None else f'{speed:.1f}':>10} tok/s  "
+            f"{'-' if ratio is None else f'{ratio:.2f}':>5}x vanilla  "
             f"first token {1e3 * row['ttft_s']:8.1f} ms  total {row['total_s']:7.2f} s  "
             f"tokens/iter {'-' if tpi is None else f'{tpi:.2f}':>5}  "
             f"identical to vanilla: {row['identical']}/{row['prompts']}")
 
 
+def _prompt_name(args: argparse.Namespace, index: int | None) -> str:
+    """How the command line names prompt `index` (0-based; None: the first)."""
+    files = args.prompt_file or []
+    n, index = len(args.prompt or files), index or 0
+    if n == 1:
+        return f"prompt file {files[0]}" if files else "prompt"
+    name = f"prompt {index + 1} of {n}"
+    return f"{name} ({files[index]})" if files else name
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
     try:
-        return compare(args) if args.command == "compare" else generate(args)
-    except (ConfigError, WeightError) as err:
-        print(f"vegas: error: {err}", file=sys.stderr)
-        return 2
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C, while importing, loading or decoding
+        print("vegas: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
+    import torch
+
+    from vegas_spec.config import ConfigError, LengthCapWarning, PromptError
+    from vegas_spec.models.loader import WeightError
+
+    args = _parser().parse_args(argv)
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202
+        if isinstance(message, LengthCapWarning):
+            print(f"vegas: warning: {_prompt_name(args, message.index)} {message.problem}",
+                  file=sys.stderr)
+        else:
+            default_show(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        default_show, warnings.showwarning = warnings.showwarning, show
+        try:
+            code = compare(args) if args.command == "compare" else generate(args)
+            sys.stdout.flush()  # a closed pipe shows here, not at exit
+            return code
+        except PromptError as err:
+            return _fail(f"{_prompt_name(args, err.index)} {err.problem}")
+        except (ConfigError, WeightError) as err:
+            return _fail(str(err))
+        except BrokenPipeError:  # the reader of stdout left (`vegas ... | head`)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_BROKEN_PIPE
+        except torch.cuda.OutOfMemoryError as err:
+            return _fail(f"out of GPU memory ({str(err).splitlines()[0]}); lower "
+                         "--kv-cache-gb, the batch, --max-tokens or --max-model-len")
+
+
+def _fail(message: str) -> int:
+    print(f"vegas: error: {message}", file=sys.stderr)
+    return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -4,8 +4,12 @@ before any tensor is touched."""
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import math
-from dataclasses import dataclass, field
+import numbers
+import os
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -22,6 +26,28 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class ConfigError(ValueError):
     """A model, sampling or engine setting that the engine cannot honour."""
+
+
+def _prompt_name(index: int | None) -> str:
+    return "prompt" if index is None else f"prompts[{index}]"
+
+
+class PromptError(ConfigError):
+    """A prompt the engine cannot run. `index`: its place in the batch (None for a single
+    prompt); `problem`: what is wrong, worded to follow the prompt's name."""
+
+    def __init__(self, problem: str, index: int | None = None) -> None:
+        self.problem, self.index = problem, index
+        super().__init__(f"{_prompt_name(index)} {problem}")
+
+
+class LengthCapWarning(UserWarning):
+    """max_tokens asks for more tokens than the model's context leaves after a prompt: they
+    are capped to what it leaves (`index`, `problem` as in PromptError)."""
+
+    def __init__(self, problem: str, index: int | None = None) -> None:
+        self.problem, self.index = problem, index
+        super().__init__(f"{_prompt_name(index)} {problem}")
 
 
 @dataclass(frozen=True)
@@ -57,28 +83,33 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Raises ConfigError for a missing or malformed field, or one this engine does not
+        support."""
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"the model config must be a JSON object, got {type(cfg).__name__}")
         arch = _architecture(cfg)
-        heads = int(cfg["num_attention_heads"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        heads = _count(cfg, "num_attention_heads")
+        kv_heads = _count(cfg, "num_key_value_heads", heads)
         if heads % kv_heads:
             raise ConfigError(
                 f"num_attention_heads={heads} is not a multiple of kv heads {kv_heads}")
-        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        hidden = _count(cfg, "hidden_size")
+        head_dim = _count(cfg, "head_dim", hidden // heads)
         theta, rope = _rope(cfg)
         qkv_bias, o_bias, mlp_bias = _biases(arch, cfg)
         return cls(
             architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            vocab_size=_count(cfg, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_count(cfg, "intermediate_size"),
+            num_layers=_count(cfg, "num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_real(cfg, "rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=tuple(sorted(rope.items())),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=_count(cfg, "max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             qk_norm=arch == "Qwen3ForCausalLM",
@@ -88,6 +119,28 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             o_bias=o_bias,
         )
+
+
+def _count(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A positive integer field; missing (or null) takes the default, else is an error."""
+    value = cfg.get(key)
+    if value is None:
+        if default is None:
+            raise ConfigError(f"the model config lacks {key!r}")
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not _is_int(value) or value < 1:
+        raise ConfigError(f"the model config's {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _real(cfg: dict[str, Any], key: str, default: float) -> float:
+    value = cfg.get(key, default)
+    value = default if value is None else value
+    if not _is_number(value) or value <= 0:
+        raise ConfigError(f"the model config's {key!r} must be a positive number, got {value!r}")
+    return float(value)
 
 
 def _architecture(cfg: dict[str, Any]) -> str:
@@ -120,9 +173,16 @@ def _biases(arch: str, cfg: dict[str, Any]) -> tuple[bool, bool, bool]:
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     # transformers >= 5 writes `rope_parameters` (theta inside); older files use
     # `rope_theta` + `rope_scaling`.
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = dict(cfg.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    params, scaling = cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise ConfigError(f"the model config's {key!r} must be an object, got {value!r}")
+    params, scaling = dict(params), dict(scaling)
+    theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    if not _is_number(theta) or theta <= 0:
+        raise ConfigError(f"the model config's rope_theta must be a positive number, "
+                          f"got {theta!r}")
+    theta = float(theta)
     rope = {**scaling, **params}
     rope_type = rope.pop("rope_type", rope.pop("type", "default")) or "default"
     if rope_type not in ROPE_TYPES:
@@ -142,13 +202,16 @@ def _sliding_window(cfg: dict[str, Any]) -> int | None:
     window = cfg.get("sliding_window")
     if window is None or cfg.get("use_sliding_window") is False:
         return None
-    return int(window)
+    return _count(cfg, "sliding_window")
 
 
 def _ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
-    return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    ids = value if isinstance(value, (list, tuple)) else [value]
+    if not all(_is_int(v) for v in ids):
+        raise ConfigError(f"the model config's eos_token_id must be token ids, got {value!r}")
+    return tuple(ids)
 
 
 @dataclass(frozen=True)
@@ -176,10 +239,17 @@ class SamplingParams:
             raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ConfigError(f"seed must fit in 64 bits, got {self.seed}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ConfigError("stop must be a string or a list of strings (() for none), "
+                              f"got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty")
+        if not isinstance(self.ignore_eos, bool):
+            raise ConfigError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
@@ -209,7 +279,7 @@ class SpecConfig:
         object.__setattr__(self, "collect", str(self.collect))
         if self.method not in METHODS:
             raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
-        if not isinstance(self.gamma, int) or not 1 <= self.gamma <= MAX_GAMMA:
+        if not _is_int(self.gamma) or not 1 <= self.gamma <= MAX_GAMMA:
             raise ConfigError(f"gamma must be an integer in [1, {MAX_GAMMA}], got {self.gamma!r}")
         if not _is_number(self.ratio) or not 0.0 < self.ratio <= 1.0:
             raise ConfigError(f"ratio must be a number in (0, 1], got {self.ratio!r}")
@@ -220,8 +290,9 @@ class SpecConfig:
         _choice("granularity", self.granularity, ("layer", "kv_head"))
         for name in ("sink", "page", "chunk"):
             value = getattr(self, name)
-            if not _is_int(value) or value < (0 if name == "sink" else 1):
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            low = 0 if name == "sink" else 1
+            if not _is_int(value) or value < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
 
     @property
     def speculative(self) -> bool:
@@ -266,18 +337,36 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
-        if not 0.0 < self.kv_cache_fraction <= 1.0:
-            raise ConfigError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if not _is_int(self.page_size) or self.page_size < 1 \
+                or self.page_size & (self.page_size - 1):
+            raise ConfigError(f"page_size must be a power of two, got {self.page_size!r}")
+        if self.prefill_chunk is not None and (not _is_int(self.prefill_chunk)
+                                               or self.prefill_chunk < 1):
+            raise ConfigError("prefill_chunk must be an integer >= 1 (None: from the activation "
+                              f"budget), got {self.prefill_chunk!r}")
+        if self.kv_cache_bytes is not None:
+            if not _is_number(self.kv_cache_bytes) or self.kv_cache_bytes < 1:
+                raise ConfigError("kv_cache_bytes must be a positive number of bytes (None: "
+                                  f"the default), got {self.kv_cache_bytes!r}")
+            object.__setattr__(self, "kv_cache_bytes", int(self.kv_cache_bytes))
+        fraction = self.kv_cache_fraction
+        if not _is_number(fraction) or not 0.0 < fraction <= 1.0:
+            raise ConfigError(f"kv_cache_fraction must be in (0, 1], got {fraction!r}")
+        if not _is_int(self.prefix_cache_bytes) or self.prefix_cache_bytes < 0:
+            raise ConfigError("prefix_cache_bytes must be an integer >= 0 (0: no prefix cache), "
+                              f"got {self.prefix_cache_bytes!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"backend must be auto, torch or triton, got {self.backend!r}")
+        for name in ("cuda_graphs", "static_shapes"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "cuda_graphs" and value is None):
+                raise ConfigError(f"{name} must be True or False, got {value!r}")
+        if not isinstance(self.device, (str, torch.device)):
+            raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
         try:
             dev = torch.device(self.device)
         except (RuntimeError, TypeError):
@@ -289,8 +378,12 @@ class EngineConfig:
         if self.cuda_graphs and dev.type != "cuda":
             raise ConfigError("cuda_graphs needs device cuda (static_shapes=True runs the same "
                               "fixed-shape buffers eagerly)")
+        if self.max_model_len is not None and not _is_int(self.max_model_len):
+            raise ConfigError(f"max_model_len must be an integer, got {self.max_model_len!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.resolved_backend == "triton":
+            _check_triton(dev.type)
 
     def prefill_tokens(self, model: ModelConfig) -> int:
         """prefill_chunk, or by default the tokens whose activations (the widest tensors a
@@ -325,3 +418,104 @@ class EngineConfig:
         if self.backend != "auto":
             return self.backend
         return "triton" if torch.device(self.device).type == "cuda" else "torch"
+
+
+def _check_triton(device_type: str) -> None:
+    """Refuse the Triton backend where its kernels cannot run, before any loading."""
+    if importlib.util.find_spec("triton") is None:
+        raise ConfigError("backend triton needs the triton package, which is not installed: "
+                          "`pip install triton`, or choose backend torch")
+    interpreting = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on")
+    if device_type == "cpu" and not interpreting:
+        raise ConfigError("backend triton runs its kernels on a GPU (device cuda); on CPU only "
+                          "under Triton's slow interpreter (set TRITON_INTERPRET=1 before "
+                          "starting): choose backend torch for CPU")
+
+
+# --- one place that checks a request's arguments (the engine's API and any front end) ------
+
+def _unknown(kind: str, names: list[str], known: list[str]) -> ConfigError:
+    name = names[0]
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"unknown {kind} {name!r}{hint}; known: {', '.join(known)}")
+
+
+def engine_config(kwargs: dict[str, Any]) -> EngineConfig:
+    """EngineConfig from LLM(...)'s keyword arguments, naming any it does not know."""
+    known = [f.name for f in fields(EngineConfig)]
+    unknown = [k for k in kwargs if k not in known]
+    if unknown:
+        raise _unknown("engine setting", unknown, known)
+    return EngineConfig(**kwargs)
+
+
+def spec_config(spec: Any) -> SpecConfig:
+    """`speculative`: a SpecConfig, a dict of its fields, or None (plain decoding)."""
+    if spec is None:
+        return SpecConfig(method="vanilla")
+    if isinstance(spec, SpecConfig):
+        return spec
+    if not isinstance(spec, dict):
+        raise ConfigError("speculative must be a SpecConfig, a dict of its fields or None, got "
+                          f"{type(spec).__name__} {spec!r} (a method by name: "
+                          "{'method': 'vegas'})")
+    known = [f.name for f in fields(SpecConfig)]
+    unknown = [k for k in spec if k not in known]
+    if unknown:
+        raise _unknown("speculative setting", unknown, known)
+    return SpecConfig(**spec)
+
+
+def _token_ids(prompt: list | tuple, where: str) -> list[int]:
+    ids = []
+    for i, t in enumerate(prompt):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            kind = "a bool" if isinstance(t, bool) else type(t).__name__
+            raise ConfigError(f"{where}[{i}] is {t!r} ({kind}), not a token id: a prompt is "
+                              "a string or a list of int token ids")
+        ids.append(int(t))
+    return ids
+
+
+def prompt_list(prompts: Any) -> tuple[list[str | list[int]], bool]:
+    """One prompt (a string, or a list of token ids) or a list of prompts -> (the prompts,
+    each a string or a list of ints; whether a batch was given)."""
+    if isinstance(prompts, str):
+        return [prompts], False
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        got = "an empty list" if isinstance(prompts, (list, tuple)) else type(prompts).__name__
+        raise ConfigError("prompts must be a string, a list of strings or of token-id lists, "
+                          f"got {got}")
+    if any(isinstance(p, numbers.Integral) for p in prompts):  # one prompt of token ids
+        return [_token_ids(prompts, "prompts")], False
+    out: list[str | list[int]] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, (list, tuple)):
+            out.append(_token_ids(p, f"prompts[{i}]"))
+        else:
+            raise ConfigError(f"prompts[{i}] is {p!r} ({type(p).__name__}): each prompt must be "
+                              "a string or a list of token ids")
+    return out, True
+
+
+def sampling_list(params: Any, n: int) -> list[SamplingParams]:
+    """`params`: None (defaults), one SamplingParams for all prompts, or one per prompt."""
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    hint = "; build one with SamplingParams(**d)" if isinstance(params, dict) else ""
+    if not isinstance(params, (list, tuple)):
+        raise ConfigError("params must be a SamplingParams, a list of them (one per prompt) or "
+                          f"None, got {type(params).__name__}{hint}")
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            hint = "; build one with SamplingParams(**d)" if isinstance(p, dict) else ""
+            raise ConfigError(f"params[{i}] must be a SamplingParams, got "
+                              f"{type(p).__name__}{hint}")
+    if len(params) != n:
+        raise ConfigError(f"{len(params)} sampling params for {n} prompts")
+    return list(params)

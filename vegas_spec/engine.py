@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -29,8 +30,19 @@ from vegas_spec.attention.context import (
     StepContext,
 )
 from vegas_spec.attention.torch_backend import slots_of
-from vegas_spec.cache import PagedKVCache
-from vegas_spec.config import MAX_GAMMA, ConfigError, EngineConfig, SamplingParams, SpecConfig
+from vegas_spec.cache import PagedKVCache, available_bytes, check_memory
+from vegas_spec.config import (
+    MAX_GAMMA,
+    ConfigError,
+    LengthCapWarning,
+    PromptError,
+    SamplingParams,
+    SpecConfig,
+    engine_config,
+    prompt_list,
+    sampling_list,
+    spec_config,
+)
 from vegas_spec.graphs import GraphRunner, StaticShapes, bucket_for
 from vegas_spec.models.decoder import build_model
 from vegas_spec.models.loader import dummy_weights, load_config, load_weights, resolve
@@ -111,9 +123,11 @@ class Batch:
 class LLM:
     def __init__(self, model: str | None = None, *, speculative: SpecConfig | dict | None = None,
                  **engine_kwargs: Any) -> None:
-        self.config = EngineConfig(**engine_kwargs)
+        self.config = engine_config(engine_kwargs)
         self.spec = _spec(speculative)
         self.device = torch.device(self.config.device)
+        if self.config.kv_cache_bytes is not None:  # before loading anything
+            check_memory(self.config.kv_cache_bytes, self.device)
         self.source = resolve(model)
         self.model_config = cfg = load_config(self.source)
         if (self.config.max_model_len or 0) > cfg.max_position_embeddings:
@@ -155,7 +169,9 @@ class LLM:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * self.config.kv_cache_fraction)
-        return CPU_KV_BYTES
+        avail = available_bytes(self.device)
+        return CPU_KV_BYTES if avail is None else \
+            min(CPU_KV_BYTES, int(avail * self.config.kv_cache_fraction))
 
     # --- requests -----------------------------------------------------------------------
 
@@ -165,9 +181,12 @@ class LLM:
                  ) -> list[RequestOutput]:
         started = time.perf_counter()
         spec = _spec(speculative) if speculative is not None else self.spec
-        prompts = _as_list(prompts)
+        prompts, batch = prompt_list(prompts)
         params_list = _params_list(params, len(prompts))
-        seqs = [self._sequence(p, sp, chat, spec) for p, sp in zip(prompts, params_list)]
+        named = batch and len(prompts) > 1  # errors and warnings give the prompt's index
+        seqs = [self._sequence(p, sp, chat, spec, i if named else None)
+                for i, (p, sp) in enumerate(zip(prompts, params_list))]
+        self._warn_capped(seqs, named)
         extra = spec.gamma + 1 if spec.speculative else 0  # drafts past the last kept token
         self.cache.check_fits([s.limit + extra for s in seqs])
         for s in seqs:
@@ -186,10 +205,11 @@ class LLM:
     def logits(self, token_ids: list[int], *, chunk: int | None = None) -> torch.Tensor:
         """Logits [n, V] (float32) of every prompt position, through the packed prefill path
         in forwards of `chunk` tokens (default: the engine's prefill chunk)."""
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                                  or chunk < 1):
+            raise ConfigError(f"chunk must be an integer >= 1, got {chunk!r}")
         seq = self._sequence(token_ids, SamplingParams(max_tokens=1), False, _spec(None))
         pages = self.cache.allocate(len(token_ids))
-        if chunk is not None and chunk < 1:
-            raise ConfigError(f"chunk must be >= 1, got {chunk}")
         try:
             table = torch.tensor([pages], dtype=torch.int32, device=self.device)
             sink = _PrefillSink(hidden=[])
@@ -205,8 +225,8 @@ class LLM:
                           chat: bool = False) -> torch.Tensor:
         """Logits [B, V] (float32) of the token after each prompt, through the prefill that
         `generate` runs (batched, chunked, with the prefix cache when it is on)."""
-        seqs = [self._sequence(p, SamplingParams(max_tokens=1), chat, _spec(None))
-                for p in _as_list(prompts)]
+        seqs = [self._sequence(p, SamplingParams(max_tokens=1), chat, _spec(None), i)
+                for i, p in enumerate(_as_list(prompts))]
         self.cache.check_fits([s.limit for s in seqs])
         for s in seqs:
             s.pages = self.cache.allocate(s.limit)
@@ -217,23 +237,37 @@ class LLM:
                 self.cache.release(s.pages)
 
     def _sequence(self, prompt: str | list[int], params: SamplingParams, chat: bool,
-                  spec: SpecConfig) -> Sequence:
+                  spec: SpecConfig, index: int | None = None) -> Sequence:
+        """index: the prompt's place in a batch, named by the errors."""
         ids = encode(self.tokenizer, prompt, chat) if isinstance(prompt, str) else list(prompt)
+        vocab, context = self.model_config.vocab_size, self.max_model_len
         if not ids:
-            raise ConfigError("empty prompt")
-        if min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
-            raise ConfigError(f"prompt token ids must lie in [0, {self.model_config.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise ConfigError(f"prompt has {len(ids)} tokens but the model's context is "
-                              f"{self.max_model_len}: nothing is left to generate")
-        limit = min(len(ids) + params.max_tokens, self.max_model_len)
+            raise PromptError("is empty (no tokens)", index)
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = [t for t in ids if not 0 <= t < vocab]
+            raise PromptError(f"holds token ids outside [0, {vocab}), e.g. {bad[0]}", index)
+        if len(ids) >= context:
+            raise PromptError(f"has {len(ids)} tokens but the model's context is {context}: "
+                              "nothing is left to generate", index)
+        limit = min(len(ids) + params.max_tokens, context)
         window = self.model_config.sliding_window
         extra = spec.gamma + 1 if spec.speculative else 0
         if window is not None and limit + extra > window:
-            raise ConfigError(f"sequences longer than the sliding window ({window} tokens) are "
-                              "not supported")
+            raise PromptError(f"would grow to {limit + extra} tokens, past the sliding window "
+                              f"({window} tokens); longer sequences are not supported", index)
         return Sequence(ids, params, limit, stats=SeqStats(gamma=spec.gamma
                                                            if spec.speculative else 0))
+
+    def _warn_capped(self, seqs: list[Sequence], named: bool) -> None:
+        """Say which prompts leave less room in the context than max_tokens asks for: they
+        stop there, with finish_reason "length". Warned once every prompt is accepted."""
+        for i, s in enumerate(seqs):
+            if len(s.prompt_ids) + s.params.max_tokens > s.limit:
+                room = s.limit - len(s.prompt_ids)
+                warnings.warn(LengthCapWarning(
+                    f"leaves room for {room} new tokens in the model's context of "
+                    f"{self.max_model_len}: max_tokens {s.params.max_tokens} is capped to {room}",
+                    i if named else None), stacklevel=3)
 
     # --- the loop -----------------------------------------------------------------------
 
@@ -291,9 +325,8 @@ class LLM:
         n = emitted.shape[1]
         cols = [accepted[:, None], emitted] + ([] if budget is None else [budget[:, None]])
         for seq, row in zip(batch.seqs, torch.cat(cols, 1).tolist()):
-            a = row[0]
-            if policy is not None:
-                seq.stats.record(a + 1, None if budget is None else row[1 + n])
+            a = row[0]  # vanilla: one token per step (a = 0)
+            seq.stats.record(a + 1, None if budget is None else row[1 + n])
             self._append(seq, row[1 : a + 2])
 
     def _select(self, batch: Batch, policy: Policy | None, gamma: int, timer: PhaseTimer,
@@ -720,28 +753,16 @@ class LLM:
                                      clean_up_tokenization_spaces=False)
 
 
+# Request checks live in vegas_spec.config (shared by every front end).
+
 def _spec(spec: SpecConfig | dict | None) -> SpecConfig:
-    if spec is None:
-        return SpecConfig(method="vanilla")
-    return spec if isinstance(spec, SpecConfig) else SpecConfig(**spec)
+    return spec_config(spec)
 
 
 def _as_list(prompts: Any) -> list:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
-        return [prompts]
-    if not isinstance(prompts, list) or not prompts:
-        raise ConfigError("prompts must be a string, a list of strings or of token-id lists")
-    return prompts
+    return prompt_list(prompts)[0]
 
 
 def _params_list(params: SamplingParams | list[SamplingParams] | None,
                  n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
-        return [params] * n
-    if len(params) != n:
-        raise ConfigError(f"{len(params)} sampling params for {n} prompts")
-    return list(params)
+    return sampling_list(params, n)

@@ -62,7 +62,8 @@ class SeqStats:
 
 
 def summarize(tpi: list[int], gamma: int, budget: list[int]) -> dict[str, Any]:
-    """tokens per iteration (mean, histogram), acceptance rate per draft position, budget."""
+    """tokens per iteration (mean, histogram), acceptance rate per draft position, budget;
+    plain decoding (gamma 0) only counts its iterations, one per decoded token."""
     if gamma == 0 or not tpi:
         return {"iterations": len(tpi)}
     n = len(tpi)
@@ -98,13 +99,16 @@ class RunStats:
         budget = [b for s in self.seqs for b in s.budget]
         phases = {k: round(v, 6) for k, v in self.timer.totals.items()}
         spec_total = sum(phases.get(k, 0.0) for k in SPEC_PHASES)
+        # The first token of each sequence comes from the prefill; the decode loop emits the
+        # rest. Fewer than two of those give no meaningful rate.
+        decoded = self.generated_tokens - len(self.seqs)
         out: dict[str, Any] = {
             "method": self.method, "gamma": self.gamma,
             "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
             "ttft_s": round(self.ttft, 6), "prefill_s": round(self.wall_prefill, 6),
             "decode_s": round(self.wall_decode, 6), "total_s": round(self.wall_total, 6),
-            "decode_tokens_per_s": self.generated_tokens / self.wall_decode
-            if self.wall_decode > 0 else None,
+            "decode_tokens_per_s": decoded / self.wall_decode
+            if decoded > 1 and self.wall_decode > 0 else None,
             "phase_s": phases,
         }
         if spec_total > 0:

@@ -19,13 +19,27 @@ def cache_dir() -> Path:
 
 
 def load_tokenizer(source: ModelSource):  # noqa: ANN201 - a transformers tokenizer
-    from transformers import AutoTokenizer
-
     if not source.is_gguf:
         names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
         if not any((source.path / n).exists() for n in names):
             raise ConfigError(f"{source.path} has no tokenizer files: pass prompts as token-id "
                               "lists, or add the tokenizer to the folder")
+    try:
+        return _load(source)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"cannot load the tokenizer of {source.path}: "
+                          f"{type(err).__name__}: {err}") from err
+    except Exception as err:
+        # the `tokenizers` library reports a malformed tokenizer.json as a bare Exception
+        if type(err) is not Exception:
+            raise
+        raise ConfigError(f"cannot load the tokenizer of {source.path}: {err}") from err
+
+
+def _load(source: ModelSource):  # noqa: ANN202
+    from transformers import AutoTokenizer
+
+    if not source.is_gguf:
         return AutoTokenizer.from_pretrained(str(source.path))
     st = source.path.stat()
     key = hashlib.sha1(f"{source.path.name}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()

@@ -52,6 +52,9 @@ def default_model_path() -> Path:
 
 
 def resolve(model: str | Path | None) -> ModelSource:
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise ConfigError(f"model must be a path (a folder or a .gguf file) or None, got "
+                          f"{type(model).__name__} {model!r}")
     path = Path(model) if model is not None else default_model_path()
     if not path.exists():
         raise ConfigError(f"model path {str(path)!r} does not exist")
@@ -118,11 +121,36 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], origin: st
 
 
 def load_config(source: ModelSource) -> ModelConfig:
+    """The model's config; ConfigError names the file when it is unreadable, malformed or
+    lacks a field."""
     if source.is_gguf:
-        return ModelConfig.from_hf(gguf_config(_gguf_reader(source.path)))
-    with open(source.path / "config.json") as f:
-        cfg = json.load(f)
-    return ModelConfig.from_hf({**cfg, **_generation_eos(source.path)})
+        origin = source.path
+        cfg = gguf_config(_gguf_reader(source.path))
+    else:
+        origin = source.path / "config.json"
+        cfg = _json_object(origin, ConfigError)
+        cfg = {**cfg, **_generation_eos(source.path)}
+    try:
+        return ModelConfig.from_hf(cfg)
+    except ConfigError as err:
+        raise ConfigError(f"{origin}: {err}") from None
+
+
+def _json_object(path: Path, error: type[ValueError]) -> dict:
+    """A JSON file holding an object, or `error` saying what is wrong with it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as err:
+        raise error(f"{path} is not valid JSON: {err.msg} at line {err.lineno} column "
+                    f"{err.colno}") from None
+    except UnicodeDecodeError:
+        raise error(f"{path} is not valid JSON: it is not UTF-8 text") from None
+    except OSError as err:
+        raise error(f"cannot read {path}: {err.strerror or err}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _generation_eos(folder: Path) -> dict:
@@ -131,8 +159,7 @@ def _generation_eos(folder: Path) -> dict:
     path = folder / "generation_config.json"
     if not path.exists():
         return {}
-    with open(path) as f:
-        eos = json.load(f).get("eos_token_id")
+    eos = _json_object(path, ConfigError).get("eos_token_id")
     return {} if eos is None else {"eos_token_id": eos}
 
 
@@ -157,12 +184,13 @@ def dummy_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
 
 
 def _safetensors_weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = _json_object(index, WeightError).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str)
+                                                       for v in weight_map.values()):
+            raise WeightError(f"{index} has no 'weight_map' of tensor names to file names")
+        files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
@@ -171,8 +199,20 @@ def _safetensors_weights(folder: Path) -> dict[str, torch.Tensor]:
     for name in files:
         if not (folder / name).exists():
             raise WeightError(f"{folder}: shard {name} named by the index is missing")
-        weights.update(load_file(str(folder / name)))
+        weights.update(_safetensors_file(folder / name))
     return weights
+
+
+def _safetensors_file(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except SafetensorError as err:
+        raise WeightError(f"{path} is not a readable safetensors file: {err}") from None
+    except OSError as err:
+        raise WeightError(f"cannot read {path}: {err.strerror or err}") from None
 
 
 # --- GGUF -------------------------------------------------------------------------------------
@@ -192,8 +232,21 @@ _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
 
 
 def _gguf_reader(path: Path):  # noqa: ANN202 - gguf.GGUFReader
-    st = path.stat()
-    return _cached_gguf_reader(str(path.resolve()), st.st_size, st.st_mtime_ns)
+    """The parsed file; ConfigError for a file that is not GGUF, truncated or corrupt."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        st = path.stat()
+    except OSError as err:
+        raise ConfigError(f"cannot read {path}: {err.strerror or err}") from None
+    if magic != b"GGUF":
+        raise ConfigError(f"{path} is not a GGUF file: it does not start with the bytes 'GGUF'")
+    try:
+        return _cached_gguf_reader(str(path.resolve()), st.st_size, st.st_mtime_ns)
+    except (ValueError, IndexError, KeyError, OverflowError, EOFError, OSError) as err:
+        # the reader indexes past the end of a truncated file, or reads garbage as sizes
+        raise ConfigError(f"{path} is a truncated or corrupt GGUF file ({st.st_size} bytes; "
+                          f"reading it failed with {type(err).__name__}: {err})") from None
 
 
 @functools.lru_cache(maxsize=1)
@@ -216,7 +269,8 @@ def gguf_config(reader) -> dict:  # noqa: ANN001
                           f"{', '.join(_GGUF_ARCH)}")
     a = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
     names = {t.name for t in reader.tensors}
-    vocab = a("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = a("vocab_size") or (len(tokens.data) if tokens is not None else None)
     heads = a("attention.head_count")
     cfg = {
         "architectures": [_GGUF_ARCH[arch]],
@@ -268,7 +322,11 @@ def _gguf_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, torch.Tens
     for t in reader.tensors:
         if t.name == ROPE_FREQS:
             continue  # read into the config's RoPE by gguf_config
-        w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        try:
+            w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except NotImplementedError:
+            raise WeightError(f"{source.path}: tensor {t.name} is stored as "
+                              f"{t.tensor_type.name}, which gguf cannot dequantise") from None
         name = _gguf_name(t.name)
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _unpermute(w, cfg.num_heads)
