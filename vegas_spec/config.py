@@ -344,8 +344,8 @@ class EngineConfig:
             raise ConfigError(f"page_size must be a power of two, got {self.page_size!r}")
         if self.prefill_chunk is not None and (not _is_int(self.prefill_chunk)
                                                or self.prefill_chunk < 1):
-            raise ConfigError("prefill_chunk must be an integer >= 1 (None: from the activation "
-                              f"budget), got {self.prefill_chunk!r}")
+            raise ConfigError(f"prefill_chunk must be an integer >= 1, got "
+                              f"{self.prefill_chunk!r} (None: sized by the activation budget)")
         if self.kv_cache_bytes is not None:
             if not _is_number(self.kv_cache_bytes) or self.kv_cache_bytes < 1:
                 raise ConfigError("kv_cache_bytes must be a positive number of bytes (None: "
