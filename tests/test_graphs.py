@@ -275,6 +275,13 @@ def test_static_iteration_reads_the_device_once(static: LLM, eager: LLM, prompts
     assert calls.count("read") == calls.count("it") >= 3
 
 
+def test_fixed_shape_prefill_rounds_as_the_dynamic_one(static: LLM, eager: LLM,
+                                                      prompts: list[list[int]]) -> None:
+    """Uncaptured, the prefill buffers have the chunk's exact sizes: the same products as the
+    dynamic path, so the same bits (static and eager runs then select alike)."""
+    assert torch.equal(static.next_token_logits(prompts), eager.next_token_logits(prompts))
+
+
 @pytest.mark.parametrize("method", [None, {"method": "vegas"}], ids=["vanilla", "vegas"])
 def test_prefill_chunks_read_nothing_back(static: LLM, eager: LLM, prompts: list[list[int]],
                                           method: dict[str, Any] | None,

@@ -8,14 +8,15 @@ flat buffers, copied to the device in two transfers, and the whole forward (ever
 logits of the prompts' last rows, their selection scores and queries) is one graph replay.
 
 A graph is fixed by (token bucket, piece bucket, score kind): tokens are padded to the next
-bucket of the 1, 1.5, 2, 3, 4, 6, ... x 512 ladder (x 16 when nothing is captured; padding
+bucket of the 1, 1.5, 2, 3, 4, 6, ... x 512 ladder (padding
 rows write only the scratch page and are in no query tile, so they cost only their share of the
 matrix products), pieces to the
 next power of two (padding pieces are empty, their tiles do nothing, their last rows read
 the scratch page). The key axis of the last rows' scores is the static page-table width, as
 in the decode graphs. On CPU, or with a backend that needs the host lengths of the pieces
-(the torch backend), the same buffers run eagerly, so both paths share every line of the
-buffer logic."""
+(the torch backend), the same buffers run eagerly at the chunk's exact sizes (`pad_to` None;
+a test sets it to run the padding on CPU), so both paths share every line of the buffer
+logic."""
 
 from __future__ import annotations
 
@@ -119,18 +120,25 @@ class PrefillGraphs:
         self.block_m = backend.prefill_block_rows(model.cfg.head_dim, self.device)
         # Graphs need a backend whose prefill reads only device buffers (the tile list).
         self.capture = capture and self.block_m is not None
-        # Graphs pad to coarse buckets (few captures); eager runs pad little.
-        self.smallest = 512 if self.capture else 16
+        # The smallest token bucket: graphs pad to coarse buckets (few captures). None: eager
+        # runs on buffers of the chunk's exact sizes, made per chunk, whose matrix products
+        # then have the shapes of the dynamic path's and round as they do.
+        self.pad_to: int | None = 512 if self.capture else None
         self.entries: dict[tuple[int, int, ScoreKind | None], _Entry] = {}
         self.pool: tuple[int, int] | None = None
 
     def run(self, chunk: Chunk, score: ScoreKind | None,
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         total = sum(end - start for _, start, end in chunk.pieces)
-        key = (token_bucket(total, self.smallest), piece_bucket(len(chunk.pieces)), score)
+        if self.pad_to is None:
+            key = (total, len(chunk.pieces), score)
+        else:
+            key = (token_bucket(total, self.pad_to), piece_bucket(len(chunk.pieces)), score)
         entry = self.entries.get(key)
         if entry is None:
-            entry = self.entries[key] = self._entry(*key)
+            entry = self._entry(*key)
+            if self.pad_to is not None:
+                self.entries[key] = entry
         lengths, starts = self._fill(entry.buf, chunk)
         if entry.graph is not None:
             entry.graph.replay()
