@@ -46,3 +46,14 @@ def test_method_sweep_pairs_prompts_and_checks_losslessness(tmp_path: Path) -> N
     assert list(rows) == ["vanilla", "vegas-acc"]  # an ablation swapped in for vegas
     assert len(rows["vegas-acc"]["per_prompt"]) == 2
     assert rows["vegas-acc"]["token_ids"] == rows["vanilla"]["token_ids"]
+
+
+def test_prefill_bench_profiles_a_prefill(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    out = tmp_path / "prefill.json"
+    run("prefill_bench.py", "--model", str(tmp_path), "--load-format", "dummy", "--device",
+        "cpu", "--dtype", "float32", "--sections", "profile", "--context", "40", "--batches",
+        "2", "--out", str(out))
+    (row,) = json.loads(out.read_text())["profile"]
+    assert row["batch"] == 2 and 0 < row["ttft_ms"] <= row["wall_ms"]
+    assert any("generate" in line for line in row["host_profile"])
