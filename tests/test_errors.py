@@ -154,16 +154,8 @@ def test_folder_that_is_not_a_model(tmp_path: Path) -> None:
 
 
 def test_gguf_of_unknown_architecture(tmp_path: Path) -> None:
-    import gguf
 
-    path = tmp_path / "gpt2.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt2")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = _gguf(tmp_path / "gpt2.gguf", "gpt2")
     with pytest.raises(ConfigError, match="unsupported GGUF architecture 'gpt2'; supported: llama"):
         LLM(str(path))
 
@@ -421,10 +413,11 @@ def test_triton_backend_is_refused_where_it_cannot_run(monkeypatch: pytest.Monke
 
 # --- bad model files: one ConfigError or WeightError naming the file --------------------------
 
-def _gguf(path: Path) -> Path:
+def _gguf(path: Path, architecture: str = "llama") -> Path:
+    """A one-block GGUF of `architecture` holding only a 64 x 64 embedding."""
     import gguf
 
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", torch.ones(64, 64).numpy())
     writer.write_header_to_file()
