@@ -154,7 +154,6 @@ def test_folder_that_is_not_a_model(tmp_path: Path) -> None:
 
 
 def test_gguf_of_unknown_architecture(tmp_path: Path) -> None:
-
     path = _gguf(tmp_path / "gpt2.gguf", "gpt2")
     with pytest.raises(ConfigError, match="unsupported GGUF architecture 'gpt2'; supported: llama"):
         LLM(str(path))
