@@ -335,5 +335,18 @@ def _fail(message: str) -> int:
     return EXIT_ERROR
 
 
+def console() -> None:
+    """The `vegas` command: main's exit code. After Ctrl-C the process ends at once
+    (`os._exit`, output flushed), so that nothing left in interpreter shutdown (threads or
+    exit hooks of the libraries that were interrupted) can turn status 130 into a death by
+    the signal."""
+    code = main()
+    if code == EXIT_INTERRUPTED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()
