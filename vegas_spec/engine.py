@@ -1,9 +1,13 @@
 """`LLM(model, **engine_kwargs).generate(prompts, SamplingParams(...))`.
 
-The engine owns the model, the paged KV cache and the attention backend. A request is
-prefilled alone (in chunks), then all requests decode together: one token per step for
-`vanilla`, or draft-verify-accept-select iterations for the speculative methods. Sequences
-keep their own lengths, budgets and stopping; finished ones leave the batch.
+The engine owns the model, the paged KV cache and the attention backend. All requests are
+prefilled together: their prompts packed end to end into forwards of up to `prefill_chunk`
+tokens (a prompt cut across forwards where it does not fit, the cached prefix of each
+restored first), each prompt's first selection scored in the forward that computes its last
+token, every chunk one graph replay under static shapes (`PrefillGraphs`). Then all requests
+decode together: one token per step for `vanilla`, or draft-verify-accept-select iterations
+for the speculative methods. Sequences keep their own lengths, budgets and stopping; finished
+ones leave the batch.
 
 With static shapes (always under CUDA graphs) the decode-loop forwards run through a
 `GraphRunner` on fixed-shape buffers, and nothing inside an iteration reads the device: the
