@@ -149,3 +149,28 @@ def test_fixed_shape_prefill_scores_and_tokens(tmp_path: Path) -> None:
         outs = static.generate(prompts, params,
                                speculative={"method": method, "gamma": 3, "min_tokens": 8})
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain], method
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "fixed-shape"])
+def test_mixed_prefix_hits_give_plain_tokens(static: bool, tmp_path: Path) -> None:
+    """One batch holding a whole prefix-cache hit, a prompt that extends a cached one and a
+    miss, decoded with vegas (whose first selection of the whole hit is scored from the kept
+    queries): the tokens of plain decoding without a cache."""
+    model = build_hf("qwen2")
+    folder = save(model, tmp_path)
+    a, b, c = (random_ids(n, seed=n + 7) for n in (50, 41, 33))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = [a, b + random_ids(12, seed=3), c]
+    plain = engine(folder).generate(prompts, params)
+    cached = engine(folder, prefix_cache_bytes=1 << 24, static_shapes=static, prefill_chunk=32)
+    cached.generate([a, b], params)
+    calls: list[tuple[int, ...]] = []
+    original, cached.model.forward = _count_forwards(cached, calls)
+    try:
+        outs = cached.generate(prompts, params, speculative={"method": "vegas", "gamma": 3,
+                                                             "min_tokens": 8})
+    finally:
+        cached.model.forward = original
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    if not static:  # 12 new tokens of b's extension and 33 of c, in chunks of 32
+        assert calls[:2] == [(1, 32), (1, 13)]
