@@ -92,6 +92,27 @@ class _PrefillSink:
     hidden: list[torch.Tensor] | None = None
     pages: list[list[int]] | None = None  # host pages of each batch row (prefill graphs)
 
+    def put(self, rows: list[int], batch_rows: torch.Tensor, logits: torch.Tensor,
+            scores: torch.Tensor | None, q_last: torch.Tensor | None) -> None:
+        """What the last rows of prompts `rows` (batch_rows: the same on the device) gave:
+        logits [S', V], scores [layers, S', R, G, W' >= W] (None: none asked) and queries
+        [layers, S', H, D] (kept as copies: the fixed-shape buffers are rewritten)."""
+        assert self.logits is not None
+        self.logits[batch_rows] = logits
+        if self.scores is not None and scores is not None:
+            self.scores.out[:, batch_rows] = scores[..., : self.scores.out.shape[-1]]
+        if self.q_last is not None and q_last is not None:
+            for j, row in enumerate(rows):
+                self.q_last[row] = q_last[:, j].clone()
+
+    def request_for(self, rows: int) -> ScoreRequest | None:
+        """A ScoreRequest like the batch's, for `rows` of its rows (None: no scores)."""
+        req = self.scores
+        if req is None:
+            return None
+        out = torch.empty(req.out.shape[0], rows, *req.out.shape[2:], device=req.out.device)
+        return ScoreRequest(req.rows, out, req.mode, req.per_kv_head)
+
 
 @dataclass
 class RequestOutput:
@@ -617,25 +638,19 @@ class LLM:
             sink.hidden.append(hidden)
         elif ends:
             assert plan.last is not None
-            self._collect_last(plan.last, scores, hidden, batch_rows,
-                               [pieces[j][0] for j in ends], sink)
+            sink.put([pieces[j][0] for j in ends], batch_rows,
+                     self.model.logits(hidden[plan.last.index]),
+                     None if scores is None else scores.out, plan.last.q_out)
 
     def _prefill_static(self, chunk: Chunk, sink: _PrefillSink) -> None:
         """The chunk on the prefill graphs' fixed-shape buffers (a replay on CUDA)."""
-        assert self.prefill_graphs is not None and sink.logits is not None
+        assert self.prefill_graphs is not None
         req = sink.scores
         kind = None if req is None else ScoreKind(req.mode, req.per_kv_head)
         logits, scores, q_out = self.prefill_graphs.run(chunk, kind)
-        if not chunk.ends:
-            return
-        rows = [chunk.pieces[j][0] for j in chunk.ends]
-        batch_rows = self._upload(rows)
-        sink.logits[batch_rows] = logits
-        if req is not None and scores is not None:
-            req.out[:, batch_rows] = scores[..., : req.out.shape[-1]]
-        if sink.q_last is not None:
-            for j, row in enumerate(rows):
-                sink.q_last[row] = q_out[:, j].clone()
+        if chunk.ends:
+            rows = [chunk.pieces[j][0] for j in chunk.ends]
+            sink.put(rows, self._upload(rows), logits, scores, q_out)
 
     def _last_rows(self, prompts: list[list[int]], rows: list[int], index: torch.Tensor,
                    batch_rows: torch.Tensor, page_table: torch.Tensor, slots: torch.Tensor,
@@ -649,20 +664,7 @@ class LLM:
             dtype=self.config.torch_dtype)
         last = LastRows(index, positions[index][:, None], slots[index][:, None],
                         page_table[batch_rows], max(len(prompts[r]) for r in rows), q_out)
-        req = sink.scores
-        if req is None:
-            return last, None
-        out = torch.empty(req.out.shape[0], len(rows), *req.out.shape[2:], device=self.device)
-        return last, ScoreRequest(req.rows, out, req.mode, req.per_kv_head)
-
-    def _collect_last(self, last: LastRows, scores: ScoreRequest | None, hidden: torch.Tensor,
-                      batch_rows: torch.Tensor, rows: list[int], sink: _PrefillSink) -> None:
-        sink.logits[batch_rows] = self.model.logits(hidden[last.index])
-        if scores is not None and sink.scores is not None:
-            sink.scores.out[:, batch_rows] = scores.out
-        if last.q_out is not None and sink.q_last is not None:
-            for j, row in enumerate(rows):
-                sink.q_last[row] = last.q_out[:, j]
+        return last, sink.request_for(len(rows))
 
     def _replay_last_rows(self, prompts: list[list[int]], whole: list[tuple[int, PrefixEntry]],
                           page_table: torch.Tensor, sink: _PrefillSink) -> None:
@@ -671,25 +673,19 @@ class LLM:
         they were prefilled)."""
         rows = [i for i, _ in whole]
         batch_rows = self._upload(rows)
-        sink.logits[batch_rows] = torch.stack([e.logits for _, e in whole])
-        if sink.q_last is not None:
-            for i, entry in whole:
-                sink.q_last[i] = entry.q_last
-        req = sink.scores
-        if req is None:
-            return
-        positions = self._upload([len(prompts[i]) - 1 for i in rows])[:, None]
-        table = page_table[batch_rows]
-        last = LastRows(torch.arange(len(rows), device=self.device), positions,
-                        slots_of(table, positions, self.config.page_size), table,
-                        max(len(prompts[i]) for i in rows))
-        out = torch.empty(req.out.shape[0], len(rows), *req.out.shape[2:], device=self.device)
-        scores = ScoreRequest(req.rows, out, req.mode, req.per_kv_head)
         q = torch.stack([e.q_last for _, e in whole], 1)  # [layers, S', H, D]
-        for layer, (k_cache, v_cache) in enumerate(self.cache.layers):
-            self.backend.last_row_scores(layer, q[layer], k_cache, v_cache, last, scores,
-                                         self.config.page_size)
-        req.out[:, batch_rows] = out
+        scores = sink.request_for(len(rows))
+        if scores is not None:
+            positions = self._upload([len(prompts[i]) - 1 for i in rows])[:, None]
+            table = page_table[batch_rows]
+            last = LastRows(torch.arange(len(rows), device=self.device), positions,
+                            slots_of(table, positions, self.config.page_size), table,
+                            max(len(prompts[i]) for i in rows))
+            for layer, (k_cache, v_cache) in enumerate(self.cache.layers):
+                self.backend.last_row_scores(layer, q[layer], k_cache, v_cache, last, scores,
+                                             self.config.page_size)
+        sink.put(rows, batch_rows, torch.stack([e.logits for _, e in whole]),
+                 None if scores is None else scores.out, q)
 
     def _prefix_slots(self, page_table: torch.Tensor, length: int) -> torch.Tensor:
         positions = torch.arange(length, device=self.device)[None]
