@@ -130,7 +130,7 @@ def _count(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
         return default
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise ConfigError(f"the model config's {key!r} must be a positive integer, got {value!r}")
     return value
 
@@ -209,7 +209,7 @@ def _ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
     ids = value if isinstance(value, (list, tuple)) else [value]
-    if not all(_is_int(v) for v in ids):
+    if not all(is_int(v) for v in ids):
         raise ConfigError(f"the model config's eos_token_id must be token ids, got {value!r}")
     return tuple(ids)
 
@@ -231,13 +231,13 @@ class SamplingParams:
             raise ConfigError(f"temperature must be a finite number, got {self.temperature!r}")
         if self.temperature < 0:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ConfigError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not _is_int(self.seed):
+        if self.seed is not None and not is_int(self.seed):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise ConfigError(f"seed must fit in 64 bits, got {self.seed}")
@@ -279,11 +279,11 @@ class SpecConfig:
         object.__setattr__(self, "collect", str(self.collect))
         if self.method not in METHODS:
             raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
-        if not _is_int(self.gamma) or not 1 <= self.gamma <= MAX_GAMMA:
+        if not is_int(self.gamma) or not 1 <= self.gamma <= MAX_GAMMA:
             raise ConfigError(f"gamma must be an integer in [1, {MAX_GAMMA}], got {self.gamma!r}")
         if not _is_number(self.ratio) or not 0.0 < self.ratio <= 1.0:
             raise ConfigError(f"ratio must be a number in (0, 1], got {self.ratio!r}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 1:
+        if not is_int(self.min_tokens) or self.min_tokens < 1:
             raise ConfigError(f"min_tokens must be an integer >= 1, got {self.min_tokens!r}")
         _choice("score", self.score, ("weight", "logit"))
         _choice("collect", self.collect, ("2", "all"))
@@ -291,7 +291,7 @@ class SpecConfig:
         for name in ("sink", "page", "chunk"):
             value = getattr(self, name)
             low = 0 if name == "sink" else 1
-            if not _is_int(value) or value < low:
+            if not is_int(value) or value < low:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
 
     @property
@@ -299,7 +299,8 @@ class SpecConfig:
         return self.method != "vanilla"
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -339,10 +340,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if not _is_int(self.page_size) or self.page_size < 1 \
+        if not is_int(self.page_size) or self.page_size < 1 \
                 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"page_size must be a power of two, got {self.page_size!r}")
-        if self.prefill_chunk is not None and (not _is_int(self.prefill_chunk)
+        if self.prefill_chunk is not None and (not is_int(self.prefill_chunk)
                                                or self.prefill_chunk < 1):
             raise ConfigError(f"prefill_chunk must be an integer >= 1, got "
                               f"{self.prefill_chunk!r} (None: sized by the activation budget)")
@@ -354,7 +355,7 @@ class EngineConfig:
         fraction = self.kv_cache_fraction
         if not _is_number(fraction) or not 0.0 < fraction <= 1.0:
             raise ConfigError(f"kv_cache_fraction must be in (0, 1], got {fraction!r}")
-        if not _is_int(self.prefix_cache_bytes) or self.prefix_cache_bytes < 0:
+        if not is_int(self.prefix_cache_bytes) or self.prefix_cache_bytes < 0:
             raise ConfigError("prefix_cache_bytes must be an integer >= 0 (0: no prefix cache), "
                               f"got {self.prefix_cache_bytes!r}")
         if self.load_format not in ("auto", "dummy"):
@@ -378,7 +379,7 @@ class EngineConfig:
         if self.cuda_graphs and dev.type != "cuda":
             raise ConfigError("cuda_graphs needs device cuda (static_shapes=True runs the same "
                               "fixed-shape buffers eagerly)")
-        if self.max_model_len is not None and not _is_int(self.max_model_len):
+        if self.max_model_len is not None and not is_int(self.max_model_len):
             raise ConfigError(f"max_model_len must be an integer, got {self.max_model_len!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -43,6 +43,7 @@ from vegas_spec.config import (
     SamplingParams,
     SpecConfig,
     engine_config,
+    is_int,
     prompt_list,
     sampling_list,
     spec_config,
@@ -230,8 +231,7 @@ class LLM:
     def logits(self, token_ids: list[int], *, chunk: int | None = None) -> torch.Tensor:
         """Logits [n, V] (float32) of every prompt position, through the packed prefill path
         in forwards of `chunk` tokens (default: the engine's prefill chunk)."""
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
-                                  or chunk < 1):
+        if chunk is not None and (not is_int(chunk) or chunk < 1):
             raise ConfigError(f"chunk must be an integer >= 1, got {chunk!r}")
         seq = self._sequence(token_ids, SamplingParams(max_tokens=1), False, _spec(None))
         pages = self.cache.allocate(len(token_ids))

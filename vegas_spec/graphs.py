@@ -23,7 +23,9 @@ each after a warm-up run, on dummy buffers that only touch the scratch page."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,6 +37,22 @@ from vegas_spec.spec.acceptance import accept_greedy
 from vegas_spec.spec.policies import Policy, QuestState, SelectionInput
 
 KINDS = ("plain", "draft", "verify", "spec")
+
+
+def capture(body: Callable[[], Any], pool: tuple[int, int] | None,
+            ) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """A CUDA graph of body() -> (the graph, body's outputs, rewritten by every replay). A
+    warm-up run on a side stream first, so that Triton compiles and the allocator settles
+    outside the capture; pool: the memory pool to share (None: the graph's own)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = body()
+    return graph, out
 
 
 def bucket_for(rows: int) -> int:
@@ -315,15 +333,7 @@ class GraphRunner:
                     self.graphs[(kind, bucket)] = self._capture(kind, bucket)
 
     def _capture(self, kind: str, bucket: int) -> _Graph:
-        # Warm-up on a side stream: Triton compiles and the allocator settles outside capture.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._body(kind, bucket)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._body(kind, bucket)
+        graph, out = capture(lambda: self._body(kind, bucket), self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         return _Graph(graph, out)

@@ -27,6 +27,7 @@ import torch
 
 from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import LastRows, PrefillPlan, ScoreRequest, StepContext
+from vegas_spec.graphs import capture
 from vegas_spec.models.decoder import Decoder
 
 
@@ -228,16 +229,8 @@ class PrefillGraphs:
         buf.logits.copy_(self.model.logits(hidden[buf.last_index]))
 
     def _capture(self, buf: PrefillBuffers) -> torch.cuda.CUDAGraph:
-        """Warm-up on a side stream (Triton compiles, the allocator settles), then capture,
-        on the all-padding buffers; every capture shares one memory pool."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._body(buf, (), ())
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._body(buf, (), ())
+        """On the all-padding buffers; every capture shares one memory pool."""
+        graph, _ = capture(lambda: self._body(buf, (), ()), self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         return graph
