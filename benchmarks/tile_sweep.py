@@ -24,20 +24,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vegas_spec.kernels.paged_attention as pa  # noqa: E402
+from vegas_spec.graphs import capture  # noqa: E402
 from vegas_spec.kernels.split_merge import tile_config  # noqa: E402
 
 
 def graph_us(fn: Callable[[], object], calls: int = 30, reps: int = 20) -> float:
     """Median µs per call of `calls` calls captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    graph, _ = capture(lambda: [fn() for _ in range(calls)], None)
     graph.replay()
     times = []
     for _ in range(reps):
