@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from vegas_spec import LLM, SpecConfig
+from vegas_spec import LLM, SamplingParams, SpecConfig
 from vegas_spec.graphs import GraphRunner
 from vegas_spec.spec.policies import SelectionInput, make_policy
 
@@ -121,6 +121,16 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
             profiles["plain"] = kernel_table(step)
         llm.graphs = None
 
+        # The same verify step without scores (stream's runner: no score request).
+        stream = dataclasses.replace(spec, method="stream")
+        unscored = llm._graph_runner(stream, make_policy(stream), bsz)
+        unscored.set_batch(table)
+        out["verify_noscores_ms"] = median_ms(
+            lambda: unscored.run("verify", tokens, positions), args.reps)
+        llm.graphs = None
+        out["quest_draft_ms"] = quest_draft_ms(llm, spec, bsz, table, lengths, tokens,
+                                               positions, context, args.reps)
+
         policy = make_policy(spec)
         runner = llm._graph_runner(spec, policy, bsz)
         runner.set_batch(table)
@@ -181,12 +191,54 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         out["round_over_steps"] = out["round_unplanned_ms"] / (
             gamma * out["draft_ms"] + out["verify_ms"])
         out["ideal_speedup_at_7_tokens_round"] = (gamma + 1) * out["plain_ms"] / out["round_ms"]
+        out["verify_over_plain"] = out["verify_ms"] / out["plain_ms"]
+        out["verify_noscores_over_plain"] = out["verify_noscores_ms"] / out["plain_ms"]
+        out["quest_draft_over_draft"] = out["quest_draft_ms"] / out["draft_ms"]
         if profiles:
             out["profiles"] = profiles
         return out
     finally:
         for p in pages:
             llm.cache.release(p)
+
+
+def project(row: dict, gamma: int, tau: float) -> None:
+    """The speedup a round of τ tokens gives over plain steps, from the captured round graph
+    plus the host work between rounds; beside it the byte-ideal one (every step at its floor)."""
+    row["tokens_per_iteration"] = tau
+    row["projected_speedup"] = tau * row["plain_ms"] / (row["round_ms"] + row["host_gap_ms"])
+    row["byte_ideal_speedup"] = tau * row["floor_plain_ms"] / (
+        gamma * row["floor_draft_ms"] + row["floor_verify_ms"])
+
+
+def quest_draft_ms(llm: LLM, spec: SpecConfig, bsz: int, table: torch.Tensor,
+                   lengths: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                   context: int, reps: int) -> float:
+    """quest's draft step (page scoring and top-k inside every layer) at the same budget."""
+    quest = dataclasses.replace(spec, method="quest")
+    policy = make_policy(quest)
+    runner = llm._graph_runner(quest, policy, bsz)
+    runner.set_batch(table)
+    inp = SelectionInput(None, lengths, torch.zeros_like(lengths), lengths + 1, spec.gamma,
+                         llm.cache.layers, table, llm.config.page_size, max_len=context + 1)
+    runner.set_plan(policy.plan(runner.bound(inp)))
+    ms = median_ms(lambda: runner.run("draft", tokens[:, :1], positions[:, :1]), reps)
+    llm.graphs = None
+    return ms
+
+
+def host_gap_ms(llm: LLM, spec: SpecConfig, bsz: int, new_tokens: int = 64) -> float:
+    """Wall time per iteration of the engine's own greedy decode loop (short prompts, every
+    sequence decoding `new_tokens`) that is not the round graph's GPU time: the host work
+    between rounds (reading the accepted counts, bookkeeping, the next replay's copies)."""
+    prompts = [[(i * 7919 + j) % 1000 + 10 for j in range(256)] for i in range(bsz)]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, params, speculative=spec)  # captures this bucket's graphs
+    stats = llm.generate(prompts, params, speculative=spec)[0].stats
+    llm.graphs = None
+    iterations = max(stats["iterations"], 1)
+    gpu = sum(stats["phase_s"].get(k, 0.0) for k in ("speculate", "select"))
+    return 1e3 * (stats["decode_s"] - gpu) / iterations
 
 
 def kv_bytes_per_token(folder: Path, itemsize: int) -> int:
@@ -206,6 +258,8 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.05)
     ap.add_argument("--min-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--tokens-per-iteration", type=float, default=6.3,
+                    help="τ of the projected speedup (measured on the real model)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -226,6 +280,8 @@ def main() -> None:
             v.normal_()
         for bsz in args.batches:
             row = measure(llm, spec, context, bsz, args, bandwidth)
+            row["host_gap_ms"] = host_gap_ms(llm, spec, bsz)
+            project(row, spec.gamma, args.tokens_per_iteration)
             rows.append(row)
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
                               for k, v in row.items() if k != "profiles"}), flush=True)

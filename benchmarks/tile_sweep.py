@@ -1,11 +1,11 @@
 """Tile and split settings of the paged attention kernel at one verify/decode shape (CUDA).
 
 Times `paged_attention` for n = 7 query rows with and without selection scores (weight mode,
-rows 0 and 6) and for n = 1, over key blocks of 64 and 128, 2-4 pipeline stages and a few
-split sizes, on random bf16 K/V behind a shuffled page table. Each figure is the median per
-call of 20 replays of a CUDA graph of 30 calls (the kernel count of one step of a 30-layer
-model), with the registers, spills and shared memory of the kernel variants each setting
-compiled. What it decided: `paged_attention.SCORE_BLOCK_K`.
+rows 0 and 6) and for n = 1, over key blocks of 64 and 128, 2-3 pipeline stages, 4 or 8
+warps and two split sizes, on random bf16 K/V behind a shuffled page table. Each figure is
+the median per call of 20 replays of a CUDA graph of 30 calls (the kernel count of one step
+of a 30-layer model), with the registers, spills and shared memory of the kernel variants
+each setting compiled. What it decided: `paged_attention.SCORE_BLOCK_K`.
 
     python benchmarks/tile_sweep.py --out tile_sweep.json
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import sys
 import time
@@ -60,10 +61,11 @@ def paged_cache(bsz: int, hkv: int, dim: int, context: int, page: int = 16,
     return table, k, torch.randn_like(k), kv_len
 
 
-def with_stages(stages: int) -> None:
-    """Make the kernel wrapper build its tiles with `stages` pipeline stages."""
+def with_tiles(stages: int, warps: int) -> None:
+    """Make the kernel wrapper build its tiles with `stages` pipeline stages and `warps`
+    warps per program."""
     pa.tile_config = lambda q, hkv, block_k=None: dataclasses.replace(  # type: ignore[assignment]
-        tile_config(q, hkv, block_k), num_stages=stages)
+        tile_config(q, hkv, block_k), num_stages=stages, num_warps=warps)
 
 
 def main() -> None:
@@ -89,26 +91,24 @@ def main() -> None:
         scores = torch.empty(bsz, 2, 1, kv_len, device=dev)
         out = torch.empty_like(q)
         for mode in modes:
-            for block_k in (64, 128):
-                for stages in (2, 3, 4):
-                    for split in (None, 2048, 1024) if n > 1 else (None, 2048):
-                        extra = (score_rows, scores, "weight") if mode == "weight" else ()
-                        before = compiled()
-                        with_stages(stages)
-                        us = graph_us(lambda: pa.paged_attention(  # noqa: B023
-                            q, k, v, table, pos, page, kv_len, scale, *extra,  # noqa: B023
-                            block_k=block_k, split_size=split, out=out))  # noqa: B023
-                        pa.tile_config = tile_config
-                        row = {"n": n, "mode": mode, "block_k": block_k, "stages": stages,
-                               "split": split, "us": us}
-                        new = [kern for i, kern in compiled().items() if i not in before]
-                        if new:  # the variants this setting compiled: registers per thread
-                            row["compiled"] = [{"registers": kern.n_regs,
-                                                "spills": kern.n_spills,
-                                                "shared_bytes": kern.metadata.shared}
-                                               for kern in new]
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
+            for block_k, stages, warps, split in itertools.product(
+                    (64, 128), (2, 3), (4, 8), (None, 2048)):
+                extra = (score_rows, scores, "weight") if mode == "weight" else ()
+                before = compiled()
+                with_tiles(stages, warps)
+                us = graph_us(lambda: pa.paged_attention(  # noqa: B023
+                    q, k, v, table, pos, page, kv_len, scale, *extra,  # noqa: B023
+                    block_k=block_k, split_size=split, out=out))  # noqa: B023
+                pa.tile_config = tile_config
+                row = {"n": n, "mode": mode, "block_k": block_k, "stages": stages,
+                       "warps": warps, "split": split, "us": us}
+                new = [kern for i, kern in compiled().items() if i not in before]
+                if new:  # the variants this setting compiled: registers per thread
+                    row["compiled"] = [{"registers": kern.n_regs, "spills": kern.n_spills,
+                                        "shared_bytes": kern.metadata.shared}
+                                       for kern in new]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
             "args": {k: str(v) for k, v in vars(args).items()}}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
