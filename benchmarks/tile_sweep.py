@@ -1,11 +1,11 @@
 """Tile and split settings of the paged attention kernel at one verify/decode shape (CUDA).
 
 Times `paged_attention` for n = 7 query rows with and without selection scores (weight mode,
-rows 0 and 6) and for n = 1, over key blocks of 64 and 128, 2-3 pipeline stages, 4 or 8
-warps and two split sizes, on random bf16 K/V behind a shuffled page table. Each figure is
-the median per call of 20 replays of a CUDA graph of 30 calls (the kernel count of one step
-of a 30-layer model), with the registers, spills and shared memory of the kernel variants
-each setting compiled. What it decided: `paged_attention.SCORE_BLOCK_K`.
+rows 0 and 6) and for n = 1, over key blocks of 64 and 128, 2-3 pipeline stages, 4 warps
+(or `--warps`) and two split sizes, on random bf16 K/V behind a shuffled page table. Each
+figure is the median per call of 20 replays of a CUDA graph of 30 calls (the kernel count of
+one step of a 30-layer model), with the registers, spills and shared memory of the kernel
+variants each setting compiled. What it decided: the `SCORE_*` tiles of `paged_attention`.
 
     python benchmarks/tile_sweep.py --out tile_sweep.json
 """
@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vegas_spec.kernels.paged_attention as pa  # noqa: E402
 from vegas_spec.graphs import capture  # noqa: E402
 from vegas_spec.kernels.split_merge import tile_config  # noqa: E402
+
+SCORE_STAGES = pa.SCORE_STAGES
 
 
 def graph_us(fn: Callable[[], object], calls: int = 30, reps: int = 20) -> float:
@@ -66,6 +68,7 @@ def with_tiles(stages: int, warps: int) -> None:
     warps per program."""
     pa.tile_config = lambda q, hkv, block_k=None: dataclasses.replace(  # type: ignore[assignment]
         tile_config(q, hkv, block_k), num_stages=stages, num_warps=warps)
+    pa.SCORE_STAGES = stages
 
 
 def main() -> None:
@@ -75,6 +78,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--warps", type=int, nargs="+", default=[4])
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     assert torch.cuda.is_available(), "tile_sweep times CUDA kernels"
@@ -92,14 +96,14 @@ def main() -> None:
         out = torch.empty_like(q)
         for mode in modes:
             for block_k, stages, warps, split in itertools.product(
-                    (64, 128), (2, 3), (4, 8), (None, 2048)):
+                    (64, 128), (2, 3), args.warps, (None, 2048)):
                 extra = (score_rows, scores, "weight") if mode == "weight" else ()
                 before = compiled()
                 with_tiles(stages, warps)
                 us = graph_us(lambda: pa.paged_attention(  # noqa: B023
                     q, k, v, table, pos, page, kv_len, scale, *extra,  # noqa: B023
                     block_k=block_k, split_size=split, out=out))  # noqa: B023
-                pa.tile_config = tile_config
+                pa.tile_config, pa.SCORE_STAGES = tile_config, SCORE_STAGES
                 row = {"n": n, "mode": mode, "block_k": block_k, "stages": stages,
                        "warps": warps, "split": split, "us": us}
                 new = [kern for i, kern in compiled().items() if i not in before]

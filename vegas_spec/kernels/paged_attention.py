@@ -34,6 +34,7 @@ weight-mode cost; the float32 logits keep this kernel exact against the referenc
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -53,12 +54,16 @@ from vegas_spec.kernels.split_merge import (
 )
 
 MODES = {"weight": 1, "logit": 2}
-# Key block of a score-emitting pass on a GPU. The score tile and its stores raise the
-# register count of the 128-key loop to the 255 limit (2 programs per SM); 64-key blocks need
-# 128 and run the verify step of SmolLM2 at batch 64 x 7.5K in 171-180 instead of 218 µs per
-# layer on an H200 (it reads the keys in the same order, so results are unchanged up to the
-# float summation order of the online softmax).
-SCORE_BLOCK_K = 64
+# Tiles of a score-emitting pass on a GPU: 128-key blocks, 3 pipeline stages and splits of at
+# most 2048 keys. The score tile and its stores take the 128-key loop to 253-255 registers,
+# two programs per SM; many short splits keep the SMs fed all the same. On an H200
+# (benchmarks/tile_sweep.py, n = 7, weight scores of 2 rows): Llama-3.1-8B shape at 16 x 32K
+# 693 against 1003 µs per layer with 64-key blocks, 2 stages and the occupancy-based split;
+# SmolLM2 at 64 x 7.5K 176 against 180 µs. The keys are read in the same order either way,
+# so results change only by the float summation order of the online softmax.
+SCORE_BLOCK_K = 128
+SCORE_STAGES = 3
+SCORE_SPLIT_MAX = 2048
 
 
 @triton.jit
@@ -267,11 +272,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _check(q, k_cache, v_cache, page_table, positions, kv_len)
     bsz, n, heads, dim = q.shape
     hkv = k_cache.shape[1]
-    if block_k is None and q.is_cuda and score_rows is not None and score_rows.numel():
-        block_k = SCORE_BLOCK_K
-    cfg = tile_config(q, hkv, block_k)
+    scored_gpu = q.is_cuda and score_rows is not None and score_rows.numel() > 0
+    cfg = tile_config(q, hkv, block_k or (SCORE_BLOCK_K if scored_gpu else None))
+    if scored_gpu:
+        cfg = dataclasses.replace(cfg, num_stages=SCORE_STAGES)
     row_blocks = triton.cdiv(n, cfg.block_n)
     size = split_size_for(kv_len, bsz * hkv * row_blocks, cfg.block_k, q.device, split_size)
+    if scored_gpu and split_size is None:
+        size = min(size, max(SCORE_SPLIT_MAX // cfg.block_k, 1) * cfg.block_k)
     splits = triton.cdiv(kv_len, size)
     job = _score_job(score_rows, score_out, score_mode, q, hkv, kv_len)
     out = output_buffer(q, out)
