@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import essays
+from common import TEXTS
 
 from vegas_spec import LLM, SamplingParams, SpecConfig
 
@@ -26,11 +26,11 @@ METHODS = ["vanilla", "vegas", "stream", "quest", "lastq", "specextend"]
 
 
 def make_prompts(tokenizer, texts: list[str], tokens: int, count: int) -> list[list[int]]:  # noqa: ANN001
-    """`count` distinct windows of `tokens` tokens, evenly spread over all essays (~200K
-    tokens): neighbouring prompts overlap when count * tokens exceeds the text."""
+    """`count` distinct windows of `tokens` tokens, evenly spread over all texts (the essays:
+    ~200K tokens): neighbouring prompts overlap when count * tokens exceeds the text."""
     ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"]
     stride = (len(ids) - tokens) // max(count - 1, 1)
-    assert stride > 0, "not enough essay text for prompts this long"
+    assert stride > 0, "not enough text for prompts this long"
     return [ids[i * stride : i * stride + tokens] for i in range(count)]
 
 
@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--sweep-gammas", type=int, nargs="*", default=[],
                     help="also run vegas at every (gamma, ratio) of these lists")
     ap.add_argument("--sweep-ratios", type=float, nargs="*", default=[])
+    ap.add_argument("--text", choices=sorted(TEXTS), default="essays",
+                    help="prompt source: essays (prose) or code (the Python standard library)")
     ap.add_argument("--hf", action="store_true", help="also time transformers generate")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--out", type=Path, required=True)
@@ -101,7 +103,7 @@ def main() -> None:
     kw = {} if not args.eager else {"cuda_graphs": False}
     llm = LLM(args.model, device="cuda", dtype="bfloat16", kv_cache_fraction=0.5,
               prefix_cache_bytes=24 << 30, **kw)
-    texts = essays()
+    texts = TEXTS[args.text]()
     hf = None
     if args.hf:
         from transformers import AutoModelForCausalLM

@@ -124,7 +124,7 @@ class StaticBuffers:
                                   shapes.pages * page_size if shapes.score_rows else 0,
                                   dtype=torch.float32, device=device)
         self.quest = QuestState.empty(layers, capacity, shapes.quest_pages, *kv_cache.shape[1:],
-                                      device) if shapes.quest_pages else None
+                                      device, kv_cache.dtype) if shapes.quest_pages else None
         self.last = torch.zeros(capacity, **i64)
         self.lengths = torch.zeros(capacity, **i64)
         self.reset()

@@ -48,7 +48,7 @@ class AttentionBackend(ABC):
             return self.full(layer, q, k_cache, v_cache, ctx)
         plan = ctx.sparse
         if plan.selector is not None:
-            indices = plan.selector(layer, q, ctx)
+            indices = plan.selector(layer, q, ctx, self)
         else:
             assert plan.indices is not None
             indices = plan.indices[layer]
@@ -113,6 +113,16 @@ class AttentionBackend(ABC):
     @abstractmethod
     def sparse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                indices: torch.Tensor, ctx: StepContext) -> torch.Tensor: ...
+
+    @abstractmethod
+    def quest_page_scores(self, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                          pages: torch.Tensor) -> torch.Tensor:
+        """quest's scores of every page for a draft row: q [B, 1, H, D], lo/hi [B, NP, Hkv,
+        D] the pages' min and max keys, pages [B] ranked pages -> [B, Hkv, NP] float32
+        (-inf past pages[b])."""
+
+    # The backend's own top-k (the contract of spec.policies.topk_positions), or None.
+    topk: Callable[..., torch.Tensor] | None = None
 
 
 BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}

@@ -6,7 +6,7 @@ The model has one forward; prefill, plain decode, draft and verify differ only i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -14,8 +14,11 @@ import torch
 class DynamicSelector(Protocol):
     """Chooses draft KV positions inside the attention layer from the current query (quest)."""
 
-    def __call__(self, layer: int, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """q: [B, n, H, D] -> positions [B, G, K] (int64, -1 = unused)."""
+    def __call__(self, layer: int, q: torch.Tensor, ctx: StepContext,
+                 backend: Any = None) -> torch.Tensor:
+        """q: [B, n, H, D] -> positions [B, G, K] (int64, -1 = unused). `backend`, the
+        attention backend calling it (None: the plain-PyTorch references), may run the
+        scoring and the top-k as its own kernels."""
         ...
 
 

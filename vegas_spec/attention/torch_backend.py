@@ -16,6 +16,23 @@ def slots_of(page_table: torch.Tensor, pos: torch.Tensor, page_size: int) -> tor
     return (pages * page_size + flat % page_size).reshape(pos.shape)
 
 
+def quest_page_scores_ref(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                          pages: torch.Tensor) -> torch.Tensor:
+    """quest's page scores: q [B, 1, H, D], lo/hi [B, NP, Hkv, D] page bounds, pages [B]
+    -> [B, Hkv, NP] float32, sum over the kv head's query heads of sum_d max(q_d lo_d,
+    q_d hi_d), -inf for pages >= pages[b]."""
+    bsz, _, heads, dim = q.shape
+    hkv = lo.shape[2]
+    qg = q[:, 0].float().view(bsz, hkv, heads // hkv, dim)
+    # max(q_d lo_d, q_d hi_d) is q_d hi_d where q_d >= 0 and q_d lo_d elsewhere (lo <= hi),
+    # so the sum over d and the group's heads is two batched products, no [.., NP, D] temp
+    up, down = qg.clamp(min=0).sum(2), qg.clamp(max=0).sum(2)  # [B, Hkv, D]
+    scores = (torch.einsum("bhd,bphd->bhp", up, hi.float())
+              + torch.einsum("bhd,bphd->bhp", down, lo.float()))
+    visible = torch.arange(lo.shape[1], device=q.device) < pages[:, None, None]
+    return scores.masked_fill(~visible, float("-inf"))
+
+
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
     """k, v [B, n, Hkv, D] -> cache rows slot_mapping [B, n]."""
@@ -147,6 +164,10 @@ def write_scores(req: ScoreRequest, layer: int, scores: torch.Tensor) -> None:
 
 @register_backend("torch")
 class TorchBackend(AttentionBackend):
+    def quest_page_scores(self, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                          pages: torch.Tensor) -> torch.Tensor:
+        return quest_page_scores_ref(q, lo, hi, pages)
+
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         store_kv_ref(k, v, k_cache, v_cache, slot_mapping)

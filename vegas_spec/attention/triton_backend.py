@@ -16,6 +16,7 @@ from vegas_spec.kernels.prefill_attention import (
     prefill_tiles,
     tile_list,
 )
+from vegas_spec.kernels.quest_scores import quest_page_scores
 from vegas_spec.kernels.rms_norm import rms_norm
 from vegas_spec.kernels.rope_store import rope_store
 from vegas_spec.kernels.silu_mul import silu_mul
@@ -27,7 +28,11 @@ from vegas_spec.kernels.topk import topk_positions_triton
 @register_backend("triton")
 class TritonBackend(AttentionBackend):
     # Drop-in for vegas_spec.spec.policies.topk_positions on the backend's device.
-    topk_positions = staticmethod(topk_positions_triton)
+    topk = staticmethod(topk_positions_triton)
+
+    def quest_page_scores(self, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                          pages: torch.Tensor) -> torch.Tensor:
+        return quest_page_scores(q, lo, hi, pages)
 
     def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,

@@ -9,9 +9,10 @@
   rms_norm          RMSNorm, fused with the residual add before it
   silu_mul          SiLU(gate) * up of the fused gate/up projection
   topk              top-k positions per (layer, sequence, group) by radix select (selection)
+  quest_scores      quest's page scores for a draft row, from the pages' min/max keys
 
 Every kernel has a plain-PyTorch reference that is its test oracle:
-`vegas_spec.attention.torch_backend` (attention, KV store), `vegas_spec.models.decoder`
+`vegas_spec.attention.torch_backend` (attention, KV store, quest's page scores), `vegas_spec.models.decoder`
 (`rms_norm`, `add_rms_norm`, `silu_mul`), `vegas_spec.models.rope.apply_rope` and
 `vegas_spec.spec.policies.topk_positions`. On a machine without CUDA the kernels run on CPU
 tensors under Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is first

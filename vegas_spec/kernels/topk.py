@@ -82,16 +82,20 @@ def _topk_kernel(scores_ptr, rankable_ptr, k_ptr, out_ptr, B, G, width, out_widt
 
 
 def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
-                          ) -> torch.Tensor:
+                          kmax: int | None = None) -> torch.Tensor:
     """scores [..., B, G, W] float32 -> the k[b] best positions < rankable[b], ascending, -1
-    padded: [..., B, G, max(k)] int64 (at least width 1, at most W). rankable [B], k [B].
+    padded: [..., B, G, max(k)] int64 (at least width 1, at most W), or [..., min(kmax, W)]
+    given kmax, a host bound on k (no host sync: capturable). rankable [B], k [B].
     k[b] is capped at rankable[b]; scores must not be NaN."""
     assert scores.dim() >= 3 and scores.dtype == torch.float32
     bsz, groups, width = scores.shape[-3:]
     assert rankable.shape == (bsz,) and k.shape == (bsz,)
     assert not rankable.is_floating_point() and not k.is_floating_point()
     assert scores.device == rankable.device == k.device
-    out_width = min(max(int(k.max()), 1), width)  # a host sync, as in the reference
+    if kmax is None:
+        out_width = min(max(int(k.max()), 1), width)  # a host sync, as in the reference
+    else:
+        out_width = min(kmax, width)
     flat = scores.reshape(-1, width).contiguous()
     out = torch.empty(flat.shape[0], out_width, dtype=torch.int64, device=scores.device)
     if flat.shape[0] == 0:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from vegas_spec.attention.context import SparsePlan, StepContext
-from vegas_spec.attention.torch_backend import slots_of
+from vegas_spec.attention.torch_backend import quest_page_scores_ref, slots_of
 from vegas_spec.config import SpecConfig
 
 
@@ -49,9 +50,10 @@ class SelectionInput:
 @dataclass
 class QuestState:
     """Fixed-shape home of quest's selection for captured draft steps: per layer the page
-    bounds lo, hi [layers, C, NP, Hkv, D] float32 and per sequence rankable, n_pages [C]
-    int64, for C >= B rows and NP pages (the static key width over the quest page). A plan
-    fills rows [:B]; the captured draft graph's selector reads them."""
+    bounds lo, hi [layers, C, NP, Hkv, D] in the cache's dtype (min and max of stored keys
+    are themselves stored values, so nothing is rounded) and per sequence rankable, n_pages
+    [C] int64, for C >= B rows and NP pages (the static key width over the quest page). A
+    plan fills rows [:B]; the captured draft graph's selector reads them."""
 
     lo: torch.Tensor
     hi: torch.Tensor
@@ -60,10 +62,10 @@ class QuestState:
 
     @classmethod
     def empty(cls, layers: int, rows: int, pages: int, hkv: int, dim: int,
-              device: torch.device) -> QuestState:
-        f32, i64 = dict(dtype=torch.float32, device=device), dict(dtype=torch.long, device=device)
+              device: torch.device, dtype: torch.dtype = torch.float32) -> QuestState:
+        keys, i64 = dict(dtype=dtype, device=device), dict(dtype=torch.long, device=device)
         shape = (layers, rows, pages, hkv, dim)
-        return cls(torch.zeros(shape, **f32), torch.zeros(shape, **f32),
+        return cls(torch.zeros(shape, **keys), torch.zeros(shape, **keys),
                    torch.zeros(rows, **i64), torch.zeros(rows, **i64))
 
     def selector(self, rows: int, page: int, max_pages: int) -> QuestSelector:
@@ -338,9 +340,9 @@ class Quest(Policy):
 
 def page_bounds(inp: SelectionInput, rankable: torch.Tensor, page: int,
                 n_pages: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (min, max) keys of every page of rankable positions: [B, NP, Hkv, D]
-    (NP = n_pages, or enough pages for the longest sequence; pages past a sequence's rankable
-    positions hold +inf / -inf)."""
+    """Per layer (min, max) keys of every page of rankable positions: [B, NP, Hkv, D] in the
+    cache's dtype (NP = n_pages, or enough pages for the longest sequence; pages past a
+    sequence's rankable positions hold +inf / -inf)."""
     if n_pages is None:
         longest = int(rankable.max()) if inp.max_len is None else inp.max_len
         n_pages = max(math.ceil(longest / page), 1)
@@ -352,7 +354,7 @@ def page_bounds(inp: SelectionInput, rankable: torch.Tensor, page: int,
     slots = slots_of(inp.page_table, pos.clamp(max=top), inp.page_size)
     bounds = []
     for k_cache, _ in inp.kv_caches:
-        keys = k_cache[slots].float()  # [B, NP*page, Hkv, D]
+        keys = k_cache[slots]  # [B, NP*page, Hkv, D], min and max exact in the cache dtype
         lo = keys.masked_fill(~valid, float("inf")).unflatten(1, (n_pages, page)).amin(2)
         hi = keys.masked_fill(~valid, float("-inf")).unflatten(1, (n_pages, page)).amax(2)
         bounds.append((lo, hi))
@@ -368,19 +370,18 @@ class QuestSelector:
         self.n_pages = n_pages
         self.max_pages = max_pages  # host bound on n_pages (None: read it, a host sync)
 
-    def __call__(self, layer: int, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """q [B, 1, H, D] -> positions [B, Hkv, K]."""
+    def __call__(self, layer: int, q: torch.Tensor, ctx: StepContext,
+                 backend: Any = None) -> torch.Tensor:
+        """q [B, 1, H, D] -> positions [B, Hkv, K]. With a backend, its page-score kernel
+        and top-k (if it has one) replace the references."""
         lo, hi = self.bounds[layer]
-        bsz, _, heads, dim = q.shape
-        hkv = lo.shape[2]
-        qg = q[:, 0].float().view(bsz, hkv, heads // hkv, dim)
-        # max(q_d lo_d, q_d hi_d) is q_d hi_d where q_d >= 0 and q_d lo_d elsewhere (lo <= hi),
-        # so the sum over d and the group's heads is two batched products, no [.., NP, D] temp
-        up, down = qg.clamp(min=0).sum(2), qg.clamp(max=0).sum(2)  # [B, Hkv, D]
-        page_scores = (torch.einsum("bhd,bphd->bhp", up, hi)
-                       + torch.einsum("bhd,bphd->bhp", down, lo))  # [B, Hkv, NP]
         pages = torch.ceil(self.rankable / self.page).long()
-        best = topk_positions(page_scores, pages, self.n_pages, self.max_pages)  # [B, Hkv, n]
+        if backend is None:
+            page_scores = quest_page_scores_ref(q, lo, hi, pages)  # [B, Hkv, NP]
+        else:
+            page_scores = backend.quest_page_scores(q, lo, hi, pages)
+        top = topk_positions if backend is None or backend.topk is None else backend.topk
+        best = top(page_scores, pages, self.n_pages, self.max_pages)  # [B, Hkv, n]
         pos = best[..., None] * self.page + torch.arange(self.page, device=q.device)
         keep = (best[..., None] >= 0) & (pos < self.rankable[:, None, None, None])
         return torch.where(keep, pos, -1).flatten(2)

@@ -1,0 +1,68 @@
+"""quest's page scores for one draft step, fused: the query's sign split, the product with
+the page bounds and the sum over the kv head's query heads in one pass over the bounds.
+
+Oracle: `vegas_spec.attention.torch_backend.quest_page_scores_ref`.
+
+Quest scores a page by sum_d max(q_d lo_d, q_d hi_d), summed over the query heads of a kv
+head. Since lo <= hi, max(q_d lo_d, q_d hi_d) is q_d hi_d where q_d >= 0 and q_d lo_d
+elsewhere, so the score is up . hi + down . lo with up = sum over the group of max(q, 0)
+and down = sum of min(q, 0): two dot products per page, the bounds read once.
+
+Layout of the work: one program per (sequence, kv head, block of BLOCK_P pages). Bytes per
+draft step and layer: the bounds, 2 · B · NP · Hkv · D · itemsize (an eighth of the keys'
+bytes for 16-token pages), and 4 · B · Hkv · NP of scores; the query is negligible."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _quest_kernel(q_ptr, lo_ptr, hi_ptr, pages_ptr, out_ptr, Hkv, NP,
+                  stride_qb, stride_qh, stride_lb, stride_lp, stride_lh, stride_ob, stride_oh,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr,
+                  BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    b = tl.program_id(0) // Hkv
+    kvh = tl.program_id(0) % Hkv
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :],
+                mask=(g < GROUP)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    up = tl.sum(tl.maximum(q, 0.0), axis=0)  # [D]
+    down = tl.sum(tl.minimum(q, 0.0), axis=0)
+    p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    ok = p < tl.load(pages_ptr + b)
+    off = b.to(tl.int64) * stride_lb + p[:, None] * stride_lp + kvh * stride_lh + d[None, :]
+    mask = ok[:, None] & d_ok[None, :]
+    hi = tl.load(hi_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    lo = tl.load(lo_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    score = tl.sum(hi * up[None, :] + lo * down[None, :], axis=1)
+    tl.store(out_ptr + b * stride_ob + kvh * stride_oh + p, tl.where(ok, score, float("-inf")),
+             mask=p < NP)
+
+
+def quest_page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                      pages: torch.Tensor) -> torch.Tensor:
+    """q [B, 1, H, D] (one draft row, RoPE applied); lo, hi [B, NP, Hkv, D] the elementwise
+    min and max key of every page; pages [B]: pages of rankable positions. Returns page
+    scores [B, Hkv, NP] float32, -inf for pages >= pages[b]."""
+    assert q.dim() == 4 and q.shape[1] == 1 and q.stride(-1) == 1
+    assert lo.shape == hi.shape and lo.dim() == 4 and lo.stride() == hi.stride()
+    assert lo.stride(-1) == 1 and lo.shape[0] == q.shape[0] and lo.shape[3] == q.shape[3]
+    assert q.shape[2] % lo.shape[2] == 0 and pages.shape == (q.shape[0],)
+    assert q.device == lo.device == hi.device == pages.device
+    bsz, _, heads, dim = q.shape
+    num_pages, hkv = lo.shape[1], lo.shape[2]
+    group = heads // hkv
+    out = torch.empty(bsz, hkv, num_pages, dtype=torch.float32, device=q.device)
+    block_p = 64 if q.is_cuda else 16
+    _quest_kernel[(bsz * hkv, triton.cdiv(num_pages, block_p))](
+        q, lo, hi, pages, out, hkv, num_pages,
+        q.stride(0), q.stride(2), lo.stride(0), lo.stride(1), lo.stride(2),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_P=block_p,
+        BLOCK_D=max(triton.next_power_of_2(dim), 16), HEAD_DIM=dim, num_warps=4)
+    return out
