@@ -16,7 +16,11 @@ one graph (also timed without the selection: the difference is the selection's c
 the graph, `select_in_round_ms`). Floors:
 bytes the step must read (weights once, K and V of every position it attends to) over the
 measured copy bandwidth.
-`--profile` adds a per-kernel table (torch.profiler) of one replay of each step.
+`--profile` adds a per-kernel table (torch.profiler) of one replay of each step;
+`--projections` the weight-streaming rate of every projection at the plain and the verify
+step's row counts. Also reported: the verify step without scores (stream's), quest's draft
+step, the host work between rounds of the engine's own loop and the projected speedup
+τ · plain / (round + host work) for `--tokens-per-iteration` τ, beside the byte-ideal one.
 """
 
 from __future__ import annotations
@@ -202,6 +206,27 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
             llm.cache.release(p)
 
 
+def projection_bandwidth(llm: LLM, rows: int, bandwidth: float, reps: int) -> dict:
+    """Each projection (and the LM head) at M = rows: µs per call and the weight bytes it
+    streams per second as a fraction of the copy bandwidth. Every call of the timed graph
+    uses the next layer's weight, so that no weight is read from L2."""
+    from vegas_spec.graphs import capture
+
+    model, out = llm.model, {}
+    names = ("qkv", "o_proj", "gate_up", "down")
+    groups = {n: [getattr(layer, n) for layer in model.layers] for n in names}
+    groups["lm_head"] = [model.lm_head]
+    for name, mods in groups.items():
+        x = torch.randn(rows, mods[0].in_features, device=llm.device,
+                        dtype=mods[0].weight.dtype)
+        graph, _ = capture(lambda mods=mods, x=x: [m(x) for m in mods], None)
+        ms = median_ms(graph.replay, reps) / len(mods)
+        weight = mods[0].weight
+        per_s = weight.numel() * weight.element_size() / (ms / 1e3)
+        out[name] = {"us": 1e3 * ms, "fraction_of_copy": per_s / bandwidth}
+    return out
+
+
 def project(row: dict, gamma: int, tau: float) -> None:
     """The speedup a round of τ tokens gives over plain steps, from the captured round graph
     plus the host work between rounds; beside it the byte-ideal one (every step at its floor)."""
@@ -261,6 +286,8 @@ def main() -> None:
     ap.add_argument("--tokens-per-iteration", type=float, default=6.3,
                     help="τ of the projected speedup (measured on the real model)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--projections", action="store_true",
+                    help="also time each projection at M = batch and batch x (γ + 1) rows")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -281,6 +308,9 @@ def main() -> None:
         for bsz in args.batches:
             row = measure(llm, spec, context, bsz, args, bandwidth)
             row["host_gap_ms"] = host_gap_ms(llm, spec, bsz)
+            if args.projections and cuda:
+                row["projections"] = {m: projection_bandwidth(llm, m, bandwidth, args.reps)
+                                      for m in (bsz, bsz * (spec.gamma + 1))}
             project(row, spec.gamma, args.tokens_per_iteration)
             rows.append(row)
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v)

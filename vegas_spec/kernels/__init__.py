@@ -10,11 +10,13 @@
   silu_mul          SiLU(gate) * up of the fused gate/up projection
   topk              top-k positions per (layer, sequence, group) by radix select (selection)
   quest_scores      quest's page scores for a draft row, from the pages' min/max keys
+  exact_matmul      a projection whose rows do not depend on the number of rows (exact mode)
 
 Every kernel has a plain-PyTorch reference that is its test oracle:
-`vegas_spec.attention.torch_backend` (attention, KV store, quest's page scores), `vegas_spec.models.decoder`
-(`rms_norm`, `add_rms_norm`, `silu_mul`), `vegas_spec.models.rope.apply_rope` and
-`vegas_spec.spec.policies.topk_positions`. On a machine without CUDA the kernels run on CPU
+`vegas_spec.attention.torch_backend` (attention, KV store, quest's page scores),
+`vegas_spec.models.decoder` (`rms_norm`, `add_rms_norm`, `silu_mul`),
+`vegas_spec.models.rope.apply_rope`, `vegas_spec.spec.policies.topk_positions` and
+`torch.nn.functional.linear` (exact_matmul). On a machine without CUDA the kernels run on CPU
 tensors under Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is first
 imported), patched below where it departs from compiled Triton."""
 

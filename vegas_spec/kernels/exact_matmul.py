@@ -1,0 +1,85 @@
+"""A projection whose every output row is computed the same way whatever the number of rows:
+y = x W^T (+ b) with one tile shape for every M and no split of the reduction.
+
+Oracle: `torch.nn.functional.linear` (to rounding; the point of the kernel is not to match
+it bit for bit but to match itself across row counts).
+
+cuBLAS picks its algorithm, tile and split-K from the shape, so a row's sum over the hidden
+size runs in a different order in a 1-row decode step, a 7-row verify step and a 448-row
+batch, and the bf16 results can differ in the last bit. Here every program owns BLOCK_M rows
+x BLOCK_N columns and walks the reduction in BLOCK_K steps from 0 to K, accumulating in
+float32 on the tensor cores with the same instruction shape for every M (padding rows are
+zeros that no one reads), so a row's bits depend on that row and the weights only.
+
+Bytes: the weights are read once per BLOCK_M rows, as a cuBLAS GEMM would at M <= BLOCK_M;
+past that the tile reuses them from L2."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class MatmulTiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def exact_tiles(gpu: bool) -> MatmulTiles:
+    """One configuration for every shape (the invariance needs it); small under the
+    interpreter, whose cost is per program step."""
+    return MatmulTiles(64, 128, 64, 4, 3) if gpu else MatmulTiles(16, 32, 32, 1, 1)
+
+
+@triton.jit
+def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < M, rn < N
+    x_row = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    w_row = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        k_ok = k < K
+        x = tl.load(x_row + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 tiles: MatmulTiles | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, each row the same
+    bits whatever the number of rows."""
+    assert weight.dim() == 2 and x.shape[-1] == weight.shape[1]
+    assert weight.stride(-1) == 1 and x.dtype == weight.dtype and x.device == weight.device
+    assert bias is None or (bias.shape == (weight.shape[0],) and bias.is_contiguous())
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m, k = rows.shape
+    n = weight.shape[0]
+    cfg = tiles or exact_tiles(x.is_cuda)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        _matmul_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))](
+            rows, weight, weight if bias is None else bias, out, m, n, k, rows.stride(0),
+            weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out.view(*x.shape[:-1], n)
