@@ -24,7 +24,7 @@ from vegas_spec.config import ConfigError, EngineConfig
 from vegas_spec.engine import LLM, Batch
 from vegas_spec.graphs import GraphRunner, bucket_for, buckets_upto
 from vegas_spec.sampling import BatchSampling
-from vegas_spec.spec.policies import QuestState, SelectionInput, make_policy, max_budget
+from vegas_spec.speculative.policies import QuestState, SelectionInput, make_policy, max_budget
 
 VOCAB = 256
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 64,

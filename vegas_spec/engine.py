@@ -33,8 +33,7 @@ from vegas_spec.attention.context import (
     SparsePlan,
     StepContext,
 )
-from vegas_spec.attention.torch_backend import slots_of
-from vegas_spec.cache import PagedKVCache, available_bytes, check_memory
+from vegas_spec.cache import PagedKVCache, available_bytes, check_memory, slots_of
 from vegas_spec.config import (
     MAX_GAMMA,
     ConfigError,
@@ -54,8 +53,8 @@ from vegas_spec.models.loader import dummy_weights, load_config, load_weights, r
 from vegas_spec.prefill_graphs import Chunk, PrefillGraphs, ScoreKind
 from vegas_spec.prefix_cache import PrefixCache, PrefixEntry
 from vegas_spec.sampling import BatchSampling, next_tokens, probs, sample
-from vegas_spec.spec.acceptance import accept_greedy, accept_sampling
-from vegas_spec.spec.policies import Policy, SelectionInput, make_policy, max_budget
+from vegas_spec.speculative.acceptance import accept_greedy, accept_sampling
+from vegas_spec.speculative.policies import Policy, SelectionInput, make_policy, max_budget
 from vegas_spec.stats import PhaseTimer, RunStats, SeqStats
 from vegas_spec.tokenizer import encode, load_tokenizer
 

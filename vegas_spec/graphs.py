@@ -31,12 +31,10 @@ import torch
 
 from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import ScoreRequest, SparsePlan, StepContext
-from vegas_spec.attention.torch_backend import slots_of
+from vegas_spec.cache import slots_of
 from vegas_spec.models.decoder import Decoder
-from vegas_spec.spec.acceptance import accept_greedy
-from vegas_spec.spec.policies import Policy, QuestState, SelectionInput
-
-KINDS = ("plain", "draft", "verify", "spec")
+from vegas_spec.speculative.acceptance import accept_greedy
+from vegas_spec.speculative.policies import Policy, QuestState, SelectionInput
 
 
 def capture(body: Callable[[], Any], pool: tuple[int, int] | None,
@@ -68,7 +66,7 @@ def buckets_upto(capacity: int) -> list[int]:
 class StaticShapes:
     """Everything that fixes the shapes of the decode-loop forwards of one method.
 
-    kinds:        the steps to capture, a subset of KINDS.
+    kinds:        the steps to capture: some of plain, draft, verify and spec.
     verify_rows:  γ+1 (0 for plain decoding).
     pages:        page-table width P; kv_len_max = P * page_size.
     kmax:         host bound on every selection budget.

@@ -42,11 +42,20 @@ class BatchSampling:
             filters=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
         )
 
-    def select(self, keep: torch.Tensor) -> BatchSampling:
-        """Rows of the sequences still running (keep: [B'] indices)."""
-        idx = keep.tolist()
-        return BatchSampling(self.temperature[keep], self.top_k[keep], self.top_p[keep],
-                             [self.generators[i] for i in idx], self.all_greedy, self.filters)
+    def rows(self, keep: list[int], idx: torch.Tensor) -> BatchSampling:
+        """The rows `keep` (idx: the same indices on the device, so nothing is read back)."""
+        temp = self.temperature[idx]
+        return BatchSampling(temp, self.top_k[idx], self.top_p[idx],
+                             [self.generators[i] for i in keep], self.all_greedy, self.filters)
+
+    def cat(self, other: BatchSampling) -> BatchSampling:
+        """These rows followed by `other`'s."""
+        return BatchSampling(torch.cat([self.temperature, other.temperature]),
+                             torch.cat([self.top_k, other.top_k]),
+                             torch.cat([self.top_p, other.top_p]),
+                             self.generators + other.generators,
+                             self.all_greedy and other.all_greedy,
+                             self.filters or other.filters)
 
 
 def probs(logits: torch.Tensor, s: BatchSampling) -> torch.Tensor:

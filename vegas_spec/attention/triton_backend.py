@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vegas_spec.attention.backend import AttentionBackend, register_backend
+from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import StepContext
 from vegas_spec.kernels.paged_attention import paged_attention
 from vegas_spec.kernels.prefill_attention import (
@@ -21,13 +21,10 @@ from vegas_spec.kernels.rope_store import rope_store
 from vegas_spec.kernels.silu_mul import silu_mul
 from vegas_spec.kernels.sparse_attention import sparse_attention
 from vegas_spec.kernels.store_kv import store_kv
-from vegas_spec.kernels.topk import topk_positions_triton
 
 
-@register_backend("triton")
 class TritonBackend(AttentionBackend):
-    # Drop-in for vegas_spec.spec.policies.topk_positions on the backend's device.
-    topk_positions = staticmethod(topk_positions_triton)
+    name = "triton"
 
     def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,

@@ -11,9 +11,9 @@
   topk              top-k positions per (layer, sequence, group) by radix select (selection)
 
 Every kernel has a plain-PyTorch reference that is its test oracle:
-`vegas_spec.attention.torch_backend` (attention, KV store), `vegas_spec.models.decoder`
-(`rms_norm`, `add_rms_norm`, `silu_mul`), `vegas_spec.models.rope.apply_rope` and
-`vegas_spec.spec.policies.topk_positions`. On a machine without CUDA the kernels run on CPU
+`vegas_spec.attention.torch_backend` (attention, KV store), `vegas_spec.ops`
+(`rms_norm`, `add_rms_norm`, `silu_mul`, `apply_rope`) and
+`vegas_spec.speculative.policies.topk_positions`. On a machine without CUDA the kernels run on CPU
 tensors under Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is first
 imported), patched below where it departs from compiled Triton."""
 

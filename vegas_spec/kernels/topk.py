@@ -1,6 +1,6 @@
 """Top-k positions per (layer, sequence, group) by radix select: the selection step of vegas.
 
-Oracle: `vegas_spec.spec.policies.topk_positions` (same signature and output: the k[b] best
+Oracle: `vegas_spec.speculative.policies.topk_positions` (same signature and output: the k[b] best
 positions < rankable[b] in ascending order, -1 padding, width max(k)).
 
 One program per score row of W floats. Each float maps to a 32-bit key whose unsigned order

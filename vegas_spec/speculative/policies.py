@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from vegas_spec.attention.context import SparsePlan, StepContext
-from vegas_spec.attention.torch_backend import slots_of
+from vegas_spec.cache import slots_of
 from vegas_spec.config import SpecConfig
 
 
