@@ -66,6 +66,12 @@ class QuestState:
         return cls(torch.zeros(shape, **f32), torch.zeros(shape, **f32),
                    torch.zeros(rows, **i64), torch.zeros(rows, **i64))
 
+    def from_row(self, start: int) -> QuestState:
+        """The same state from row `start` on (views: a plan for rows that joined there
+        writes into this state's rows)."""
+        return QuestState(self.lo[:, start:], self.hi[:, start:], self.rankable[start:],
+                          self.n_pages[start:])
+
     def selector(self, rows: int, page: int, max_pages: int) -> QuestSelector:
         """The selector of the first `rows` rows, reading this state."""
         bounds = [(self.lo[i, :rows], self.hi[i, :rows]) for i in range(self.lo.shape[0])]
