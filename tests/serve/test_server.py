@@ -243,7 +243,8 @@ def test_a_full_queue_answers_429() -> None:
                 "ignore_eos": True, "stream": True}
         pool = cf.ThreadPoolExecutor(1)
         with httpx.stream("POST", url, json=long, timeout=300) as first:
-            next(first.iter_lines())  # it holds the only row
+            lines = first.iter_lines()  # kept: a dropped iterator closes the connection
+            assert next(lines).startswith("data: ")  # it holds the only row
             queued = pool.submit(httpx.post, url, json={**long, "stream": False,
                                                         "max_tokens": 3}, timeout=300)
             for _ in range(400):

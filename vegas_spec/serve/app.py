@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -74,15 +74,8 @@ def build_app(server: Server) -> FastAPI:
     app = FastAPI(title="vegas-spec", lifespan=lifespan)
     app.state.server = server
     _errors(app)
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next: Callable) -> Response:
-        if request.url.path.startswith("/v1"):
-            try:
-                server.check_key(request)
-            except APIError as e:
-                return _error(e)
-        return await call_next(request)
+    # The key guards /v1 only: /health and /metrics stay open to probes and scrapers.
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(server.check_key)])
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -92,12 +85,12 @@ def build_app(server: Server) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": server.model_name, "object": "model",
                                             "created": 0, "owned_by": "vegas-spec"}]}
 
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         body.check_supported()
@@ -106,7 +99,7 @@ def build_app(server: Server) -> FastAPI:
         build = lambda e: e.sequence(prompt, params)  # noqa: E731
         return await _serve(server, request, build, body.stream, False)
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
         server.check_model(body.model)
         body.check_supported()
@@ -115,6 +108,7 @@ def build_app(server: Server) -> FastAPI:
         build = lambda e: e.sequence(encode_chat(e.tokenizer, messages), params)  # noqa: E731
         return await _serve(server, request, build, body.stream, True)
 
+    app.include_router(v1)
     return app
 
 
