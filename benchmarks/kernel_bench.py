@@ -70,7 +70,7 @@ from vegas_spec.kernels.sparse_attention import sparse_attention  # noqa: E402
 from vegas_spec.kernels.split_merge import split_size_for, tile_config  # noqa: E402
 from vegas_spec.kernels.store_kv import store_kv  # noqa: E402
 from vegas_spec.kernels.topk import topk_positions_triton  # noqa: E402
-from vegas_spec.spec.policies import topk_positions  # noqa: E402
+from vegas_spec.speculative.policies import topk_positions  # noqa: E402
 
 GiB = 1 << 30
 PAGE = 16

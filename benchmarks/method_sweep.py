@@ -30,8 +30,8 @@ import torch
 from common import essays
 
 from vegas_spec import LLM, SamplingParams, SpecConfig
-from vegas_spec.spec import policies
-from vegas_spec.spec.policies import SelectionInput, Vegas, _row, topk_positions
+from vegas_spec.speculative import policies
+from vegas_spec.speculative.policies import SelectionInput, Vegas, _row, topk_positions
 
 VARIANTS = ["vanilla", "vegas", "vegas:collect=all", "vegas:score=logit",
             "vegas:granularity=kv_head", "vegas-acc", "vegas-x0", "lastq", "stream", "quest",

@@ -36,7 +36,7 @@ import torch
 
 from vegas_spec import LLM, SamplingParams, SpecConfig
 from vegas_spec.graphs import GraphRunner
-from vegas_spec.spec.policies import SelectionInput, make_policy
+from vegas_spec.speculative.policies import SelectionInput, make_policy
 
 
 def copy_bandwidth() -> float:

@@ -172,5 +172,6 @@ def test_mixed_prefix_hits_give_plain_tokens(static: bool, tmp_path: Path) -> No
     finally:
         cached.model.forward = original
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    if not static:  # 12 new tokens of b's extension and 33 of c, in chunks of 32
-        assert calls[:2] == [(1, 32), (1, 13)]
+    if not static:  # 12 new tokens of b's extension and 33 of c, in chunks of 32 (the
+        # rows that completed decode between them: forwards of at most γ + 1 = 4 tokens)
+        assert [c for c in calls if c[1] > 4][:2] == [(1, 32), (1, 13)]

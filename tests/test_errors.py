@@ -194,10 +194,18 @@ def test_batch_over_the_kv_budget(tiny: Path) -> None:
     assert llm.cache.num_pages == 16 and llm.cache.bytes_per_page == 2048
     ok = llm.generate([[5] * 20], SamplingParams(max_tokens=8))  # fits alone
     assert len(ok[0].token_ids) == 8
-    with pytest.raises(OutOfMemoryError, match=r"batch needs \d+ KV pages \(\d+\.\d KiB\) but only "
-                                               r"16 are free \(32\.0 KiB of a 32\.0 KiB pool\)"):
-        llm.generate([[5] * 20] * 4, SamplingParams(max_tokens=20))
-    assert sorted(llm.cache.free_pages) == list(range(16))
+    # 4 sequences of 40 tokens (5 pages each) do not fit together: they queue for pages
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    queued = llm.generate([[5] * 20, [6] * 20, [7] * 20, [8] * 20], params)
+    alone = [llm.generate([[t] * 20], params)[0].token_ids for t in (5, 6, 7, 8)]
+    assert [o.token_ids for o in queued] == alone
+    assert sorted(llm.cache.free_pages) == list(range(16)) and not llm.engine.seqs
+    small = LLM(str(tiny), kv_cache_bytes=8 << 10, page_size=8)  # 4 pages: 32 tokens
+    with pytest.raises(OutOfMemoryError, match=r"a sequence of 40 tokens needs 5 KV pages "
+                                               r"\(10\.0 KiB\) but the pool holds 4 "
+                                               r"\(8\.0 KiB\)"):
+        small.generate([[5] * 4, [5] * 20], [params, SamplingParams(max_tokens=20)])
+    assert sorted(small.cache.free_pages) == list(range(4)) and not small.engine.seqs
 
 
 def test_kv_budget_below_one_page(tiny: Path) -> None:
@@ -595,9 +603,9 @@ def test_kv_budget_beyond_the_machine_is_refused_before_loading(tmp_path: Path) 
 def test_default_cpu_budget_fits_the_available_memory(tiny: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     import vegas_spec.cache
-    import vegas_spec.engine
+    import vegas_spec.model_runner
 
-    for module in (vegas_spec.cache, vegas_spec.engine):
+    for module in (vegas_spec.cache, vegas_spec.model_runner):
         monkeypatch.setattr(module, "available_bytes", lambda device: 64 << 10)
     llm = LLM(str(tiny), page_size=8)  # half of the 64 KiB: 16 pages of 2 KiB
     assert llm.cache.num_pages == 16

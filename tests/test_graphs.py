@@ -21,10 +21,11 @@ from conftest import SPEC_VARIANTS
 from vegas_spec import SamplingParams, SpecConfig
 from vegas_spec.cli import _engine_kwargs, _parser
 from vegas_spec.config import ConfigError, EngineConfig
-from vegas_spec.engine import LLM, Batch
+from vegas_spec.engine import LLM
 from vegas_spec.graphs import GraphRunner, bucket_for, buckets_upto
+from vegas_spec.model_runner import Batch
 from vegas_spec.sampling import BatchSampling
-from vegas_spec.spec.policies import QuestState, SelectionInput, make_policy, max_budget
+from vegas_spec.speculative.policies import QuestState, SelectionInput, make_policy, max_budget
 
 VOCAB = 256
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 64,
@@ -68,19 +69,24 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
 
 
+STEPS: list[str] = []  # the kind of every static step of the running test
+
+
 @pytest.fixture
 def buckets(monkeypatch: pytest.MonkeyPatch) -> set[tuple[int, int]]:
-    """(bucket, rows) of every static step run during the test."""
+    """(bucket, rows) of every static step run during the test (their kinds in STEPS)."""
     seen: set[tuple[int, int]] = set()
+    STEPS.clear()
 
-    def recording(run: Callable) -> Callable:
+    def recording(run: Callable, kind: str | None) -> Callable:
         def record(self: GraphRunner, *args: Any) -> Any:
             seen.add((self.bucket, self.rows))
+            STEPS.append(kind or args[0])
             return run(self, *args)
         return record
 
-    monkeypatch.setattr(GraphRunner, "run", recording(GraphRunner.run))
-    monkeypatch.setattr(GraphRunner, "run_spec", recording(GraphRunner.run_spec))
+    monkeypatch.setattr(GraphRunner, "run", recording(GraphRunner.run, None))
+    monkeypatch.setattr(GraphRunner, "run_spec", recording(GraphRunner.run_spec, "spec"))
     return seen
 
 
@@ -107,8 +113,14 @@ def test_static_greedy_equals_eager(eager: LLM, static: LLM, prompts: list[list[
     assert [len(t) for t in tokens] == [16] * 3
     assert static.graphs is not None and static.graphs.capacity == 4
     assert (4, 3) in buckets
-    # greedy rounds run as one `spec` step: drafts, verify and acceptance together
-    assert static.graphs.shapes.kinds == (("plain",) if method is None else ("spec",))
+    # greedy rounds run as one `spec` step: drafts, verify and acceptance together; the
+    # sampled rounds' steps are there too (one engine serves both)
+    if method is None:
+        assert static.graphs.shapes.kinds == ("plain",) and set(STEPS) == {"plain"}
+    else:
+        draft = "plain" if method["method"] == "full" else "draft"
+        assert static.graphs.shapes.kinds == ("spec", "verify", draft)
+        assert set(STEPS) == {"spec"}
 
 
 @pytest.mark.parametrize("method", METHODS, ids=IDS)
@@ -124,11 +136,11 @@ def test_static_uneven_finish_equals_eager(eager: LLM, static: LLM, prompts: lis
 
 @pytest.mark.parametrize("method", ["vegas", "quest"])
 def test_static_seeded_sampling_equals_eager(eager: LLM, static: LLM, prompts: list[list[int]],
-                                             method: str) -> None:
+                                             method: str, buckets: set[tuple[int, int]]) -> None:
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=n, seed=i,
                              ignore_eos=True) for i, n in enumerate((14, 6, 10))]
     same_tokens(eager, static, prompts, params, {"method": method})
-    assert static.graphs is not None and static.graphs.shapes.kinds == ("verify", "draft")
+    assert static.graphs is not None and "spec" not in STEPS and "verify" in STEPS
 
 
 def test_runner_is_reused_then_rebuilt_for_a_larger_batch(tiny: Path, eager: LLM,
@@ -265,11 +277,13 @@ def test_static_iteration_reads_the_device_once(static: LLM, eager: LLM, prompts
                                                     speculative=spec_of(method))]
     guard = SyncGuard(monkeypatch)
     calls: list[str] = []
-    commit = guard.wrap(static._commit, armed=False)
-    iteration = guard.wrap(static._iteration, armed=True)
-    monkeypatch.setattr(static, "_commit", lambda *a: calls.append("read") or commit(*a))
-    monkeypatch.setattr(static, "_iteration", lambda *a: calls.append("it") or iteration(*a))
-    monkeypatch.setattr(static, "_select", guard.wrap(static._select, armed=True))
+    commit = guard.wrap(static.runner._commit, armed=False)
+    iteration = guard.wrap(static.runner._iteration, armed=True)
+    monkeypatch.setattr(static.runner, "_commit", lambda *a: calls.append("read") or commit(*a))
+    monkeypatch.setattr(static.runner, "_iteration",
+                        lambda *a: calls.append("it") or iteration(*a))
+    for name in ("select", "join"):  # the selections after an iteration and after prefill
+        monkeypatch.setattr(static.runner, name, guard.wrap(getattr(static.runner, name), True))
     outs = static.generate(prompts, params, speculative=spec_of(method))
     assert [o.token_ids for o in outs] == expected
     assert calls.count("read") == calls.count("it") >= 3
@@ -293,8 +307,9 @@ def test_prefill_chunks_read_nothing_back(static: LLM, eager: LLM, prompts: list
                                                     speculative=spec_of(method))]
     guard = SyncGuard(monkeypatch)
     chunks: list[int] = []
-    chunk = guard.wrap(static._prefill_chunk, armed=True)
-    monkeypatch.setattr(static, "_prefill_chunk", lambda *a: chunks.append(1) or chunk(*a))
+    chunk = guard.wrap(static.runner._prefill_chunk, armed=True)
+    monkeypatch.setattr(static.runner, "_prefill_chunk",
+                        lambda *a: chunks.append(1) or chunk(*a))
     outs = static.generate(prompts, params, speculative=spec_of(method))
     assert [o.token_ids for o in outs] == expected and chunks == [1]
 
@@ -309,8 +324,9 @@ def test_static_triton_equals_eager_triton(tiny: Path, prompts: list[list[int]],
     engine = dict(ENGINE, backend="triton", max_model_len=128)
     plain, static = LLM(str(tiny), **engine), LLM(str(tiny), static_shapes=True, **engine)
     guard = SyncGuard(monkeypatch)
-    monkeypatch.setattr(static, "_commit", guard.wrap(static._commit, armed=False))
-    monkeypatch.setattr(static, "_iteration", guard.wrap(static._iteration, armed=True))
+    runner = static.runner
+    monkeypatch.setattr(runner, "_commit", guard.wrap(runner._commit, armed=False))
+    monkeypatch.setattr(runner, "_iteration", guard.wrap(runner._iteration, armed=True))
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (8, 3, 5)]
     short = [p[:n] for p, n in zip(prompts, (12, 20, 30))]  # the interpreter is slow
     same_tokens(plain, static, short, params, {"method": method})
@@ -319,9 +335,10 @@ def test_static_triton_equals_eager_triton(tiny: Path, prompts: list[list[int]],
 def test_the_guard_catches_the_eager_path(eager: LLM, prompts: list[list[int]],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The dynamic path reads host bounds (the budget's max) inside the iteration."""
-    guard = SyncGuard(monkeypatch)
-    monkeypatch.setattr(eager, "_commit", guard.wrap(eager._commit, armed=False))
-    monkeypatch.setattr(eager, "_iteration", guard.wrap(eager._iteration, armed=True))
+    guard, runner = SyncGuard(monkeypatch), eager.runner
+    monkeypatch.setattr(runner, "_commit", guard.wrap(runner._commit, armed=False))
+    monkeypatch.setattr(runner, "_iteration", guard.wrap(runner._iteration, armed=True))
+    monkeypatch.setattr(runner, "select", guard.wrap(runner.select, armed=True))
     with pytest.raises(AssertionError, match=r"host sync inside an iteration: Tensor.__int__"):
         eager.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True),
                        speculative=spec_of({"method": "vegas"}))
@@ -383,8 +400,9 @@ def test_cuda_graphs_replay_equals_eager(tiny: Path, prompts: list[list[int]], b
     graphs = LLM(str(tiny), **cuda)  # on by default on CUDA
     static = LLM(str(tiny), cuda_graphs=False, static_shapes=True, **cuda)
     plain = LLM(str(tiny), cuda_graphs=False, **cuda)
-    monkeypatch.setattr(graphs, "_commit", sync_mode(graphs._commit, "default"))
-    monkeypatch.setattr(graphs, "_iteration", sync_mode(graphs._iteration, "error"))
+    monkeypatch.setattr(graphs.runner, "_commit", sync_mode(graphs.runner._commit, "default"))
+    monkeypatch.setattr(graphs.runner, "_iteration",
+                        sync_mode(graphs.runner._iteration, "error"))
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (25, 3, 11)]
     for method in METHODS:
         same_tokens(static, graphs, prompts, params, method)

@@ -14,6 +14,13 @@ import torch
 from vegas_spec.config import ConfigError, ModelConfig
 
 
+def slots_of(page_table: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
+    """page_table [B, P], pos [B, ...] (>= 0) -> cache slots [B, ...]."""
+    flat = pos.reshape(pos.shape[0], -1)
+    pages = torch.gather(page_table.long(), 1, torch.div(flat, page_size, rounding_mode="floor"))
+    return (pages * page_size + flat % page_size).reshape(pos.shape)
+
+
 class OutOfMemoryError(ConfigError):
     """The requested batch does not fit the KV budget."""
 

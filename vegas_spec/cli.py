@@ -77,28 +77,57 @@ def _parser() -> argparse.ArgumentParser:
                    choices=[m for m in METHODS if m != "vanilla"],
                    help="speculative methods to run after vanilla")
     c.add_argument("--json", action="store_true", help="one JSON object per method")
+    _serve_parser(sub, METHODS)
     return parser
 
 
-def _common() -> argparse.ArgumentParser:
-    """Options shared by every command: model, prompts, engine and speculative settings."""
+def _serve_parser(sub: argparse._SubParsersAction, methods: tuple[str, ...]) -> None:
+    s = sub.add_parser("serve", parents=[_common(prompts=False)], formatter_class=_Formatter,
+                       help="an OpenAI-compatible HTTP server",
+                       description="Serve /v1/completions, /v1/chat/completions, /v1/models, "
+                                   "/health and /metrics over HTTP, batching requests "
+                                   "continuously.")
+    s.add_argument("--method", default="vegas", choices=methods,
+                   help="the decoding method of every request (as for generate)")
+    s.add_argument("--config", type=Path,
+                   help="JSON file of engine settings (LLM keyword arguments, e.g. "
+                        "prefill_chunk) and speculative settings (an object under "
+                        "\"speculative\"); they replace the command line's")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (0.0.0.0 serves other machines too)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port")
+    s.add_argument("--max-num-seqs", type=int, default=64,
+                   help="requests decoding at once (rows of the batch)")
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting for a row; past it the server answers 429")
+    s.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1")
+    s.add_argument("--served-model-name",
+                   help="the model's name in the API (default: the model file or folder name)")
+
+
+def _common(prompts: bool = True) -> argparse.ArgumentParser:
+    """Options shared by every command: model, prompts (not for serve), engine and
+    speculative settings."""
     from vegas_spec.config import DTYPES, SpecConfig
 
     DEFAULT_SPEC = SpecConfig()  # noqa: N806
     g = argparse.ArgumentParser(add_help=False)
     g.add_argument("--model", help="HF folder (config.json + *.safetensors) or .gguf file "
                    "(default: the embedded SmolLM2-135M-Instruct)")
-    src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
-    src.add_argument("--prompt-file", action="append", type=Path,
-                     help="UTF-8 text file whose whole text is one prompt (repeat for a batch)")
-    g.add_argument("--chat", action="store_true",
-                   help="wrap each prompt in the model's chat template as a user turn")
-    g.add_argument("--max-tokens", type=int, default=64,
-                   help="most tokens to generate per prompt; where the model's context leaves "
-                        "less room after a prompt, capped to that room, with a warning")
-    g.add_argument("--ignore-eos", action="store_true",
-                   help="go on past the end-of-sequence token, up to --max-tokens")
+    if prompts:
+        src = g.add_mutually_exclusive_group(required=True)
+        src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+        src.add_argument("--prompt-file", action="append", type=Path,
+                         help="UTF-8 text file whose whole text is one prompt (repeat for a "
+                              "batch)")
+        g.add_argument("--chat", action="store_true",
+                       help="wrap each prompt in the model's chat template as a user turn")
+        g.add_argument("--max-tokens", type=int, default=64,
+                       help="most tokens to generate per prompt; where the model's context "
+                            "leaves less room after a prompt, capped to that room, with a "
+                            "warning")
+        g.add_argument("--ignore-eos", action="store_true",
+                       help="go on past the end-of-sequence token, up to --max-tokens")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the model runs")
     g.add_argument("--dtype", default="float32", choices=list(DTYPES),
@@ -259,6 +288,38 @@ def compare(args: argparse.Namespace) -> int:
     return 0 if all(r["identical"] == r["prompts"] for r in rows) else 1
 
 
+def serve(args: argparse.Namespace) -> int:
+    """Load the model, then serve until interrupted."""
+    from vegas_spec.engine import LLMEngine
+    from vegas_spec.serve.app import serve as run
+
+    kwargs, spec = _served_settings(args)
+    engine = LLMEngine(args.model, speculative=spec, max_num_seqs=args.max_num_seqs, **kwargs)
+    engine.runner.reserve(args.max_num_seqs)  # every bucket's graphs, before the first request
+    name = args.served_model_name or engine.source.path.name
+    run(engine, name, args.host, args.port, args.max_queue, args.api_key)
+    return 0
+
+
+def _served_settings(args: argparse.Namespace) -> tuple[dict, object]:
+    """Engine keyword arguments and the speculative settings: the command line's, replaced
+    by those of the --config file (a JSON object of LLM keyword arguments, with the
+    speculative settings as an object under "speculative")."""
+    from vegas_spec.config import ConfigError
+
+    kwargs, spec = _engine_kwargs(args), _spec(args, args.method)
+    if args.config is None:
+        return kwargs, spec
+    try:
+        file = json.loads(args.config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot read --config {args.config}: {err}") from None
+    if not isinstance(file, dict):
+        raise ConfigError(f"--config {args.config} must hold a JSON object")
+    spec = file.pop("speculative", spec)
+    return {**kwargs, **file}, spec
+
+
 def _comparison(method: str, stats: dict, tokens: list[list[int]], base: list[list[int]],
                 rows: list[dict]) -> dict:
     speed = stats["decode_tokens_per_s"]  # None: too few decoded tokens to time
@@ -315,7 +376,8 @@ def _main(argv: list[str] | None) -> int:
     with warnings.catch_warnings():
         default_show, warnings.showwarning = warnings.showwarning, show
         try:
-            code = compare(args) if args.command == "compare" else generate(args)
+            command = {"compare": compare, "serve": serve}.get(args.command, generate)
+            code = command(args)
             sys.stdout.flush()  # a closed pipe shows here, not at exit
             return code
         except PromptError as err:

@@ -31,12 +31,10 @@ import torch
 
 from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import ScoreRequest, SparsePlan, StepContext
-from vegas_spec.attention.torch_backend import slots_of
+from vegas_spec.cache import slots_of
 from vegas_spec.models.decoder import Decoder
-from vegas_spec.spec.acceptance import accept_greedy
-from vegas_spec.spec.policies import Policy, QuestState, SelectionInput
-
-KINDS = ("plain", "draft", "verify", "spec")
+from vegas_spec.speculative.acceptance import accept_greedy
+from vegas_spec.speculative.policies import Policy, QuestState, SelectionInput
 
 
 def capture(body: Callable[[], Any], pool: tuple[int, int] | None,
@@ -68,7 +66,7 @@ def buckets_upto(capacity: int) -> list[int]:
 class StaticShapes:
     """Everything that fixes the shapes of the decode-loop forwards of one method.
 
-    kinds:        the steps to capture, a subset of KINDS.
+    kinds:        the steps to capture: some of plain, draft, verify and spec.
     verify_rows:  γ+1 (0 for plain decoding).
     pages:        page-table width P; kv_len_max = P * page_size.
     kmax:         host bound on every selection budget.
@@ -129,20 +127,35 @@ class StaticBuffers:
         self.lengths = torch.zeros(capacity, **i64)
         self.reset()
 
-    def reset(self) -> None:
-        """Every row a dummy row: token 0 at position 0 on the scratch page, nothing listed."""
+    def reset(self, start: int = 0, end: int | None = None) -> None:
+        """Rows start..end-1 dummy rows: token 0 at position 0 on the scratch page, nothing
+        listed."""
+        rows = slice(start, end)
         for n in self.tokens:
-            self.tokens[n].zero_()
-            self.positions[n].zero_()
-        self.page_table.fill_(self.scratch_page)
-        self.indices.fill_(-1)
-        self.recent_start.zero_()
-        self.budget.zero_()
-        self.last.zero_()
-        self.lengths.zero_()
+            self.tokens[n][rows].zero_()
+            self.positions[n][rows].zero_()
+        self.page_table[rows].fill_(self.scratch_page)
+        self.indices[:, rows].fill_(-1)
+        self.recent_start[rows].zero_()
+        self.budget[rows].zero_()
+        self.last[rows].zero_()
+        self.lengths[rows].zero_()
         if self.quest is not None:
-            self.quest.rankable.zero_()
-            self.quest.n_pages.zero_()
+            self.quest.rankable[rows].zero_()
+            self.quest.n_pages[rows].zero_()
+
+    def move_rows(self, src: torch.Tensor, rows: int) -> None:
+        """Row src[j] -> row j for j < rows (src [rows] int64 on the device): a sequence's
+        page table, plan and quest state move with it; scores and the step inputs are
+        rewritten by every step, so they stay."""
+        self.page_table[:rows] = self.page_table[src]
+        self.indices[:, :rows] = self.indices[:, src]
+        self.recent_start[:rows] = self.recent_start[src]
+        self.budget[:rows] = self.budget[src]
+        if self.quest is not None:
+            q = self.quest
+            q.lo[:, :rows], q.hi[:, :rows] = q.lo[:, src], q.hi[:, src]
+            q.rankable[:rows], q.n_pages[:rows] = q.rankable[src], q.n_pages[src]
 
 
 @dataclass
@@ -154,11 +167,13 @@ class _Graph:
 class GraphRunner:
     """Owns the fixed-shape buffers and the CUDA graphs of one method's decode loop.
 
-    set_batch once per batch (and whenever sequences leave it), set_plan once per selection
-    made outside the runner, then run(kind, tokens, positions) per step, or
-    run_spec(last, lengths) per greedy round (which makes the next selection itself when
-    shapes.plans, with `policy`). With capture False every step runs eagerly on the buffers
-    (the CPU path)."""
+    A sequence owns one buffer row from joining to leaving: set_rows when sequences join
+    (after the rows in use), set_plan_rows for their first plan, condense when some leave
+    (the survivors move down with their page tables and plans, so the bucket follows the
+    live rows), set_plan once per selection made outside the runner; then
+    run(kind, tokens, positions) per step, or run_spec(last, lengths) per greedy round
+    (which makes the next selection itself when shapes.plans, with `policy`). With capture
+    False every step runs eagerly on the buffers (the CPU path)."""
 
     def __init__(self, model: Decoder, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  backend: AttentionBackend, shapes: StaticShapes, capacity: int,
@@ -184,31 +199,55 @@ class GraphRunner:
 
     def set_batch(self, page_table: torch.Tensor) -> None:
         """A new batch: page_table [B, P'] (P' <= P); rows past B become dummy rows."""
-        rows, width = page_table.shape
-        assert rows <= self.capacity and width <= self.shapes.pages
-        self.rows, self.bucket = rows, bucket_for(rows)
         self.buf.reset()
-        self.buf.page_table[:rows, :width].copy_(page_table)
+        self.set_rows(0, page_table)
+
+    def set_rows(self, start: int, page_table: torch.Tensor) -> None:
+        """Sequences joining at rows start.. (page_table [n, P'], P' <= P): the batch is now
+        start + n rows; the rows' plans are written by set_plan_rows."""
+        rows, width = page_table.shape
+        assert start + rows <= self.capacity and width <= self.shapes.pages
+        self.buf.reset(start, start + rows)
+        self.buf.page_table[start : start + rows, :width].copy_(page_table)
+        self._resize(start + rows)
+
+    def condense(self, keep: list[int], src: torch.Tensor) -> None:
+        """Only rows `keep` (src: the same on the device) stay, moved to rows 0.. in order,
+        each with its plan; the rows past them become dummy rows."""
+        rows = len(keep)
+        if keep != list(range(rows)):
+            self.buf.move_rows(src, rows)
+        self.buf.reset(rows, self.rows)
+        self._resize(rows)
+
+    def _resize(self, rows: int) -> None:
+        self.rows, self.bucket = rows, bucket_for(rows)
 
     def set_plan(self, plan: SparsePlan | None) -> None:
         """Copy the next draft round's selection into the buffers (None: full drafts; quest's
         plan has already filled `buf.quest`)."""
         self._write_plan(plan, self.rows)
 
-    def _write_plan(self, plan: SparsePlan | None, rows: int) -> None:
+    def set_plan_rows(self, plan: SparsePlan | None, start: int) -> None:
+        """The first plan of the sequences that joined at rows start.. (from their prefill)."""
+        if plan is not None:
+            self._write_plan(plan, plan.recent_start.shape[0], start)
+
+    def _write_plan(self, plan: SparsePlan | None, rows: int, start: int = 0) -> None:
         if plan is None:
             return
-        self.buf.recent_start[:rows].copy_(plan.recent_start)
-        self.buf.budget[:rows].copy_(plan.budget)
+        end = start + rows
+        self.buf.recent_start[start:end].copy_(plan.recent_start)
+        self.buf.budget[start:end].copy_(plan.budget)
         if plan.indices is not None:
-            self._set_indices(plan.indices, rows)
+            self._set_indices(plan.indices, start, end)
 
-    def _set_indices(self, indices: torch.Tensor, rows: int) -> None:
-        """indices [layers, B, G, k] (k <= K) -> the buffer, -1 padded to K."""
+    def _set_indices(self, indices: torch.Tensor, start: int, end: int) -> None:
+        """indices [layers, n, G, k] (k <= K) -> buffer rows start..end-1, -1 padded to K."""
         shape, width = tuple(indices.shape[:3]), indices.shape[3]
-        assert shape == (len(self.kv_caches), rows, self.shapes.index_groups), shape
+        assert shape == (len(self.kv_caches), end - start, self.shapes.index_groups), shape
         assert width <= self.shapes.index_width, f"{width} indices exceed the static width"
-        dst = self.buf.indices[:, :rows]
+        dst = self.buf.indices[:, start:end]
         dst[..., :width].copy_(indices)
         dst[..., width:].fill_(-1)
 
@@ -284,11 +323,13 @@ class GraphRunner:
                              self.buf.page_table[:rows], self.page_size)
         self._write_plan(self.policy.plan(self.bound(inp)), rows)
 
-    def bound(self, inp: SelectionInput) -> SelectionInput:
+    def bound(self, inp: SelectionInput, start: int = 0) -> SelectionInput:
         """`inp` with the host bounds of these static shapes, so that the selection reads
-        nothing back from the device, and quest's fixed-shape state to fill."""
+        nothing back from the device, and quest's fixed-shape state to fill (from row
+        `start`: the plan is for the rows that joined there)."""
         inp.kmax, inp.recent_max = self.shapes.kmax, self.shapes.recent_max
-        inp.quest_state = self.buf.quest
+        quest = self.buf.quest
+        inp.quest_state = quest if quest is None or start == 0 else quest.from_row(start)
         return inp
 
     def _forward(self, kind: str, rows: int, raw: bool = False) -> torch.Tensor:

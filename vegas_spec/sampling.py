@@ -17,14 +17,16 @@ from vegas_spec.config import SamplingParams
 @dataclass
 class BatchSampling:
     """Per-sequence sampling parameters as tensors. temperature [B] (0 = greedy), top_k [B]
-    (0 = off), top_p [B], generators: one per sequence."""
+    (0 = off), top_p [B], generators: one per sequence; greedy, filtered: the same rows'
+    host flags (greedy, uses top-k or top-p), so that a batch's fast paths are chosen
+    without reading the device."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
     generators: list[torch.Generator]
-    all_greedy: bool
-    filters: bool = True  # some row uses top-k or top-p (else both sorts are skipped)
+    greedy: list[bool]
+    filtered: list[bool]
 
     @classmethod
     def build(cls, params: list[SamplingParams], device: torch.device) -> BatchSampling:
@@ -38,15 +40,32 @@ class BatchSampling:
             top_k=torch.tensor([p.top_k for p in params], device=device),
             top_p=torch.tensor([p.top_p for p in params], device=device),
             generators=gens,
-            all_greedy=all(p.greedy for p in params),
-            filters=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+            greedy=[p.greedy for p in params],
+            filtered=[p.top_k > 0 or p.top_p < 1.0 for p in params],
         )
 
-    def select(self, keep: torch.Tensor) -> BatchSampling:
-        """Rows of the sequences still running (keep: [B'] indices)."""
-        idx = keep.tolist()
-        return BatchSampling(self.temperature[keep], self.top_k[keep], self.top_p[keep],
-                             [self.generators[i] for i in idx], self.all_greedy, self.filters)
+    @property
+    def all_greedy(self) -> bool:
+        return all(self.greedy)
+
+    @property
+    def filters(self) -> bool:
+        """Some row uses top-k or top-p (else both sorts are skipped)."""
+        return any(self.filtered)
+
+    def rows(self, keep: list[int], idx: torch.Tensor) -> BatchSampling:
+        """The rows `keep` (idx: the same indices on the device, so nothing is read back)."""
+        return BatchSampling(self.temperature[idx], self.top_k[idx], self.top_p[idx],
+                             [self.generators[i] for i in keep],
+                             [self.greedy[i] for i in keep], [self.filtered[i] for i in keep])
+
+    def cat(self, other: BatchSampling) -> BatchSampling:
+        """These rows followed by `other`'s."""
+        return BatchSampling(torch.cat([self.temperature, other.temperature]),
+                             torch.cat([self.top_k, other.top_k]),
+                             torch.cat([self.top_p, other.top_p]),
+                             self.generators + other.generators,
+                             self.greedy + other.greedy, self.filtered + other.filtered)
 
 
 def probs(logits: torch.Tensor, s: BatchSampling) -> torch.Tensor:

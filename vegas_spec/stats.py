@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-PHASES = ("prefill", "draft", "verify", "speculate", "select", "accept", "decode")
 # A speculative iteration's phases; "speculate" is a whole greedy round run as one CUDA graph
 # (drafts, verify and acceptance), in place of draft + verify + accept.
 SPEC_PHASES = ("draft", "verify", "speculate", "select", "accept")

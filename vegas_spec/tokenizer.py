@@ -57,8 +57,13 @@ def _load(source: ModelSource):  # noqa: ANN202
 def encode(tok, prompt: str, chat: bool) -> list[int]:  # noqa: ANN001
     if not chat:
         return tok(prompt, add_special_tokens=True)["input_ids"]
+    return encode_chat(tok, [{"role": "user", "content": prompt}])
+
+
+def encode_chat(tok, messages: list[dict[str, str]]) -> list[int]:  # noqa: ANN001
+    """A conversation ({"role", "content"} messages) through the model's chat template,
+    ending where the assistant's answer begins."""
     if tok.chat_template is None:
         raise ConfigError("chat mode needs a tokenizer with a chat template; this model has none")
-    ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                  add_generation_prompt=True, tokenize=True)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

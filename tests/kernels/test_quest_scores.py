@@ -10,7 +10,7 @@ from kernel_cases import DEVICE, DTYPES, generator
 from vegas_spec.attention.torch_backend import quest_page_scores_ref
 from vegas_spec.attention.triton_backend import TritonBackend
 from vegas_spec.kernels.quest_scores import quest_page_scores
-from vegas_spec.spec.policies import QuestSelector
+from vegas_spec.speculative.policies import QuestSelector
 
 # (B, H, Hkv, D, NP, pages per sequence)
 CASES = [

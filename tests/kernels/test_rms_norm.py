@@ -11,8 +11,8 @@ import torch
 from kernel_cases import CUDA, DEVICE, DTYPES, generator, nan_empty, randn, tol
 
 from vegas_spec.kernels.rms_norm import rms_norm
-from vegas_spec.models.decoder import add_rms_norm
-from vegas_spec.models.decoder import rms_norm as rms_norm_ref
+from vegas_spec.ops import add_rms_norm
+from vegas_spec.ops import rms_norm as rms_norm_ref
 
 EPS = 1e-6
 ALL_DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -9,7 +9,7 @@ from kernel_cases import DEVICE, generator, nan_empty, poisoned, randn
 
 from vegas_spec.attention.torch_backend import store_kv_ref
 from vegas_spec.kernels.rope_store import rope_store
-from vegas_spec.models.rope import apply_rope
+from vegas_spec.ops import apply_rope
 
 ALL_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 MAX_POS = 64

@@ -8,7 +8,7 @@ import torch
 from kernel_cases import DEVICE, DTYPES, generator, nan_empty, randn, tol
 
 from vegas_spec.kernels.silu_mul import silu_mul
-from vegas_spec.models.decoder import silu_mul as silu_mul_ref
+from vegas_spec.ops import silu_mul as silu_mul_ref
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

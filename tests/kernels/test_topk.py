@@ -1,4 +1,4 @@
-"""Radix-select top-k against `vegas_spec.spec.policies.topk_positions`."""
+"""Radix-select top-k against `vegas_spec.speculative.policies.topk_positions`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from kernel_cases import DEVICE, generator
 
 from vegas_spec.kernels.topk import topk_positions_triton
-from vegas_spec.spec.policies import topk_positions
+from vegas_spec.speculative.policies import topk_positions
 
 # (leading dims, B, G, W, rankable per sequence, k per sequence)
 CASES = [

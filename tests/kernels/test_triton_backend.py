@@ -10,11 +10,11 @@ from kernel_cases import DEVICE, generator
 
 from vegas_spec.attention.backend import AttentionBackend, make_backend
 from vegas_spec.attention.context import ScoreRequest, SparsePlan, StepContext
-from vegas_spec.attention.torch_backend import slots_of
+from vegas_spec.cache import slots_of
 from vegas_spec.config import ModelConfig
 from vegas_spec.models.decoder import Decoder, build_model
 from vegas_spec.models.loader import expected_shapes
-from vegas_spec.spec.policies import topk_positions
+from vegas_spec.speculative.policies import topk_positions
 
 PAGE = 16
 GAMMA = 3

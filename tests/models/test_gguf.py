@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vegas_spec.models.loader import _unpermute
-from vegas_spec.models.rope import apply_rope
+from vegas_spec.ops import apply_rope
 
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:

@@ -9,15 +9,14 @@ import numpy as np
 import torch
 
 from vegas_spec.attention.context import LastRows, ScoreRequest, StepContext
-from vegas_spec.models.decoder import add_rms_norm, rms_norm, silu_mul
-from vegas_spec.models.rope import apply_rope
+from vegas_spec.ops import add_rms_norm, apply_rope, rms_norm, silu_mul
 
 
 class AttentionBackend(ABC):
     """One object per engine; every layer of every step calls `attend` and the per-token steps
     around attention (`rope_store` inside `attend`, `norm`, `add_norm`, `silu_mul`), whose
-    defaults are the model's plain-PyTorch references; a backend overrides them to fuse each
-    into one kernel.
+    defaults are the plain-PyTorch references of `vegas_spec.ops`; a backend overrides them
+    to fuse each into one kernel.
 
     Shapes: q [B, n, H, D] and k/v [B, n, Hkv, D] before RoPE, caches [num_slots, Hkv, D],
     rope [max_pos, D] float32 (cos | sin). `attend` returns [B, n, H, D]: it applies RoPE and
@@ -121,25 +120,27 @@ class AttentionBackend(ABC):
         D] the pages' min and max keys, pages [B] ranked pages -> [B, Hkv, NP] float32
         (-inf past pages[b])."""
 
-    # The backend's own top-k (the contract of spec.policies.topk_positions), or None.
+    # The backend's own top-k (the contract of speculative.policies.topk_positions), or None.
     topk: Callable[..., torch.Tensor] | None = None
 
 
-BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+def _torch() -> AttentionBackend:
+    from vegas_spec.attention.torch_backend import TorchBackend
+
+    return TorchBackend()
 
 
-def register_backend(name: str) -> Callable[[type], type]:
-    def wrap(cls: type) -> type:
-        cls.name = name
-        BACKENDS[name] = cls
-        return cls
+def _triton() -> AttentionBackend:
+    from vegas_spec.attention.triton_backend import TritonBackend  # imports Triton
 
-    return wrap
+    return TritonBackend()
+
+
+# The registry, listed explicitly: each backend is imported only when it is asked for.
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": _torch, "triton": _triton}
 
 
 def make_backend(name: str) -> AttentionBackend:
-    if name == "triton":
-        import vegas_spec.attention.triton_backend  # noqa: F401  (registers itself)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(BACKENDS)}")
     return BACKENDS[name]()

@@ -5,15 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vegas_spec.attention.backend import AttentionBackend, register_backend
+from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import ScoreRequest, StepContext
-
-
-def slots_of(page_table: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
-    """page_table [B, P], pos [B, ...] (>= 0) -> cache slots [B, ...]."""
-    flat = pos.reshape(pos.shape[0], -1)
-    pages = torch.gather(page_table.long(), 1, torch.div(flat, page_size, rounding_mode="floor"))
-    return (pages * page_size + flat % page_size).reshape(pos.shape)
+from vegas_spec.cache import slots_of
 
 
 def quest_page_scores_ref(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -162,8 +156,9 @@ def write_scores(req: ScoreRequest, layer: int, scores: torch.Tensor) -> None:
     req.out[layer, :, :, :, width:] = 0.0
 
 
-@register_backend("torch")
 class TorchBackend(AttentionBackend):
+    name = "torch"
+
     def quest_page_scores(self, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                           pages: torch.Tensor) -> torch.Tensor:
         return quest_page_scores_ref(q, lo, hi, pages)

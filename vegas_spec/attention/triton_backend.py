@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vegas_spec.attention.backend import AttentionBackend, register_backend
+from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import StepContext
 from vegas_spec.kernels.paged_attention import paged_attention
 from vegas_spec.kernels.prefill_attention import (
@@ -25,9 +25,10 @@ from vegas_spec.kernels.store_kv import store_kv
 from vegas_spec.kernels.topk import topk_positions_triton
 
 
-@register_backend("triton")
 class TritonBackend(AttentionBackend):
-    # Drop-in for vegas_spec.spec.policies.topk_positions on the backend's device.
+    name = "triton"
+
+    # Drop-in for vegas_spec.speculative.policies.topk_positions on the backend's device.
     topk = staticmethod(topk_positions_triton)
 
     def quest_page_scores(self, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,

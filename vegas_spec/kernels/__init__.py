@@ -14,9 +14,9 @@
 
 Every kernel has a plain-PyTorch reference that is its test oracle:
 `vegas_spec.attention.torch_backend` (attention, KV store, quest's page scores),
-`vegas_spec.models.decoder` (`rms_norm`, `add_rms_norm`, `silu_mul`),
-`vegas_spec.models.rope.apply_rope`, `vegas_spec.spec.policies.topk_positions` and
-`torch.nn.functional.linear` (exact_matmul). On a machine without CUDA the kernels run on CPU
+`vegas_spec.ops` (`rms_norm`, `add_rms_norm`, `silu_mul`, `apply_rope`),
+`vegas_spec.speculative.policies.topk_positions` and `torch.nn.functional.linear`
+(exact_matmul). On a machine without CUDA the kernels run on CPU
 tensors under Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is first
 imported), patched below where it departs from compiled Triton."""
 

@@ -1,6 +1,6 @@
 """RMSNorm, optionally fused with the residual add before it, as transformers computes it.
 
-Oracle: `vegas_spec.models.decoder.rms_norm` and `add_rms_norm`. One program per row of
+Oracle: `vegas_spec.ops.rms_norm` and `add_rms_norm`. One program per row of
 x [..., N]. With a residual, h = x + residual is the float32 sum rounded to x's dtype (as torch
 adds) and is written out as the next residual; the row of h (or x) is normalised in float32,
 rounded to x's dtype, and scaled by the weight in that dtype (float32 product, rounded).

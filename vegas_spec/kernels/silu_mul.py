@@ -1,6 +1,6 @@
 """SiLU(gate) * up of the fused gate/up projection, as torch computes `F.silu(gate) * up`.
 
-Oracle: `vegas_spec.models.decoder.silu_mul`. Program (row, j) reads columns j*BLOCK.. of the
+Oracle: `vegas_spec.ops.silu_mul`. Program (row, j) reads columns j*BLOCK.. of the
 gate half and the up half of one row of gate_up [..., 2I]. silu(g) = g / (1 + exp(-g)) is
 taken in float32 with a correctly rounded division and rounded to the dtype, then multiplied
 by up in float32 and rounded again: torch's two kernels, one rounding each. exp is the CUDA

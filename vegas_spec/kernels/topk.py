@@ -1,7 +1,8 @@
-"""Top-k positions per (layer, sequence, group) by radix select: the selection step of vegas.
+"""Top-k positions per (layer, sequence, group) by radix select: quest's choice of pages inside
+every draft step (the Triton backend's `topk`).
 
-Oracle: `vegas_spec.spec.policies.topk_positions` (same signature and output: the k[b] best
-positions < rankable[b] in ascending order, -1 padding, width max(k)).
+Oracle: `vegas_spec.speculative.policies.topk_positions` (same signature and output: the k[b]
+best positions < rankable[b] in ascending order, -1 padding, width max(k) or kmax).
 
 One program per score row of W floats. Each float maps to a 32-bit key whose unsigned order
 is the float order. The k-th largest key T is found most significant digit first, 4 bits per

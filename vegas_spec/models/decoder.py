@@ -6,43 +6,21 @@ names at load time; q/k/v and gate/up are fused into one matmul each. The residu
 runs beside the hidden states (as vLLM's): each norm also adds the residual before it, so the
 backend can fuse add + norm, RoPE + KV store and SiLU * up into one kernel each.
 
-`rms_norm`, `add_rms_norm` and `silu_mul` are the plain-PyTorch references of those steps: the
-backend seam's default implementations and the oracles of the fused kernels."""
+The plain-PyTorch references of those steps live in `vegas_spec.ops`."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vegas_spec.config import MAX_GAMMA, ModelConfig
 from vegas_spec.models.rope import rope_table
 
-if TYPE_CHECKING:  # the seam imports this module's references: types only, no cycle
+if TYPE_CHECKING:  # the seam's types only: models and attention do not import each other
     from vegas_spec.attention.backend import AttentionBackend
     from vegas_spec.attention.context import StepContext
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # As transformers: normalise in float32, cast back, then scale.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """h = x + residual -> (rms_norm(h), h): the residual add before a norm."""
-    h = x + residual
-    return rms_norm(h, weight, eps), h
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [..., 2I] -> silu(gate) * up [..., I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 class Layer(nn.Module):

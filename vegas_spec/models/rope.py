@@ -81,12 +81,3 @@ def rope_table(cfg: ModelConfig, length: int, device: torch.device) -> torch.Ten
     inv_freq, scale = inv_freq_and_scale(cfg)
     freqs = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq[None, :]
     return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1).to(device)
-
-
-def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """x [B, n, heads, D], positions [B, n] -> rotated x (rotate-half convention)."""
-    half = x.shape[-1] // 2
-    cs = table[positions][:, :, None, :].to(x.dtype)  # [B, n, 1, D]
-    cos, sin = cs[..., :half].repeat(1, 1, 1, 2), cs[..., half:].repeat(1, 1, 1, 2)
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin

@@ -48,12 +48,12 @@ def test_unseeded_sequences_differ() -> None:
     assert not torch.equal(out[0], out[1])
 
 
-def test_select_keeps_each_sequences_parameters_and_generator() -> None:
+def test_rows_keep_each_sequences_parameters_and_generator() -> None:
     params = [SamplingParams(temperature=0.5 + i, top_k=i, top_p=0.9 - 0.1 * i, seed=100 + i)
               for i in range(4)]
     s = batch(params)
     draws(s, flat(50, 4), 3)  # advance every generator
-    sub = s.select(torch.tensor([3, 1]))
+    sub = s.rows([3, 1], torch.tensor([3, 1]))
     assert sub.temperature.tolist() == pytest.approx([3.5, 1.5])
     assert sub.top_k.tolist() == [3, 1]
     assert sub.top_p.tolist() == pytest.approx([0.6, 0.8])
@@ -147,3 +147,13 @@ def test_valid_settings_are_kept() -> None:
     assert SamplingParams(stop="END").stop == ("END",)
     assert SamplingParams().greedy and not SamplingParams(temperature=0.5).greedy
     assert issubclass(ConfigError, ValueError)
+
+
+def test_cat_appends_rows_with_their_generators() -> None:
+    params = [SamplingParams(temperature=0.7, seed=7), SamplingParams(temperature=0.0, seed=8),
+              SamplingParams(temperature=1.2, top_k=5, seed=9)]
+    whole = batch(params)
+    joined = batch(params[:1]).cat(batch(params[1:]))
+    assert not joined.all_greedy and joined.filters
+    assert joined.top_k.tolist() == [0, 0, 5]
+    assert torch.equal(draws(joined, flat(50, 3), 4), draws(whole, flat(50, 3), 4))

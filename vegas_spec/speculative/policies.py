@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from vegas_spec.attention.context import SparsePlan, StepContext
-from vegas_spec.attention.torch_backend import quest_page_scores_ref, slots_of
+from vegas_spec.attention.torch_backend import quest_page_scores_ref
+from vegas_spec.cache import slots_of
 from vegas_spec.config import SpecConfig
 
 
@@ -67,6 +68,12 @@ class QuestState:
         shape = (layers, rows, pages, hkv, dim)
         return cls(torch.zeros(shape, **keys), torch.zeros(shape, **keys),
                    torch.zeros(rows, **i64), torch.zeros(rows, **i64))
+
+    def from_row(self, start: int) -> QuestState:
+        """The same state from row `start` on (views: a plan for rows that joined there
+        writes into this state's rows)."""
+        return QuestState(self.lo[:, start:], self.hi[:, start:], self.rankable[start:],
+                          self.n_pages[start:])
 
     def selector(self, rows: int, page: int, max_pages: int) -> QuestSelector:
         """The selector of the first `rows` rows, reading this state."""

@@ -17,7 +17,7 @@ import torch
 from vegas_spec.attention.context import SparsePlan, StepContext
 from vegas_spec.attention.torch_backend import paged_attention_ref
 from vegas_spec.config import METHODS, SpecConfig
-from vegas_spec.spec.policies import POLICIES, SelectionInput, budget, make_policy
+from vegas_spec.speculative.policies import POLICIES, SelectionInput, budget, make_policy
 
 LAYERS, HKV, GROUP, DIM, GAMMA, PAGE_SIZE = 3, 2, 2, 8, 4, 8
 HEADS = HKV * GROUP

@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 
 from vegas_spec.config import SamplingParams
 from vegas_spec.sampling import BatchSampling, probs
-from vegas_spec.spec.acceptance import accept_greedy, accept_sampling
+from vegas_spec.speculative.acceptance import accept_greedy, accept_sampling
 
 CPU = torch.device("cpu")
 VOCAB = 6

@@ -1,0 +1,295 @@
+"""`vegas serve` on loopback with the real SmolLM2 model, driven by the official `openai`
+client (and raw HTTP where the bytes matter): completions and chat, streamed and not, equal
+to offline `generate`; concurrent requests of every kind; disconnects; every bad input's
+status and OpenAI-style body; the queue bound; the API key; every page free afterwards."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from vegas_spec.config import SamplingParams
+from vegas_spec.engine import LLM, LLMEngine
+from vegas_spec.serve.app import Server, build_app
+
+pytestmark = pytest.mark.slow
+
+SPEC = {"method": "vegas", "gamma": 4, "min_tokens": 16}
+MODEL = "smollm2"
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
+           "Once upon a time, in a small village by the sea,", "List three colours:",
+           "The three laws of thermodynamics are", "import numpy as np\n",
+           "Dear Sir or Madam,", "In 1492, Columbus"]
+
+
+class Running:
+    """A server on a free loopback port, in a thread."""
+
+    def __init__(self, engine: LLMEngine, max_queue: int = 64,
+                 api_key: str | None = None) -> None:
+        self.engine = engine
+        self.app = build_app(Server(engine, MODEL, max_queue, api_key))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+
+    def client(self, key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0,
+                             timeout=300)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+def engine(**kw: Any) -> LLMEngine:
+    return LLMEngine(None, speculative=SPEC, kv_cache_bytes=256 << 20, **kw)
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Running]:
+    running = Running(engine(max_num_seqs=8))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(None, speculative=SPEC, kv_cache_bytes=256 << 20)
+
+
+def offline_text(llm: LLM, prompt: str, chat: bool = False, **params: Any) -> tuple[str, str]:
+    out = llm.generate([prompt], SamplingParams(**params), chat=chat)[0]
+    return out.text, out.finish_reason
+
+
+def free_pages(running: Running) -> int:
+    return len(running.engine.runner.cache.free_pages)
+
+
+def settle(running: Running) -> None:
+    """Wait until the engine holds no request."""
+    for _ in range(600):
+        if not running.engine.seqs:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"requests still held: {list(running.engine.seqs)}")
+
+
+# --- the happy paths ----------------------------------------------------------------------
+
+def test_models_health_metrics(served: Running) -> None:
+    assert [m.id for m in served.client().models.list().data] == [MODEL]
+    assert httpx.get(f"{served.url}/health", timeout=300).json() == {"status": "ok"}
+    metrics = httpx.get(f"{served.url}/metrics", timeout=300).text
+    for name in ("vegas_requests_total", "vegas_generation_tokens_total",
+                 "vegas_tokens_per_iteration_bucket", "vegas_accepted_tokens_total",
+                 "vegas_num_requests_waiting", "vegas_num_requests_running",
+                 "vegas_step_seconds_bucket"):
+        assert name in metrics
+
+
+def test_greedy_completion_equals_generate(served: Running, offline: LLM) -> None:
+    client = served.client()
+    for prompt in PROMPTS[:3]:
+        want, reason = offline_text(offline, prompt, max_tokens=24)
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                        temperature=0)
+        assert got.choices[0].text == want and got.choices[0].finish_reason == reason
+        assert got.usage.completion_tokens <= 24
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                           temperature=0, stream=True)
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks) == want
+        assert chunks[-1].choices[0].finish_reason == reason
+
+
+def test_greedy_chat_equals_generate(served: Running, offline: LLM) -> None:
+    client = served.client()
+    question = "What is the capital of France?"
+    want, reason = offline_text(offline, question, chat=True, max_tokens=40)
+    messages = [{"role": "user", "content": question}]
+    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40,
+                                         temperature=0)
+    assert got.choices[0].message.content == want and got.choices[0].finish_reason == reason
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == reason
+
+
+def test_concurrent_requests_complete_and_match_offline(served: Running, offline: LLM) -> None:
+    """Ten requests at once, of different lengths and settings (greedy and seeded sampling,
+    stop strings, streamed and not): each gives its offline text."""
+    jobs = [dict(prompt=p, max_tokens=8 + 5 * i, temperature=0.0 if i % 3 else 0.8,
+                 seed=i, top_p=0.9 if i % 3 == 0 else 1.0, stream=i % 2 == 0,
+                 stop=[", "] if i % 4 == 1 else None)
+            for i, p in enumerate(PROMPTS + PROMPTS[:2])]
+    client = served.client()
+
+    def run(job: dict) -> str:
+        if job["stream"]:
+            return "".join(c.choices[0].text for c in client.completions.create(
+                model=MODEL, **job))
+        return client.completions.create(model=MODEL, **job).choices[0].text
+
+    before = free_pages(served)
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        texts = list(pool.map(run, jobs))
+    for job, text in zip(jobs, texts, strict=True):
+        params = {k: job[k] for k in ("max_tokens", "temperature", "seed", "top_p")}
+        want, _ = offline_text(offline, job["prompt"], stop=tuple(job["stop"] or ()), **params)
+        assert text == want, job
+    settle(served)
+    assert free_pages(served) == before
+
+
+def test_a_disconnect_mid_stream_aborts_only_that_request(served: Running,
+                                                          offline: LLM) -> None:
+    before = free_pages(served)
+    want, _ = offline_text(offline, PROMPTS[2], max_tokens=48)
+    with cf.ThreadPoolExecutor(1) as pool:
+        other = pool.submit(lambda: served.client().completions.create(
+            model=MODEL, prompt=PROMPTS[2], max_tokens=48, temperature=0).choices[0].text)
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=body,
+                          timeout=300) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+        assert other.result() == want
+    settle(served)
+    assert free_pages(served) == before
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+BAD: list[tuple[str, Any, int, str | None]] = [
+    ("malformed json", b"{not json", 400, None),
+    ("unknown model", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ("prompt past the context", {"model": MODEL, "prompt": [5] * 9000}, 400, "prompt"),
+    ("negative temperature", {"model": MODEL, "prompt": "x", "temperature": -1}, 400,
+     "temperature"),
+    ("zero max_tokens", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("bad top_p", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("n > 1", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("logprobs", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("missing prompt", {"model": MODEL}, 400, "prompt"),
+    ("token id out of range", {"model": MODEL, "prompt": [10**7]}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("name, body, status, param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_its_status_and_an_openai_error(served: Running, name: str, body: Any,
+                                                       status: int, param: str | None) -> None:
+    url = f"{served.url}/v1/completions"
+    response = httpx.post(url, content=body, headers={"content-type": "application/json"},
+                          timeout=300) if isinstance(body, bytes) else \
+        httpx.post(url, json=body, timeout=300)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"] and error["param"] == param
+    ok = served.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")  # everyone else is still served
+
+
+def test_bad_chat_input(served: Running) -> None:
+    client = served.client()
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user",
+                                                                "content": "x"}])
+
+
+def test_two_hundred_requests_leave_every_page_free(served: Running) -> None:
+    client = served.client()
+    before = free_pages(served)
+
+    def run(i: int) -> str | None:
+        return client.completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)],
+                                         max_tokens=1 + i % 4, temperature=0).choices[0].text
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        assert len([t for t in pool.map(run, range(200)) if t is not None]) == 200
+    settle(served)
+    assert free_pages(served) == before == served.engine.runner.cache.num_pages
+
+
+# --- admission and keys ---------------------------------------------------------------------
+
+def test_a_full_queue_answers_429() -> None:
+    running = Running(engine(max_num_seqs=1), max_queue=1)
+    try:
+        url = f"{running.url}/v1/completions"
+        long = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        pool = cf.ThreadPoolExecutor(1)
+        with httpx.stream("POST", url, json=long, timeout=300) as first:
+            lines = first.iter_lines()  # kept: a dropped iterator closes the connection
+            assert next(lines).startswith("data: ")  # it holds the only row
+            queued = pool.submit(httpx.post, url, json={**long, "stream": False,
+                                                        "max_tokens": 3}, timeout=300)
+            for _ in range(400):
+                if running.engine.num_waiting == 1:
+                    break
+                time.sleep(0.05)
+            refused = httpx.post(url, json={**long, "stream": False}, timeout=300)
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["type"] == "rate_limit_exceeded"
+            with pytest.raises(openai.RateLimitError):
+                running.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert queued.result().status_code == 200  # the first left: the queued one ran
+        pool.shutdown()
+        settle(running)
+        assert free_pages(running) == running.engine.runner.cache.num_pages
+    finally:
+        running.stop()
+
+
+def test_api_key() -> None:
+    running = Running(engine(max_num_seqs=2), api_key="sesame")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            running.client("wrong").models.list()
+        response = httpx.post(f"{running.url}/v1/completions",
+                              json={"model": MODEL, "prompt": "x"}, timeout=300)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+        out = running.client("sesame").completions.create(model=MODEL, prompt="Hi",
+                                                          max_tokens=2)
+        assert out.choices[0].text is not None
+        assert httpx.get(f"{running.url}/health", timeout=300).status_code == 200
+    finally:
+        running.stop()
+
+
+def test_cli_serve_binds_loopback_unless_told(tmp_path: Any) -> None:
+    from vegas_spec.cli import _parser, _served_settings
+
+    args = _parser().parse_args(["serve", "--method", "stream", "--max-num-seqs", "4"])
+    assert (args.host, args.port, args.max_queue, args.api_key) == ("127.0.0.1", 8000, 256, None)
+    kwargs, spec = _served_settings(args)
+    assert spec.method == "stream" and kwargs["device"] == "cpu"
+    config = tmp_path / "serve.json"
+    config.write_text('{"prefill_chunk": 512, "speculative": {"method": "vegas", "gamma": 5}}')
+    args = _parser().parse_args(["serve", "--config", str(config)])
+    kwargs, spec = _served_settings(args)
+    assert kwargs["prefill_chunk"] == 512 and spec == {"method": "vegas", "gamma": 5}

@@ -1,0 +1,157 @@
+"""The engine's step loop on a tiny random model: requests that arrive while others decode,
+more requests than rows, prompts prefilled in chunks between decode iterations, aborts. Every
+greedy output must be the one its request gives alone, on the dynamic path and on the static
+buffers (whose rows move when sequences leave), and every page must come back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import SPEC_VARIANTS
+
+from vegas_spec import SamplingParams, SpecConfig
+from vegas_spec.engine import LLM, LLMEngine, RequestOutput
+
+VOCAB = 256
+CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 64,
+          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+          "bos_token_id": 1, "eos_token_id": 2}
+ENGINE: dict[str, Any] = dict(load_format="dummy", kv_cache_bytes=1 << 22)
+METHODS: list[dict[str, Any] | None] = [None] + [
+    {**v, "chunk": 4} if v["method"] == "specextend" else v for v in SPEC_VARIANTS]
+IDS = ["vanilla"] + ["-".join(map(str, m.values())) for m in METHODS[1:]]  # type: ignore[union-attr]
+
+
+def spec_of(method: dict[str, Any] | None) -> SpecConfig:
+    if method is None:
+        return SpecConfig()
+    return SpecConfig(gamma=3, ratio=0.1, min_tokens=8, **method)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    (folder / "config.json").write_text(json.dumps(CONFIG))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (20, 45, 70, 33, 90)]
+
+
+def params(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+MAX_TOKENS = (12, 5, 9, 16, 7)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny: Path, prompts: list[list[int]]) -> dict[str, list[list[int]]]:
+    """Each request run by itself, per method: the reference of every batch below."""
+    llm = LLM(str(tiny), **ENGINE)
+    return {name: [llm.generate([p], params(n), speculative=spec_of(m))[0].token_ids
+                   for p, n in zip(prompts, MAX_TOKENS, strict=True)]
+            for name, m in zip(IDS, METHODS, strict=True)}
+
+
+def run_staggered(engine: LLMEngine, prompts: list[list[int]], arrivals: list[int],
+                  ) -> tuple[dict[str, list[int]], dict[str, list[RequestOutput]]]:
+    """Request i is added before step arrivals[i]; -> the final ids and every output."""
+    step, ids, outs = 0, {}, {}
+    while len(ids) < len(prompts) or engine.has_unfinished():
+        for i, at in enumerate(arrivals):
+            if at == step:
+                ids[engine.add_request(prompts[i], params(MAX_TOKENS[i]))] = i
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+        step += 1
+    return {rid: outs[rid][-1].token_ids for rid in ids}, outs
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("method", METHODS, ids=IDS)
+def test_requests_joining_and_leaving_give_their_alone_tokens(
+        tiny: Path, prompts: list[list[int]], alone: dict[str, list[list[int]]],
+        method: dict[str, Any] | None, static: bool) -> None:
+    """Requests arrive while others decode and leave at different steps: rows join with
+    their own first plan, survivors keep theirs; no output changes."""
+    engine = LLMEngine(str(tiny), speculative=spec_of(method), static_shapes=static,
+                       max_num_seqs=4, **ENGINE)
+    engine.runner.reserve(4)
+    free = len(engine.runner.cache.free_pages)
+    ids, outs = run_staggered(engine, prompts, [0, 0, 2, 3, 5])
+    want = alone[IDS[METHODS.index(method)]]
+    assert [ids[rid] for rid in sorted(ids, key=lambda r: int(r.split("-")[1]))] == want
+    for steps in outs.values():  # deltas add up to the output, finished once at the end
+        assert sum((o.delta_token_ids for o in steps), []) == steps[-1].token_ids
+        assert [o.finished for o in steps] == [False] * (len(steps) - 1) + [True]
+    assert len(engine.runner.cache.free_pages) == free and not engine.seqs
+    assert engine.runner.batch is None
+
+
+def test_more_prompts_than_rows_queue_and_equal_alone(tiny: Path, prompts: list[list[int]],
+                                                      alone: dict[str, list[list[int]]]) -> None:
+    llm = LLM(str(tiny), max_num_seqs=2, static_shapes=True, **ENGINE)
+    seen: list[int] = []
+    step = llm.engine.step
+
+    def counting() -> list[RequestOutput]:
+        seen.append(llm.engine.num_running)
+        return step()
+
+    llm.engine.step = counting  # type: ignore[method-assign]
+    outs = llm.generate(prompts, [params(n) for n in MAX_TOKENS],
+                        speculative=spec_of({"method": "vegas"}))
+    assert [o.token_ids for o in outs] == alone["vegas"]
+    assert max(seen) <= 2 and llm.graphs is not None and llm.graphs.capacity == 2
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(
+        tiny: Path, prompts: list[list[int]], alone: dict[str, list[list[int]]]) -> None:
+    """prefill_chunk 32: the 90-token prompt takes three steps, and the running request gets
+    tokens in each of them."""
+    engine = LLMEngine(str(tiny), speculative=spec_of({"method": "vegas"}), prefill_chunk=32,
+                       **ENGINE)
+    first = engine.add_request(prompts[3], params(MAX_TOKENS[3]))
+    engine.step()  # 33 tokens: 32, then 1 and the first token, in two steps
+    engine.step()
+    late = engine.add_request(prompts[4], params(MAX_TOKENS[4]))
+    got = []
+    for _ in range(3):
+        outs = {o.request_id: o for o in engine.step()}
+        got.append((len(outs[first].delta_token_ids) if first in outs else 0, late in outs))
+    assert got[0][0] > 0 and got[1][0] > 0  # decoding went on while the prompt prefilled
+    assert [arrived for _, arrived in got] == [False, False, True]
+    final: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        final.update({o.request_id: o for o in engine.step()})
+    assert final[late].token_ids == alone["vegas"][4]
+
+
+def test_abort_frees_the_row_and_pages_and_leaves_others_intact(
+        tiny: Path, prompts: list[list[int]], alone: dict[str, list[list[int]]]) -> None:
+    """One request is aborted while it decodes, one while it waits for a row."""
+    engine = LLMEngine(str(tiny), speculative=spec_of({"method": "quest"}), static_shapes=True,
+                       max_num_seqs=3, **ENGINE)
+    free = len(engine.runner.cache.free_pages)
+    rids = [engine.add_request(p, params(n)) for p, n in zip(prompts[:3], (40, 5, 9))]
+    queued = engine.add_request(prompts[3], params(5))
+    engine.step()
+    engine.step()
+    assert engine.num_waiting == 1 and engine.num_running == 3
+    assert engine.abort(rids[0]) and engine.abort(queued)
+    assert not engine.abort("no-such-request") and engine.num_waiting == 0
+    final: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        final.update({o.request_id: o for o in engine.step()})
+    assert final[rids[0]].finish_reason == "abort" and queued not in final
+    assert [final[r].token_ids for r in rids[1:]] == alone["quest"][1:3]
+    assert len(engine.runner.cache.free_pages) == free and engine.runner.batch is None

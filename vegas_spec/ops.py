@@ -1,0 +1,41 @@
+"""Plain-PyTorch references of the per-token steps around attention: RMSNorm (with the
+residual add before it), SiLU * up and RoPE.
+
+They are the model's and the attention seam's default implementations and the oracles of
+the fused kernels; kept apart from both so that `models` and `attention` need not import
+each other. Imports only `torch`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As transformers: normalise in float32, cast back, then scale.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual -> (rms_norm(h), h): the residual add before a norm."""
+    h = x + residual
+    return rms_norm(h, weight, eps), h
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] -> silu(gate) * up [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x [B, n, heads, D], positions [B, n] -> rotated x (rotate-half convention); table
+    [max_pos, D] float32 holds cos in the first half of the last axis, sin in the second."""
+    half = x.shape[-1] // 2
+    cs = table[positions][:, :, None, :].to(x.dtype)  # [B, n, 1, D]
+    cos, sin = cs[..., :half].repeat(1, 1, 1, 2), cs[..., half:].repeat(1, 1, 1, 2)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,88 @@
+"""Waiting and running queues: which requests run, and which prompt positions are prefilled
+in the next step.
+
+Requests are admitted first come, first served while a row is free (`row_limit`) and their
+KV pages fit in the pool: a sequence takes every page it may write (prompt, output and the
+drafts' headroom) at admission and gives them back when it finishes or is aborted, so a
+running sequence never waits for memory. Prompts are prefilled in pieces under a per-step
+token budget, oldest first, so a long prompt cannot stall the running sequences for more
+than one budget's forward. Knows nothing of tensors. Imports `sequence`."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from vegas_spec.sequence import Sequence, Status
+
+
+class PagePool(Protocol):
+    free_pages: list[int]
+
+    def pages_for(self, tokens: int) -> int: ...
+
+    def allocate(self, tokens: int) -> list[int]: ...
+
+    def release(self, pages: list[int]) -> None: ...
+
+
+@dataclass
+class Piece:
+    """Positions start..end-1 of seq's prompt, prefilled in this step."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, max_num_seqs: int, prefill_budget: int) -> None:
+        self.pool, self.max_num_seqs, self.prefill_budget = pool, max_num_seqs, prefill_budget
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def admit(self, row_limit: int) -> list[Sequence]:
+        """Move waiting sequences to running, oldest first, while fewer than row_limit (and
+        max_num_seqs) run and their pages fit; each takes its pages now."""
+        admitted = []
+        limit = min(row_limit, self.max_num_seqs)
+        while self.waiting and len(self.running) < limit:
+            seq = self.waiting[0]
+            if self.pool.pages_for(seq.kv_tokens) > len(self.pool.free_pages):
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.pages = self.pool.allocate(seq.kv_tokens)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def prefill_pieces(self) -> list[Piece]:
+        """The prompt positions to prefill in this step: at most prefill_budget tokens,
+        running sequences in admission order, a prompt cut where the budget ends."""
+        pieces, left = [], self.prefill_budget
+        for seq in self.running:
+            todo = len(seq.prompt_ids) - seq.prefilled
+            if todo <= 0 or left <= 0:
+                continue
+            take = min(todo, left)
+            pieces.append(Piece(seq, seq.prefilled, seq.prefilled + take))
+            left -= take
+        return pieces
+
+    def finish(self, seq: Sequence) -> None:
+        """A running or waiting sequence is done (finished or aborted): its pages go back."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.release(seq.pages)
+        seq.pages = []
+        seq.status = Status.FINISHED

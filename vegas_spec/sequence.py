@@ -1,0 +1,166 @@
+"""One request's state: its ids, sampling settings, output so far and KV pages, with an
+incremental detokenizer and stop checker, so that each step's new tokens become a text delta
+without decoding the whole output again.
+
+A sequence goes WAITING (queued) -> RUNNING (pages held: prefilling while `prefilled` is
+short of the prompt, then decoding) -> FINISHED (pages released). Imports `config`, `stats`."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from vegas_spec.config import SamplingParams
+from vegas_spec.stats import SeqStats
+
+
+class Tokenizer(Protocol):
+    def decode(self, ids: list[int], **kwargs: Any) -> str: ...
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Detokenizer:
+    """Incremental decoding (vLLM's offsets): each push decodes only a window that starts
+    at the previous delta's first token, and returns the text it adds. A window whose text
+    ends in U+FFFD (an incomplete UTF-8 character of byte-level BPE) waits for more tokens.
+    The deltas join to the decode of the whole output."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # the window's first token
+        self.read = 0  # tokens whose text is in self.text
+        self.text = ""
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        """Append ids -> the text they complete ("" while a character is incomplete);
+        final: flush whatever is pending, complete or not."""
+        self.ids.extend(ids)
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""
+        delta = after[len(before) :]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += delta
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True,
+                                     clean_up_tokenization_spaces=False)
+
+
+class StopChecker:
+    """Finds the first stop string in a growing text, looking only at what each delta adds
+    (and the len(longest stop) - 1 characters before it, where a stop may have begun)."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.reach = max((len(s) for s in self.stops), default=0)
+
+    def find(self, text: str, added: int) -> int | None:
+        """The first index of a stop string in text that its last `added` characters touch."""
+        if not self.stops or not added:
+            return None
+        lo = max(0, len(text) - added - self.reach + 1)
+        hits = [i for i in (text.find(s, lo) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def holdback(self) -> int:
+        """Characters a stream keeps back: they may be the start of a stop string."""
+        return max(self.reach - 1, 0)
+
+
+@dataclass(eq=False)  # compared and hashed by identity
+class Sequence:
+    request_id: str
+    prompt: str | list[int]
+    prompt_ids: list[int]
+    params: SamplingParams
+    limit: int  # total length (prompt + output) at which generation stops
+    headroom: int = 0  # KV slots past `limit` that drafts write (γ + 1 for speculation)
+    eos: frozenset[int] = frozenset()
+    detok: Detokenizer | None = None
+    status: Status = Status.WAITING
+    pages: list[int] = field(default_factory=list)
+    prefilled: int = 0  # prompt positions whose K/V are in the cache
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_at: int | None = None  # where a stop string begins in the text
+    stats: SeqStats = field(default_factory=SeqStats)
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    streamed: int = 0  # characters of text already handed out as deltas
+    tokens_streamed: int = 0
+    _stop: StopChecker | None = None
+
+    def __post_init__(self) -> None:
+        self._stop = StopChecker(self.params.stop or [])
+
+    @property
+    def committed(self) -> int:
+        """KV positions that hold exact values: the prompt and all outputs but the last."""
+        return len(self.prompt_ids) + len(self.output) - 1
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV slots the sequence may write: the pages it needs from admission to finish."""
+        return self.limit + self.headroom
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        if self.detok is None:
+            return ""
+        return self.detok.text if self.stop_at is None else self.detok.text[: self.stop_at]
+
+    def append(self, tokens: list[int]) -> int:
+        """Append emitted tokens one by one, stopping at max_tokens, EOS or a stop string;
+        -> how many were kept."""
+        if self.first_token_time is None and tokens:
+            self.first_token_time = time.perf_counter()
+        for n, tok in enumerate(tokens, 1):
+            self.output.append(tok)
+            if tok in self.eos and not self.params.ignore_eos:
+                self.finish_reason = "stop"
+            elif len(self.prompt_ids) + len(self.output) >= self.limit:
+                self.finish_reason = "length"
+            if self.detok is not None:
+                self._detokenize(tok)
+            if self.finish_reason:
+                return n
+        return len(tokens)
+
+    def _detokenize(self, tok: int) -> None:
+        assert self.detok is not None and self._stop is not None
+        added = len(self.detok.push([tok], final=self.finish_reason is not None))
+        at = self._stop.find(self.detok.text, added)
+        if at is not None:
+            self.stop_at, self.finish_reason = at, "stop"
+
+    def finish(self, reason: str) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+        if self.detok is not None:
+            self.detok.push([], final=True)
+
+    def delta(self) -> tuple[str, list[int]]:
+        """The text and token ids not yet handed out; while running, the characters that may
+        begin a stop string are kept back."""
+        text = self.text
+        end = len(text)
+        if not self.finished and self._stop is not None:
+            end = max(self.streamed, end - self._stop.holdback())
+        out, self.streamed = text[self.streamed : end], end
+        ids, self.tokens_streamed = self.output[self.tokens_streamed :], len(self.output)
+        return out, ids

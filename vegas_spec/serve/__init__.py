@@ -1,0 +1,1 @@
+"""`vegas serve`: an OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn)."""

@@ -1,0 +1,235 @@
+"""Routes: /v1/completions, /v1/chat/completions (both streamed as server-sent events with
+`stream: true`), /v1/models, /health and /metrics (Prometheus). Every error is answered
+with an OpenAI-style body; a full queue is 429; with an API key, /v1 needs the bearer token.
+Requests are checked by the engine's own code (SamplingParams, the prompt checks), so the
+server accepts exactly what the offline API accepts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from vegas_spec.config import ConfigError
+from vegas_spec.engine import LLMEngine, RequestOutput
+from vegas_spec.sequence import Sequence
+from vegas_spec.serve.async_engine import AsyncEngine, QueueFull
+from vegas_spec.serve.metrics import Metrics
+from vegas_spec.serve.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    chat_body,
+    chat_chunk,
+    completion_body,
+    new_id,
+    usage,
+)
+from vegas_spec.tokenizer import encode_chat
+
+DISCONNECT_POLL_S = 0.25
+
+
+class Server:
+    """The state one app serves from: the engine thread, the model's name, the metrics."""
+
+    def __init__(self, engine: LLMEngine, model_name: str, max_queue: int,
+                 api_key: str | None = None) -> None:
+        self.metrics = Metrics()
+        self.metrics.gauges(engine)
+        self.engine = AsyncEngine(engine, max_queue, self.metrics.step)
+        self.model_name, self.api_key = model_name, api_key
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                           f"`{self.model_name}`", "invalid_request_error", "model",
+                           "model_not_found")
+
+    def check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer "
+                           "<key>`", "authentication_error", None, "invalid_api_key")
+
+
+def build_app(server: Server) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        server.engine.shutdown()
+
+    app = FastAPI(title="vegas-spec", lifespan=lifespan)
+    app.state.server = server
+    _errors(app)
+    # The key guards /v1 only: /health and /metrics stay open to probes and scrapers.
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(server.check_key)])
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @v1.get("/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model",
+                                            "created": 0, "owned_by": "vegas-spec"}]}
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        body.check_supported()
+        prompt = body.single_prompt()
+        params = _params(body)
+        build = lambda e: e.sequence(prompt, params)  # noqa: E731
+        return await _serve(server, request, build, body.stream, False)
+
+    @v1.post("/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        body.check_supported()
+        params = _params(body)
+        messages = [m.model_dump() for m in body.messages]
+        build = lambda e: e.sequence(encode_chat(e.tokenizer, messages), params)  # noqa: E731
+        return await _serve(server, request, build, body.stream, True)
+
+    app.include_router(v1)
+    return app
+
+
+def _params(body: CompletionRequest | ChatRequest) -> Any:
+    try:
+        return body.sampling(default_max=16 if isinstance(body, CompletionRequest) else 256)
+    except ConfigError as e:
+        raise APIError(400, str(e)) from None
+
+
+async def _serve(server: Server, request: Request, build: Callable[[LLMEngine], Sequence],
+                 stream: bool, chat: bool) -> Response:
+    """Queue the request; its first output (or its error) arrives before the response
+    starts, so that a refused request gets its status code."""
+    outputs = server.engine.generate(build)
+    try:
+        first = await anext(outputs)
+    except QueueFull as e:
+        raise APIError(429, str(e), "rate_limit_exceeded", None, "queue_full") from None
+    except ConfigError as e:  # the prompt checks (PromptError too)
+        raise APIError(400, str(e), param="messages" if chat else "prompt") from None
+    rid = new_id("chatcmpl" if chat else "cmpl")
+    if stream:
+        events = _events(server, outputs, first, rid, chat, request)
+        return StreamingResponse(events, media_type="text/event-stream")
+    last = await _last(server, outputs, first, request)
+    if last is None:  # the client went away
+        return Response(status_code=499)
+    return JSONResponse(_final(server, last, rid, chat))
+
+
+async def _last(server: Server, outputs: AsyncIterator[RequestOutput], out: RequestOutput,
+                request: Request) -> RequestOutput | None:
+    """The final output, or None once the client disconnects (the request is aborted)."""
+    while not out.finished:
+        nxt = asyncio.ensure_future(anext(outputs))
+        while not nxt.done():
+            await asyncio.wait([nxt], timeout=DISCONNECT_POLL_S)
+            if not nxt.done() and await request.is_disconnected():
+                nxt.cancel()  # the generator's own clean-up aborts the request
+                with contextlib.suppress(asyncio.CancelledError):
+                    await nxt
+                return None
+        out = nxt.result()
+    _count(server, out)
+    return out
+
+
+def _final(server: Server, out: RequestOutput, rid: str, chat: bool) -> dict[str, Any]:
+    use = usage(len(out.prompt_token_ids), len(out.token_ids))
+    if chat:
+        return chat_body(rid, server.model_name, out.text, out.finish_reason, use)
+    return completion_body(rid, server.model_name, out.text, out.finish_reason, use)
+
+
+async def _events(server: Server, outputs: AsyncIterator[RequestOutput], out: RequestOutput,
+                  rid: str, chat: bool, request: Request) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per step's text delta, the finish reason in the last,
+    then [DONE]. Cancelled when the client disconnects: the generator's close aborts."""
+    model = server.model_name
+    try:
+        if chat:
+            yield _sse(chat_chunk(rid, model, {"role": "assistant", "content": ""}, None))
+        while True:
+            finish = out.finish_reason
+            if out.delta_text or finish:
+                delta = {"content": out.delta_text} if out.delta_text or not chat else {}
+                yield _sse(chat_chunk(rid, model, delta, finish) if chat else
+                           completion_body(rid, model, out.delta_text, finish, chunk=True))
+            if out.finished:
+                break
+            out = await anext(outputs)
+        _count(server, out)
+        yield "data: [DONE]\n\n"
+    finally:
+        await outputs.aclose()
+
+
+def _count(server: Server, out: RequestOutput) -> None:
+    server.metrics.requests.labels(out.finish_reason or "unknown").inc()
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _errors(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            return _error(APIError(400, "The body is not valid JSON"))
+        where = ".".join(loc) or None
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else \
+            first.get("msg", "invalid request")
+        return _error(APIError(400, message, param=where))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error(APIError(e.status_code, str(e.detail), kind))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, e: Exception) -> JSONResponse:
+        return _error(APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
+
+
+def serve(engine: LLMEngine, model_name: str, host: str, port: int, max_queue: int,
+          api_key: str | None = None) -> None:
+    """Run the server until interrupted (uvicorn handles Ctrl-C)."""
+    import uvicorn
+
+    app = build_app(Server(engine, model_name, max_queue, api_key))
+    uvicorn.run(app, host=host, port=port, log_level="info")

@@ -1,0 +1,152 @@
+"""The engine behind the event loop: one thread owns the `LLMEngine` and steps it while
+requests are in flight; coroutines hand it work through a command queue and receive each
+step's outputs on a per-request asyncio queue. Nothing but that thread touches the engine
+(tokenizer included), so requests are checked there too and their errors travel back."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from vegas_spec.engine import LLMEngine, RequestOutput
+from vegas_spec.sequence import Sequence
+
+
+class QueueFull(Exception):
+    """The bounded queue of waiting requests is full."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queue: int,
+                 on_step: Callable[[LLMEngine], None] | None = None) -> None:
+        self.engine, self.max_queue, self.on_step = engine, max_queue, on_step
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="vegas-engine", daemon=True)
+        self._thread.start()
+
+    # --- from the event loop ------------------------------------------------------------
+
+    async def generate(self, build: Callable[[LLMEngine], Sequence],
+                       ) -> AsyncIterator[RequestOutput]:
+        """Queue the request that build(engine) makes (in the engine thread: its errors are
+        raised here) -> its outputs, step by step. Leaving the iteration early (a client
+        that disconnects) aborts the request, which frees its row and pages."""
+        loop = asyncio.get_running_loop()
+        added: asyncio.Future[str] = loop.create_future()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._call(lambda: self._add(build, loop, outputs, added))
+        rid = await added
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._call(lambda: self._abort(rid))
+
+    async def run(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """fn(engine) in the engine thread -> its result."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+
+        def call() -> None:
+            try:
+                result = fn(self.engine)
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(_settle, done, None, e)
+            else:
+                loop.call_soon_threadsafe(_settle, done, result, None)
+
+        self._call(call)
+        return await done
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # --- in the engine thread -----------------------------------------------------------
+
+    def _call(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _add(self, build: Callable[[LLMEngine], Sequence], loop: asyncio.AbstractEventLoop,
+             outputs: asyncio.Queue, added: asyncio.Future) -> None:
+        try:
+            if self.engine.num_waiting >= self.max_queue:
+                raise QueueFull(f"{self.engine.num_waiting} requests are waiting, the most "
+                                "this server queues; retry later")
+            seq = build(self.engine)
+            self.engine.add_request(seq)
+        except Exception as e:  # noqa: BLE001 - handed to the request's coroutine
+            loop.call_soon_threadsafe(_settle, added, None, e)
+            return
+        self._streams[seq.request_id] = (loop, outputs)
+        loop.call_soon_threadsafe(_settle, added, seq.request_id, None)
+
+    def _abort(self, rid: str) -> None:
+        self.engine.abort(rid)
+        self._streams.pop(rid, None)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain()
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                outs = self.engine.step()
+            except BaseException as e:  # noqa: BLE001 - every request fails, the server lives
+                self.error = e
+                self._fail_all()
+                continue
+            if self.on_step is not None:
+                self.on_step(self.engine)
+            self._deliver(outs)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            loop, outputs = stream
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+    def _fail_all(self) -> None:
+        """After a failed step: every request ends (finish_reason "error") and every page
+        comes back."""
+        self.engine.abort_all()
+        for rid, (loop, outputs) in list(self._streams.items()):
+            out = RequestOutput("", [], "", [], "error", {}, rid)
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+        self._streams.clear()
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

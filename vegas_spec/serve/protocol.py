@@ -1,0 +1,128 @@
+"""The OpenAI wire format: request bodies, their conversion to `SamplingParams` (checked by
+the same code as the offline API), response and stream chunks, and error bodies."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from vegas_spec.config import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = (
+            status, message, kind, param, code)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+class _Request(BaseModel):
+    # Fields the API defines but this server does not implement are refused by name below;
+    # anything else unknown is ignored, as OpenAI's own server does with e.g. `user`.
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    seed: int | None = None
+    n: int = 1
+    ignore_eos: bool = False
+    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, "n > 1 is not supported: one choice per request", param="n")
+        if self.logprobs not in (None, False):
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                raise APIError(400, f"{name} is not supported", param=name)
+        for name in ("tools", "functions", "best_of", "logit_bias", "suffix", "echo"):
+            if (self.model_extra or {}).get(name) not in (None, False, 1, [], {}):
+                raise APIError(400, f"{name} is not supported", param=name)
+
+    def sampling(self, default_max: int) -> SamplingParams:
+        """The request's sampling settings, checked by SamplingParams itself."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_tokens=self.max_tokens or default_max, stop=tuple(stop),
+                              seed=self.seed, ignore_eos=self.ignore_eos)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+
+    def single_prompt(self) -> str | list[int]:
+        """One prompt: a string or token ids (a batch of prompts needs one request each)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, "one prompt per request", param="prompt")
+            return p[0]
+        return p  # type: ignore[return-value]
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def sampling(self, default_max: int) -> SamplingParams:
+        if self.max_completion_tokens is not None and self.max_tokens is None:
+            self.max_tokens = self.max_completion_tokens
+        return super().sampling(default_max)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def completion_body(rid: str, model: str, text: str, finish: str | None,
+                    use: dict[str, int] | None = None, chunk: bool = False) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+    if use is not None and not chunk:
+        body["usage"] = use
+    return body
+
+
+def chat_body(rid: str, model: str, text: str, finish: str | None,
+              use: dict[str, int] | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish}],
+            "usage": use}
+
+
+def chat_chunk(rid: str, model: str, delta: dict[str, str], finish: str | None,
+               ) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}

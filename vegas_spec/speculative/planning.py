@@ -1,0 +1,52 @@
+"""Plans of a batch whose rows come and go: a sparse plan is row-independent (each row's
+indices, recent range and budget depend on that row alone), so joining sequences' plans are
+appended to the running rows' plans, which stay as they are."""
+
+from __future__ import annotations
+
+import torch
+
+from vegas_spec.attention.context import SparsePlan
+from vegas_spec.speculative.policies import QuestSelector
+
+
+def cat_plans(a: SparsePlan | None, b: SparsePlan | None) -> SparsePlan | None:
+    """a's rows followed by b's (None: full drafts, for both)."""
+    if a is None or b is None:
+        assert a is None and b is None, "one method per batch: plans on both sides or neither"
+        return None
+    indices = None
+    if a.indices is not None and b.indices is not None:
+        indices = _cat_padded(a.indices, b.indices, -1, dim=1)  # [layers, B, G, K]
+    selector = None
+    if isinstance(a.selector, QuestSelector) and isinstance(b.selector, QuestSelector):
+        selector = cat_quest(a.selector, b.selector)
+    return SparsePlan(indices, torch.cat([a.recent_start, b.recent_start]),
+                      max(a.recent_max, b.recent_max), torch.cat([a.budget, b.budget]), selector)
+
+
+def cat_quest(a: QuestSelector, b: QuestSelector) -> QuestSelector:
+    """Page bounds [B, NP, Hkv, D] padded to the wider NP with empty pages (lo +inf, hi -inf:
+    they never rank, and lie past each row's rankable pages anyway)."""
+    bounds = [(_cat_padded(la, lb, float("inf"), dim=0, axis=1),
+               _cat_padded(ha, hb, float("-inf"), dim=0, axis=1))
+              for (la, ha), (lb, hb) in zip(a.bounds, b.bounds, strict=True)]
+    most = None if a.max_pages is None or b.max_pages is None else max(a.max_pages, b.max_pages)
+    return QuestSelector(bounds, torch.cat([a.rankable, b.rankable]),
+                         torch.cat([a.n_pages, b.n_pages]), a.page, most)
+
+
+def _cat_padded(x: torch.Tensor, y: torch.Tensor, fill: float, dim: int,
+                axis: int = -1) -> torch.Tensor:
+    """x and y joined along `dim` after padding `axis` to the larger of the two with fill."""
+    width = max(x.shape[axis], y.shape[axis])
+    return torch.cat([_pad(x, width, fill, axis), _pad(y, width, fill, axis)], dim=dim)
+
+
+def _pad(x: torch.Tensor, width: int, fill: float, axis: int) -> torch.Tensor:
+    missing = width - x.shape[axis]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[axis] = missing
+    return torch.cat([x, torch.full(shape, fill, dtype=x.dtype, device=x.device)], dim=axis)
