@@ -44,8 +44,12 @@ def throughput(lines: list[dict[str, Any]], folder: Path) -> str | None:
     if not panels:
         return None
     plt = _plt()
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, ((workload, ctx), rows) in zip(axes[0], panels.items()):
+    cols = min(3, len(panels))
+    rows_n = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(5 * cols, 4 * rows_n), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, ((workload, ctx), rows) in zip(axes.flat, panels.items()):
         batches = sorted({r["batch"] for r in rows})
         methods = list(dict.fromkeys(r["method"] for r in rows))
         width = 0.8 / len(methods)
