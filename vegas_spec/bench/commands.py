@@ -20,13 +20,15 @@ from vegas_spec.config import DTYPES, ConfigError, SpecConfig
 DEFAULT_METHODS = "vanilla,vegas,stream,quest,lastq,specextend"
 GENERATION_TOKENS = 512
 PROMPT_ROOM = 64  # prompt tokens the generation workload's instructions stay under
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def add_shared(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="essays",
-                   help="comma-separated: essays (long-document questions and summaries), "
+                   help="essays (long-document questions and summaries), "
                         "needle (needle-in-a-haystack retrieval at --depths), generation "
-                        "(a long output from a short prompt), prompts (your own, --prompts)")
+                        "(a long output from a short prompt), prompts (your own, --prompts); "
+                        "bench takes a comma-separated list, tune one")
     p.add_argument("--prompts", type=Path, metavar="FILE",
                    help='JSONL file of your prompts, one a line: "text" or {"prompt": "text"}')
     p.add_argument("--depths", default="0.1,0.5,0.9",
@@ -82,6 +84,7 @@ class Plan:
     settings: RunSettings
     meta: dict[str, Any]
     kv_cache_bytes: int | None
+    own_tokenizer: bool  # False: the model has none (dummy timing): the embedded default's
 
 
 def _one(option: str, text: str, parse: Any) -> Any:
@@ -99,6 +102,20 @@ def _counts(args: argparse.Namespace) -> None:
     if getattr(args, "temperature", 0.0) < 0 or not math.isfinite(getattr(args, "temperature",
                                                                           0.0)):
         raise ConfigError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+
+
+def _own_tokenizer(args: argparse.Namespace) -> bool:
+    """Whether the model brings a tokenizer. A config folder without one (random weights for
+    timing) gets its prompts from the embedded default's tokenizer."""
+    from vegas_spec.models.loader import resolve
+
+    source = resolve(args.model)
+    if source.is_gguf or any((source.path / n).exists() for n in TOKENIZER_FILES):
+        return True
+    if args.load_format != "dummy":
+        raise ConfigError(f"{source.path} has no tokenizer files; the workloads' prompts are "
+                          "built with the model's tokenizer")
+    return False
 
 
 def _model_len(args: argparse.Namespace) -> tuple[Any, int, str]:
@@ -134,6 +151,7 @@ def plan(args: argparse.Namespace, spec: SpecConfig, argv: list[str], kind: str)
         cells = [tune_base(args, spec, names[0])]
         contexts = [c.context for c in cells if c.context is not None]
     cfg, max_len, where = _model_len(args)
+    own = _own_tokenizer(args)
     if options.sized(names):
         options.check_lengths(contexts, args.max_tokens, max_len, where)
     if "generation" in names and PROMPT_ROOM + args.generation_tokens > max_len:
@@ -147,11 +165,12 @@ def plan(args: argparse.Namespace, spec: SpecConfig, argv: list[str], kind: str)
                         "dtype": args.dtype, "device": args.device, "backend": args.backend,
                         "load_format": args.load_format, "eager": args.eager,
                         "temperature": settings.temperature, "seed": settings.seed,
+                        "tokenizer": "the model's" if own else "the embedded default's",
                         "spec": {k: v for k, v in dataclasses.asdict(spec).items()
                                  if k not in ("method", "gamma", "ratio")}}}
     kv = None if args.kv_cache_gb is not None else kv_bytes(cfg, cells, texts, args.dtype)
     del out
-    return Plan(cells, depths, texts, settings, meta, kv)
+    return Plan(cells, depths, texts, settings, meta, kv, own)
 
 
 def _device_name(device: str) -> str:
@@ -232,10 +251,24 @@ class Prompts:
 
     def __call__(self, llm: Any, cell: Cell) -> list[workloads.Prompt]:
         if cell.group not in self.cache:
-            self.cache[cell.group] = workloads.build(cell.workload, llm.tokenizer, cell.context,
-                                                     cell.batch, self.plan.depths,
-                                                     self.plan.texts)
+            self.cache[cell.group] = workloads.build(cell.workload, self.tokenizer(llm),
+                                                     cell.context, cell.batch,
+                                                     self.plan.depths, self.plan.texts)
         return self.cache[cell.group]
+
+    def tokenizer(self, llm: Any) -> Any:
+        if self.plan.own_tokenizer:
+            return llm.tokenizer
+        from vegas_spec.models.loader import resolve
+        from vegas_spec.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(resolve(None))
+        vocab = llm.model_config.vocab_size
+        if len(tok) > vocab:
+            raise ConfigError(f"the model has no tokenizer and its vocabulary ({vocab}) is "
+                              f"smaller than the default tokenizer's ({len(tok)}); add a "
+                              "tokenizer to the model folder")
+        return tok
 
 
 def _engine(args: argparse.Namespace, kwargs: dict[str, Any], p: Plan) -> Engine:

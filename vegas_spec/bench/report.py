@@ -22,7 +22,9 @@ def header(meta: dict[str, Any], title: str) -> list[str]:
             f"Command: `{meta['command']}`", "",
             f"Date {meta['date']}; device {meta['device_name']}; model {s['model']}; "
             f"{s['dtype']}, {s['backend']} backend; torch {meta['torch']}.", "",
-            _decoding(s), ""]
+            _decoding(s), ""] + ([] if s.get("tokenizer", "the model's") == "the model's" else
+                                 ["Random weights without a tokenizer: the prompts are the "
+                                  "embedded default's tokens (timing only).", ""])
 
 
 def _decoding(s: dict[str, Any]) -> str:
