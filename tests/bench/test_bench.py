@@ -199,6 +199,10 @@ def _bad(tmp: Path) -> list[tuple[list[str], str]]:
     (tmp / "file").write_text("x")
     (tmp / "bad.jsonl").write_text('{"prompt": "ok"}\n{"text": 3}\n')
     (tmp / "notsettings.json").write_text('{"gamma": 3}')
+    (tmp / "config_only").mkdir()
+    (tmp / "config_only" / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}))
     out = ["--out", str(tmp / "out")]
     return [
         (["bench", "--methods", "vegas,warp", *out], r"unknown method 'warp'; choose from"),
@@ -221,6 +225,8 @@ def _bad(tmp: Path) -> list[tuple[list[str], str]]:
         (["generate", "--prompt", "a", "--config", str(tmp / "notsettings.json")],
          r"notsettings\.json is not a settings file written by `vegas tune`"),
         (["bench", "--config", str(tmp / "missing.json"), *out], r"config file not found"),
+        (["bench", "--model", str(tmp / "config_only"), *out],
+         r"config_only has no tokenizer files; the workloads' prompts are built with"),
     ]
 
 
