@@ -12,7 +12,8 @@ from typing import Any
 # verify pass (γ+1 rows) and a plain step round sums in another order.
 NEAR_TIE = {"float32": 1e-3, "bfloat16": 0.5, "float16": 0.0625}
 # Time split of a decode loop: the engine's phase timers, the rest is `other`. `round` is a
-# whole greedy round replayed as one CUDA graph (drafts, verify and acceptance together).
+# whole greedy round replayed as one CUDA graph (drafts, verify, acceptance and the next
+# selection together; the engine times it as one phase).
 SPLIT = (("draft", "draft"), ("verify", "verify"), ("round", "speculate"),
          ("selection", "select"), ("acceptance", "accept"))
 

@@ -103,9 +103,10 @@ def split_section(lines: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
     out = ["## Where the decode time goes", "",
-           "Share of the decode loop's time. `round` is a greedy round captured as one CUDA "
-           "graph (drafts, verify and acceptance together, not split further); `other` is "
-           "what no phase timer covers (host work, launches).", "",
+           "Share of the decode loop's time. `round` is a greedy round replayed as one CUDA "
+           "graph (drafts, verify, acceptance and the next selection together: the engine "
+           "does not time its parts); `other` is what no phase timer covers (host work, "
+           "launches).", "",
            "| workload | context | batch | method | draft | verify | round | selection | "
            "acceptance | other |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
