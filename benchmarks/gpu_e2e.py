@@ -7,7 +7,8 @@ with a static cache on the same prompts (`--hf`), written to DIR/transformers.js
         --contexts 2000 7500 --batches 1 16 64 --max-tokens 64 --hf --out gpu_e2e
 
 γ/ratio sweeps are `vegas tune`'s job. All prompts of a batch have exactly `context` tokens
-(the essays workload), so transformers needs no padding.
+(the essays workload, or `--text code`: the Python standard library's source), so
+transformers needs no padding.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def transformers_rows(args: argparse.Namespace) -> list[dict]:
     rows = []
     for ctx in args.contexts:
         for bsz in args.batches:
-            prompts = [p.ids for p in essay_prompts(tokenizer, ctx, bsz)]
+            prompts = [p.ids for p in essay_prompts(tokenizer, ctx, bsz, args.text)]
             rows.append({"context": ctx, "batch": bsz, "method": "transformers-static",
                          "decode_tokens_per_s": run_hf(hf, prompts, args.max_tokens)})
             print(json.dumps(rows[-1]), flush=True)
@@ -76,13 +77,15 @@ def main() -> int:
     ap.add_argument("--ratio", type=float, default=0.05)
     ap.add_argument("--min-tokens", type=int, default=256)
     ap.add_argument("--methods", nargs="+", default=METHODS)
+    ap.add_argument("--text", choices=["essays", "code"], default="essays",
+                    help="prompt source: essays (prose) or code (the Python standard library)")
     ap.add_argument("--hf", action="store_true", help="also time transformers generate")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--out", type=Path, required=True, help="output directory")
     args = ap.parse_args()
     argv = ["bench", "--model", args.model, "--device", "cuda", "--dtype", "bfloat16",
-            "--workload", "essays", "--context", ",".join(map(str, args.contexts)),
+            "--workload", args.text, "--context", ",".join(map(str, args.contexts)),
             "--batch", ",".join(map(str, args.batches)), "--max-tokens", str(args.max_tokens),
             "--gamma", str(args.gamma), "--ratio", str(args.ratio), "--min-tokens",
             str(args.min_tokens), "--methods", ",".join(args.methods), "--out", str(args.out)]

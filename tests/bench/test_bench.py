@@ -262,3 +262,14 @@ def test_every_option_explains_itself(command: str) -> None:
     for action in sub._actions:
         if action.option_strings and action.dest != "help":
             assert len(action.help or "") > 10, action.option_strings
+
+
+def test_code_prompts_are_windows_of_the_standard_library(model: str) -> None:
+    from transformers import AutoTokenizer
+
+    from vegas_spec.bench.workloads import CODE_CUES, essay_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = essay_prompts(tokenizer, 120, 2, "code")
+    assert [len(p.ids) for p in prompts] == [120, 120] and prompts[0].ids != prompts[1].ids
+    assert tokenizer.decode(prompts[1].ids).endswith(CODE_CUES[1])

@@ -25,7 +25,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 def add_shared(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="essays",
-                   help="essays (long-document questions and summaries), "
+                   help="essays (long-document questions and summaries), code (the same "
+                        "over Python's standard-library source), "
                         "needle (needle-in-a-haystack retrieval at --depths), generation "
                         "(a long output from a short prompt), prompts (your own, --prompts); "
                         "bench takes a comma-separated list, tune one")

