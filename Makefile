@@ -16,4 +16,6 @@ lint: setup
 	.venv/bin/ruff check vegas_spec tests benchmarks
 
 bench-cpu: setup
-	.venv/bin/python benchmarks/cpu_methods.py
+	.venv/bin/vegas bench --device cpu --workload essays --context 2k,7.5k --batch 4 \
+		--max-tokens 64 --methods vanilla,vegas,lastq,stream,quest,specextend,full \
+		--out benchmarks/results/cpu_methods

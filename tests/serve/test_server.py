@@ -282,14 +282,22 @@ def test_api_key() -> None:
 
 
 def test_cli_serve_binds_loopback_unless_told(tmp_path: Any) -> None:
-    from vegas_spec.cli import _parser, _served_settings
+    """Defaults bind loopback; a `vegas tune` settings file (--config) sets the speculative
+    defaults of serve as of every command, and explicit options still win."""
+    from vegas_spec.cli import _engine_kwargs, _parser, _settings_file, _spec
+    from vegas_spec.config import SpecConfig
+    from vegas_spec.config_file import write_config
 
     args = _parser().parse_args(["serve", "--method", "stream", "--max-num-seqs", "4"])
     assert (args.host, args.port, args.max_queue, args.api_key) == ("127.0.0.1", 8000, 256, None)
-    kwargs, spec = _served_settings(args)
-    assert spec.method == "stream" and kwargs["device"] == "cpu"
-    config = tmp_path / "serve.json"
-    config.write_text('{"prefill_chunk": 512, "speculative": {"method": "vegas", "gamma": 5}}')
-    args = _parser().parse_args(["serve", "--config", str(config)])
-    kwargs, spec = _served_settings(args)
-    assert kwargs["prefill_chunk"] == 512 and spec == {"method": "vegas", "gamma": 5}
+    assert _spec(args, args.method).method == "stream"
+    assert _engine_kwargs(args)["device"] == "cpu"
+    config = tmp_path / "config.json"
+    write_config(config, SpecConfig(method="vegas", gamma=5, ratio=0.04), {})
+    argv = ["serve", "--config", str(config)]
+    args = _parser(_settings_file(argv)).parse_args(argv)
+    spec = _spec(args, args.method)
+    assert (spec.method, spec.gamma, spec.ratio) == ("vegas", 5, 0.04)
+    argv = ["serve", "--config", str(config), "--gamma", "3"]
+    args = _parser(_settings_file(argv)).parse_args(argv)
+    assert _spec(args, args.method).gamma == 3

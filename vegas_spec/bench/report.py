@@ -1,0 +1,127 @@
+"""`report.md` of a bench run: the setting, one table of every cell, the losslessness of every
+method against vanilla, needle retrieval per depth, the time split and the plots."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vegas_spec.bench.analysis import NEAR_TIE, method_verdicts
+
+
+def _f(x: float | None, digits: int = 2, suffix: str = "") -> str:
+    return "-" if x is None else f"{x:.{digits}f}{suffix}"
+
+
+def _ctx(context: int | None) -> str:
+    return "-" if context is None else str(context)
+
+
+def header(meta: dict[str, Any], title: str) -> list[str]:
+    s = meta["setting"]
+    return [f"# {title}", "",
+            f"Command: `{meta['command']}`", "",
+            f"Date {meta['date']}; device {meta['device_name']}; model {s['model']}; "
+            f"{s['dtype']}, {s['backend']} backend; torch {meta['torch']}.", "",
+            _decoding(s), ""] + ([] if s.get("tokenizer", "the model's") == "the model's" else
+                                 ["Random weights without a tokenizer: the prompts are the "
+                                  "embedded default's tokens (timing only).", ""])
+
+
+def _decoding(s: dict[str, Any]) -> str:
+    how = "greedy" if s["temperature"] == 0 else f"sampled at temperature {s['temperature']}"
+    return (f"Decoding: {how}, every sequence to its full length (end of sequence ignored); "
+            f"min_tokens {s['spec']['min_tokens']}, score {s['spec']['score']}, collect "
+            f"{s['spec']['collect']}, granularity {s['spec']['granularity']}. Speedups are "
+            "decode throughputs over vanilla's on the same prompts in the same engine.")
+
+
+def cell_table(lines: list[dict[str, Any]]) -> list[str]:
+    out = ["| workload | context | batch | method | γ | ratio | decode tok/s | speedup | "
+           "tokens/iter | accept@1 | accept@γ | budget | = vanilla |",
+           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in lines:
+        spec = r["method"] != "vanilla"
+        same = f"{r['identical']}/{r['prompts']}" if r["identical"] is not None else "-"
+        gamma, ratio = (str(r["gamma"]), f"{r['ratio']:g}") if spec else ("-", "-")
+        out.append(
+            f"| {r['workload']} | {_ctx(r['context'])} | {r['batch']} | {r['method']} | "
+            f"{gamma} | {ratio} | "
+            f"{_f(r['decode_tokens_per_s'], 1)} | {_f(r['speedup'], 2, 'x')} | "
+            f"{_f(r['tokens_per_iteration'])} | {_f(r['acceptance_first'])} | "
+            f"{_f(r['acceptance_last'])} | {_f(r['budget_mean'], 0)} | {same} "
+            f"({r['verdict']}) |")
+    return out
+
+
+def lossless_section(lines: list[dict[str, Any]], dtype: str) -> list[str]:
+    out = ["## Same output as vanilla", "",
+           f"A speculative method is lossless: under greedy decoding its output is vanilla's "
+           f"token for token. In {dtype} the verify pass and a plain step may round a near-tie "
+           f"the other way; a parting counts as a near-tie when the plain run's top two logits "
+           f"lie within {NEAR_TIE.get(dtype, 0):g} of each other there.", ""]
+    for method, m in method_verdicts(lines).items():
+        if method == "vanilla":
+            continue
+        if m["verdict"] == "identical":
+            text = f"identical to vanilla in all {m['prompts']} outputs"
+        elif m["verdict"] == "near-ties":
+            text = (f"identical in {m['identical']}/{m['prompts']} outputs; the others part "
+                    f"only at near-ties (largest plain top-2 margin {m['largest_margin']:.4g})")
+        elif m["verdict"] == "sampled":
+            text = ("sampled, not compared token for token (lossless in distribution: "
+                    "speculative rejection sampling)")
+        elif m["verdict"] == "no vanilla":
+            text = "no vanilla cell to compare with"
+        else:
+            text = (f"**differs from vanilla**: identical in {m['identical']}/{m['prompts']}, "
+                    f"largest plain top-2 margin at a parting {_f(m['largest_margin'], 4)}")
+        out.append(f"- **{method}**: {text}.")
+    return out + [""]
+
+
+def needle_section(lines: list[dict[str, Any]]) -> list[str]:
+    rows = [r for r in lines if r["needle"] is not None]
+    if not rows:
+        return []
+    depths = sorted({d for r in rows for d in r["needle"]}, key=float)
+    out = ["## Needle in a haystack", "",
+           "Found = the magic number appears in the output; it must be found in the same "
+           "prompts as by vanilla.", "",
+           "| context | batch | method | " + " | ".join(f"depth {d}" for d in depths)
+           + " | same as vanilla |", "|---:|---:|---|" + "---:|" * len(depths) + "---|"]
+    for r in rows:
+        cells = [f"{r['needle'][d][0]}/{r['needle'][d][1]}" if d in r["needle"] else "-"
+                 for d in depths]
+        same = r["needle_same_as_vanilla"]
+        out.append(f"| {_ctx(r['context'])} | {r['batch']} | {r['method']} | "
+                   + " | ".join(cells) + f" | {'-' if same is None else 'yes' if same else 'NO'} |")
+    return out + [""]
+
+
+def split_section(lines: list[dict[str, Any]]) -> list[str]:
+    rows = [r for r in lines if r["time_split"] and r["method"] != "vanilla"]
+    if not rows:
+        return []
+    out = ["## Where the decode time goes", "",
+           "Share of the decode loop's time. `round` is a greedy round replayed as one CUDA "
+           "graph (drafts, verify, acceptance and the next selection together: the engine "
+           "does not time its parts); `other` is what no phase timer covers (host work, "
+           "launches).", "",
+           "| workload | context | batch | method | draft | verify | round | selection | "
+           "acceptance | other |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        s = r["time_split"]
+        shares = " | ".join(_f(100 * s.get(k, 0.0), 1, "%") for k in
+                            ("draft", "verify", "round", "selection", "acceptance", "other"))
+        out.append(f"| {r['workload']} | {_ctx(r['context'])} | {r['batch']} | "
+                   f"{r['method']} | {shares} |")
+    return out + [""]
+
+
+def bench_report(meta: dict[str, Any], lines: list[dict[str, Any]], plots: list[str]) -> str:
+    parts = [*header(meta, "vegas bench"), "## Every cell", "", *cell_table(lines), "",
+             *lossless_section(lines, meta["setting"]["dtype"]), *needle_section(lines),
+             *split_section(lines)]
+    if plots:
+        parts += ["## Plots", ""] + [f"![{p[:-4]}]({p})" for p in plots] + [""]
+    return "\n".join(parts)

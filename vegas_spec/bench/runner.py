@@ -1,0 +1,224 @@
+"""Cells (workload, context, batch, method, γ, ratio) run one after another on one engine, and
+`results.json`, rewritten after every cell so that `--resume` skips what is already there.
+
+A cell runs its batch of prompts once to warm up (kernels compile; on CUDA the batch's graphs
+are captured), then once timed. vanilla runs first in each group (workload, context, batch),
+so that every speedup and every identity check is against plain decoding of the same
+prompts in the same engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vegas_spec.bench import analysis
+from vegas_spec.bench.workloads import Prompt, found
+from vegas_spec.config import ConfigError, SamplingParams, SpecConfig
+
+RESULTS = "results.json"
+# Run statistics a cell keeps (the engine's summary, minus what is per sequence).
+KEPT_STATS = ("decode_tokens_per_s", "decode_s", "prefill_s", "ttft_s", "total_s",
+              "generated_tokens", "prompt_tokens", "tokens_per_iteration",
+              "tokens_per_iteration_histogram", "acceptance_rate_per_position", "budget_mean",
+              "iterations", "phase_s")
+
+
+@dataclass(frozen=True)
+class Cell:
+    workload: str
+    context: int | None  # prompt tokens; None: the workload's own prompt lengths
+    batch: int
+    method: str
+    gamma: int
+    ratio: float
+    max_tokens: int
+
+    @property
+    def group(self) -> str:
+        """Cells of one group decode the same prompts; vanilla's is their baseline."""
+        return f"{self.workload}|{self.context or '-'}|{self.batch}"
+
+    @property
+    def key(self) -> str:
+        if self.method == "vanilla":
+            return f"{self.group}|vanilla"
+        return f"{self.group}|{self.method}|g{self.gamma}|r{self.ratio:g}"
+
+    @property
+    def label(self) -> str:
+        ctx = "" if self.context is None else f" {self.context} tok"
+        spec = "" if self.method == "vanilla" else f" γ{self.gamma} r{self.ratio:g}"
+        return f"{self.workload}{ctx} ×{self.batch} {self.method}{spec}"
+
+    def work(self) -> float:
+        """A rough cost for the progress bar's time left: decode steps of the batch, each
+        dearer with a longer context."""
+        return self.batch * self.max_tokens * (1.0 + (self.context or 0) / 4096)
+
+    def baseline(self) -> Cell:
+        return dataclasses.replace(self, method="vanilla")
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    spec: SpecConfig  # every setting but method, γ and ratio, which each cell sets
+    temperature: float = 0.0
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Store:
+    """The rows of `DIR/results.json` by cell key; `setting` must match on --resume."""
+
+    def __init__(self, folder: Path, meta: dict[str, Any], resume: bool) -> None:
+        self.path, self.meta, self.rows = folder / RESULTS, meta, {}
+        if resume and self.path.exists():
+            old = _load(self.path)
+            if old.get("meta", {}).get("setting") != meta["setting"]:
+                raise ConfigError(f"--resume: {self.path} was measured with other settings "
+                                  f"({_difference(old.get('meta', {}).get('setting'), meta)});"
+                                  " choose another --out or drop --resume")
+            self.rows = {row["key"]: row for row in old.get("cells", [])}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.rows
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        return self.rows.get(key)
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows[row["key"]] = row
+        self.save()
+
+    def save(self) -> None:
+        """Written to a temporary file, then renamed: a run cut short keeps a whole file."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        rows = list(self.rows.values())
+        data = {"meta": self.meta, "cells": rows,
+                "summary": analysis.summary(rows, self.meta["setting"]["dtype"])}
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"--resume: cannot read {path} ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("cells"), list):
+        raise ConfigError(f"--resume: {path} is not a results file of vegas bench/tune")
+    return data
+
+
+def _difference(old: Any, meta: dict[str, Any]) -> str:
+    if not isinstance(old, dict):
+        return "no settings recorded"
+    new = meta["setting"]
+    diff = [f"{k} {old.get(k)!r} vs {new.get(k)!r}" for k in sorted(new) if old.get(k) != new[k]]
+    return ", ".join(diff[:3]) or "unknown"
+
+
+def ordered(cells: Iterable[Cell]) -> list[Cell]:
+    """Each group's vanilla cell first, then the rest in the order given; duplicates once."""
+    out: list[Cell] = []
+    seen: set[str] = set()
+    for cell in cells:
+        for c in ((cell.baseline(), cell) if cell.method != "vanilla" else (cell,)):
+            if c.key not in seen:
+                seen.add(c.key)
+                out.append(c)
+    return out
+
+
+def run_cells(cells: list[Cell], store: Store, settings: RunSettings,
+              engine: Callable[[], Any], prompts: Callable[[Any, Cell], list[Prompt]],
+              progress: bool = True) -> list[dict[str, Any]]:
+    """Run every cell that `store` does not hold yet (vanilla of each group first), saving
+    after each; returns the rows of `cells` in order. `engine()` gives the LLM, loaded on
+    the first cell that runs; `prompts(llm, cell)` the cell's prompts."""
+    todo = [c for c in ordered(cells) if c.key not in store]
+    bar = _bar(sum(c.work() for c in todo), progress)
+    try:
+        for cell in todo:
+            bar.set_description_str(cell.label)
+            llm = engine()
+            store.add(run_cell(llm, cell, prompts(llm, cell), settings, store))
+            bar.update(cell.work())
+    finally:
+        bar.close()
+    return [store.rows[c.key] for c in cells]
+
+
+def _bar(total: float, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, disable=not enabled or total == 0, dynamic_ncols=True,
+                bar_format="{desc} |{bar}| {percentage:3.0f}% [{elapsed} elapsed, "
+                           "{remaining} left]")
+
+
+def run_cell(llm: Any, cell: Cell, batch: list[Prompt], settings: RunSettings,
+             store: Store) -> dict[str, Any]:
+    spec = dataclasses.replace(settings.spec, method=cell.method, gamma=cell.gamma,
+                               ratio=cell.ratio)
+    ids = [p.ids for p in batch]
+    params = SamplingParams(temperature=settings.temperature, seed=settings.seed,
+                            max_tokens=cell.max_tokens, ignore_eos=True)
+    # Warm-up: on CUDA the whole batch, long enough for a speculative round, so that the
+    # timed run replays graphs captured here; on CPU one short prompt is enough.
+    cuda = settings.device == "cuda"
+    warm = SamplingParams(max_tokens=min(cell.max_tokens, 2 * cell.gamma + 3) if cuda else 2,
+                          ignore_eos=True)
+    llm.generate(ids if cuda else ids[:1], warm, speculative=spec)
+    started = time.perf_counter()
+    outs = llm.generate(ids, params, speculative=spec)
+    wall = time.perf_counter() - started
+    stats = outs[0].stats
+    row: dict[str, Any] = {"key": cell.key, "group": cell.group,
+                           **dataclasses.asdict(cell), "wall_s": wall,
+                           **{k: stats[k] for k in KEPT_STATS if k in stats},
+                           "per_prompt_tokens_per_iteration":
+                               [o.stats["sequence"].get("tokens_per_iteration") for o in outs],
+                           "prompt_lengths": [len(p.ids) for p in batch],
+                           "token_ids": [o.token_ids for o in outs],
+                           "texts": [o.text for o in outs]}
+    if any(p.answer is not None for p in batch):
+        row["needle"] = [{"depth": p.depth, "found": found(p, o.text)}
+                         for p, o in zip(batch, outs)]
+    base = store.get(cell.baseline().key)
+    if cell.method != "vanilla" and settings.greedy and base is not None:
+        row["partings"] = partings(llm, batch, base["token_ids"], row["token_ids"])
+    return row
+
+
+def partings(llm: Any, batch: list[Prompt], base: list[list[int]],
+             other: list[list[int]]) -> list[dict[str, Any]]:
+    """Where each output first parts from vanilla's, with the plain run's top-2 logit margin
+    at that position (a near-tie explains a parting under bf16 rounding; a wide margin is a
+    bug)."""
+    out = []
+    for i, (prompt, a, b) in enumerate(zip(batch, base, other)):
+        at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if at is None and len(a) != len(b):
+            at = min(len(a), len(b))
+        if at is not None:
+            out.append({"prompt": i, "position": at, "margin": margin(llm, prompt.ids + a[:at])})
+    return out
+
+
+def margin(llm: Any, ids: list[int]) -> float:
+    """Top-2 logit margin of the token after `ids` (plain prefill)."""
+    top = llm.logits(ids)[-1].float().topk(2).values
+    return float(top[0] - top[1])
