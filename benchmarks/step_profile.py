@@ -256,7 +256,8 @@ def host_gap_ms(llm: LLM, spec: SpecConfig, bsz: int, new_tokens: int = 64) -> f
     """Wall time per iteration of the engine's own greedy decode loop (short prompts, every
     sequence decoding `new_tokens`) that is not the round graph's GPU time: the host work
     between rounds (reading the accepted counts, bookkeeping, the next replay's copies)."""
-    prompts = [[(i * 7919 + j) % 1000 + 10 for j in range(256)] for i in range(bsz)]
+    vocab = llm.model_config.vocab_size
+    prompts = [[(i * 7919 + j * 31) % vocab for j in range(256)] for i in range(bsz)]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, params, speculative=spec)  # captures this bucket's graphs
     stats = llm.generate(prompts, params, speculative=spec)[0].stats

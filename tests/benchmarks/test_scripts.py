@@ -33,6 +33,9 @@ def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> No
     assert row["round_ms"] > 0 and row["round_unplanned_ms"] > 0
     assert row["ideal_speedup_at_7_tokens_round"] > 0
     assert row["floor_draft_ms"] < row["floor_plain_ms"]
+    assert row["verify_noscores_ms"] > 0 and row["quest_draft_ms"] > 0
+    assert row["tokens_per_iteration"] == 6.3 and row["projected_speedup"] > 0
+    assert row["byte_ideal_speedup"] > 0 and isinstance(row["host_gap_ms"], float)
 
 
 def test_method_sweep_pairs_prompts_and_checks_losslessness(tmp_path: Path) -> None:
