@@ -125,9 +125,10 @@ class LLMEngine:
     # --- requests -----------------------------------------------------------------------
 
     def sequence(self, prompt: str | list[int], params: SamplingParams, chat: bool = False,
-                 index: int | None = None, request_id: str | None = None) -> Sequence:
+                 index: int | None = None, request_id: str | None = None,
+                 text: bool = True) -> Sequence:
         """A checked request (not yet queued); index: the prompt's place in a batch, named
-        by the errors."""
+        by the errors; text: detokenize its output (where the model has a tokenizer)."""
         ids = encode(self.tokenizer, prompt, chat) if isinstance(prompt, str) else list(prompt)
         cfg, context = self.runner.model_config, self.max_model_len
         vocab = cfg.vocab_size
@@ -148,7 +149,7 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(rid, prompt, ids, params, limit, extra, frozenset(cfg.eos_token_ids),
                        stats=SeqStats(gamma=self.spec.gamma if self.spec.speculative else 0))
-        if self.has_tokenizer():
+        if text and self.has_tokenizer():
             seq.detok = Detokenizer(self.tokenizer)
         self._check_pool(seq)
         return seq
@@ -378,7 +379,7 @@ class LLM:
         in forwards of `chunk` tokens (default: the engine's prefill chunk)."""
         if chunk is not None and (not is_int(chunk) or chunk < 1):
             raise ConfigError(f"chunk must be an integer >= 1, got {chunk!r}")
-        seq = self.engine.sequence(token_ids, SamplingParams(max_tokens=1))
+        seq = self.engine.sequence(token_ids, SamplingParams(max_tokens=1), text=False)
         return self.runner.logits(seq.prompt_ids,
                                   chunk or self.config.prefill_tokens(self.model_config))
 
@@ -386,7 +387,7 @@ class LLM:
                           chat: bool = False):  # noqa: ANN201
         """Logits [B, V] (float32) of the token after each prompt, through the prefill that
         `generate` runs (batched, chunked, with the prefix cache when it is on)."""
-        seqs = [self.engine.sequence(p, SamplingParams(max_tokens=1), chat, i)
+        seqs = [self.engine.sequence(p, SamplingParams(max_tokens=1), chat, i, text=False)
                 for i, p in enumerate(prompt_list(prompts)[0])]
         self.cache.check_fits([s.limit for s in seqs])
         for s in seqs:
