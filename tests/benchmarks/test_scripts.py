@@ -59,7 +59,9 @@ def test_prefill_bench_profiles_a_prefill(tmp_path: Path) -> None:
         "2", "--out", str(out))
     (row,) = json.loads(out.read_text())["profile"]
     assert row["batch"] == 2 and 0 < row["ttft_ms"] <= row["wall_ms"]
-    assert any("generate" in line for line in row["host_profile"])
+    # the cProfile table of the host side (which functions lead by self time varies with load)
+    assert any("function calls" in line for line in row["host_profile"])
+    assert any("tottime" in line for line in row["host_profile"])
 
 
 def test_cpu_methods_is_vegas_bench(tmp_path: Path) -> None:
