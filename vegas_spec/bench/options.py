@@ -28,15 +28,20 @@ def split_list(option: str, text: str, parse: Callable[[str], T]) -> list[T]:
     return out
 
 
-def methods(text: str) -> list[str]:
-    """The methods to run, vanilla first (added when missing: speedups are over it)."""
+def _one_of(option: str, what: str, allowed: tuple[str, ...] | list[str]):  # noqa: ANN202
+    """A checker of one list item: a name among `allowed`, else a ConfigError naming it."""
     def one(name: str) -> str:
-        if name not in METHODS:
-            raise ConfigError(f"--methods: unknown method {name!r}; choose from "
-                              f"{', '.join(METHODS)}")
+        if name not in allowed:
+            raise ConfigError(f"{option}: unknown {what} {name!r}; choose from "
+                              f"{', '.join(allowed)}")
         return name
 
-    listed = split_list("--methods", text, one)
+    return one
+
+
+def methods(text: str) -> list[str]:
+    """The methods to run, vanilla first (added when missing: speedups are over it)."""
+    listed = split_list("--methods", text, _one_of("--methods", "method", METHODS))
     return ["vanilla", *[m for m in listed if m != "vanilla"]]
 
 
@@ -75,13 +80,7 @@ def fraction(option: str, low_open: bool = True) -> Callable[[str], float]:
 
 
 def workloads(text: str, prompts_file: Path | None) -> list[str]:
-    def one(name: str) -> str:
-        if name not in WORKLOADS:
-            raise ConfigError(f"--workload: unknown workload {name!r}; choose from "
-                              f"{', '.join(WORKLOADS)}")
-        return name
-
-    chosen = split_list("--workload", text, one)
+    chosen = split_list("--workload", text, _one_of("--workload", "workload", WORKLOADS))
     if "prompts" in chosen and prompts_file is None:
         raise ConfigError("--workload prompts needs --prompts FILE (JSONL)")
     if prompts_file is not None and "prompts" not in chosen:
