@@ -29,6 +29,11 @@ SPEC_VARIANTS: list[dict] = [
     {"method": "specextend"},
     {"method": "full"},
 ]
+# Plain decoding too, and specextend chunks small enough for a tiny model's contexts: the
+# methods of the engine-loop tests on a tiny random model, with their test ids.
+TINY_METHODS: list[dict | None] = [None] + [
+    {**v, "chunk": 4} if v["method"] == "specextend" else v for v in SPEC_VARIANTS]
+TINY_IDS = ["vanilla"] + ["-".join(map(str, m.values())) for m in TINY_METHODS[1:]]  # type: ignore[union-attr]
 
 
 def package_dir(name: str) -> Path:

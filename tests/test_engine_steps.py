@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SPEC_VARIANTS
+from conftest import TINY_IDS, TINY_METHODS
 
 from vegas_spec import SamplingParams, SpecConfig
 from vegas_spec.engine import LLM, LLMEngine, RequestOutput
@@ -22,9 +22,7 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_si
           "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
           "bos_token_id": 1, "eos_token_id": 2}
 ENGINE: dict[str, Any] = dict(load_format="dummy", kv_cache_bytes=1 << 22)
-METHODS: list[dict[str, Any] | None] = [None] + [
-    {**v, "chunk": 4} if v["method"] == "specextend" else v for v in SPEC_VARIANTS]
-IDS = ["vanilla"] + ["-".join(map(str, m.values())) for m in METHODS[1:]]  # type: ignore[union-attr]
+METHODS, IDS = TINY_METHODS, TINY_IDS
 
 
 def spec_of(method: dict[str, Any] | None) -> SpecConfig:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SPEC_VARIANTS
+from conftest import TINY_IDS, TINY_METHODS
 
 from vegas_spec import SamplingParams, SpecConfig
 from vegas_spec.cli import _engine_kwargs, _parser
@@ -34,10 +34,7 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_si
           "bos_token_id": 1, "eos_token_id": 2}
 ENGINE = dict(load_format="dummy", kv_cache_bytes=1 << 22)
 LENGTHS = (20, 45, 70)
-# Plain decoding too, and specextend chunks small enough for the tiny model's contexts.
-METHODS: list[dict[str, Any] | None] = [None] + [
-    {**v, "chunk": 4} if v["method"] == "specextend" else v for v in SPEC_VARIANTS]
-IDS = ["vanilla"] + ["-".join(map(str, m.values())) for m in METHODS[1:]]  # type: ignore[union-attr]
+METHODS, IDS = TINY_METHODS, TINY_IDS
 SYNCS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy")
 
 
