@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vegas_spec.kernels.paged_attention as pa  # noqa: E402
+import vegas_spec.kernels.sparse_attention as sa  # noqa: E402
 from vegas_spec.graphs import capture  # noqa: E402
 from vegas_spec.kernels.split_merge import tile_config  # noqa: E402
 
@@ -71,6 +72,51 @@ def with_tiles(stages: int, warps: int) -> None:
     pa.SCORE_STAGES = stages
 
 
+STORES = {"f32-pointers": (False, False), "f16-pointers": (True, False),
+          "f16-descriptor": (True, True)}
+LIBRARY_STORE = next(name for name, flags in STORES.items()
+                     if flags == (pa.SCORE_HALF, pa.SCORE_DESCRIPTOR))
+
+
+def with_store(name: str) -> None:
+    """Weight-mode logits in float16 or float32, stored through pointers or a descriptor."""
+    pa.SCORE_HALF, pa.SCORE_DESCRIPTOR = STORES[name]
+
+
+def sparse_sweep(args: argparse.Namespace, recent: int = 64) -> list[dict]:
+    """The draft step's sparse attention (n = 1) over a sorted random 5% of each sequence's
+    positions plus `recent` trailing ones: µs per call and TB/s of the K/V rows it must read."""
+    torch.manual_seed(0)
+    bsz, heads, hkv, dim, ctx = args.batch, args.heads, args.kv_heads, args.head_dim, args.context
+    table, k, v, _ = paged_cache(bsz, hkv, dim, ctx, 16)
+    budget = int(0.05 * ctx)
+    start = ctx - recent
+    idx = torch.stack([torch.randperm(start, device="cuda")[:budget].sort().values
+                       for _ in range(bsz)])[:, None, :].contiguous()
+    q = torch.randn(bsz, 1, heads, dim, device="cuda", dtype=torch.bfloat16)
+    pos = torch.full((bsz, 1), ctx - 1, device="cuda")
+    recent_start = torch.full((bsz,), start, dtype=torch.int64, device="cuda")
+    out = torch.empty_like(q)
+    moved = 2 * bsz * hkv * (budget + recent) * dim * k.element_size()
+    rows = []
+    splits = [None if x == "auto" else int(x) for x in args.splits]
+    for block_k, stages, warps, split in itertools.product(
+            args.block_k, args.stages, args.warps, splits):
+        if split is not None and split % block_k:
+            continue
+        sa.tile_config = lambda q, hkv, block_k=None, s=stages, w=warps: (  # noqa: E731
+            dataclasses.replace(tile_config(q, hkv, block_k), num_stages=s, num_warps=w))
+        us = graph_us(lambda: sa.sparse_attention(  # noqa: B023
+            q, k, v, table, pos, 16, idx, recent_start, recent, dim ** -0.5,
+            block_k=block_k, split_size=split, out=out))  # noqa: B023
+        sa.tile_config = tile_config
+        row = {"kernel": "sparse", "block_k": block_k, "stages": stages, "warps": warps,
+               "split": split, "budget": budget, "us": us, "tb_per_s": moved / us / 1e6}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
@@ -79,9 +125,23 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--warps", type=int, nargs="+", default=[4])
+    ap.add_argument("--block-k", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
+    ap.add_argument("--splits", nargs="+", default=["auto", "2048"],
+                    help="split sizes in keys, or 'auto' (the occupancy heuristic)")
+    ap.add_argument("--stores", nargs="+", choices=sorted(STORES), default=[LIBRARY_STORE],
+                    help="how weight-mode passes keep their logits (default: the library's)")
+    ap.add_argument("--kernel", choices=["paged", "sparse"], default="paged",
+                    help="sparse: the draft step's attention over a 5%% budget plus 64 recent")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     assert torch.cuda.is_available(), "tile_sweep times CUDA kernels"
+    if args.kernel == "sparse":
+        rows = sparse_sweep(args)
+        meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
+                "args": {k: str(v) for k, v in vars(args).items()}}
+        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        return
     torch.manual_seed(0)
     dev, page = "cuda", 16
     bsz, heads, hkv, dim, ctx = args.batch, args.heads, args.kv_heads, args.head_dim, args.context
@@ -94,9 +154,12 @@ def main() -> None:
         score_rows = torch.tensor([0, n - 1], device=dev)
         scores = torch.empty(bsz, 2, 1, kv_len, device=dev)
         out = torch.empty_like(q)
+        splits = [None if x == "auto" else int(x) for x in args.splits]
         for mode in modes:
-            for block_k, stages, warps, split in itertools.product(
-                    (64, 128), (2, 3), args.warps, (None, 2048)):
+            stores = args.stores if mode == "weight" else [LIBRARY_STORE]
+            for store, block_k, stages, warps, split in itertools.product(
+                    stores, args.block_k, args.stages, args.warps, splits):
+                with_store(store)
                 extra = (score_rows, scores, "weight") if mode == "weight" else ()
                 before = compiled()
                 with_tiles(stages, warps)
@@ -104,7 +167,7 @@ def main() -> None:
                     q, k, v, table, pos, page, kv_len, scale, *extra,  # noqa: B023
                     block_k=block_k, split_size=split, out=out))  # noqa: B023
                 pa.tile_config, pa.SCORE_STAGES = tile_config, SCORE_STAGES
-                row = {"n": n, "mode": mode, "block_k": block_k, "stages": stages,
+                row = {"n": n, "mode": mode, "store": store, "block_k": block_k, "stages": stages,
                        "warps": warps, "split": split, "us": us}
                 new = [kern for i, kern in compiled().items() if i not in before]
                 if new:  # the variants this setting compiled: registers per thread

@@ -8,7 +8,8 @@ one to profile, e.g. with Nsight Compute:
         python benchmarks/verify_kernel_once.py --score-block-k 128
 
 (launches in order: without scores, with scores, without, with; skip the first two).
-Shape: SmolLM2 (9 query heads, 3 kv heads, head dim 64), batch 64, 7 query rows at 7,500 tokens,
+Shape (default; see the options): SmolLM2 (9 query heads, 3 kv heads, head dim 64), batch 64,
+7 query rows at 7,500 tokens,
 weight scores of rows 0 and 6, random bf16 K/V behind a shuffled page table (as tile_sweep.py).
 """
 
@@ -19,7 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
-from tile_sweep import paged_cache
+from tile_sweep import LIBRARY_STORE, STORES, paged_cache, with_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vegas_spec.kernels.paged_attention as pa  # noqa: E402
@@ -29,9 +30,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--score-block-k", type=int, default=None,
                     help="key block of the score-emitting call (default: the library's)")
+    ap.add_argument("--store", choices=sorted(STORES), default=LIBRARY_STORE,
+                    help="how the scored pass keeps its logits (tile_sweep.py)")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=7500)
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this script runs CUDA kernels"
-    bsz, heads, hkv, dim, page, ctx, n = 64, 9, 3, 64, 16, 7500, 7
+    with_store(args.store)
+    bsz, heads, hkv, dim = args.batch, args.heads, args.kv_heads, args.head_dim
+    page, ctx, n = 16, args.context, 7
     table, k, v, kv_len = paged_cache(bsz, hkv, dim, ctx, page)
     q = torch.randn(bsz, n, heads, dim, device="cuda", dtype=torch.bfloat16)
     pos = torch.full((bsz, 1), ctx, device="cuda") + torch.arange(n, device="cuda")

@@ -117,3 +117,15 @@ def test_scores_sum_to_heads() -> None:
                     torch.tensor([2], device=DEVICE), scores, "weight")
     torch.testing.assert_close(scores.sum(-1), torch.full_like(scores.sum(-1), 4.0))
     assert (scores[1, :, :, 41:] == 0).all()
+
+
+@pytest.mark.parametrize("descriptor", [True, False], ids=["descriptor", "pointers"])
+@pytest.mark.parametrize("case", [CASES[2], CASES[7], CASES[10]], ids=case_id)
+def test_half_score_scratch(case: Case, descriptor: bool,
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """16-bit models keep weight-mode logits in float16, stored through the tensor descriptor
+    (one row block) or through pointers (several row blocks, or when switched off)."""
+    import vegas_spec.kernels.paged_attention as pa
+
+    monkeypatch.setattr(pa, "SCORE_DESCRIPTOR", descriptor)
+    run(case, torch.float16)

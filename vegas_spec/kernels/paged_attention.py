@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from vegas_spec.kernels.split_merge import (
     MIN_DOT,
@@ -64,19 +65,30 @@ MODES = {"weight": 1, "logit": 2}
 SCORE_BLOCK_K = 128
 SCORE_STAGES = 3
 SCORE_SPLIT_MAX = 2048
+# Weight-mode logits are kept in float16 when the model runs in 16 bits (half the scratch
+# bytes; |q.k| < 65504 always holds for the logits of a real model, whose softmax would
+# otherwise be one-hot), and stored through a tensor descriptor (one bulk copy per key block
+# instead of a tile of pointers held in registers) when the step has one row block.
+SCORE_HALF = True
+SCORE_DESCRIPTOR = True
 
 
 @triton.jit
-def _emit_scores(q_sc, k, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr,
-                 R_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
-                 MODE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr, sc_desc,
+                 desc_row, R_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
+                 MODE: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Raw q.k of the score rows only (q_sc [R_PAD * GROUP_PAD, D]) for one key block -> the
-    scratch. sc_base [R_PAD * GROUP_PAD] / r_base [R_PAD]: start of each lane's (weight) or
-    each row's (logit) scratch plane; sc_ok / r_ok: real lanes / rows."""
+    scratch. Weight mode: lane l of the tile goes to scratch row desc_row + l (a whole
+    [lanes, BLOCK_K] block through sc_desc when USE_DESC, else the real lanes through
+    sc_base [lanes] = row starts). Logit mode: summed over the group, r_base [R_PAD] = row
+    starts; sc_ok / r_ok: real lanes / rows."""
     s = tl.dot(q_sc, tl.trans(k), input_precision=DOT_PRECISION)  # [R_PAD * GROUP_PAD, K]
     if MODE == 1:
-        tl.store(sc_ptr + sc_base[:, None] + kpos[None, :], s,
-                 mask=sc_ok[:, None] & k_ok[None, :])
+        if USE_DESC:
+            sc_desc.store([desc_row, start], s.to(sc_desc.dtype))
+        else:
+            tl.store(sc_ptr + sc_base[:, None] + kpos[None, :], s.to(sc_ptr.dtype.element_ty),
+                     mask=sc_ok[:, None] & k_ok[None, :])
     else:
         # Padded head lanes hold q = 0, so they add nothing to the sum over the group.
         summed = tl.sum(tl.reshape(s, [R_PAD, GROUP_PAD, BLOCK_K]), axis=1)  # [R_PAD, K]
@@ -87,12 +99,12 @@ def _emit_scores(q_sc, k, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr,
 @triton.jit
 def _paged_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr,
-        out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, rows_ptr, sc_ptr,
-        n, H, Hkv, page_size, split_size, scale, rows_total, num_rows, width,
+        out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, rows_ptr, sc_ptr, sc_desc,
+        n, H, Hkv, page_size, split_size, scale, rows_total, num_rows, width, sc_width,
         stride_qb, stride_qn, stride_qh, stride_cs, stride_ch, stride_tb, stride_pb, stride_pn,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-        MODE: tl.constexpr, R_PAD: tl.constexpr, SINGLE: tl.constexpr,
+        MODE: tl.constexpr, R_PAD: tl.constexpr, USE_DESC: tl.constexpr, SINGLE: tl.constexpr,
         WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0) // Hkv
     kvh = tl.program_id(0) % Hkv
@@ -118,11 +130,12 @@ def _paged_split_kernel(
         q_sc = tl.load(q_ptr + b * stride_qb + sc_row[:, None] * stride_qn
                        + sc_head[:, None] * stride_qh + d[None, :],
                        mask=sc_ok[:, None] & d_ok[None, :], other=0.0)
-        sc_base = ((b * num_rows + sc_r).to(tl.int64) * H + sc_head) * width
+        desc_row = (b * Hkv + kvh) * (R_PAD * GROUP_PAD)  # weight mode: lane-major planes
+        sc_base = (desc_row + sc_lane).to(tl.int64) * sc_width
         r = tl.arange(0, R_PAD)
         r_row = tl.load(rows_ptr + r, mask=r < num_rows, other=0)
         r_ok = (r < num_rows) & (r_row // BLOCK_N == rb)
-        r_base = ((b * num_rows + r).to(tl.int64) * Hkv + kvh) * width
+        r_base = ((b * num_rows + r).to(tl.int64) * Hkv + kvh) * sc_width
 
     lo = split * split_size
     # causal: nothing past the last row; nothing past kv_len (= width), as the reference
@@ -140,8 +153,9 @@ def _paged_split_kernel(
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, K] float32
         if MODE != 0:
-            _emit_scores(q_sc, k, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr, R_PAD,
-                         GROUP_PAD, BLOCK_K, MODE, DOT_PRECISION)
+            _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr,
+                         sc_desc, desc_row, R_PAD, GROUP_PAD, BLOCK_K, MODE, USE_DESC,
+                         DOT_PRECISION)
         x = tl.where(kpos[None, :] <= pos[:, None], s * scale, float("-inf"))
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
@@ -151,15 +165,16 @@ def _paged_split_kernel(
 
 @triton.jit
 def _scores_kernel(sc_ptr, lse_ptr, rows_ptr, pos_ptr, out_ptr,
-                   n, H, Hkv, num_rows, width, out_width, scale,
+                   n, H, Hkv, num_rows, width, sc_width, out_width, scale,
                    stride_pb, stride_pn, stride_ob, stride_or, stride_og,
-                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
-                   MODE: tl.constexpr, PER_KV: tl.constexpr):
-    """One (sequence, score row, key block): scratch -> out [B, R, G, W] (R = num_rows)."""
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, LANES: tl.constexpr,
+                   BLOCK_W: tl.constexpr, MODE: tl.constexpr, PER_KV: tl.constexpr):
+    """One (sequence, score row, key block): scratch -> out [B, R, G, W] (R = num_rows).
+    Weight scratch [B, Hkv, LANES, sc_width] (lane = r * GROUP_PAD + head in group), logit
+    scratch [B, R, Hkv, sc_width]."""
     b = tl.program_id(0) // num_rows
     r = tl.program_id(0) % num_rows
     row = tl.load(rows_ptr + r).to(tl.int32)
-    plane = (b * num_rows + r).to(tl.int64)
     pos = tl.load(pos_ptr + b * stride_pb + row * stride_pn).to(tl.int32)
     w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     visible = (w <= pos) & (w < width)
@@ -168,14 +183,15 @@ def _scores_kernel(sc_ptr, lse_ptr, rows_ptr, pos_ptr, out_ptr,
     out_row = out_ptr + b * stride_ob + r * stride_or
     for g in range(Hkv):
         if MODE == 1:
-            h = g * GROUP + e
             h_ok = e < GROUP
-            x = tl.load(sc_ptr + (plane * H + h)[:, None] * width + w[None, :],
+            plane = (b * Hkv + g).to(tl.int64) * LANES + r * GROUP_PAD + e
+            x = tl.load(sc_ptr + plane[:, None] * sc_width + w[None, :],
                         mask=h_ok[:, None] & visible[None, :], other=float("-inf"))
-            lse = tl.load(lse_ptr + (b * n + row) * H + h, mask=h_ok, other=0.0)
-            val = tl.sum(tl.exp(x * scale - lse[:, None]), axis=0)
+            lse = tl.load(lse_ptr + (b * n + row) * H + g * GROUP + e, mask=h_ok, other=0.0)
+            val = tl.sum(tl.exp(x.to(tl.float32) * scale - lse[:, None]), axis=0)
         else:
-            val = tl.load(sc_ptr + (plane * Hkv + g) * width + w, mask=visible, other=0.0)
+            plane = (b * num_rows + r).to(tl.int64) * Hkv + g
+            val = tl.load(sc_ptr + plane * sc_width + w, mask=visible, other=0.0)
         if PER_KV:
             tl.store(out_row + g * stride_og + w, val, mask=w < out_width)
         else:
@@ -208,28 +224,47 @@ def _check_scores(rows: torch.Tensor, out: torch.Tensor, mode: str, bsz: int, hk
 
 @dataclass
 class _ScoreJob:
-    """mode 1 weight / 2 logit; rows [R]; out [B, R, G, W]; scratch [B, R, H or Hkv, L]
-    float32 logits (plane r of row rows[r]); lse [B, n, H] float32 (weight mode)."""
+    """mode 1 weight / 2 logit; rows [R]; out [B, R, G, W]; lse [B, n, H] float32 (weight
+    mode); scratch of raw logits: weight [B, Hkv, lanes, L'] (float16 for 16-bit models,
+    lane = r * group_pad + head in group, L' = L rounded up to 16 for the descriptor's row
+    stride), logit [B, R, Hkv, L] float32 (plane r of row rows[r])."""
 
     mode: int
     rows: torch.Tensor
     out: torch.Tensor
     scratch: torch.Tensor
     lse: torch.Tensor | None
+    r_pad: int
+
+    @property
+    def lanes(self) -> int:
+        return self.scratch.shape[2] if self.mode == 1 else 0
 
 
 def _score_job(rows: torch.Tensor | None, out: torch.Tensor | None, mode_name: str,
-               q: torch.Tensor, hkv: int, kv_len: int) -> _ScoreJob | None:
+               q: torch.Tensor, cfg: TileConfig, hkv: int, kv_len: int) -> _ScoreJob | None:
     if rows is None or rows.numel() == 0:
         return None
     assert out is not None, "score_rows needs score_out"
     bsz, n, heads, _ = q.shape
     _check_scores(rows, out, mode_name, bsz, hkv, kv_len)
     mode = MODES[mode_name]
+    r_pad = _rows_pad(rows.shape[0], cfg.group_pad, q.is_cuda)
     f32 = dict(dtype=torch.float32, device=q.device)
-    scratch = torch.empty(bsz, rows.shape[0], heads if mode == 1 else hkv, kv_len, **f32)
-    lse = torch.empty(bsz, n, heads, **f32) if mode == 1 else None
-    return _ScoreJob(mode, rows, out, scratch, lse)
+    if mode == 1:
+        half = SCORE_HALF and q.dtype != torch.float32
+        scratch = torch.empty(bsz, hkv, r_pad * cfg.group_pad, -(-kv_len // 16) * 16,
+                              dtype=torch.float16 if half else torch.float32, device=q.device)
+        lse = torch.empty(bsz, n, heads, **f32)
+    else:
+        scratch, lse = torch.empty(bsz, rows.shape[0], hkv, kv_len, **f32), None
+    return _ScoreJob(mode, rows, out, scratch, lse, r_pad)
+
+
+def _descriptor(job: _ScoreJob, block_k: int) -> TensorDescriptor:
+    """The weight scratch as a 2-D tensor of [lanes, block_k] blocks (rows: one per lane)."""
+    flat = job.scratch.view(-1, job.scratch.shape[-1])
+    return TensorDescriptor.from_tensor(flat, [job.lanes, block_k])
 
 
 def _rows_pad(rows: int, group_pad: int, gpu: bool) -> int:
@@ -240,18 +275,18 @@ def _rows_pad(rows: int, group_pad: int, gpu: bool) -> int:
 
 
 def _finalise_scores(job: _ScoreJob, positions: torch.Tensor, scale: float, cfg: TileConfig,
-                     hkv: int) -> None:
-    bsz, num_rows, _, width = job.scratch.shape
+                     hkv: int, width: int) -> None:
+    bsz, num_rows = job.out.shape[:2]
     out = job.out
     block_w = 512 if out.is_cuda else 64
     grid = (bsz * num_rows, triton.cdiv(out.shape[3], block_w))
     _scores_kernel[grid](
         job.scratch, job.scratch if job.lse is None else job.lse, job.rows,
         positions, out, positions.shape[1], hkv * cfg.group, hkv, num_rows, width,
-        out.shape[3], scale,
+        job.scratch.shape[-1], out.shape[3], scale,
         positions.stride(0), positions.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        GROUP=cfg.group, GROUP_PAD=cfg.group_pad, BLOCK_W=block_w, MODE=job.mode,
-        PER_KV=out.shape[2] > 1, num_warps=4)
+        GROUP=cfg.group, GROUP_PAD=cfg.group_pad, LANES=max(job.lanes, 1), BLOCK_W=block_w,
+        MODE=job.mode, PER_KV=out.shape[2] > 1, num_warps=4)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -281,7 +316,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if scored_gpu and split_size is None:
         size = min(size, max(SCORE_SPLIT_MAX // cfg.block_k, 1) * cfg.block_k)
     splits = triton.cdiv(kv_len, size)
-    job = _score_job(score_rows, score_out, score_mode, q, hkv, kv_len)
+    job = _score_job(score_rows, score_out, score_mode, q, cfg, hkv, kv_len)
+    use_desc = SCORE_DESCRIPTOR and job is not None and job.mode == 1 and row_blocks == 1
     out = output_buffer(q, out)
     parts = Partials.empty(splits, bsz * n, heads, dim, q.device) if splits > 1 else None
     lse = None if job is None else job.lse
@@ -290,16 +326,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out, out if lse is None else lse,
         *((out, out, out) if parts is None else (parts.acc, parts.m, parts.l)),
         positions if job is None else job.rows, out if job is None else job.scratch,
+        _descriptor(job, cfg.block_k) if use_desc else None,
         n, heads, hkv, page_size, size, scale, bsz * n, 0 if job is None else len(job.rows),
-        kv_len, q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
+        kv_len, kv_len if job is None else job.scratch.shape[-1],
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
         page_table.stride(0), positions.stride(0), positions.stride(1),
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, MODE=0 if job is None else job.mode,
-        R_PAD=1 if job is None else _rows_pad(len(job.rows), cfg.group_pad, q.is_cuda),
-        SINGLE=parts is None, WRITE_LSE=lse is not None, DOT_PRECISION=cfg.dot_precision,
+        R_PAD=1 if job is None else job.r_pad, USE_DESC=use_desc, SINGLE=parts is None,
+        WRITE_LSE=lse is not None, DOT_PRECISION=cfg.dot_precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if parts is not None:
         merge_splits(parts, out, lse)
     if job is not None:
-        _finalise_scores(job, positions, scale, cfg, hkv)
+        _finalise_scores(job, positions, scale, cfg, hkv, kv_len)
     return out
