@@ -65,12 +65,15 @@ MODES = {"weight": 1, "logit": 2}
 SCORE_BLOCK_K = 128
 SCORE_STAGES = 3
 SCORE_SPLIT_MAX = 2048
-# Weight-mode logits are kept in float16 when the model runs in 16 bits (half the scratch
-# bytes; |q.k| < 65504 always holds for the logits of a real model, whose softmax would
-# otherwise be one-hot), and stored through a tensor descriptor (one bulk copy per key block
-# instead of a tile of pointers held in registers) when the step has one row block.
-SCORE_HALF = True
-SCORE_DESCRIPTOR = True
+# Two other ways to keep the weight-mode logits, measured by benchmarks/tile_sweep.py
+# (--stores) and off by default: float16 logits for 16-bit models (half the scratch bytes),
+# and a store through a tensor descriptor (one bulk copy of the [lanes, block_k] tile per key
+# block instead of a tile of pointers in registers; steps with one row block). On an H200 at
+# the verify shape (n = 7, 2 score rows), µs per call with the merge and finalise kernels:
+# Llama-3.1-8B shape 16 x 32K: float32 pointers 704, float16 pointers 780, float16
+# descriptor 733; SmolLM2 64 x 7.5K: 176, 201, 168.
+SCORE_HALF = False
+SCORE_DESCRIPTOR = False
 
 
 @triton.jit

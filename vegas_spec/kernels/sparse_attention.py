@@ -28,6 +28,13 @@ from vegas_spec.kernels.split_merge import (
     tile_config,
 )
 
+# Keys per loop step on a GPU: 128 at every head dim. On an H200, draft step (n = 1), 5% budget
+# plus 64 recent, Llama-3.1-8B shape (benchmarks/tile_sweep.py --kernel sparse): 16 x 32K
+# 37.6 µs (2.97 TB/s) against 46.0 with 64-key blocks; 4 x 128K 42.5 µs (2.55 TB/s, 60% of
+# copy bandwidth) against 57.8. Gathered rows arrive from scattered pages, so more keys in
+# flight per program hide more latency; 4 pipeline stages were slower (42.1 / 46.6 µs).
+SPARSE_BLOCK_K = 128
+
 
 @triton.jit
 def _sparse_split_kernel(
@@ -120,7 +127,7 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     hkv = k_cache.shape[1]
     if indices.shape[2] == 0:  # nothing listed: keep a valid pointer
         indices = torch.full((bsz, 1, 1), -1, dtype=torch.int64, device=q.device)
-    cfg = tile_config(q, hkv, block_k)
+    cfg = tile_config(q, hkv, block_k or (SPARSE_BLOCK_K if q.is_cuda else None))
     row_blocks = triton.cdiv(n, cfg.block_n)
     length = indices.shape[2] + recent_max
     size = split_size_for(length, bsz * hkv * row_blocks, cfg.block_k, q.device, split_size)
