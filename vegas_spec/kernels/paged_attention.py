@@ -13,9 +13,11 @@ contexts are cut into key splits merged by `split_merge.merge_splits` (flash-dec
 Selection scores (ScoreRequest) ride on the same pass, so K is read once:
   * The split kernel also loads the queries of the requested rows as a small tile of their
     own (R rows x the kv head's query heads, padded to 16 lanes on a GPU) and, for every key
-    block it has loaded anyway, stores their raw logits q.k into a float32 scratch: one plane
-    per query head in "weight" mode [B, R, H, L], already summed over the query heads of the
-    kv head in "logit" mode [B, R, Hkv, L]. A row is emitted by the program of its row block.
+    block it has loaded anyway, stores their raw logits q.k into a float32 scratch: in
+    "weight" mode one plane per lane of that tile, [B, Hkv, lanes, L'] (lane = r * group_pad
+    + head in group; padding lanes are never read), in "logit" mode already summed over the
+    query heads of the kv head, [B, R, Hkv, L]. A row is emitted by the program of its row
+    block.
     (Storing from the full query tile instead, as a first version did, cost 22% more: 245
     against 201 µs per layer for the verify step of SmolLM2 at batch 64 x 7.5K on an H200.)
   * Weights need each head's final log-sum-exp, known only after the merge. A finalise kernel
@@ -29,8 +31,9 @@ Extra bytes of score emission, per layer and sequence with R score rows and L ke
 against 2·Hkv·D·L·itemsize bytes of K and V the attention reads anyway. For Qwen3-8B
 (H 32, Hkv 8, D 128, bf16) and Collect-2 (R = 2): weight 520 B per key vs 4096 B of K/V
 (+12.7 %), logit 136 B (+3.3 %); for R = γ+1 = 7 rows (collect all) weight is +44 %.
-Storing exp(scale·s − m_block) in fp16 with one running max per key block would halve the
-weight-mode cost; the float32 logits keep this kernel exact against the reference."""
+Half-precision logits would halve the weight-mode bytes, but measured they lose (SCORE_HALF
+below): the profile says the scored pass is limited by its two programs per SM, not by these
+bytes; the float32 logits also keep this kernel exact against the reference."""
 
 from __future__ import annotations
 
