@@ -3,9 +3,11 @@ with one engine (the same model, KV pool and requests) serving each method in tu
 
 Requests are essay prompts of --context tokens with output lengths drawn uniformly from
 [--min-tokens, --max-tokens] (ignore_eos, greedy), sent by --concurrency streaming clients
-until --requests have completed, after a warm-up of one request per client. The clients run in
-a child process, so that reading their streams does not compete with the server's engine
-thread for the interpreter. Per method:
+until --requests have completed, after an untimed warm-up (--warmup-requests, by default one
+per client; prefill graphs are captured at the first chunk of each shape, so a warm-up of the
+whole list measures the steady state). The clients run in a child process, so that reading
+their streams does not compete with the server's engine thread for the interpreter. Per
+method:
 
 - requests/s and output tokens/s (the tokens each response's usage chunk counts), and the
   latter's ratio to vanilla's (`vs_vanilla`, when vanilla runs) and to the first method's;
@@ -18,16 +20,19 @@ thread for the interpreter. Per method:
   before its first chunk), p50 and p99, and that p99 over the median of all gaps
   (`itl_admitting_p99_over_itl_p50`). The server records each step's end and prefill tokens;
   both processes read the same monotonic clock;
-- the share of decode time spent outside the device's work (`decode_host_share`): 1 - the
-  device time of the decode phases (CUDA events around the graph replays) over the wall time
-  of the decode steps: the host work of the loop. On CPU the phases are timed on the host.
+- the server's steps: how many, how many prefilled, and their durations;
+- the share of decode time spent outside the device's work (`decode_host_share`): over the
+  steps that prefilled nothing, 1 - the device time of their decode phases (CUDA events
+  around the graph replays) over their wall time: the host work of the loop. On CPU the
+  phases are timed on the host.
 
     python benchmarks/serve_load.py --device cuda --dtype bfloat16 --kv-cache-gb 40 \\
         --context 7500 --requests 256 --min-tokens 64 --max-tokens 512 --concurrency 64 \\
-        --methods vanilla vegas stream --out serve_load.json
+        --methods vanilla vegas stream --warmup-requests 256 --out serve_load.json
 
-The server half (torch, the engine, uvicorn) is imported in `main` only: the client process
-is spawned and imports this module again, and needs no more than httpx.
+--prefill-chunk sets the engine's per-step prefill budget (the ITL while admitting depends on
+it). The server half (torch, the engine, uvicorn) is imported in `main` only: the client
+process is spawned and imports this module again, and needs no more than httpx.
 """
 
 from __future__ import annotations
@@ -131,22 +136,55 @@ def run_load(url: str, work: list[tuple[list[int], int]], concurrency: int) -> l
 # --- the server (in this process) -----------------------------------------------------------
 
 
+def decode_device_s(engine: Any) -> float:
+    """Seconds so far of the decode phases, timed on the device (CUDA events)."""
+    totals = engine.runner.timer.totals
+    return sum(totals.get(k, 0.0) for k in DECODE_PHASES)
+
+
 @dataclass
 class StepLog:
-    """The end (perf_counter) of each engine step that prefilled prompt tokens, appended by
-    the engine thread after the step."""
+    """Appended by the engine thread after each step: the end (perf_counter) of each step
+    that prefilled prompt tokens, the seconds of each step, and over the steps that prefilled
+    nothing, their wall time and the device time of their decode phases. (A step's events are
+    read in its own decode; a prefill's device work can spill into the next step's wall
+    time, so steps that prefilled are left out of the host share.)"""
 
     prefill_ends: list[float] = field(default_factory=list)
-    steps: int = 0
+    prefill_s: list[float] = field(default_factory=list)
+    decode_s: list[float] = field(default_factory=list)
+    decode_device: float = 0.0
+    device_mark: float = 0.0  # decode_device_s after the last step
 
     def after(self, then: Callable[[Any], None]) -> Callable[[Any], None]:
         """An on_step hook that records the step, then calls `then` (the server's metrics)."""
         def hook(engine: Any) -> None:
-            self.steps += 1
-            if engine.last_step.prefill_tokens:
+            info, device = engine.last_step, decode_device_s(engine)
+            if info.prefill_tokens:
                 self.prefill_ends.append(time.perf_counter())
+                self.prefill_s.append(info.seconds)
+            else:
+                self.decode_s.append(info.seconds)
+                self.decode_device += device - self.device_mark
+            self.device_mark = device
             then(engine)
         return hook
+
+    def clear(self, engine: Any) -> None:
+        for values in (self.prefill_ends, self.prefill_s, self.decode_s):
+            values.clear()
+        self.decode_device, self.device_mark = 0.0, decode_device_s(engine)
+
+    def summary(self) -> dict:
+        wall = sum(self.decode_s)
+        return {"steps": len(self.prefill_s) + len(self.decode_s),
+                "prefill_steps": len(self.prefill_s),
+                "prefill_step_p50_s": pct(self.prefill_s, 50),
+                "prefill_step_max_s": max(self.prefill_s, default=None),
+                "decode_step_p50_s": pct(self.decode_s, 50),
+                "decode_step_p99_s": pct(self.decode_s, 99),
+                "decode_wall_s": wall, "decode_device_s": self.decode_device,
+                "decode_host_share": 1 - self.decode_device / wall if wall > 0 else None}
 
 
 def free_port() -> int:
@@ -176,12 +214,6 @@ def start(engine: Any, concurrency: int, log: StepLog) -> tuple[Any, threading.T
     return http, thread, f"http://127.0.0.1:{port}/v1/completions"
 
 
-def decode_times(engine: Any) -> tuple[float, float]:
-    """Seconds so far: the wall time of decode steps, the device time of decode phases."""
-    totals = engine.runner.timer.totals
-    return engine.wall["decode"], sum(totals.get(k, 0.0) for k in DECODE_PHASES)
-
-
 def measure(engine: Any, spec: Any, args: argparse.Namespace,
             work: list[tuple[list[int], int]], clients: Executor) -> dict:
     engine.set_spec(spec)
@@ -189,19 +221,17 @@ def measure(engine: Any, spec: Any, args: argparse.Namespace,
     log = StepLog()
     http, thread, url = start(engine, args.concurrency, log)
     try:
-        clients.submit(run_load, url, work[: args.concurrency], args.concurrency).result()
-        log.prefill_ends.clear()
-        log.steps, before = 0, decode_times(engine)
+        warmup = [work[i % len(work)] for i in range(args.warmup_requests or args.concurrency)]
+        clients.submit(run_load, url, warmup, args.concurrency).result()
+        log.clear(engine)
         t0 = time.perf_counter()
         results = clients.submit(run_load, url, work, args.concurrency).result()
         wall = time.perf_counter() - t0
-        after = decode_times(engine)
     finally:
         http.should_exit = True
         thread.join(timeout=120)
     return {"method": spec.method, **throughput(results, wall), **latency(results, log),
-            **host_share(before, after), "steps": log.steps,
-            "prefill_steps": len(log.prefill_ends)}
+            **log.summary()}
 
 
 # --- the figures ----------------------------------------------------------------------------
@@ -251,12 +281,6 @@ def latency(results: list[dict], log: StepLog) -> dict:
             "itl_admitting_p99_over_itl_p50": tail / median if tail and median else None}
 
 
-def host_share(before: tuple[float, float], after: tuple[float, float]) -> dict:
-    wall, device = after[0] - before[0], after[1] - before[1]
-    return {"decode_wall_s": wall, "decode_device_s": device,
-            "decode_host_share": 1 - device / wall if wall > 0 else None}
-
-
 def compare(rows: list[dict]) -> None:
     """Each method's output tokens/s over the first method's and over vanilla's."""
     rates = {r["method"]: r["output_tokens_per_s"] for r in rows}
@@ -283,6 +307,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gamma", type=int, default=6)
     p.add_argument("--ratio", type=float, default=0.05)
     p.add_argument("--methods", nargs="+", default=["vanilla", "vegas", "stream"])
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens prefilled per step (default: the engine's)")
+    p.add_argument("--warmup-requests", type=int, default=0,
+                   help="requests of the untimed warm-up (0: one per client)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="also write the report here (JSON)")
     args = p.parse_args(argv)
@@ -296,6 +324,10 @@ def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.min_tokens > args.max_tokens:
         p.error("--min-tokens must not exceed --max-tokens")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        p.error("--prefill-chunk must be at least 1")
+    if args.warmup_requests < 0:
+        p.error("--warmup-requests must be at least 0")
     if args.kv_cache_gb <= 0:
         p.error("--kv-cache-gb must be positive")
     if len(set(args.methods)) != len(args.methods):
@@ -314,7 +346,8 @@ def main(argv: list[str] | None = None) -> None:
                  for m in args.methods]
         engine = LLMEngine(args.model, speculative=specs[0], device=args.device,
                            dtype=args.dtype, max_num_seqs=args.concurrency,
-                           kv_cache_bytes=int(args.kv_cache_gb * 2**30))
+                           kv_cache_bytes=int(args.kv_cache_gb * 2**30),
+                           prefill_chunk=args.prefill_chunk)
     except ConfigError as e:
         raise SystemExit(f"serve_load.py: {e}") from None
     work = workload(load_tokenizer(resolve(args.model)), args)

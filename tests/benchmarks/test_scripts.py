@@ -95,6 +95,8 @@ def test_serve_load_reports_throughput_and_latency_per_method(tmp_path: Path) ->
             assert 0 < r["itl_admitting_p50_s"] <= r["itl_admitting_p99_s"]
             assert r["itl_admitting_p99_over_itl_p50"] > 0
         assert 0 <= r["decode_host_share"] <= 1 and r["decode_wall_s"] > 0
-        assert r["steps"] >= r["prefill_steps"] >= 2
+        assert r["steps"] > r["prefill_steps"] >= 2
+        assert 0 < r["prefill_step_p50_s"] <= r["prefill_step_max_s"]
+        assert 0 < r["decode_step_p50_s"] <= r["decode_step_p99_s"]
     assert rows[0]["vs_vanilla"] == 1.0
     assert rows[1]["vs_vanilla"] == rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"]
