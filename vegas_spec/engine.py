@@ -320,7 +320,7 @@ class LLM:
                 for i, (p, sp) in enumerate(zip(prompts, params_list))]
         self._warn_capped(seqs, named)
         # Buffers (and CUDA graphs) for the largest batch these prompts can form, made once:
-        # sized from the first admission, a later and larger one would be held to it.
+        # sized from the first admission, they would hold a later, larger batch to its rows.
         self.runner.reserve(engine.scheduler.max_resident(seqs))
         stats, wall, iterations = self._start_stats(spec, seqs)
         try:
