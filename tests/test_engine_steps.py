@@ -134,22 +134,80 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(
     assert final[late].token_ids == alone["vegas"][4]
 
 
-def test_abort_frees_the_row_and_pages_and_leaves_others_intact(
-        tiny: Path, prompts: list[list[int]], alone: dict[str, list[list[int]]]) -> None:
-    """One request is aborted while it decodes, one while it waits for a row."""
-    engine = LLMEngine(str(tiny), speculative=spec_of({"method": "quest"}), static_shapes=True,
-                       max_num_seqs=3, **ENGINE)
-    free = len(engine.runner.cache.free_pages)
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("method", ["vegas", "quest"])
+def test_abort_frees_the_row_and_pages_before_the_next_step(
+        tiny: Path, prompts: list[list[int]], alone: dict[str, list[list[int]]], method: str,
+        static: bool) -> None:
+    """One request is aborted while it decodes, one while it waits for a row: both give their
+    pages back at once, the decoding one's row leaves before the next iteration (the others
+    keep the plans already made for them) and neither gives another output."""
+    engine = LLMEngine(str(tiny), speculative=spec_of({"method": method}),
+                       static_shapes=static, max_num_seqs=3, **ENGINE)
+    cache = engine.runner.cache
+    free = len(cache.free_pages)
     rids = [engine.add_request(p, params(n)) for p, n in zip(prompts[:3], (40, 5, 9))]
     queued = engine.add_request(prompts[3], params(5))
     engine.step()
     engine.step()
-    assert engine.num_waiting == 1 and engine.num_running == 3
+    assert engine.num_waiting == 1 and engine.num_running == 3 and engine.runner.rows == 3
+    gone = engine.seqs[rids[0]]
+    held = len(gone.pages)
+    before = len(cache.free_pages)
     assert engine.abort(rids[0]) and engine.abort(queued)
-    assert not engine.abort("no-such-request") and engine.num_waiting == 0
+    assert not engine.abort("no-such-request") and not engine.abort(rids[0])
+    assert engine.num_waiting == 0 and engine.num_running == 2
+    assert len(cache.free_pages) == before + held and not gone.pages
+    batch = engine.runner.batch
+    assert batch is not None and all(s is not gone for s in batch.seqs)
+    if static:
+        assert engine.runner.graphs is not None and engine.runner.graphs.rows == 2
+    decoded = []
+    decode = engine.runner.decode
+
+    def recording() -> Any:
+        out = decode()
+        decoded.append(out.seqs)
+        return out
+
+    engine.runner.decode = recording  # type: ignore[method-assign]
     final: dict[str, RequestOutput] = {}
     while engine.has_unfinished():
         final.update({o.request_id: o for o in engine.step()})
-    assert final[rids[0]].finish_reason == "abort" and queued not in final
-    assert [final[r].token_ids for r in rids[1:]] == alone["quest"][1:3]
-    assert len(engine.runner.cache.free_pages) == free and engine.runner.batch is None
+    assert decoded and all(s is not gone for seqs in decoded for s in seqs)
+    assert rids[0] not in final and queued not in final
+    assert [final[r].token_ids for r in rids[1:]] == alone[method][1:3]
+    assert len(cache.free_pages) == free and engine.runner.batch is None
+
+
+def test_offline_buffers_are_sized_for_the_largest_batch_the_prompts_form(
+        tiny: Path, prompts: list[list[int]]) -> None:
+    """A long prompt first takes most of the pool, so the first admission is two rows; once it
+    finishes, the four short ones run together. The buffers are made once, before the first
+    step, for the four (not the first admission's two), and every output is its alone one."""
+    spec = spec_of({"method": "vegas"})
+    probe = LLM(str(tiny), static_shapes=True, **ENGINE)
+    page_bytes = probe.cache.bytes_per_page
+    long_prompt = [3 + i % (VOCAB - 3) for i in range(400)]
+    work = [(long_prompt, 4)] + [(p, 12) for p in prompts[:4]]
+    want = [probe.generate([p], params(n), speculative=spec)[0].token_ids for p, n in work]
+    need = [probe.cache.pages_for(len(p) + n + spec.gamma + 1) for p, n in work]
+    del probe
+    pool = need[0] + need[1]  # the long one and one short one; later all four short ones
+    assert sum(need[1:]) <= pool < need[0] + need[1] + need[2]
+    llm = LLM(str(tiny), static_shapes=True, max_num_seqs=8, load_format="dummy",
+              kv_cache_bytes=(pool + 1) * page_bytes)  # + the padding rows' scratch page
+    runners, running = [], []
+    step = llm.engine.step
+
+    def counting() -> list[RequestOutput]:
+        running.append(llm.engine.num_running)
+        out = step()
+        runners.append(llm.graphs)
+        return out
+
+    llm.engine.step = counting  # type: ignore[method-assign]
+    outs = llm.generate([p for p, _ in work], [params(n) for _, n in work], speculative=spec)
+    assert [o.token_ids for o in outs] == want
+    assert len({id(r) for r in runners}) == 1 and runners[0].capacity == 4
+    assert max(running) == 4

@@ -179,14 +179,14 @@ class LLMEngine:
         return seq.request_id
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request: a queued or prefilling one gives its pages back now, a decoding
-        one when its row leaves the batch after the next iteration. -> whether it was known."""
+        """Stop a request now: queued, prefilling or decoding, its row and pages are free
+        before the next step runs, and it gives no further output. -> whether it was known."""
         seq = self.seqs.get(request_id)
         if seq is None or seq.finished:
             return False
         seq.finish("abort")
-        if not self._in_batch(seq):
-            self._release(seq)
+        self.runner.drop(seq)
+        self._release(seq)
         return True
 
     def abort_all(self) -> None:
@@ -206,10 +206,6 @@ class LLMEngine:
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
-
-    def _in_batch(self, seq: Sequence) -> bool:
-        batch = self.runner.batch
-        return batch is not None and any(s is seq for s in batch.seqs)
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
@@ -233,7 +229,7 @@ class LLMEngine:
         info.seconds = t2 - t0
         outs = [self._output(s) for s in touched.values()]
         for seq in touched.values():
-            if seq.finished and not self._in_batch(seq):
+            if seq.finished:  # its row, if it had one, left in `select`
                 self._release(seq)
         return outs
 
@@ -249,8 +245,7 @@ class LLMEngine:
         if not done:
             return
         for seq, tok in zip(done, first):
-            if not seq.finished:  # aborted while it prefilled
-                seq.append([tok])
+            seq.append([tok])
             touched[seq.request_id] = seq
         runner.join([s for s in done if not s.finished])
 
@@ -258,16 +253,11 @@ class LLMEngine:
         out = self.runner.decode()
         self.iterations += 1
         for seq, tokens, budget in zip(out.seqs, out.tokens, out.budgets):
-            if seq.finished:  # aborted: its row leaves now
-                continue
             info.emitted.append(len(tokens))
             seq.stats.record(len(tokens), budget)
             seq.append(tokens)
             touched[seq.request_id] = seq
         self.runner.select()
-        for seq in out.seqs:
-            if seq.finished and seq.request_id in self.seqs:
-                touched.setdefault(seq.request_id, seq)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         text, ids = seq.delta()
@@ -329,6 +319,9 @@ class LLM:
         seqs = [engine.sequence(p, sp, chat, i if named else None)
                 for i, (p, sp) in enumerate(zip(prompts, params_list))]
         self._warn_capped(seqs, named)
+        # Buffers (and CUDA graphs) for the largest batch these prompts can form, made once:
+        # sized from the first admission, they would hold a later, larger batch to its rows.
+        self.runner.reserve(engine.scheduler.max_resident(seqs))
         stats, wall, iterations = self._start_stats(spec, seqs)
         try:
             for seq in seqs:

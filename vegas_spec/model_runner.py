@@ -38,7 +38,7 @@ from vegas_spec.sampling import BatchSampling, next_tokens, probs, sample
 from vegas_spec.scheduler import Piece
 from vegas_spec.sequence import Sequence
 from vegas_spec.speculative.acceptance import accept_greedy, accept_sampling
-from vegas_spec.speculative.planning import cat_plans
+from vegas_spec.speculative.planning import cat_plans, take_plan
 from vegas_spec.speculative.policies import Policy, SelectionInput, make_policy, max_budget
 from vegas_spec.stats import PhaseTimer
 
@@ -548,21 +548,44 @@ class ModelRunner:
         assert batch is not None and rnd is not None
         self._round = None
         alive = [i for i, s in enumerate(batch.seqs) if not s.finished]
+        if len(alive) < len(batch.seqs):
+            idx = self._keep_rows(alive)
+            if idx is None:
+                return
+            rnd = _Round(None if rnd.scores is None else rnd.scores[:, idx], rnd.row[idx],
+                         rnd.accepted[idx], rnd.planned)
+        if rnd.planned:
+            return
+        assert self.batch is not None
+        self.batch.plan = self._plan(self.batch, rnd.scores, rnd.row, rnd.accepted, 0)
+
+    @torch.inference_mode()
+    def drop(self, seq: Sequence) -> None:
+        """A sequence that leaves between steps (aborted): its row goes now, before the next
+        iteration, and the survivors keep the plans already made for them; a prompt found
+        whole in the prefix cache and not yet run is forgotten."""
+        self._whole.pop(id(seq), None)
+        batch = self.batch
+        if batch is None or not any(s is seq for s in batch.seqs):
+            return
+        idx = self._keep_rows([i for i, s in enumerate(batch.seqs) if s is not seq])
+        if idx is not None and self.batch is not None:
+            self.batch.plan = take_plan(batch.plan, idx)  # static shapes: moved in the buffers
+
+    def _keep_rows(self, alive: list[int]) -> torch.Tensor | None:
+        """Only rows `alive` stay, moved down in order (their buffer rows with them) -> their
+        indices on the device (None: no row is left). The dynamic plan is dropped."""
         if not alive:
             self.batch = None
             if self.graphs is not None:
                 self.graphs.condense([], self._upload([]))
-            return
-        if len(alive) < len(batch.seqs):
-            idx = self._upload(alive)
-            rnd = _Round(None if rnd.scores is None else rnd.scores[:, idx], rnd.row[idx],
-                         rnd.accepted[idx], rnd.planned)
-            batch = self.batch = batch.keep(alive, idx)
-            if self.graphs is not None:
-                self.graphs.condense(alive, idx)
-        if rnd.planned:
-            return
-        batch.plan = self._plan(batch, rnd.scores, rnd.row, rnd.accepted, 0)
+            return None
+        assert self.batch is not None
+        idx = self._upload(alive)
+        self.batch = self.batch.keep(alive, idx)
+        if self.graphs is not None:
+            self.graphs.condense(alive, idx)
+        return idx
 
     def _plan(self, batch: Batch, scores: torch.Tensor | None, row: torch.Tensor,
               accepted: torch.Tensor, start: int) -> SparsePlan | None:

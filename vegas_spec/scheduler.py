@@ -64,6 +64,17 @@ class Scheduler:
             admitted.append(seq)
         return admitted
 
+    def max_resident(self, seqs: list[Sequence]) -> int:
+        """The most of `seqs` that could ever run at once: at most max_num_seqs, and no more
+        than the free pages hold, the smallest sequences counted first."""
+        left, count = len(self.pool.free_pages), 0
+        for need in sorted(self.pool.pages_for(s.kv_tokens) for s in seqs):
+            if need > left or count == self.max_num_seqs:
+                break
+            left -= need
+            count += 1
+        return count
+
     def prefill_pieces(self) -> list[Piece]:
         """The prompt positions to prefill in this step: at most prefill_budget tokens,
         running sequences in admission order, a prompt cut where the budget ends."""

@@ -73,3 +73,30 @@ def test_cpu_methods_is_vegas_bench(tmp_path: Path) -> None:
                                                  "essays|96|1|vegas|g6|r0.05"]
     assert data["cells"][1]["token_ids"] == data["cells"][0]["token_ids"]
     assert (out / "report.md").exists()
+
+
+def test_serve_load_reports_throughput_and_latency_per_method(tmp_path: Path) -> None:
+    """Two methods behind the real server with the embedded model, three short requests two
+    at a time: every figure of the report is there and sane."""
+    out = tmp_path / "serve.json"
+    run("serve_load.py", "--context", "48", "--requests", "3", "--min-tokens", "5",
+        "--max-tokens", "8", "--concurrency", "2", "--gamma", "2", "--kv-cache-gb", "0.0625",
+        "--methods", "vanilla", "vegas", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["vanilla", "vegas"]
+    for r in rows:
+        assert r["requests"] == 3 and r["requests_per_s"] > 0 and r["output_tokens_per_s"] > 0
+        assert r["output_tokens"] == r["asked_tokens"] and 15 <= r["asked_tokens"] <= 24
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
+        assert r["itl_gaps"] >= 2 and 0 < r["itl_p50_s"] <= r["itl_p99_s"]
+        assert 0 < r["itl_per_token_s"]
+        assert 0 <= r["itl_admitting_gaps"] <= r["itl_gaps"]
+        if r["itl_admitting_gaps"]:
+            assert 0 < r["itl_admitting_p50_s"] <= r["itl_admitting_p99_s"]
+            assert r["itl_admitting_p99_over_itl_p50"] > 0
+        assert 0 <= r["decode_host_share"] <= 1 and r["decode_wall_s"] > 0
+        assert r["steps"] > r["prefill_steps"] >= 2
+        assert 0 < r["prefill_step_p50_s"] <= r["prefill_step_max_s"]
+        assert 0 < r["decode_step_p50_s"] <= r["decode_step_p99_s"]
+    assert rows[0]["vs_vanilla"] == 1.0
+    assert rows[1]["vs_vanilla"] == rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"]

@@ -135,6 +135,26 @@ def test_greedy_chat_equals_generate(served: Running, offline: LLM) -> None:
     assert chunks[-1].choices[0].finish_reason == reason
 
 
+def test_a_stream_that_asks_for_usage_ends_with_it(served: Running) -> None:
+    """stream_options.include_usage: one more chunk, no choices, the whole request's usage
+    (what a load generator counts tokens by)."""
+    client = served.client()
+    kw: dict[str, Any] = dict(model=MODEL, max_tokens=7, temperature=0, stream=True,
+                              stream_options={"include_usage": True},
+                              extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(prompt=PROMPTS[0], **kw))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
+    assert chunks[-2].choices[0].finish_reason == "length"
+    chat = list(client.chat.completions.create(
+        messages=[{"role": "user", "content": "Hi"}], **kw))
+    assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == 7
+    assert chat[-1].usage.prompt_tokens > 0
+    plain = httpx.post(f"{served.url}/v1/completions", timeout=300, json={
+        "model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}})
+    assert plain.status_code == 400
+    assert plain.json()["error"]["param"] == "stream_options"
+
+
 def test_concurrent_requests_complete_and_match_offline(served: Running, offline: LLM) -> None:
     """Ten requests at once, of different lengths and settings (greedy and seeded sampling,
     stop strings, streamed and not): each gives its offline text."""

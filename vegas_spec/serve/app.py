@@ -34,6 +34,7 @@ from vegas_spec.serve.protocol import (
     completion_body,
     new_id,
     usage,
+    usage_chunk,
 )
 from vegas_spec.tokenizer import encode_chat
 
@@ -97,7 +98,7 @@ def build_app(server: Server) -> FastAPI:
         prompt = body.single_prompt()
         params = _params(body)
         build = lambda e: e.sequence(prompt, params)  # noqa: E731
-        return await _serve(server, request, build, body.stream, False)
+        return await _serve(server, request, build, body, False)
 
     @v1.post("/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
@@ -106,7 +107,7 @@ def build_app(server: Server) -> FastAPI:
         params = _params(body)
         messages = [m.model_dump() for m in body.messages]
         build = lambda e: e.sequence(encode_chat(e.tokenizer, messages), params)  # noqa: E731
-        return await _serve(server, request, build, body.stream, True)
+        return await _serve(server, request, build, body, True)
 
     app.include_router(v1)
     return app
@@ -120,7 +121,7 @@ def _params(body: CompletionRequest | ChatRequest) -> Any:
 
 
 async def _serve(server: Server, request: Request, build: Callable[[LLMEngine], Sequence],
-                 stream: bool, chat: bool) -> Response:
+                 body: CompletionRequest | ChatRequest, chat: bool) -> Response:
     """Queue the request; its first output (or its error) arrives before the response
     starts, so that a refused request gets its status code."""
     outputs = server.engine.generate(build)
@@ -131,8 +132,9 @@ async def _serve(server: Server, request: Request, build: Callable[[LLMEngine], 
     except ConfigError as e:  # the prompt checks (PromptError too)
         raise APIError(400, str(e), param="messages" if chat else "prompt") from None
     rid = new_id("chatcmpl" if chat else "cmpl")
-    if stream:
-        events = _events(server, outputs, first, rid, chat, request)
+    if body.stream:
+        with_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = _events(server, outputs, first, rid, chat, with_usage)
         return StreamingResponse(events, media_type="text/event-stream")
     last = await _last(server, outputs, first, request)
     if last is None:  # the client went away
@@ -165,9 +167,10 @@ def _final(server: Server, out: RequestOutput, rid: str, chat: bool) -> dict[str
 
 
 async def _events(server: Server, outputs: AsyncIterator[RequestOutput], out: RequestOutput,
-                  rid: str, chat: bool, request: Request) -> AsyncIterator[str]:
+                  rid: str, chat: bool, with_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: one chunk per step's text delta, the finish reason in the last,
-    then [DONE]. Cancelled when the client disconnects: the generator's close aborts."""
+    the usage in one more chunk when asked for, then [DONE]. Cancelled when the client
+    disconnects: the generator's close aborts."""
     model = server.model_name
     try:
         if chat:
@@ -182,6 +185,9 @@ async def _events(server: Server, outputs: AsyncIterator[RequestOutput], out: Re
                 break
             out = await anext(outputs)
         _count(server, out)
+        if with_usage:
+            use = usage(len(out.prompt_token_ids), len(out.token_ids))
+            yield _sse(usage_chunk(rid, model, chat, use))
         yield "data: [DONE]\n\n"
     finally:
         await outputs.aclose()

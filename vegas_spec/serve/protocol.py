@@ -26,6 +26,10 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+class StreamOptions(BaseModel):
+    include_usage: bool = False  # one more chunk before [DONE]: no choices, the usage
+
+
 class _Request(BaseModel):
     # Fields the API defines but this server does not implement are refused by name below;
     # anything else unknown is ignored, as OpenAI's own server does with e.g. `user`.
@@ -38,6 +42,7 @@ class _Request(BaseModel):
     top_k: int = Field(default=0, ge=0)
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     seed: int | None = None
     n: int = 1
     ignore_eos: bool = False
@@ -46,6 +51,9 @@ class _Request(BaseModel):
     frequency_penalty: float = 0.0
 
     def check_supported(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true",
+                           param="stream_options")
         if self.n != 1:
             raise APIError(400, "n > 1 is not supported: one choice per request", param="n")
         if self.logprobs not in (None, False):
@@ -119,6 +127,13 @@ def chat_body(rid: str, model: str, text: str, finish: str | None,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "logprobs": None, "finish_reason": finish}],
             "usage": use}
+
+
+def usage_chunk(rid: str, model: str, chat: bool, use: dict[str, int]) -> dict[str, Any]:
+    """The last chunk of a stream that asked for usage: no choices."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model,
+            "choices": [], "usage": use}
 
 
 def chat_chunk(rid: str, model: str, delta: dict[str, str], finish: str | None,

@@ -1,6 +1,7 @@
 """Plans of a batch whose rows come and go: a sparse plan is row-independent (each row's
 indices, recent range and budget depend on that row alone), so joining sequences' plans are
-appended to the running rows' plans, which stay as they are."""
+appended to the running rows' plans, which stay as they are, and the rows of sequences that
+leave between rounds are cut out of it."""
 
 from __future__ import annotations
 
@@ -23,6 +24,21 @@ def cat_plans(a: SparsePlan | None, b: SparsePlan | None) -> SparsePlan | None:
         selector = cat_quest(a.selector, b.selector)
     return SparsePlan(indices, torch.cat([a.recent_start, b.recent_start]),
                       max(a.recent_max, b.recent_max), torch.cat([a.budget, b.budget]), selector)
+
+
+def take_plan(plan: SparsePlan | None, idx: torch.Tensor) -> SparsePlan | None:
+    """The rows idx [B'] of a plan, in that order (None: full drafts)."""
+    if plan is None:
+        return None
+    selector = plan.selector
+    if selector is not None:
+        assert isinstance(selector, QuestSelector), "only quest selects inside its drafts"
+        selector = QuestSelector([(lo[idx], hi[idx]) for lo, hi in selector.bounds],
+                                 selector.rankable[idx], selector.n_pages[idx], selector.page,
+                                 selector.max_pages)
+    indices = None if plan.indices is None else plan.indices[:, idx]  # [layers, B', G, K]
+    return SparsePlan(indices, plan.recent_start[idx], plan.recent_max, plan.budget[idx],
+                      selector)
 
 
 def cat_quest(a: QuestSelector, b: QuestSelector) -> QuestSelector:
