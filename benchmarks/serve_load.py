@@ -30,8 +30,9 @@ method:
         --context 7500 --requests 256 --min-tokens 64 --max-tokens 512 --concurrency 64 \\
         --methods vanilla vegas stream --warmup-requests 256 --out serve_load.json
 
---prefill-chunk sets the engine's per-step prefill budget (the ITL while admitting depends on
-it). The server half (torch, the engine, uvicorn) is imported in `main` only: the client
+--prefill-chunk sets the engine's per-step prefill budget and --prefill-pacing (default 1, as
+`vegas serve`) how much of it a step may use while requests decode: the ITL while admitting
+depends on both. The server half (torch, the engine, uvicorn) is imported in `main` only: the client
 process is spawned and imports this module again, and needs no more than httpx.
 """
 
@@ -309,6 +310,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=["vanilla", "vegas", "stream"])
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens prefilled per step (default: the engine's)")
+    p.add_argument("--prefill-pacing", type=float, default=1.0,
+                   help="the engine's prefill pacing, as `vegas serve --prefill-pacing` (0: off)")
     p.add_argument("--warmup-requests", type=int, default=0,
                    help="requests of the untimed warm-up (0: one per client)")
     p.add_argument("--seed", type=int, default=0)
@@ -326,6 +329,8 @@ def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--min-tokens must not exceed --max-tokens")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         p.error("--prefill-chunk must be at least 1")
+    if args.prefill_pacing < 0:
+        p.error("--prefill-pacing must be at least 0")
     if args.warmup_requests < 0:
         p.error("--warmup-requests must be at least 0")
     if args.kv_cache_gb <= 0:
@@ -347,7 +352,8 @@ def main(argv: list[str] | None = None) -> None:
         engine = LLMEngine(args.model, speculative=specs[0], device=args.device,
                            dtype=args.dtype, max_num_seqs=args.concurrency,
                            kv_cache_bytes=int(args.kv_cache_gb * 2**30),
-                           prefill_chunk=args.prefill_chunk)
+                           prefill_chunk=args.prefill_chunk,
+                           prefill_pacing=args.prefill_pacing or None)
     except ConfigError as e:
         raise SystemExit(f"serve_load.py: {e}") from None
     work = workload(load_tokenizer(resolve(args.model)), args)

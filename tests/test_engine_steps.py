@@ -15,6 +15,7 @@ from conftest import TINY_IDS, TINY_METHODS
 
 from vegas_spec import SamplingParams, SpecConfig
 from vegas_spec.engine import LLM, LLMEngine, RequestOutput
+from vegas_spec.scheduler import PrefillPacer
 
 VOCAB = 256
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 64,
@@ -131,6 +132,30 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(
     final: dict[str, RequestOutput] = {}
     while engine.has_unfinished():
         final.update({o.request_id: o for o in engine.step()})
+    assert final[late].token_ids == alone["vegas"][4]
+
+
+def test_paced_prefill_takes_the_pacers_budget_while_others_decode(
+        tiny: Path, prompts: list[list[int]], alone: dict[str, list[list[int]]]) -> None:
+    """With prefill pacing, a step prefills at most the pacer's budget (here frozen at 30
+    tokens) while a row decodes, the whole prompt when nothing decodes, and outputs stay
+    the ones of each request alone."""
+    engine = LLMEngine(str(tiny), speculative=spec_of({"method": "vegas"}), prefill_pacing=1.0,
+                       **ENGINE)
+    assert engine.pacer is not None
+    first = engine.add_request(prompts[3], params(MAX_TOKENS[3]))
+    engine.step()
+    assert engine.last_step.prefill_tokens == len(prompts[3])  # nothing decoding: all of it
+    engine.pacer = PrefillPacer(ceiling=engine.pacer.ceiling, floor=16, smoothing=0.0,
+                                decode_s=0.010, token_s=0.010 / 30)
+    late = engine.add_request(prompts[4], params(MAX_TOKENS[4]))
+    final: dict[str, RequestOutput] = {}
+    prefilled = []
+    while engine.has_unfinished():
+        final.update({o.request_id: o for o in engine.step()})
+        prefilled.append(engine.last_step.prefill_tokens)
+    assert prefilled[:3] == [30, 30, 30] and sum(prefilled) == len(prompts[4])
+    assert final[first].token_ids == alone["vegas"][3]
     assert final[late].token_ids == alone["vegas"][4]
 
 

@@ -122,6 +122,10 @@ def _serve_parser(sub: argparse._SubParsersAction, methods: tuple[str, ...],
     s.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting for a row; past it the server answers 429")
     s.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1")
+    s.add_argument("--prefill-pacing", type=float, default=1.0,
+                   help="while requests decode, prefill about this many decode iterations' "
+                        "time of prompt tokens per step, so arriving prompts stretch "
+                        "inter-token latency by at most ~1+this (0: no pacing)")
     s.add_argument("--served-model-name",
                    help="the model's name in the API (default: the model file or folder name)")
 
@@ -321,8 +325,10 @@ def serve(args: argparse.Namespace) -> int:
     from vegas_spec.serve.app import serve as run
 
     # a --config settings file has set the speculative options' defaults
+    pacing = args.prefill_pacing or None  # 0: off
     engine = LLMEngine(args.model, speculative=_spec(args, args.method),
-                       max_num_seqs=args.max_num_seqs, **_engine_kwargs(args))
+                       max_num_seqs=args.max_num_seqs, prefill_pacing=pacing,
+                       **_engine_kwargs(args))
     engine.runner.reserve(args.max_num_seqs)  # every bucket's graphs, before the first request
     name = args.served_model_name or engine.source.path.name
     run(engine, name, args.host, args.port, args.max_queue, args.api_key)

@@ -327,6 +327,11 @@ class EngineConfig:
     # across forwards): bounds the activations, never the prompt length. None: as many as
     # keep a forward's activations near PREFILL_ACTIVATION_BYTES (`prefill_tokens`).
     prefill_chunk: int | None = None
+    # While rows decode, prefill about this many decode iterations' time worth of prompt tokens
+    # per step (scheduler.PrefillPacer), so that arriving prompts stretch the running
+    # requests' inter-token latency by at most about 1 + this; None: every step may prefill
+    # prefill_chunk tokens (the most throughput, the longest stalls).
+    prefill_pacing: float | None = None
     backend: str = "auto"
     prefix_cache_bytes: int = 0  # > 0: keep prompt KV of up to this many bytes for reuse
     load_format: str = "auto"  # "dummy": random weights from the config, for timing
@@ -347,6 +352,10 @@ class EngineConfig:
                                                or self.prefill_chunk < 1):
             raise ConfigError(f"prefill_chunk must be an integer >= 1, got "
                               f"{self.prefill_chunk!r} (None: sized by the activation budget)")
+        if self.prefill_pacing is not None and (not _is_number(self.prefill_pacing)
+                                                or not 0.0 < self.prefill_pacing <= 100.0):
+            raise ConfigError(f"prefill_pacing must be a number in (0, 100] (None: off), got "
+                              f"{self.prefill_pacing!r}")
         if self.kv_cache_bytes is not None:
             if not _is_number(self.kv_cache_bytes) or self.kv_cache_bytes < 1:
                 raise ConfigError("kv_cache_bytes must be a positive number of bytes (None: "

@@ -34,7 +34,8 @@ from vegas_spec.config import (
 from vegas_spec.graphs import GraphRunner, StaticShapes
 from vegas_spec.model_runner import ModelRunner
 from vegas_spec.models.loader import resolve
-from vegas_spec.scheduler import Scheduler
+from vegas_spec.prefill_graphs import bucket_floor
+from vegas_spec.scheduler import PrefillPacer, Scheduler
 from vegas_spec.sequence import Detokenizer, Sequence
 from vegas_spec.speculative.policies import Policy
 from vegas_spec.stats import PhaseTimer, RunStats, SeqStats
@@ -88,8 +89,10 @@ class LLMEngine:
             check_memory(self.config.kv_cache_bytes, torch.device(self.config.device))
         self.source = resolve(model)
         self.runner = ModelRunner(self.config, self.source, self.spec)
-        self.scheduler = Scheduler(self.runner.cache, max_num_seqs,
-                                   self.config.prefill_tokens(self.runner.model_config))
+        budget = self.config.prefill_tokens(self.runner.model_config)
+        self.scheduler = Scheduler(self.runner.cache, max_num_seqs, budget)
+        pacing = self.config.prefill_pacing
+        self.pacer = None if pacing is None else PrefillPacer(budget, pacing)
         self._tokenizer = None
         self._ids = itertools.count()
         self.seqs: dict[str, Sequence] = {}
@@ -121,6 +124,8 @@ class LLMEngine:
             raise ConfigError("the decoding method cannot change while requests run")
         self.spec = spec
         self.runner.set_spec(spec)
+        if self.pacer is not None:  # another method's steps take other times
+            self.pacer = PrefillPacer(self.pacer.ceiling, self.pacer.ratio)
 
     # --- requests -----------------------------------------------------------------------
 
@@ -219,7 +224,7 @@ class LLMEngine:
         touched: dict[str, Sequence] = {}
         self.last_step = info = StepInfo(gamma=self.spec.gamma if self.spec.speculative else 0)
         t0 = time.perf_counter()
-        self._prefill_step(touched, info)
+        self._prefill_step(touched, info, self._prefill_budget())
         t1 = time.perf_counter()
         if self.runner.batch is not None:
             self._decode_step(touched, info)
@@ -227,18 +232,21 @@ class LLMEngine:
         self.wall["prefill"] += t1 - t0
         self.wall["decode"] += t2 - t1
         info.seconds = t2 - t0
+        if self.pacer is not None:
+            self.pacer.observe(info.prefill_tokens, bool(info.emitted), info.seconds)
         outs = [self._output(s) for s in touched.values()]
         for seq in touched.values():
             if seq.finished:  # its row, if it had one, left in `select`
                 self._release(seq)
         return outs
 
-    def _prefill_step(self, touched: dict[str, Sequence], info: StepInfo) -> None:
+    def _prefill_step(self, touched: dict[str, Sequence], info: StepInfo,
+                      budget: int | None) -> None:
         runner, scheduler = self.runner, self.scheduler
         admitted = scheduler.admit(runner.row_limit(scheduler.max_num_seqs))
         runner.reserve(len(scheduler.running))
         runner.start(admitted)
-        pieces = scheduler.prefill_pieces()
+        pieces = scheduler.prefill_pieces(budget)
         info.prefill_tokens = sum(p.end - p.start for p in pieces)
         done, first = runner.prefill(pieces)
         info.first_tokens = len(done)
@@ -248,6 +256,14 @@ class LLMEngine:
             seq.append([tok])
             touched[seq.request_id] = seq
         runner.join([s for s in done if not s.finished])
+
+    def _prefill_budget(self) -> int | None:
+        """This step's prompt tokens: the pacer's (on a whole bucket of the prefill graphs, so
+        no forward is padded), or None for the scheduler's fixed budget."""
+        if self.pacer is None:
+            return None
+        tokens = self.pacer.budget(decoding=self.runner.batch is not None)
+        return min(tokens, bucket_floor(tokens))
 
     def _decode_step(self, touched: dict[str, Sequence], info: StepInfo) -> None:
         out = self.runner.decode()

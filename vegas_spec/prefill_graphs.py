@@ -40,6 +40,15 @@ def token_bucket(tokens: int, smallest: int = 512) -> int:
     return bucket
 
 
+def bucket_floor(tokens: int, smallest: int = 512) -> int:
+    """The largest bucket of `token_bucket`'s ladder that is at most `tokens` (`smallest`
+    when none is): a per-step token budget that fills its forward without padding."""
+    bucket = smallest
+    while (up := token_bucket(bucket + 1, smallest)) <= tokens:
+        bucket = up
+    return bucket
+
+
 def piece_bucket(pieces: int) -> int:
     return 1 << max(pieces - 1, 0).bit_length()
 

@@ -6,7 +6,8 @@ KV pages fit in the pool: a sequence takes every page it may write (prompt, outp
 drafts' headroom) at admission and gives them back when it finishes or is aborted, so a
 running sequence never waits for memory. Prompts are prefilled in pieces under a per-step
 token budget, oldest first, so a long prompt cannot stall the running sequences for more
-than one budget's forward. Knows nothing of tensors. Imports `sequence`."""
+than one budget's forward; `PrefillPacer` can size that budget from measured step times
+while rows decode. Knows nothing of tensors. Imports `sequence`."""
 
 from __future__ import annotations
 
@@ -34,6 +35,46 @@ class Piece:
     seq: Sequence
     start: int
     end: int
+
+
+def _ema(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else old + weight * (new - old)
+
+
+@dataclass
+class PrefillPacer:
+    """The prompt tokens of a step while rows decode (stall-free chunked prefill): about
+    `ratio` x one decode iteration's time worth of prefill, so that a step which admits
+    prompts takes about (1 + ratio) x a decode-only step, and the inter-token latency of the
+    running requests stays within that factor while long prompts arrive.
+
+    Estimated online from whole-step wall times, which end when the step's tokens reach the
+    host: `decode_s` from the decoding steps that prefilled nothing, `token_s` (seconds per
+    prompt token) from the excess of the decoding steps that did. Before both are known, and
+    whenever nothing decodes, the step gets the whole `ceiling`."""
+
+    ceiling: int
+    ratio: float = 1.0
+    floor: int = 512
+    smoothing: float = 0.2  # weight of the newest step in the running averages
+    decode_s: float | None = None
+    token_s: float | None = None
+
+    def budget(self, decoding: bool) -> int:
+        if not decoding or self.decode_s is None or not self.token_s:
+            return self.ceiling
+        tokens = int(self.ratio * self.decode_s / self.token_s)
+        return max(min(self.floor, self.ceiling), min(self.ceiling, tokens))
+
+    def observe(self, prefill_tokens: int, decoded: bool, seconds: float) -> None:
+        """One finished step: prompt tokens it prefilled, whether rows decoded, its seconds."""
+        if not decoded:
+            return
+        if prefill_tokens == 0:
+            self.decode_s = _ema(self.decode_s, seconds, self.smoothing)
+        elif self.decode_s is not None:
+            per_token = max(seconds - self.decode_s, 0.0) / prefill_tokens
+            self.token_s = _ema(self.token_s, per_token, self.smoothing)
 
 
 class Scheduler:
@@ -75,10 +116,11 @@ class Scheduler:
             count += 1
         return count
 
-    def prefill_pieces(self) -> list[Piece]:
-        """The prompt positions to prefill in this step: at most prefill_budget tokens,
-        running sequences in admission order, a prompt cut where the budget ends."""
-        pieces, left = [], self.prefill_budget
+    def prefill_pieces(self, budget: int | None = None) -> list[Piece]:
+        """The prompt positions to prefill in this step: at most `budget` (default
+        prefill_budget) tokens, running sequences in admission order, a prompt cut where the
+        budget ends."""
+        pieces, left = [], self.prefill_budget if budget is None else budget
         for seq in self.running:
             todo = len(seq.prompt_ids) - seq.prefilled
             if todo <= 0 or left <= 0:
