@@ -30,7 +30,7 @@ method:
         --context 7500 --requests 256 --min-tokens 64 --max-tokens 512 --concurrency 64 \\
         --methods vanilla vegas stream --warmup-requests 256 --out serve_load.json
 
---prefill-chunk sets the engine's per-step prefill budget and --prefill-pacing (default 1, as
+--prefill-chunk sets the engine's per-step prefill budget and --prefill-pacing (default 0.75, as
 `vegas serve`) how much of it a step may use while requests decode: the ITL while admitting
 depends on both. The server half (torch, the engine, uvicorn) is imported in `main` only: the client
 process is spawned and imports this module again, and needs no more than httpx.
@@ -310,7 +310,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=["vanilla", "vegas", "stream"])
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens prefilled per step (default: the engine's)")
-    p.add_argument("--prefill-pacing", type=float, default=1.0,
+    p.add_argument("--prefill-pacing", type=float, default=0.75,
                    help="the engine's prefill pacing, as `vegas serve --prefill-pacing` (0: off)")
     p.add_argument("--warmup-requests", type=int, default=0,
                    help="requests of the untimed warm-up (0: one per client)")
