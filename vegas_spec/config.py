@@ -340,6 +340,10 @@ class EngineConfig:
     # Fixed-shape decode buffers without graphs (implied by cuda_graphs; the CPU test path).
     static_shapes: bool = False
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # Every kernel computes a row the same way whatever the number of rows in the step, so
+    # that greedy speculative output is plain output token for token in bf16 too, and a prompt
+    # gives the same tokens alone or in a batch (slower; see docs/method.md).
+    exact: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -371,7 +375,7 @@ class EngineConfig:
             raise ConfigError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"backend must be auto, torch or triton, got {self.backend!r}")
-        for name in ("cuda_graphs", "static_shapes"):
+        for name in ("cuda_graphs", "static_shapes", "exact"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "cuda_graphs" and value is None):
                 raise ConfigError(f"{name} must be True or False, got {value!r}")

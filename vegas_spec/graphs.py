@@ -338,7 +338,8 @@ class GraphRunner:
         n = self.shapes.verify_rows if kind == "verify" else 1
         ctx = self._context(kind, rows, n)
         hidden = self.model(self.buf.tokens[n][:rows], ctx, self.kv_caches, self.backend)
-        return self.model.lm_head(hidden) if raw else self.model.logits(hidden)
+        return self.model.head(hidden, self.backend) if raw \
+            else self.model.logits(hidden, self.backend)
 
     def _context(self, kind: str, rows: int, n: int) -> StepContext:
         positions, table = self.buf.positions[n][:rows], self.buf.page_table[:rows]

@@ -145,7 +145,7 @@ class ModelRunner:
             weights = load_weights(source, cfg)
         self.model = build_model(cfg, weights, config.torch_dtype, self.device)
         del weights
-        self.backend = make_backend(config.resolved_backend)
+        self.backend = make_backend(config.resolved_backend, config.exact)
         self.cache = PagedKVCache.from_budget(cfg, self._kv_budget(), config.page_size,
                                               config.torch_dtype, self.device)
         # Static shapes: padding rows of a batch bucket write into this page only.
@@ -355,7 +355,7 @@ class ModelRunner:
             sink = _PrefillSink(hidden=[])
             self._prefill_spans([token_ids], [(0, 0, len(token_ids))], table, chunk, sink)
             assert sink.hidden is not None
-            return self.model.logits(torch.cat(sink.hidden))
+            return self.model.logits(torch.cat(sink.hidden), self.backend)
         finally:
             self.cache.release(pages)
 
@@ -421,7 +421,7 @@ class ModelRunner:
         elif ends:
             assert plan.last is not None
             sink.put([pieces[j][0] for j in ends], batch_rows,
-                     self.model.logits(hidden[plan.last.index]),
+                     self.model.logits(hidden[plan.last.index], self.backend),
                      None if scores is None else scores.out, plan.last.q_out)
 
     def _prefill_static(self, chunk: Chunk, sink: _PrefillSink) -> None:
@@ -615,7 +615,7 @@ class ModelRunner:
                  last_only: bool = False) -> torch.Tensor:
         """tokens [B, n] -> logits [B, n, V] float32 ([B, 1, V] with last_only)."""
         hidden = self.model(tokens, ctx, self.cache.layers, self.backend)
-        return self.model.logits(hidden[:, -1:] if last_only else hidden)
+        return self.model.logits(hidden[:, -1:] if last_only else hidden, self.backend)
 
     def _upload(self, values: list[int] | torch.Tensor) -> torch.Tensor:
         """Host ints -> an int64 device tensor without waiting for the device."""

@@ -1,5 +1,5 @@
 """Plain-PyTorch references of the per-token steps around attention: RMSNorm (with the
-residual add before it), SiLU * up and RoPE.
+residual add before it), SiLU * up, RoPE, and the row-invariant projection of exact mode.
 
 They are the model's and the attention seam's default implementations and the oracles of
 the fused kernels; kept apart from both so that `models` and `attention` need not import
@@ -39,3 +39,29 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) ->
     cos, sin = cs[..., :half].repeat(1, 1, 1, 2), cs[..., half:].repeat(1, 1, 1, 2)
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+# Rows per call of the row-invariant projection: every call has this many rows.
+EXACT_ROWS = 16
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N], each row's bits independent of
+    the number of rows (the CPU path of exact mode; `kernels.exact_matmul` on a GPU).
+
+    A BLAS chooses its kernel, blocking, threading and split of the reduction from the shape,
+    so `F.linear` on 1 row and on 448 rows may sum a row's K products in different orders.
+    Here the rows are padded with zeros to a multiple of EXACT_ROWS and every block of
+    EXACT_ROWS rows is one `F.linear` call of the same shape [EXACT_ROWS, K]: one shape, one
+    kernel and one order of summation, in which a row's result depends only on that row (a
+    GEMM's inner loop runs over K the same way for every row of the block)."""
+    flat = x.reshape(-1, x.shape[-1])
+    m, n = flat.shape[0], weight.shape[0]
+    if m == 0:
+        return x.new_empty(*x.shape[:-1], n)
+    pad = -m % EXACT_ROWS
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
+    out = torch.cat([F.linear(block, weight, bias) for block in flat.split(EXACT_ROWS)])
+    return out[:m].view(*x.shape[:-1], n)

@@ -235,7 +235,7 @@ class PrefillGraphs:
                           page_size=self.page_size, kv_len_max=kv_len, scores=buf.scores,
                           prefill=plan)
         hidden = self.model(buf.tokens[None], ctx, self.kv_caches, self.backend)[0]
-        buf.logits.copy_(self.model.logits(hidden[buf.last_index]))
+        buf.logits.copy_(self.model.logits(hidden[buf.last_index], self.backend))
 
     def _capture(self, buf: PrefillBuffers) -> torch.cuda.CUDAGraph:
         """On the all-padding buffers; every capture shares one memory pool."""

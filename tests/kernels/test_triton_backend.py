@@ -62,7 +62,7 @@ class Runner:
                           slot_mapping=slots_of(table, positions, PAGE), page_table=table,
                           page_size=PAGE, kv_len_max=kv_len, scores=req, sparse=plan)
         hidden = self.model(tokens, ctx, self.caches, self.backend)
-        return self.model.logits(hidden), None if req is None else req.out
+        return self.model.logits(hidden, self.backend), None if req is None else req.out
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> None:

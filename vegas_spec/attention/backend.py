@@ -7,9 +7,10 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from vegas_spec.attention.context import LastRows, ScoreRequest, StepContext
-from vegas_spec.ops import add_rms_norm, apply_rope, rms_norm, silu_mul
+from vegas_spec.ops import add_rms_norm, apply_rope, exact_linear, rms_norm, silu_mul
 
 
 class AttentionBackend(ABC):
@@ -22,10 +23,20 @@ class AttentionBackend(ABC):
     rope [max_pos, D] float32 (cos | sin). `attend` returns [B, n, H, D]: it applies RoPE and
     writes k/v into their slots first, then attends: packed causal prefill attention when
     `ctx.prefill` is set, full causal attention when `ctx.sparse` is None, else sparse draft
-    attention over the plan.
+    attention over the plan. `linear` is every projection and the LM head.
+
+    Exact mode (`exact=True`): every step but the draft's sparse attention computes each row
+    the same way whatever the number of rows in the step (batch size x query rows): the
+    products through a row-invariant `linear`, full and prefill attention with one tiling and
+    one key split for every shape. The per-token steps are row-wise already: RMSNorm reduces
+    one row, RoPE and SiLU * up are elementwise. Drafts never reach the output, so the sparse
+    attention keeps its fastest tiling.
     """
 
     name = "abstract"
+
+    def __init__(self, exact: bool = False) -> None:
+        self.exact = exact
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
@@ -82,6 +93,13 @@ class AttentionBackend(ABC):
         self.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         return apply_rope(q, rope, ctx.positions)
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype."""
+        if self.exact:
+            return exact_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [..., N] -> RMSNorm(x) * weight."""
         return rms_norm(x, weight, eps)
@@ -124,23 +142,23 @@ class AttentionBackend(ABC):
     topk: Callable[..., torch.Tensor] | None = None
 
 
-def _torch() -> AttentionBackend:
+def _torch(exact: bool) -> AttentionBackend:
     from vegas_spec.attention.torch_backend import TorchBackend
 
-    return TorchBackend()
+    return TorchBackend(exact)
 
 
-def _triton() -> AttentionBackend:
+def _triton(exact: bool) -> AttentionBackend:
     from vegas_spec.attention.triton_backend import TritonBackend  # imports Triton
 
-    return TritonBackend()
+    return TritonBackend(exact)
 
 
 # The registry, listed explicitly: each backend is imported only when it is asked for.
-BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": _torch, "triton": _triton}
+BACKENDS: dict[str, Callable[[bool], AttentionBackend]] = {"torch": _torch, "triton": _triton}
 
 
-def make_backend(name: str) -> AttentionBackend:
+def make_backend(name: str, exact: bool = False) -> AttentionBackend:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(BACKENDS)}")
-    return BACKENDS[name]()
+    return BACKENDS[name](exact)

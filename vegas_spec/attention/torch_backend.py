@@ -50,17 +50,66 @@ def _softmax_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.to(q.dtype), s.masked_fill(~mask, 0.0), p
 
 
+# Keys per block of the exact reference's products (a fixed partition of the key axis).
+EXACT_KEYS = 64
+# Query rows per call of the exact prefill reference (bounds its temporaries only).
+EXACT_PREFILL_ROWS = 64
+
+
+def _product_sum(a: torch.Tensor, b: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """(a * b).sum(-1) with a and b broadcast to `shape`, the product written into a
+    contiguous buffer, so that the sum always runs over a contiguous last axis: torch then
+    reduces each output on its own, in an order set by the axis length only."""
+    prod = torch.empty(shape, dtype=torch.float32, device=a.device)
+    torch.mul(a, b, out=prod)
+    return prod.sum(-1)
+
+
+def _exact_softmax_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          valid: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor]:
+    """`_softmax_attend` with each query row's bits independent of the other rows of the call
+    and of how far the key axis reaches past the row's last visible key (exact mode).
+
+    A matmul's order of summation depends on its shape (the rows, the key-axis length), so
+    none is used: q.k is an elementwise product summed over D (`_product_sum`: the order is
+    set by D); the softmax is torch's over the key axis, whose max and sum run in vector
+    lanes by key index, so keys the row cannot see (exp = 0) add exact zeros; p.v sums blocks
+    of EXACT_KEYS keys at fixed offsets from key 0 (the axis padded to whole blocks) and adds
+    the blocks in order: a block past the row's last visible key adds an exact zero."""
+    bsz, n, hkv, g, dim = q.shape
+    length = keys.shape[2]
+    pad = -length % EXACT_KEYS
+    keys, values = F.pad(keys, (0, 0, 0, pad)), F.pad(values, (0, 0, 0, pad))
+    valid = F.pad(valid, (0, pad), value=False)
+    qf = q.float().permute(0, 2, 3, 1, 4)[:, :, :, :, None, :]  # [B, Hkv, g, n, 1, D]
+    s = torch.cat([_product_sum(qf, k.float()[:, :, None, None], (bsz, hkv, g, n, EXACT_KEYS,
+                                                                   dim))
+                   for k in keys.split(EXACT_KEYS, dim=2)], dim=-1)  # [B, Hkv, g, n, L']
+    mask = valid.unsqueeze(2)
+    p = torch.softmax((s * scale).masked_fill(~mask, float("-inf")), dim=-1)
+    p = torch.nan_to_num(p, nan=0.0)
+    acc = torch.zeros(bsz, hkv, g, n, dim, dtype=torch.float32, device=q.device)
+    for j, v in enumerate(values.split(EXACT_KEYS, dim=2)):
+        pj = p[..., j * EXACT_KEYS:(j + 1) * EXACT_KEYS][:, :, :, :, None, :]
+        vt = v.float().transpose(2, 3)[:, :, None, None]  # [B, Hkv, 1, 1, D, keys]
+        acc = acc + _product_sum(pj, vt, (bsz, hkv, g, n, dim, EXACT_KEYS))
+    out = acc.permute(0, 3, 1, 2, 4).to(q.dtype)  # [B, n, Hkv, g, D]
+    return out, s[..., :length].masked_fill(~mask[..., :length], 0.0), p[..., :length]
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
                         kv_len: int, scale: float, score_rows: torch.Tensor | None = None,
                         score_mode: str = "weight", per_kv_head: bool = False,
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        exact: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Full causal attention of n queries per sequence over its pages.
 
     q [B, n, H, D]; positions [B, n]; kv_len >= every sequence length.
     Query i of sequence b sees keys 0..positions[b, i].
     Scores (if score_rows [R] is given): [B, R, G, kv_len] float32 summed over the query heads
-    (G = Hkv if per_kv_head else 1), softmax weights or raw logits q.k, 0 where not visible."""
+    (G = Hkv if per_kv_head else 1), softmax weights or raw logits q.k, 0 where not visible.
+    exact: each row's output bits independent of n, B and kv_len (`_exact_softmax_attend`)."""
     bsz, n, heads, dim = q.shape
     hkv = k_cache.shape[1]
     key_pos = torch.arange(kv_len, device=q.device).expand(bsz, kv_len)
@@ -68,8 +117,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     keys = k_cache[slots].transpose(1, 2)  # [B, Hkv, L, D]
     values = v_cache[slots].transpose(1, 2)
     valid = (key_pos[:, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, n, L]
-    out, s, p = _softmax_attend(q.view(bsz, n, hkv, heads // hkv, dim), keys, values, valid,
-                                scale)
+    attend = _exact_softmax_attend if exact else _softmax_attend
+    out, s, p = attend(q.view(bsz, n, hkv, heads // hkv, dim), keys, values, valid, scale)
     scores = None
     if score_rows is not None:
         picked = (p if score_mode == "weight" else s)[:, :, :, score_rows.long()]
@@ -92,6 +141,27 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         piece, _ = paged_attention_ref(q[None, offset : offset + n], k_cache, v_cache,
                                        page_table[s : s + 1], pos, page_size, start + n, scale)
         out[offset : offset + n] = piece[0]
+        offset += n
+    return out
+
+
+def prefill_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            page_table: torch.Tensor, lengths: tuple[int, ...],
+                            starts: tuple[int, ...], page_size: int,
+                            scale: float) -> torch.Tensor:
+    """`prefill_attention_ref` in exact mode: a row's bits do not depend on how its prompt is
+    cut into chunks or packed with others (each row is reduced over keys 0.. its position by
+    `_exact_softmax_attend`, whatever rows share the call). Slow: the CPU path of exact mode."""
+    out, offset = torch.zeros_like(q), 0
+    for s, (n, start) in enumerate(zip(lengths, starts)):
+        for first in range(0, n, EXACT_PREFILL_ROWS):
+            rows = min(EXACT_PREFILL_ROWS, n - first)
+            pos = (start + first + torch.arange(rows, device=q.device))[None]
+            at = offset + first
+            piece, _ = paged_attention_ref(q[None, at:at + rows], k_cache, v_cache,
+                                           page_table[s:s + 1], pos, page_size,
+                                           start + first + rows, scale, exact=True)
+            out[at:at + rows] = piece[0]
         offset += n
     return out
 
@@ -157,6 +227,9 @@ def write_scores(req: ScoreRequest, layer: int, scores: torch.Tensor) -> None:
 
 
 class TorchBackend(AttentionBackend):
+    """In exact mode full and prefill attention run `_exact_softmax_attend` (slow) and the
+    projections the seam's row-invariant `linear`."""
+
     name = "torch"
 
     def quest_page_scores(self, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -173,7 +246,8 @@ class TorchBackend(AttentionBackend):
         out, scores = paged_attention_ref(
             q, k_cache, v_cache, ctx.page_table, ctx.positions, ctx.page_size, ctx.kv_len_max,
             q.shape[-1] ** -0.5, None if req is None else req.rows,
-            "weight" if req is None else req.mode, req is not None and req.per_kv_head)
+            "weight" if req is None else req.mode, req is not None and req.per_kv_head,
+            exact=self.exact)
         if req is not None and scores is not None:
             write_scores(req, layer, scores)
         return out
@@ -182,8 +256,9 @@ class TorchBackend(AttentionBackend):
                 ctx: StepContext) -> torch.Tensor:
         plan = ctx.prefill
         assert plan is not None
-        return prefill_attention_sdpa(q, k_cache, v_cache, ctx.page_table, plan.lengths,
-                                      plan.starts, ctx.page_size, q.shape[-1] ** -0.5)
+        attend = prefill_attention_exact if self.exact else prefill_attention_sdpa
+        return attend(q, k_cache, v_cache, ctx.page_table, plan.lengths, plan.starts,
+                      ctx.page_size, q.shape[-1] ** -0.5)
 
     def sparse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                indices: torch.Tensor, ctx: StepContext) -> torch.Tensor:

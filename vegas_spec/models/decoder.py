@@ -1,10 +1,12 @@
 """One decoder for Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm).
 
 `forward(input_ids, positions, ctx)` is the only forward: prefill, plain decode, draft and
-verify differ only in the StepContext the attention backend reads. Weights keep their HF
-names at load time; q/k/v and gate/up are fused into one matmul each. The residual stream
-runs beside the hidden states (as vLLM's): each norm also adds the residual before it, so the
-backend can fuse add + norm, RoPE + KV store and SiLU * up into one kernel each.
+verify differ only in the StepContext the attention backend reads. Every projection and the
+LM head go through the backend's `linear` (in exact mode a row-invariant product). Weights
+keep their HF names at load time; q/k/v and gate/up are fused into one matmul each. The
+residual stream runs beside the hidden states (as vLLM's): each norm also adds the residual
+before it, so the backend can fuse add + norm, RoPE + KV store and SiLU * up into one kernel
+each.
 
 The plain-PyTorch references of those steps live in `vegas_spec.ops`."""
 
@@ -42,7 +44,8 @@ class Layer(nn.Module):
                   backend: AttentionBackend, ctx: StepContext) -> torch.Tensor:
         cfg = self.cfg
         bsz, n, _ = h.shape
-        q, k, v = self.qkv(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = backend.linear(h, self.qkv.weight, self.qkv.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(bsz, n, cfg.num_heads, cfg.head_dim)
         k = k.view(bsz, n, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(bsz, n, cfg.num_kv_heads, cfg.head_dim)
@@ -50,10 +53,12 @@ class Layer(nn.Module):
             q = backend.norm(q, self.q_norm, cfg.rms_norm_eps)
             k = backend.norm(k, self.k_norm, cfg.rms_norm_eps)
         out = backend.attend(self.index, q, k, v, cache[0], cache[1], ctx, rope)
-        return self.o_proj(out.reshape(bsz, n, self.q_size))
+        return backend.linear(out.reshape(bsz, n, self.q_size), self.o_proj.weight,
+                              self.o_proj.bias)
 
     def mlp(self, h: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        return self.down(backend.silu_mul(self.gate_up(h)))
+        up = backend.silu_mul(backend.linear(h, self.gate_up.weight, self.gate_up.bias))
+        return backend.linear(up, self.down.weight, self.down.bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: torch.Tensor,
                 cache: tuple[torch.Tensor, ...], backend: AttentionBackend, ctx: StepContext,
@@ -90,8 +95,13 @@ class Decoder(nn.Module):
         assert residual is not None, "a decoder has layers"
         return backend.add_norm(x, residual, self.norm, self.cfg.rms_norm_eps)[0]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def head(self, hidden: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        """hidden [..., hidden] -> logits [..., V] in the model's dtype."""
+        return backend.linear(hidden, self.lm_head.weight)
+
+    def logits(self, hidden: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        """hidden [..., hidden] -> logits [..., V] float32."""
+        return self.head(hidden, backend).float()
 
     @torch.no_grad()
     def load_hf(self, weights: dict[str, torch.Tensor], dtype: torch.dtype,
