@@ -9,6 +9,7 @@ import torch
 
 from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import StepContext
+from vegas_spec.kernels.exact_matmul import exact_linear
 from vegas_spec.kernels.paged_attention import paged_attention
 from vegas_spec.kernels.prefill_attention import (
     prefill_attention,
@@ -26,6 +27,12 @@ from vegas_spec.kernels.topk import topk_positions_triton
 
 
 class TritonBackend(AttentionBackend):
+    """In exact mode the projections and the LM head run `exact_linear` and full attention
+    one tiling for every step (`paged_attention(exact=True)`). The prefill kernel needs no
+    mode: its tiles depend on the head dim only, and a row walks its keys in blocks at fixed
+    offsets from key 0 (whichever chunk, tile or piece it falls in), the blocks past its
+    position adding exact zeros; the per-token kernels work one row (or element) at a time."""
+
     name = "triton"
 
     # Drop-in for vegas_spec.speculative.policies.topk_positions on the backend's device.
@@ -44,6 +51,12 @@ class TritonBackend(AttentionBackend):
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """The seam's plain store (no RoPE); `attend` goes through the fused `rope_store`."""
         store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.exact:
+            return exact_linear(x, weight, bias)
+        return super().linear(x, weight, bias)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
@@ -64,7 +77,8 @@ class TritonBackend(AttentionBackend):
         return paged_attention(
             q, k_cache, v_cache, ctx.page_table, ctx.positions, ctx.page_size, ctx.kv_len_max,
             q.shape[-1] ** -0.5, None if req is None else req.rows,
-            None if req is None else req.out[layer], "weight" if req is None else req.mode)
+            None if req is None else req.out[layer], "weight" if req is None else req.mode,
+            exact=self.exact)
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:

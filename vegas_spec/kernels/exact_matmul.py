@@ -38,7 +38,9 @@ def exact_tiles(gpu: bool) -> MatmulTiles:
     return MatmulTiles(64, 128, 64, 4, 3) if gpu else MatmulTiles(16, 32, 32, 1, 1)
 
 
-@triton.jit
+# M stays a runtime value: Triton would otherwise compile M = 1 as a constant, another program
+# for a one-row step than for a many-row one.
+@triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):

@@ -77,6 +77,13 @@ SCORE_SPLIT_MAX = 2048
 # descriptor 733; SmolLM2 64 x 7.5K: 176, 201, 168.
 SCORE_HALF = False
 SCORE_DESCRIPTOR = False
+# Exact mode: one tiling for every full-attention step, plain or verify, scored or not, at any
+# batch size and context: the score pass's tiles and splits of exactly SCORE_SPLIT_MAX keys on
+# a GPU (the interpreter: its own small blocks, splits of 4 blocks), and EXACT_ROWS query rows
+# per tile (`tile_config`). A row's keys are then walked in the same blocks, cut into the same
+# splits and merged in split order whatever else the step holds; blocks and splits past the
+# row's last visible key add exact zeros (p = 0, alpha = 1), so neither n nor kv_len matters.
+EXACT_SPLIT_CPU_BLOCKS = 4
 
 
 @triton.jit
@@ -295,25 +302,25 @@ def _finalise_scores(job: _ScoreJob, positions: torch.Tensor, scale: float, cfg:
         MODE=job.mode, PER_KV=out.shape[2] > 1, num_warps=4)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
-                    kv_len: int, scale: float, score_rows: torch.Tensor | None = None,
-                    score_out: torch.Tensor | None = None, score_mode: str = "weight", *,
-                    block_k: int | None = None, split_size: int | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal paged attention; query i of sequence b sees keys 0..positions[b, i].
+# The exact-mode copy of the split kernel: its row counts stay runtime values (Triton would
+# otherwise compile n = 1 and batch 1 as constants), so that a plain step and a verify step
+# run one compiled program.
+_paged_split_kernel_exact = triton.jit(
+    _paged_split_kernel.fn,
+    do_not_specialize=["n", "rows_total", "num_rows", "width", "sc_width", "stride_qb",
+                       "stride_pb"])
 
-    q [B, n, H, D] (RoPE applied); k_cache, v_cache [num_slots, Hkv, D];
-    page_table [B, P] (page_size slots per page); positions [B, n]; kv_len >= every sequence
-    length (host bound of the key axis). If score_rows [R] is given, score_out [B, R, G, W]
-    float32 (G = 1: summed over all query heads, G = Hkv: over each kv head's query heads;
-    W >= kv_len) receives softmax weights ("weight") or raw q.k ("logit") of those rows, 0
-    where the row cannot see the key. out: optional [B, n, H, D] result buffer.
-    Returns [B, n, H, D] in q's dtype."""
-    _check(q, k_cache, v_cache, page_table, positions, kv_len)
-    bsz, n, heads, dim = q.shape
-    hkv = k_cache.shape[1]
-    scored_gpu = q.is_cuda and score_rows is not None and score_rows.numel() > 0
+
+def _tiling(q: torch.Tensor, hkv: int, scored: bool, block_k: int | None,
+            split_size: int | None, kv_len: int, exact: bool) -> tuple[TileConfig, int]:
+    """The tile configuration and the keys per split of one call."""
+    bsz, n = q.shape[:2]
+    if exact:
+        cfg = tile_config(q, hkv, SCORE_BLOCK_K if q.is_cuda else None, exact=True)
+        if q.is_cuda:
+            return dataclasses.replace(cfg, num_stages=SCORE_STAGES), SCORE_SPLIT_MAX
+        return cfg, EXACT_SPLIT_CPU_BLOCKS * cfg.block_k
+    scored_gpu = q.is_cuda and scored
     cfg = tile_config(q, hkv, block_k or (SCORE_BLOCK_K if scored_gpu else None))
     if scored_gpu:
         cfg = dataclasses.replace(cfg, num_stages=SCORE_STAGES)
@@ -321,13 +328,41 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     size = split_size_for(kv_len, bsz * hkv * row_blocks, cfg.block_k, q.device, split_size)
     if scored_gpu and split_size is None:
         size = min(size, max(SCORE_SPLIT_MAX // cfg.block_k, 1) * cfg.block_k)
+    return cfg, size
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
+                    kv_len: int, scale: float, score_rows: torch.Tensor | None = None,
+                    score_out: torch.Tensor | None = None, score_mode: str = "weight", *,
+                    block_k: int | None = None, split_size: int | None = None,
+                    out: torch.Tensor | None = None, exact: bool = False) -> torch.Tensor:
+    """Causal paged attention; query i of sequence b sees keys 0..positions[b, i].
+
+    q [B, n, H, D] (RoPE applied); k_cache, v_cache [num_slots, Hkv, D];
+    page_table [B, P] (page_size slots per page); positions [B, n]; kv_len >= every sequence
+    length (host bound of the key axis). If score_rows [R] is given, score_out [B, R, G, W]
+    float32 (G = 1: summed over all query heads, G = Hkv: over each kv head's query heads;
+    W >= kv_len) receives softmax weights ("weight") or raw q.k ("logit") of those rows, 0
+    where the row cannot see the key. out: optional [B, n, H, D] result buffer. exact: one
+    tiling whatever n, B, kv_len and the scores (block_k and split_size are then refused), so
+    that each row's bits depend on its own query and keys only.
+    Returns [B, n, H, D] in q's dtype."""
+    _check(q, k_cache, v_cache, page_table, positions, kv_len)
+    assert not exact or (block_k is None and split_size is None), "exact mode fixes the tiles"
+    bsz, n, heads, dim = q.shape
+    hkv = k_cache.shape[1]
+    scored = score_rows is not None and score_rows.numel() > 0
+    cfg, size = _tiling(q, hkv, scored, block_k, split_size, kv_len, exact)
+    row_blocks = triton.cdiv(n, cfg.block_n)
     splits = triton.cdiv(kv_len, size)
     job = _score_job(score_rows, score_out, score_mode, q, cfg, hkv, kv_len)
     use_desc = SCORE_DESCRIPTOR and job is not None and job.mode == 1 and row_blocks == 1
     out = output_buffer(q, out)
     parts = Partials.empty(splits, bsz * n, heads, dim, q.device) if splits > 1 else None
     lse = None if job is None else job.lse
-    _paged_split_kernel[(bsz * hkv, row_blocks, splits)](
+    kernel = _paged_split_kernel_exact if exact else _paged_split_kernel
+    kernel[(bsz * hkv, row_blocks, splits)](
         q, k_cache, v_cache, page_table, positions,
         out, out if lse is None else lse,
         *((out, out, out) if parts is None else (parts.acc, parts.m, parts.l)),

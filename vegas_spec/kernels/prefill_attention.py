@@ -17,6 +17,13 @@ walks its keys in BLOCK_N blocks: the blocks every row of the tile sees in full 
 mask, then the few blocks on the diagonal with the causal mask. Scores stay in registers
 (online softmax in base 2, float32 accumulator): memory grows with T, never with T x keys.
 
+A row's result does not depend on how its prompt is cut into chunks or packed with others
+(exact mode relies on it): the tiles depend on the head dim only, and every row walks its
+keys in BLOCK_N blocks at fixed offsets from key 0, the same blocks with the same values
+whichever tile, chunk or piece it falls in. Whether a block runs in the unmasked loop or the
+masked one changes nothing for a key the row sees (the mask only replaces what it cannot see
+by -inf), and the blocks past the row's position add exact zeros (p = 0, alpha = 1).
+
 Bytes and FLOPs of a piece of n queries after c cached tokens, per layer: Q and O once
 (2·n·H·D·itemsize), K and V once per tile and kv head from L2 or HBM, and
 4·H·D·(n·c + n²/2) FLOPs on tensor cores: the kernel is compute-bound for n >= a few

@@ -41,15 +41,22 @@ class TileConfig:
     dot_precision: str
 
 
-def tile_config(q: torch.Tensor, hkv: int, block_k: int | None = None) -> TileConfig:
+# Exact mode: query rows per tile whatever the step's n (a plain step's one row and a verify
+# step's γ+1 <= 8 rows then go through the same tl.dot shapes).
+EXACT_ROWS = 8
+
+
+def tile_config(q: torch.Tensor, hkv: int, block_k: int | None = None,
+                exact: bool = False) -> TileConfig:
     """q [B, n, H, D]: the query tile packs block_n rows x group_pad heads of one kv head, so
-    K and V are read once per kv head (GQA); at least 16 lanes on a GPU for tl.dot."""
+    K and V are read once per kv head (GQA); at least 16 lanes on a GPU for tl.dot. exact:
+    block_n does not depend on n."""
     n, heads, dim = q.shape[1], q.shape[2], q.shape[3]
     group = heads // hkv
     group_pad = triton.next_power_of_2(group)
     gpu = q.is_cuda
     rows_cap = max(1, MAX_LANES // group_pad)
-    block_n = min(triton.next_power_of_2(n), rows_cap)
+    block_n = min(EXACT_ROWS if exact else triton.next_power_of_2(n), rows_cap)
     if gpu:
         block_n = max(block_n, MIN_DOT // group_pad, 1)
     block_k = block_k or (64 if gpu and dim > 64 else 128 if gpu else 32)
