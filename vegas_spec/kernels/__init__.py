@@ -79,6 +79,33 @@ def _fix_interpreter_bf16() -> None:
     builder.cast_impl = cast_impl
 
 
+def _fix_interpreter_bf16_dot() -> None:
+    """Triton <= 3.6's interpreter multiplies bfloat16 tiles in `tl.dot` as the integers of
+    their bits (NumPy has no bfloat16; the tiles are uint16 arrays). Widen them to float32
+    first, which is exact, as the tensor cores' bf16 products with a float32 sum are."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+    if getattr(original, "_exact_bf16", False):
+        return
+
+    def widen(handle):  # noqa: ANN001, ANN202
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = np.asarray(handle.data).view(np.uint16).astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot._exact_bf16 = True  # type: ignore[attr-defined]
+    builder.create_dot = create_dot
+
+
 if interpreting():
     _fix_interpreter_index()
     _fix_interpreter_bf16()
+    _fix_interpreter_bf16_dot()

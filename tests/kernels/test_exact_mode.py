@@ -1,0 +1,146 @@
+"""Exact mode's kernels: a row has the same bits whether it is computed alone (a one-row plain
+step), in a verify-shaped step (γ+1 rows, selection scores on) or in a 448-row call, for the
+projections and the LM head, full attention and the packed prefill, on both backends (the
+Triton kernels under the interpreter on CPU). The default mode's tiling is not held to this."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import CUDA, DEVICE, generator, paged_cache, query_positions, randn, tol
+
+from vegas_spec.attention.backend import make_backend
+from vegas_spec.attention.torch_backend import (
+    paged_attention_ref,
+    prefill_attention_exact,
+    prefill_attention_ref,
+)
+from vegas_spec.kernels.paged_attention import _tiling, paged_attention
+from vegas_spec.kernels.prefill_attention import prefill_attention, prefill_config, prefill_tiles
+
+DTYPES = [torch.float32, torch.bfloat16]
+BACKENDS = ["torch", "triton"]
+HEADS, HKV, DIM, PAGE = 4, 2, 32, 16
+BATCH, VERIFY = 64, 7  # 448 query rows
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_projection_and_head_rows_do_not_depend_on_the_row_count(backend: str,
+                                                                 dtype: torch.dtype) -> None:
+    """448 rows = 64 sequences x 7 verify rows, against 1, 7 and 21 of them."""
+    seam = make_backend(backend, exact=True)
+    gen = generator(3)
+    x = randn(BATCH, VERIFY, 64, gen=gen, dtype=dtype)
+    for n in (40, 300):  # a projection's and the LM head's width (in blocks of 32 columns)
+        w = randn(n, 64, gen=gen, dtype=dtype) / 8
+        b = randn(n, gen=gen, dtype=dtype) if n == 40 else None
+        whole = seam.linear(x, w, b)
+        assert whole.shape == (BATCH, VERIFY, n)
+        torch.testing.assert_close(whole, torch.nn.functional.linear(x, w, b), **tol(dtype))
+        assert torch.equal(seam.linear(x[5, :1], w, b), whole[5, :1])  # a plain step's row
+        assert torch.equal(seam.linear(x[9], w, b), whole[9])  # one sequence's verify rows
+        assert torch.equal(seam.linear(x[3:6], w, b), whole[3:6])
+
+
+def _attend(backend: str, q: torch.Tensor, cache, table: torch.Tensor, pos: torch.Tensor,
+            kv_len: int, scores: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One exact full-attention call (scores of rows 0 and n-1, as Collect-2)."""
+    bsz, n = pos.shape
+    rows = torch.tensor([0, n - 1], device=DEVICE) if scores else None
+    scale = DIM ** -0.5
+    if backend == "torch":
+        return paged_attention_ref(q, cache.k, cache.v, table, pos, PAGE, kv_len, scale, rows,
+                                   exact=True)
+    out = torch.zeros(bsz, 2, 1, kv_len, device=DEVICE) if scores else None
+    return paged_attention(q, cache.k, cache.v, table, pos, PAGE, kv_len, scale, rows, out,
+                           exact=True), out
+
+
+class _GpuQuery:
+    """What the tiling reads of q [B, n, H, D] on a GPU, without one."""
+
+    def __init__(self, bsz: int, n: int) -> None:
+        self.shape, self.is_cuda, self.dtype = (bsz, n, 32, 128), True, torch.bfloat16
+
+
+def test_gpu_tiling_is_one_for_every_step_in_exact_mode() -> None:
+    """Tiles, pipeline and keys per split on a GPU: a one-row plain step at batch 1 and a
+    scored verify step at batch 64 over 32K keys get the same in exact mode (the default
+    mode sizes them by occupancy and by the scores)."""
+    steps = [(1, 1, False, 100), (64, 7, True, 32768), (16, 4, False, 5000)]
+    got = {_tiling(_GpuQuery(b, n), 8, scored, None, None, kv, True)  # type: ignore[arg-type]
+           for b, n, scored, kv in steps}
+    assert len(got) == 1
+    cfg, split = got.pop()
+    assert split % cfg.block_k == 0 and cfg.block_n * cfg.group_pad >= 16
+
+
+# (backend, dtype): the interpreter is slow, so the Triton kernel runs in bf16 only (its float32
+# logic is the same code).
+ATTENTION_CASES = [("torch", torch.float32), ("torch", torch.bfloat16),
+                   ("triton", torch.bfloat16)]
+# (sequences, shortest, longest + 1, key bound): 448 rows in one split; or several splits of
+# the key axis (128 keys each under the interpreter), merged, against rows in a single one.
+SHAPES = {"448-rows": (BATCH, 20, 122, 128), "splits": (4, 200, 330, 336)}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("backend,dtype", ATTENTION_CASES,
+                         ids=[f"{b}-{str(d)[6:]}" for b, d in ATTENTION_CASES])
+def test_attention_rows_are_the_same_in_plain_verify_and_batch_steps(
+        backend: str, dtype: torch.dtype, shape: str) -> None:
+    """A verify step (7 rows a sequence, lengths unequal) with scores on, against each row
+    alone as a plain step with a tight key bound, and against one sequence's verify step
+    without scores."""
+    bsz, low, high, width = SHAPES[shape]
+    gen = generator(11)
+    lens = torch.randint(low, high, (bsz,), generator=gen).tolist()
+    cache = paged_cache(bsz, width, HKV, DIM, PAGE, dtype, gen)
+    pos = query_positions(lens, VERIFY)
+    q = randn(bsz, VERIFY, HEADS, DIM, gen=gen, dtype=dtype)
+    whole, scores = _attend(backend, q, cache, cache.page_table, pos, width, scores=True)
+    ref, _ = paged_attention_ref(q, cache.k, cache.v, cache.page_table, pos, PAGE, width,
+                                 DIM ** -0.5)
+    torch.testing.assert_close(whole, ref, **tol(dtype))
+    assert scores is not None
+    for b, i in ((0, 0), (1, 3), (bsz - 1, 6), (bsz // 2, 0)):
+        alone, _ = _attend(backend, q[b:b + 1, i:i + 1], cache, cache.page_table[b:b + 1],
+                           pos[b:b + 1, i:i + 1], lens[b] - VERIFY + i + 1, scores=False)
+        assert torch.equal(alone[0, 0], whole[b, i]), (b, i)
+    one, _ = _attend(backend, q[1:2], cache, cache.page_table[1:2], pos[1:2], lens[1],
+                     scores=False)
+    assert torch.equal(one[0], whole[1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_rows_do_not_depend_on_chunks_or_packing(backend: str,
+                                                        dtype: torch.dtype) -> None:
+    """A 90-token prompt prefilled as one piece, and cut into pieces of 37 and 53 tokens
+    packed after other prompts' pieces: the same bits for every row."""
+    gen = generator(5)
+    cache = paged_cache(3, 128, HKV, DIM, PAGE, dtype, gen)
+    q = randn(90, HEADS, DIM, gen=gen, dtype=dtype)
+    other = randn(64, HEADS, DIM, gen=gen, dtype=dtype)
+
+    def run(q_packed: torch.Tensor, seqs: list[int], lengths: list[int],
+            starts: list[int]) -> torch.Tensor:
+        table = cache.page_table[seqs]
+        scale = DIM ** -0.5
+        if backend == "torch":
+            return prefill_attention_exact(q_packed, cache.k, cache.v, table, tuple(lengths),
+                                           tuple(starts), PAGE, scale)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                          device=DEVICE)
+        st = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+        tiles = prefill_tiles(lengths, starts, prefill_config(DIM, CUDA).block_m, DEVICE)
+        return prefill_attention(q_packed, cache.k, cache.v, table, cu, st, tiles, PAGE, scale)
+
+    whole = run(q, [0], [90], [0])
+    ref = prefill_attention_ref(q, cache.k, cache.v, cache.page_table[:1], (90,), (0,), PAGE,
+                                DIM ** -0.5)
+    torch.testing.assert_close(whole, ref, **tol(dtype))
+    first = run(torch.cat([other[:20], q[:37]]), [1, 0], [20, 37], [5, 0])
+    second = run(torch.cat([q[37:], other[20:64]]), [0, 2], [53, 44], [37, 0])
+    assert torch.equal(torch.cat([first[20:], second[:53]]), whole)
