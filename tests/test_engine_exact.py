@@ -1,0 +1,91 @@
+"""Exact mode end to end on a tiny random model in bfloat16 on CPU: greedy output of every
+speculative method is plain decoding's token for token, and a prompt gives the same tokens
+alone and inside a batch (cut into other prefill chunks, on padded batch buckets), with the
+plain-PyTorch backend and with the Triton kernels under the interpreter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import SPEC_VARIANTS, TINY_IDS, TINY_METHODS
+
+from vegas_spec import SamplingParams, SpecConfig
+from vegas_spec.engine import LLM
+
+VOCAB = 256
+CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 64,
+          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+          "bos_token_id": 1, "eos_token_id": 2}
+ENGINE: dict[str, Any] = dict(load_format="dummy", kv_cache_bytes=1 << 22, dtype="bfloat16",
+                              exact=True)
+PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+def spec_of(method: dict[str, Any] | None) -> SpecConfig:
+    if method is None:
+        return SpecConfig()
+    return SpecConfig(gamma=3, ratio=0.1, min_tokens=8, **method)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-exact")
+    (folder / "config.json").write_text(json.dumps(CONFIG))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(4)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (70, 23, 48)]
+
+
+@pytest.fixture(scope="module")
+def torch_llm(tiny: Path) -> LLM:
+    return LLM(str(tiny), backend="torch", **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def plain(torch_llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.token_ids for o in torch_llm.generate(prompts, PARAMS)]
+
+
+@pytest.mark.parametrize("method", TINY_METHODS[1:], ids=TINY_IDS[1:])
+def test_every_method_gives_plain_tokens(torch_llm: LLM, prompts: list[list[int]],
+                                         plain: list[list[int]], method: dict) -> None:
+    outs = torch_llm.generate(prompts, PARAMS, speculative=spec_of(method))
+    assert [o.token_ids for o in outs] == plain
+
+
+def test_a_prompt_alone_gives_its_tokens_in_a_batch(tiny: Path, torch_llm: LLM,
+                                                    prompts: list[list[int]],
+                                                    plain: list[list[int]]) -> None:
+    """Alone (prefilled in chunks of 16 tokens) against the batch above (one chunk) and a
+    batch on fixed-shape buffers, whose bucket pads 3 rows to 4."""
+    chunked = LLM(str(tiny), backend="torch", prefill_chunk=16, **ENGINE)
+    alone = [chunked.generate([p], PARAMS)[0].token_ids for p in prompts]
+    assert alone == plain
+    static = LLM(str(tiny), backend="torch", static_shapes=True, **ENGINE)
+    assert [o.token_ids for o in static.generate(prompts, PARAMS)] == plain
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="CPU tensors reach Triton only through its interpreter (no CUDA)")
+def test_triton_kernels_in_exact_mode(tmp_path: Path, prompts: list[list[int]]) -> None:
+    """The kernels that run on a GPU (the interpreter is slow: one layer, vegas, two short
+    prompts)
+    against plain decoding, and a prompt alone against the batch."""
+    folder = tmp_path / "one-layer"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**CONFIG, "num_hidden_layers": 1}))
+    llm = LLM(str(folder), backend="triton", **ENGINE)
+    short, params = [p[:18] for p in prompts[:2]], SamplingParams(max_tokens=6, ignore_eos=True)
+    plain = [o.token_ids for o in llm.generate(short, params)]
+    outs = llm.generate(short, params, speculative=spec_of(SPEC_VARIANTS[0]))
+    assert [o.token_ids for o in outs] == plain
+    assert llm.generate(short[1:], params)[0].token_ids == plain[1]
