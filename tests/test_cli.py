@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from test_errors import tiny_checkpoint
 
 from vegas_spec import cli
@@ -32,27 +33,60 @@ def test_compare_runs_vanilla_then_each_method(capsys: pytest.CaptureFixture[str
 
 
 class FakeLLM:
-    """Emits other tokens for every speculative method: the comparison must say so."""
+    """Emits other tokens from the third on for every speculative method (the comparison
+    must say so); vanilla's top-2 logit margin there is `margin`, wherever else 9."""
+
+    margin = 3.0
 
     def __init__(self, model: Any, **kwargs: Any) -> None:
-        pass
+        self.prompt = [5, 6]
 
     def generate(self, prompts: list, params: Any, chat: bool = False,
                  speculative: Any = None) -> list:
         tokens = [1, 2, 3] if speculative.method == "vanilla" else [1, 2, 4]
         stats = {"decode_tokens_per_s": 10.0, "tokens_per_iteration": None, "ttft_s": 0.5,
                  "total_s": 2.0}
-        return [SimpleNamespace(token_ids=tokens, stats=stats) for _ in prompts]
+        return [SimpleNamespace(token_ids=tokens, prompt_token_ids=self.prompt, stats=stats)
+                for _ in prompts]
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        out = torch.zeros(len(ids), 8)
+        out[-1, 3] = self.margin if ids == [*self.prompt, 1, 2] else 9.0
+        return out
 
 
 def test_compare_fails_when_an_output_differs(monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr("vegas_spec.engine.LLM", FakeLLM)
     code = cli.main(["compare", "--prompt", "a", "--prompt", "b", "--methods", "stream"])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert code == 1
-    assert "identical to vanilla: 0/2" in out and "identical to vanilla: 2/2" in out
-    assert "first token    500.0 ms" in out
+    assert "identical to vanilla: 0/2 (0 near-ties, 2 mismatches)" in out
+    assert "identical to vanilla: 2/2" in out and "first token    500.0 ms" in out
+    assert "prompt 2 of 2: parts from vanilla at generated token 2, vanilla's top-2 margin 3 " \
+        "(MISMATCH)" in out
+    assert "--exact" not in captured.err
+
+
+@pytest.mark.parametrize("dtype,exact,margin,code", [
+    ("bfloat16", False, 0.25, 0), ("bfloat16", False, 0.75, 1), ("bfloat16", True, 0.25, 1),
+    ("float32", False, 0.25, 1), ("float32", False, 2 ** -11, 0), ("float16", False, 0.0625, 0)])
+def test_compare_tells_near_ties_from_mismatches(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str], dtype: str,
+                                                 exact: bool, margin: float, code: int) -> None:
+    """A parting where vanilla's margin is within the dtype's rounding is a near-tie: exit 0
+    and a note that --exact removes it; wider, or any parting with --exact, a mismatch."""
+    monkeypatch.setattr("vegas_spec.engine.LLM", FakeLLM)
+    monkeypatch.setattr(FakeLLM, "margin", margin)
+    argv = ["compare", "--prompt", "a", "--methods", "vegas", "--dtype", dtype, "--json"]
+    assert cli.main(argv + ["--exact"] * exact) == code
+    captured = capsys.readouterr()
+    row = [json.loads(line) for line in captured.out.splitlines()][1]
+    assert row["partings"] == [{"prompt": 0, "position": 2, "margin": margin,
+                                "near_tie": code == 0}]
+    assert (row["near_ties"], row["mismatches"]) == ((1, 0) if code == 0 else (0, 1))
+    assert ("--exact makes every output vanilla's" in captured.err) == (code == 0)
 
 
 def test_compare_takes_only_speculative_methods() -> None:

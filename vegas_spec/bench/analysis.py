@@ -30,10 +30,25 @@ def speedup(row: dict[str, Any], base: dict[str, Any] | None) -> float | None:
     return row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
 
 
-def lossless(row: dict[str, Any], base: dict[str, Any] | None, dtype: str) -> dict[str, Any]:
+def near_tie(margin: float, dtype: str, exact: bool = False) -> bool:
+    """Whether a greedy parting from vanilla where the plain run's top-2 logit margin is
+    `margin` can be rounding: within NEAR_TIE of the dtype, and never in exact mode, where
+    every step computes each row the same way (a parting there is a bug)."""
+    return not exact and margin <= NEAR_TIE.get(dtype, 0.0)
+
+
+def count_partings(partings: list[dict[str, Any]], dtype: str,
+                   exact: bool = False) -> dict[str, int]:
+    """near_ties: partings that rounding explains; mismatches: the others."""
+    near = sum(near_tie(p["margin"], dtype, exact) for p in partings)
+    return {"near_ties": near, "mismatches": len(partings) - near}
+
+
+def lossless(row: dict[str, Any], base: dict[str, Any] | None, dtype: str,
+             exact: bool = False) -> dict[str, Any]:
     """identical: outputs equal to vanilla's; verdict: `identical`, `near-ties` (every
-    parting at a plain top-2 margin within NEAR_TIE), `DIFFERS`, `sampled` (not compared
-    token for token) or `no vanilla` (not measured)."""
+    parting at a plain top-2 margin within NEAR_TIE; none in exact mode), `DIFFERS`,
+    `sampled` (not compared token for token) or `no vanilla` (not measured)."""
     if row["method"] == "vanilla":
         return {"identical": len(row["token_ids"]), "verdict": "identical"}
     if base is None:
@@ -45,7 +60,7 @@ def lossless(row: dict[str, Any], base: dict[str, Any] | None, dtype: str) -> di
     largest = max(margins) if margins else None
     if not margins:
         verdict = "identical"
-    elif largest is not None and largest <= NEAR_TIE.get(dtype, 0.0):
+    elif count_partings(row["partings"], dtype, exact)["mismatches"] == 0:
         verdict = "near-ties"
     else:
         verdict = "DIFFERS"
@@ -84,8 +99,9 @@ def same_needles(row: dict[str, Any], base: dict[str, Any] | None) -> bool | Non
     return [n["found"] for n in row["needle"]] == [n["found"] for n in base["needle"]]
 
 
-def summary(rows: list[dict[str, Any]], dtype: str) -> list[dict[str, Any]]:
-    """One line per cell: what the report's tables show."""
+def summary(rows: list[dict[str, Any]], dtype: str,
+            exact: bool = False) -> list[dict[str, Any]]:
+    """One line per cell: what the report's tables show (exact: no parting is a near-tie)."""
     out = []
     for row in rows:
         base = baseline(rows, row)
@@ -99,7 +115,7 @@ def summary(rows: list[dict[str, Any]], dtype: str) -> list[dict[str, Any]]:
             "acceptance_first": acc[0] if acc else None,
             "acceptance_last": acc[-1] if acc else None,
             "budget_mean": row.get("budget_mean"), "prompts": len(row["token_ids"]),
-            **lossless(row, base, dtype), "needle": needle(row),
+            **lossless(row, base, dtype, exact), "needle": needle(row),
             "needle_same_as_vanilla": same_needles(row, base),
             "time_split": time_split(row)})
     return out

@@ -165,6 +165,7 @@ def plan(args: argparse.Namespace, spec: SpecConfig, argv: list[str], kind: str)
             "setting": {"model": str(args.model or "embedded SmolLM2-135M-Instruct"),
                         "dtype": args.dtype, "device": args.device, "backend": args.backend,
                         "load_format": args.load_format, "eager": args.eager,
+                        "exact": getattr(args, "exact", False),
                         "temperature": settings.temperature, "seed": settings.seed,
                         "tokenizer": "the model's" if own else "the embedded default's",
                         "spec": {k: v for k, v in dataclasses.asdict(spec).items()
@@ -287,7 +288,7 @@ def bench(args: argparse.Namespace, engine_kwargs: dict[str, Any], spec: SpecCon
     rows = run_cells(p.cells, store, p.settings, _engine(args, engine_kwargs, p), Prompts(p),
                      progress=not args.no_progress)
     rows = list({r["key"]: r for r in rows}.values())
-    lines = analysis.summary(rows, args.dtype)
+    lines = analysis.summary(rows, args.dtype, getattr(args, "exact", False))
     made = plots.bench_plots(lines, rows, args.out)
     (args.out / "report.md").write_text(report.bench_report(p.meta, lines, made),
                                         encoding="utf-8")

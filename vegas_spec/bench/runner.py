@@ -106,7 +106,8 @@ class Store:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         rows = list(self.rows.values())
         data = {"meta": self.meta, "cells": rows,
-                "summary": analysis.summary(rows, self.meta["setting"]["dtype"])}
+                "summary": analysis.summary(rows, self.meta["setting"]["dtype"],
+                                            self.meta["setting"].get("exact", False))}
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
         os.replace(tmp, self.path)
@@ -208,13 +209,20 @@ def partings(llm: Any, batch: list[Prompt], base: list[list[int]],
     """Where each output first parts from vanilla's, with the plain run's top-2 logit margin
     at that position (a near-tie explains a parting under bf16 rounding; a wide margin is a
     bug)."""
+    return parting_margins(llm, [p.ids for p in batch], base, other)
+
+
+def parting_margins(llm: Any, prompts: list[list[int]], base: list[list[int]],
+                    other: list[list[int]]) -> list[dict[str, Any]]:
+    """`partings` of prompts given as token ids: [{prompt, position, margin}] for every
+    output of `other` that is not its `base` output."""
     out = []
-    for i, (prompt, a, b) in enumerate(zip(batch, base, other)):
+    for i, (ids, a, b) in enumerate(zip(prompts, base, other)):
         at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if at is None and len(a) != len(b):
             at = min(len(a), len(b))
         if at is not None:
-            out.append({"prompt": i, "position": at, "margin": margin(llm, prompt.ids + a[:at])})
+            out.append({"prompt": i, "position": at, "margin": margin(llm, ids + a[:at])})
     return out
 
 
