@@ -24,11 +24,10 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_si
 ENGINE: dict[str, Any] = dict(load_format="dummy", kv_cache_bytes=1 << 22, dtype="bfloat16",
                               exact=True)
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
+PLAIN = SpecConfig(method="vanilla")
 
 
-def spec_of(method: dict[str, Any] | None) -> SpecConfig:
-    if method is None:
-        return SpecConfig()
+def spec_of(method: dict[str, Any]) -> SpecConfig:
     return SpecConfig(gamma=3, ratio=0.1, min_tokens=8, **method)
 
 
@@ -52,7 +51,7 @@ def torch_llm(tiny: Path) -> LLM:
 
 @pytest.fixture(scope="module")
 def plain(torch_llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    return [o.token_ids for o in torch_llm.generate(prompts, PARAMS)]
+    return [o.token_ids for o in torch_llm.generate(prompts, PARAMS, speculative=PLAIN)]
 
 
 @pytest.mark.parametrize("method", TINY_METHODS[1:], ids=TINY_IDS[1:])
@@ -68,10 +67,10 @@ def test_a_prompt_alone_gives_its_tokens_in_a_batch(tiny: Path, torch_llm: LLM,
     """Alone (prefilled in chunks of 16 tokens) against the batch above (one chunk) and a
     batch on fixed-shape buffers, whose bucket pads 3 rows to 4."""
     chunked = LLM(str(tiny), backend="torch", prefill_chunk=16, **ENGINE)
-    alone = [chunked.generate([p], PARAMS)[0].token_ids for p in prompts]
+    alone = [chunked.generate([p], PARAMS, speculative=PLAIN)[0].token_ids for p in prompts]
     assert alone == plain
     static = LLM(str(tiny), backend="torch", static_shapes=True, **ENGINE)
-    assert [o.token_ids for o in static.generate(prompts, PARAMS)] == plain
+    assert [o.token_ids for o in static.generate(prompts, PARAMS, speculative=PLAIN)] == plain
 
 
 @pytest.mark.skipif(torch.cuda.is_available(),
@@ -85,7 +84,7 @@ def test_triton_kernels_in_exact_mode(tmp_path: Path, prompts: list[list[int]]) 
     (folder / "config.json").write_text(json.dumps({**CONFIG, "num_hidden_layers": 1}))
     llm = LLM(str(folder), backend="triton", **ENGINE)
     short, params = [p[:18] for p in prompts[:2]], SamplingParams(max_tokens=6, ignore_eos=True)
-    plain = [o.token_ids for o in llm.generate(short, params)]
+    plain = [o.token_ids for o in llm.generate(short, params, speculative=PLAIN)]
     outs = llm.generate(short, params, speculative=spec_of(SPEC_VARIANTS[0]))
     assert [o.token_ids for o in outs] == plain
-    assert llm.generate(short[1:], params)[0].token_ids == plain[1]
+    assert llm.generate(short[1:], params, speculative=PLAIN)[0].token_ids == plain[1]
