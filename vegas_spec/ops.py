@@ -31,6 +31,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def exact_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu_mul` with each element's bits independent of the tensor's size (exact mode).
+
+    torch's elementwise exp (in F.silu) runs vectorised over the bulk of each thread's range
+    and as a scalar function on its tail, which may round differently, so the path an element
+    takes depends on the tensor's size and the thread count. A softmax over a last axis of
+    two, [g, 0], is sigmoid(g) computed by the same per-row vectorised code for every
+    element. Products and casts are correctly rounded on either path."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    g = gate.float()
+    sigmoid = torch.softmax(torch.stack([g, torch.zeros_like(g)], dim=-1), dim=-1)[..., 0]
+    return (g * sigmoid).to(gate.dtype) * up
+
+
 def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """x [B, n, heads, D], positions [B, n] -> rotated x (rotate-half convention); table
     [max_pos, D] float32 holds cos in the first half of the last axis, sin in the second."""

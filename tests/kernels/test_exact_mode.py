@@ -10,6 +10,7 @@ import torch
 from kernel_cases import CUDA, DEVICE, generator, paged_cache, query_positions, randn, tol
 
 from vegas_spec.attention.backend import make_backend
+from vegas_spec.attention.context import StepContext
 from vegas_spec.attention.torch_backend import (
     paged_attention_ref,
     prefill_attention_exact,
@@ -17,6 +18,7 @@ from vegas_spec.attention.torch_backend import (
 )
 from vegas_spec.kernels.paged_attention import _tiling, paged_attention
 from vegas_spec.kernels.prefill_attention import prefill_attention, prefill_config, prefill_tiles
+from vegas_spec.ops import silu_mul
 
 DTYPES = [torch.float32, torch.bfloat16]
 BACKENDS = ["torch", "triton"]
@@ -41,6 +43,36 @@ def test_projection_and_head_rows_do_not_depend_on_the_row_count(backend: str,
         assert torch.equal(seam.linear(x[5, :1], w, b), whole[5, :1])  # a plain step's row
         assert torch.equal(seam.linear(x[9], w, b), whole[9])  # one sequence's verify rows
         assert torch.equal(seam.linear(x[3:6], w, b), whole[3:6])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_per_token_steps_are_row_wise(backend: str, dtype: torch.dtype) -> None:
+    """RMSNorm (with the residual add), SiLU * up and RoPE + KV store: a row alone and in
+    many (the Triton kernels take a row or a block of elements per program)."""
+    seam, gen = make_backend(backend, exact=True), generator(8)
+    x, res = randn(48, 96, gen=gen, dtype=dtype), randn(48, 96, gen=gen, dtype=dtype)
+    w, gate_up = randn(96, gen=gen, dtype=dtype), randn(448, 2 * 160, gen=gen, dtype=dtype) * 3
+    rows = slice(9, 10)
+    assert torch.equal(seam.norm(x[rows], w, 1e-6), seam.norm(x, w, 1e-6)[rows])
+    pair = seam.add_norm(x, res, w, 1e-6)
+    for got, whole in zip(seam.add_norm(x[rows], res[rows], w, 1e-6), pair, strict=True):
+        assert torch.equal(got, whole[rows])
+    torch.testing.assert_close(seam.silu_mul(gate_up), silu_mul(gate_up), **tol(dtype))
+    assert torch.equal(seam.silu_mul(gate_up[rows]), seam.silu_mul(gate_up)[rows])
+    q, k = randn(8, 7, HEADS, DIM, gen=gen, dtype=dtype), randn(8, 7, HKV, DIM, gen=gen,
+                                                                 dtype=dtype)
+    rope = torch.randn(512, DIM, generator=gen).to(DEVICE)
+    pos = torch.randint(0, 512, (8, 7), generator=gen).to(DEVICE)
+
+    def rotate(b: slice) -> torch.Tensor:
+        cache = torch.zeros(56, HKV, DIM, dtype=dtype, device=DEVICE)
+        slots = torch.arange(56, device=DEVICE).view(8, 7)[b]
+        ctx = StepContext(positions=pos[b], seq_lens=pos[b, -1] + 1, slot_mapping=slots,
+                          page_table=slots, page_size=1, kv_len_max=1)
+        return seam.rope_store(q[b], k[b], k[b], cache, cache.clone(), ctx, rope)
+
+    assert torch.equal(rotate(slice(5, 6)), rotate(slice(0, 8))[5:6])
 
 
 def _attend(backend: str, q: torch.Tensor, cache, table: torch.Tensor, pos: torch.Tensor,

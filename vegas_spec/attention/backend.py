@@ -10,7 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from vegas_spec.attention.context import LastRows, ScoreRequest, StepContext
-from vegas_spec.ops import add_rms_norm, apply_rope, exact_linear, rms_norm, silu_mul
+from vegas_spec.ops import (
+    add_rms_norm,
+    apply_rope,
+    exact_linear,
+    exact_silu_mul,
+    rms_norm,
+    silu_mul,
+)
 
 
 class AttentionBackend(ABC):
@@ -28,9 +35,10 @@ class AttentionBackend(ABC):
     Exact mode (`exact=True`): every step but the draft's sparse attention computes each row
     the same way whatever the number of rows in the step (batch size x query rows): the
     products through a row-invariant `linear`, full and prefill attention with one tiling and
-    one key split for every shape. The per-token steps are row-wise already: RMSNorm reduces
-    one row, RoPE and SiLU * up are elementwise. Drafts never reach the output, so the sparse
-    attention keeps its fastest tiling.
+    one key split for every shape. The per-token steps are row-wise: RMSNorm reduces one row
+    (its rsqrt and RoPE's products are correctly rounded on every path) and SiLU * up is
+    elementwise, here through `exact_silu_mul`, whose exp takes one path for every element.
+    Drafts never reach the output, so the sparse attention keeps its fastest tiling.
     """
 
     name = "abstract"
@@ -111,7 +119,7 @@ class AttentionBackend(ABC):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [..., 2I] -> silu(gate) * up [..., I]."""
-        return silu_mul(gate_up)
+        return exact_silu_mul(gate_up) if self.exact else silu_mul(gate_up)
 
     @abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
