@@ -16,6 +16,14 @@ one graph (also timed without the selection: the difference is the selection's c
 the graph, `select_in_round_ms`). Floors:
 bytes the step must read (weights once, K and V of every position it attends to) over the
 measured copy bandwidth.
+`--modes default exact` runs every (context, batch) in both modes, each in an engine of its
+own, and ends with exact mode's cost: plain steps per second and vegas's projected tokens
+per second (τ · batch / (round + host work)) in exact mode against the default mode
+(`--brief` skips the extra steps below to keep such a run short):
+
+    python benchmarks/step_profile.py --config benchmarks/configs/smollm2-135m \
+        --contexts 7500 --batches 64 --modes default exact --brief --out exact_smollm2.json
+
 `--profile` adds a per-kernel table (torch.profiler) of one replay of each step;
 `--projections` the weight-streaming rate of every projection at the plain and the verify
 step's row counts. Also reported: the verify step without scores (stream's), quest's draft
@@ -125,15 +133,16 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
             profiles["plain"] = kernel_table(step)
         llm.graphs = None
 
-        # The same verify step without scores (stream's runner: no score request).
-        stream = dataclasses.replace(spec, method="stream")
-        unscored = llm._graph_runner(stream, make_policy(stream), bsz)
-        unscored.set_batch(table)
-        out["verify_noscores_ms"] = median_ms(
-            lambda: unscored.run("verify", tokens, positions), args.reps)
-        llm.graphs = None
-        out["quest_draft_ms"] = quest_draft_ms(llm, spec, bsz, table, lengths, tokens,
-                                               positions, context, args.reps)
+        if not args.brief:
+            # The same verify step without scores (stream's runner: no score request).
+            stream = dataclasses.replace(spec, method="stream")
+            unscored = llm._graph_runner(stream, make_policy(stream), bsz)
+            unscored.set_batch(table)
+            out["verify_noscores_ms"] = median_ms(
+                lambda: unscored.run("verify", tokens, positions), args.reps)
+            llm.graphs = None
+            out["quest_draft_ms"] = quest_draft_ms(llm, spec, bsz, table, lengths, tokens,
+                                                   positions, context, args.reps)
 
         policy = make_policy(spec)
         runner = llm._graph_runner(spec, policy, bsz)
@@ -196,8 +205,9 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
             gamma * out["draft_ms"] + out["verify_ms"])
         out["ideal_speedup_at_7_tokens_round"] = (gamma + 1) * out["plain_ms"] / out["round_ms"]
         out["verify_over_plain"] = out["verify_ms"] / out["plain_ms"]
-        out["verify_noscores_over_plain"] = out["verify_noscores_ms"] / out["plain_ms"]
-        out["quest_draft_over_draft"] = out["quest_draft_ms"] / out["draft_ms"]
+        if not args.brief:
+            out["verify_noscores_over_plain"] = out["verify_noscores_ms"] / out["plain_ms"]
+            out["quest_draft_over_draft"] = out["quest_draft_ms"] / out["draft_ms"]
         if profiles:
             out["profiles"] = profiles
         return out
@@ -212,14 +222,15 @@ def projection_bandwidth(llm: LLM, rows: int, bandwidth: float, reps: int) -> di
     uses the next layer's weight, so that no weight is read from L2."""
     from vegas_spec.graphs import capture
 
-    model, out = llm.model, {}
+    model, linear, out = llm.model, llm.backend.linear, {}
     names = ("qkv", "o_proj", "gate_up", "down")
     groups = {n: [getattr(layer, n) for layer in model.layers] for n in names}
     groups["lm_head"] = [model.lm_head]
     for name, mods in groups.items():
         x = torch.randn(rows, mods[0].in_features, device=llm.device,
                         dtype=mods[0].weight.dtype)
-        graph, _ = capture(lambda mods=mods, x=x: [m(x) for m in mods], None)
+        graph, _ = capture(lambda mods=mods, x=x: [linear(x, m.weight, m.bias) for m in mods],
+                           None)
         ms = median_ms(graph.replay, reps) / len(mods)
         weight = mods[0].weight
         per_s = weight.numel() * weight.element_size() / (ms / 1e3)
@@ -252,12 +263,13 @@ def quest_draft_ms(llm: LLM, spec: SpecConfig, bsz: int, table: torch.Tensor,
     return ms
 
 
-def host_gap_ms(llm: LLM, spec: SpecConfig, bsz: int, new_tokens: int = 64) -> float:
+def host_gap_ms(llm: LLM, spec: SpecConfig, bsz: int, new_tokens: int = 64,
+                prompt_tokens: int = 256) -> float:
     """Wall time per iteration of the engine's own greedy decode loop (short prompts, every
     sequence decoding `new_tokens`) that is not the round graph's GPU time: the host work
     between rounds (reading the accepted counts, bookkeeping, the next replay's copies)."""
     vocab = llm.model_config.vocab_size
-    prompts = [[(i * 7919 + j * 31) % vocab for j in range(256)] for i in range(bsz)]
+    prompts = [[(i * 7919 + j * 31) % vocab for j in range(prompt_tokens)] for i in range(bsz)]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, params, speculative=spec)  # captures this bucket's graphs
     stats = llm.generate(prompts, params, speculative=spec)[0].stats
@@ -265,6 +277,37 @@ def host_gap_ms(llm: LLM, spec: SpecConfig, bsz: int, new_tokens: int = 64) -> f
     iterations = max(stats["iterations"], 1)
     gpu = sum(stats["phase_s"].get(k, 0.0) for k in ("speculate", "select"))
     return 1e3 * (stats["decode_s"] - gpu) / iterations
+
+
+def exact_cost(rows: list[dict]) -> list[dict]:
+    """Per (context, batch) measured in both modes: plain steps' and vegas's projected
+    tokens per second in each, and exact mode's slowdown (1 - exact / default)."""
+    out = []
+    for ex in (r for r in rows if r["mode"] == "exact"):
+        base = next((r for r in rows if r["mode"] == "default"
+                     and (r["context"], r["batch"]) == (ex["context"], ex["batch"])), None)
+        if base is None:
+            continue
+        line = {"context": ex["context"], "batch": ex["batch"]}
+        for name, row in (("default", base), ("exact", ex)):
+            line[f"plain_tok_s_{name}"] = 1e3 * row["batch"] / row["plain_ms"]
+            line[f"vegas_tok_s_{name}"] = 1e3 * row["batch"] * row["tokens_per_iteration"] / (
+                row["round_ms"] + row["host_gap_ms"])
+        for kind in ("plain", "vegas"):
+            line[f"{kind}_slowdown"] = 1 - line[f"{kind}_tok_s_exact"] / line[
+                f"{kind}_tok_s_default"]
+        out.append(line)
+    return out
+
+
+def cost_table(lines: list[dict]) -> str:
+    head = ("| context | batch | plain tok/s default | exact | slower | vegas tok/s default "
+            "| exact | slower |\n|---|---|---|---|---|---|---|---|")
+    body = [f"| {c['context']} | {c['batch']} | {c['plain_tok_s_default']:.0f} | "
+            f"{c['plain_tok_s_exact']:.0f} | {100 * c['plain_slowdown']:.1f}% | "
+            f"{c['vegas_tok_s_default']:.0f} | {c['vegas_tok_s_exact']:.0f} | "
+            f"{100 * c['vegas_slowdown']:.1f}% |" for c in lines]
+    return "\n".join([head, *body])
 
 
 def kv_bytes_per_token(folder: Path, itemsize: int) -> int:
@@ -289,6 +332,14 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--projections", action="store_true",
                     help="also time each projection at M = batch and batch x (γ + 1) rows")
+    ap.add_argument("--modes", nargs="+", default=["default"], choices=["default", "exact"],
+                    help="engine modes to time, each in an engine of its own; both: exact "
+                         "mode's cost against the default")
+    ap.add_argument("--brief", action="store_true",
+                    help="only the plain, verify and draft steps, the selection, the round "
+                         "and the host work (not stream's verify nor quest's draft)")
+    ap.add_argument("--host-gap-tokens", type=int, default=64,
+                    help="new tokens per sequence of the run that measures the host work")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -296,19 +347,20 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     bandwidth = copy_bandwidth() if cuda else 1e10
     rows = []
-    for context in args.contexts:
-        # One engine per context, its static key axis sized for this context (max_model_len).
+    for context, mode in ((c, m) for c in args.contexts for m in args.modes):
+        # One engine per context and mode, its static key axis sized for this context.
         slots = max(args.batches) * (context + 128) + 4096
         kv = slots * kv_bytes_per_token(args.config, 2 if cuda else 4)
         llm = LLM(str(args.config), load_format="dummy", device="cuda" if cuda else "cpu",
                   dtype="bfloat16" if cuda else "float32", kv_cache_bytes=kv,
-                  max_model_len=context + args.gamma + 64)
+                  max_model_len=context + args.gamma + 64, exact=mode == "exact")
         for k, v in llm.cache.layers:
             k.normal_()
             v.normal_()
         for bsz in args.batches:
-            row = measure(llm, spec, context, bsz, args, bandwidth)
-            row["host_gap_ms"] = host_gap_ms(llm, spec, bsz)
+            row = {"mode": mode, **measure(llm, spec, context, bsz, args, bandwidth)}
+            row["host_gap_ms"] = host_gap_ms(llm, spec, bsz, args.host_gap_tokens,
+                                             min(256, context // 2))
             if args.projections and cuda:
                 row["projections"] = {m: projection_bandwidth(llm, m, bandwidth, args.reps)
                                       for m in (bsz, bsz * (spec.gamma + 1))}
@@ -325,8 +377,11 @@ def main() -> None:
             "gpu": torch.cuda.get_device_name() if cuda else "cpu",
             "torch": torch.__version__, "copy_bandwidth_bytes_per_s": bandwidth,
             "args": {k: str(v) for k, v in vars(args).items()}}
+    cost = exact_cost(rows)
+    if cost:
+        print(cost_table(cost), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows, "exact_cost": cost}, indent=1))
 
 
 if __name__ == "__main__":

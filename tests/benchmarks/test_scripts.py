@@ -38,6 +38,22 @@ def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> No
     assert row["byte_ideal_speedup"] > 0 and isinstance(row["host_gap_ms"], float)
 
 
+def test_step_profile_measures_exact_mode_against_the_default(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    out = tmp_path / "exact.json"
+    run("step_profile.py", "--config", str(tmp_path), "--contexts", "64", "--batches", "2",
+        "--reps", "2", "--min-tokens", "16", "--modes", "default", "exact", "--brief",
+        "--host-gap-tokens", "8", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert [r["mode"] for r in data["rows"]] == ["default", "exact"]
+    assert "quest_draft_ms" not in data["rows"][0]
+    (cost,) = data["exact_cost"]
+    assert (cost["context"], cost["batch"]) == (64, 2)
+    for kind in ("plain", "vegas"):
+        assert cost[f"{kind}_tok_s_default"] > 0 and cost[f"{kind}_tok_s_exact"] > 0
+        assert cost[f"{kind}_slowdown"] < 1
+
+
 def test_method_sweep_pairs_prompts_and_checks_losslessness(tmp_path: Path) -> None:
     out = tmp_path / "sweep.json"
     run("method_sweep.py", "--prompts", "2", "--min-context", "120", "--max-context", "160",
