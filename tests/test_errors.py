@@ -290,6 +290,7 @@ def test_spec_config_accepts_its_documented_range() -> None:
     ({"prefix_cache_bytes": -1}, "prefix_cache_bytes must be an integer >= 0"),
     ({"max_model_len": 10.5}, "max_model_len must be an integer, got 10.5"),
     ({"cuda_graphs": "no"}, "cuda_graphs must be True or False, got 'no'"),
+    ({"exact": 1}, "exact must be True or False, got 1"),
 ])
 def test_invalid_engine_config(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -401,6 +402,13 @@ def test_pages_are_released_after_a_failed_request(tiny_llm: LLM,
         tiny_llm.logits([5] * 40)  # five chunks of 8; the fourth fails
     assert len(calls) == 4
     assert sorted(cache.free_pages) == list(range(cache.num_pages))
+
+
+def test_exact_mode_on_cuda_needs_the_triton_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match="exact mode on cuda runs the Triton kernels"):
+        EngineConfig(device="cuda", backend="torch", exact=True)
+    assert EngineConfig(device="cpu", backend="torch", exact=True).exact
 
 
 def test_triton_backend_is_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -398,6 +398,9 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.resolved_backend == "triton":
             _check_triton(dev.type)
+        if self.exact and dev.type == "cuda" and self.resolved_backend != "triton":
+            raise ConfigError("exact mode on cuda runs the Triton kernels (backend triton or "
+                              "auto); the torch backend's exact path is for cpu")
 
     def prefill_tokens(self, model: ModelConfig) -> int:
         """prefill_chunk, or by default the tokens whose activations (the widest tensors a
