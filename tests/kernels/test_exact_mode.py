@@ -16,12 +16,14 @@ from vegas_spec.attention.torch_backend import (
     prefill_attention_exact,
     prefill_attention_ref,
 )
+from vegas_spec.kernels.exact_matmul import exact_tiles
 from vegas_spec.kernels.paged_attention import _tiling, paged_attention
 from vegas_spec.kernels.prefill_attention import prefill_attention, prefill_config, prefill_tiles
 from vegas_spec.ops import silu_mul
 
 DTYPES = [torch.float32, torch.bfloat16]
-BACKENDS = ["torch", "triton"]
+# The torch backend's exact path is the CPU's (exact mode on CUDA runs the Triton kernels).
+BACKENDS = ["triton"] if CUDA else ["torch", "triton"]
 HEADS, HKV, DIM, PAGE = 4, 2, 32, 16
 BATCH, VERIFY = 64, 7  # 448 query rows
 
@@ -106,12 +108,15 @@ def test_gpu_tiling_is_one_for_every_step_in_exact_mode() -> None:
     assert len(got) == 1
     cfg, split = got.pop()
     assert split % cfg.block_k == 0 and cfg.block_n * cfg.group_pad >= 16
+    # the projections' tiles follow the weight's N only (exact_tiles takes no M)
+    assert [exact_tiles(True, n).block_n for n in (960, 6144, 28672, 128256)] == \
+        [32, 32, 128, 128]
 
 
 # (backend, dtype): the interpreter is slow, so the Triton kernel runs in bf16 only (its float32
 # logic is the same code).
-ATTENTION_CASES = [("torch", torch.float32), ("torch", torch.bfloat16),
-                   ("triton", torch.bfloat16)]
+ATTENTION_CASES = [("triton", torch.float32), ("triton", torch.bfloat16)] if CUDA else [
+    ("torch", torch.float32), ("torch", torch.bfloat16), ("triton", torch.bfloat16)]
 # (sequences, shortest, longest + 1, key bound): 448 rows in one split; or several splits of
 # the key axis (128 keys each under the interpreter), merged, against rows in a single one.
 SHAPES = {"448-rows": (BATCH, 20, 122, 128), "splits": (4, 200, 330, 336)}

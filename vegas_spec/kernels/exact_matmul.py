@@ -12,7 +12,8 @@ float32 on the tensor cores with the same instruction shape for every M (padding
 zeros that no one reads), so a row's bits depend on that row and the weights only.
 
 Bytes: the weights are read once per BLOCK_M rows, as a cuBLAS GEMM would at M <= BLOCK_M;
-past that the tile reuses them from L2."""
+past that the tile reuses them from L2. The column block follows the weight's N (never M),
+so that a decode step's single row block still spreads over the SMs."""
 
 from __future__ import annotations
 
@@ -32,11 +33,21 @@ class MatmulTiles:
     num_stages: int
 
 
-def exact_tiles(gpu: bool) -> MatmulTiles:
-    """One configuration for every shape (the invariance needs it); under the interpreter,
-    whose cost is per program and loop step, few rows (a decode step has few) and wide
-    column and reduction blocks."""
-    return MatmulTiles(64, 128, 64, 4, 3) if gpu else MatmulTiles(16, 128, 64, 1, 1)
+# Column blocks a GPU projection is cut into at least (where N allows), so that a step of
+# few rows (one row block) still spreads its weight reads over the SMs without splitting K.
+GPU_COLUMN_BLOCKS = 256
+
+
+def exact_tiles(gpu: bool, n: int = 1 << 20) -> MatmulTiles:
+    """One configuration for every row count (the invariance needs it): it may depend on the
+    weight's N (a layer's own), never on M. On a GPU, 64 x BLOCK_N x 64 tiles, BLOCK_N from
+    32 to 128 so that N gives about GPU_COLUMN_BLOCKS programs; under the interpreter, whose
+    cost is per program and loop step, few rows (a decode step has few) and wide column and
+    reduction blocks."""
+    if not gpu:
+        return MatmulTiles(16, 128, 64, 1, 1)
+    block_n = min(128, max(32, triton.next_power_of_2(triton.cdiv(n, GPU_COLUMN_BLOCKS))))
+    return MatmulTiles(64, block_n, 64, 4, 3)
 
 
 # M stays a runtime value: Triton would otherwise compile M = 1 as a constant, another program
@@ -76,7 +87,7 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         rows = rows.contiguous()
     m, k = rows.shape
     n = weight.shape[0]
-    cfg = tiles or exact_tiles(x.is_cuda)
+    cfg = tiles or exact_tiles(x.is_cuda, n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         _matmul_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))](
