@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,19 @@ def llm():
     from vegas_spec.engine import LLM
 
     return LLM(kv_cache_bytes=1 << 30, prefix_cache_bytes=2 << 30)
+
+
+@pytest.fixture(autouse=True)
+def plain_llm(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that uses the shared engine leaves it on plain decoding: the method one test
+    sets must not become the default of the next (`generate` without `speculative` keeps
+    the engine's method)."""
+    shared = request.getfixturevalue("llm") if "llm" in request.fixturenames else None
+    yield
+    if shared is not None:
+        from vegas_spec.config import SpecConfig
+
+        shared.engine.set_spec(SpecConfig(method="vanilla"))
 
 
 @pytest.fixture(scope="session")

@@ -103,7 +103,7 @@ def test_triton_prefill_gives_torch_tokens(tmp_path: Path) -> None:
     model = build_hf("qwen3")
     folder = save(model, tmp_path)
     prompts = [random_ids(n, seed=n) for n in (70, 33)]
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
     plain = engine(folder, prefill_chunk=40).generate(prompts, params)
     spec = engine(folder, prefill_chunk=40, backend="triton", device=TRITON_DEVICE).generate(
         prompts, params, speculative={"method": "vegas", "gamma": 3, "min_tokens": 8})
@@ -141,7 +141,7 @@ def test_fixed_shape_prefill_scores_and_tokens(tmp_path: Path) -> None:
     model = build_hf("llama-tied")
     folder = save(model, tmp_path)
     prompts = [random_ids(n, seed=n) for n in (75, 40)]
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
     plain = engine(folder).generate(prompts, params)
     static = engine(folder, static_shapes=True, prefill_chunk=64, backend="triton",
                     device=TRITON_DEVICE)

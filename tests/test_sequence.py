@@ -13,7 +13,8 @@ import pytest
 from vegas_spec.config import SamplingParams
 from vegas_spec.models.loader import resolve
 from vegas_spec.sequence import Detokenizer, Sequence, StopChecker
-from vegas_spec.tokenizer import load_tokenizer
+from vegas_spec.stats import SeqStats, summarize
+from vegas_spec.tokenizer import load_tokenizer, text_decoder
 
 TEXT = ("Café naïve — 日本語のテキスト 😀🚀 and ünïcödé; the quick brown fox jumps over the "
         "lazy dog.\n\n  Indented   spaces,\ttabs, and ``quotes'' — done. ") * 8
@@ -50,6 +51,27 @@ def test_deltas_join_to_the_whole_decode(tokenizer: Any, group: int) -> None:
     assert "".join(deltas) == detok.text == full(tokenizer, ids)
     assert any(d == "" for d in deltas[:-1]) or group > 1  # multi-byte characters wait
     assert counting.decoded < 6 * len(ids) + 6 * group  # windows, not the whole output
+
+
+def test_ids_pushed_together_give_the_text_of_one_by_one(tokenizer: Any) -> None:
+    """After every group (1..γ+1 ids, as a decode iteration appends them) the text is the one
+    per-id pushes reach, multi-byte characters that a group leaves open included; the
+    backend's decode is the tokenizer's."""
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"] + [EOS]
+    fast = text_decoder(tokenizer)
+    assert fast(ids) == full(tokenizer, ids)
+    together, alone = Detokenizer(tokenizer, fast), Detokenizer(tokenizer)
+    rng, i, waited = random.Random(1), 0, 0
+    while i < len(ids):
+        group = ids[i : i + rng.randint(1, 7)]
+        i += len(group)
+        final = i >= len(ids)
+        for j, tok in enumerate(group, 1):
+            alone.push([tok], final=final and j == len(group))
+        together.push(group, final=final)
+        assert together.text == alone.text
+        waited += full(tokenizer, ids[:i]) != together.text
+    assert waited > 0 and together.text == full(tokenizer, ids)
 
 
 def sequence(tokenizer: Any, stop: tuple[str, ...], max_tokens: int = 500) -> Sequence:
@@ -103,3 +125,17 @@ def test_stop_checker_looks_only_near_the_new_text() -> None:
     assert check.find("abcxxxx", 2) is None  # already seen: not where this delta reaches
     assert check.find("xxxzz", 1) == 3 and check.holdback() == 2
     assert StopChecker([]).find("anything", 3) is None
+
+
+def test_running_statistics_summarize_as_the_whole_lists() -> None:
+    rng = random.Random(2)
+    stats = SeqStats(gamma=6)
+    for _ in range(50):
+        stats.record(rng.randint(1, 7), rng.choice([None, rng.randint(8, 400)]))
+        assert stats.summary() == summarize(stats.tokens_per_iteration, 6, stats.budget)
+    assert SeqStats().summary() == {"iterations": 0}
+    assert summarize([1, 3, 7, 3], 6, [10, 30]) == {
+        "iterations": 4, "tokens_per_iteration": 3.5,
+        "tokens_per_iteration_histogram": [1, 0, 2, 0, 0, 0, 1],
+        "acceptance_rate_per_position": [0.75, 0.75, 0.25, 0.25, 0.25, 0.25],
+        "budget_mean": 20.0}

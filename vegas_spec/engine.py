@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +40,7 @@ from vegas_spec.scheduler import PrefillPacer, Scheduler
 from vegas_spec.sequence import Detokenizer, Sequence
 from vegas_spec.speculative.policies import Policy
 from vegas_spec.stats import PhaseTimer, RunStats, SeqStats
-from vegas_spec.tokenizer import encode, load_tokenizer
+from vegas_spec.tokenizer import encode, load_tokenizer, text_decoder
 
 
 @dataclass
@@ -94,6 +95,7 @@ class LLMEngine:
         pacing = self.config.prefill_pacing
         self.pacer = None if pacing is None else PrefillPacer(budget, pacing)
         self._tokenizer = None
+        self._decode: Callable[[list[int]], str] | None = None
         self._ids = itertools.count()
         self.seqs: dict[str, Sequence] = {}
         self.wall = {"prefill": 0.0, "decode": 0.0}  # seconds of steps, by part
@@ -155,7 +157,9 @@ class LLMEngine:
         seq = Sequence(rid, prompt, ids, params, limit, extra, frozenset(cfg.eos_token_ids),
                        stats=SeqStats(gamma=self.spec.gamma if self.spec.speculative else 0))
         if text and self.has_tokenizer():
-            seq.detok = Detokenizer(self.tokenizer)
+            if self._decode is None:
+                self._decode = text_decoder(self.tokenizer)
+            seq.detok = Detokenizer(self.tokenizer, self._decode)
         self._check_pool(seq)
         return seq
 

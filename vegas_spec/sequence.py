@@ -8,7 +8,9 @@ short of the prompt, then decoding) -> FINISHED (pages released). Imports `confi
 from __future__ import annotations
 
 import enum
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -18,6 +20,10 @@ from vegas_spec.stats import SeqStats
 
 class Tokenizer(Protocol):
     def decode(self, ids: list[int], **kwargs: Any) -> str: ...
+
+
+# ids -> their text, special tokens skipped, spaces left as they are
+Decode = Callable[[list[int]], str]
 
 
 class Status(enum.Enum):
@@ -30,31 +36,44 @@ class Detokenizer:
     """Incremental decoding (vLLM's offsets): each push decodes only a window that starts
     at the previous delta's first token, and returns the text it adds. A window whose text
     ends in U+FFFD (an incomplete UTF-8 character of byte-level BPE) waits for more tokens.
-    The deltas join to the decode of the whole output."""
+    The deltas join to the decode of the whole output. decode: the tokenizer's decode with
+    its settings bound (`tokenizer.text_decoder`), else its `decode` is called."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, decode: Decode | None = None) -> None:
         self.tokenizer = tokenizer
+        self._decode = decode or functools.partial(
+            tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         self.ids: list[int] = []
         self.prefix = 0  # the window's first token
         self.read = 0  # tokens whose text is in self.text
         self.text = ""
+        self._before: str | None = None  # text of ids[prefix:read]
 
     def push(self, ids: list[int], final: bool = False) -> str:
         """Append ids -> the text they complete ("" while a character is incomplete);
-        final: flush whatever is pending, complete or not."""
+        final: flush whatever is pending, complete or not. Several ids at once give the text
+        that pushing them one by one would: up to the last of them that completes a
+        character."""
+        start, pushed = len(self.text), len(self.ids)
         self.ids.extend(ids)
-        before = self._decode(self.ids[self.prefix : self.read])
-        after = self._decode(self.ids[self.prefix :])
-        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
-            return ""
-        delta = after[len(before) :]
-        self.prefix, self.read = self.read, len(self.ids)
-        self.text += delta
-        return delta
+        if not self._advance(len(self.ids), final):
+            # the last id leaves a character incomplete: the text of those before it
+            for end in range(len(self.ids) - 1, pushed, -1):
+                if self._advance(end, False):
+                    break
+        return self.text[start:]
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True,
-                                     clean_up_tokenization_spaces=False)
+    def _advance(self, end: int, final: bool) -> bool:
+        """Take the text of ids up to `end` if it grows (and, unless final, ends in a whole
+        character) -> whether it did."""
+        if self._before is None:  # the same window until the text advances
+            self._before = self._decode(self.ids[self.prefix : self.read])
+        before, after = self._before, self._decode(self.ids[self.prefix : end])
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return False
+        self.text += after[len(before) :]
+        self.prefix, self.read, self._before = self.read, end, None
+        return True
 
 
 class StopChecker:
@@ -125,18 +144,37 @@ class Sequence:
         return self.detok.text if self.stop_at is None else self.detok.text[: self.stop_at]
 
     def append(self, tokens: list[int]) -> int:
-        """Append emitted tokens one by one, stopping at max_tokens, EOS or a stop string;
-        -> how many were kept."""
+        """Append emitted tokens, stopping at max_tokens, EOS or a stop string; -> how many
+        were kept. Without stop strings the kept tokens are detokenized together."""
         if self.first_token_time is None and tokens:
             self.first_token_time = time.perf_counter()
+        if self.detok is not None and self._stop is not None and self._stop.stops:
+            return self._append_each(tokens)  # a stop string ends the output at its token
+        kept = self._kept(tokens)
+        self.output.extend(tokens[:kept])
+        if self.detok is not None and kept:
+            self.detok.push(tokens[:kept], final=self.finished)
+        return kept
+
+    def _kept(self, tokens: list[int]) -> int:
+        """How many of tokens to keep before EOS or the length limit ends the sequence (its
+        finish_reason then set)."""
+        eos = frozenset() if self.params.ignore_eos else self.eos
+        room = self.limit - len(self.prompt_ids) - len(self.output)
         for n, tok in enumerate(tokens, 1):
-            self.output.append(tok)
-            if tok in self.eos and not self.params.ignore_eos:
+            if tok in eos:
                 self.finish_reason = "stop"
-            elif len(self.prompt_ids) + len(self.output) >= self.limit:
+                return n
+            if n >= room:
                 self.finish_reason = "length"
-            if self.detok is not None:
-                self._detokenize(tok)
+                return n
+        return len(tokens)
+
+    def _append_each(self, tokens: list[int]) -> int:
+        for n, tok in enumerate(tokens, 1):
+            self._kept([tok])
+            self.output.append(tok)
+            self._detokenize(tok)
             if self.finish_reason:
                 return n
         return len(tokens)

@@ -3,8 +3,10 @@ inside an iteration (CUDA events are read once the iteration's tokens reach the 
 
 from __future__ import annotations
 
+import itertools
+import operator
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,38 +47,54 @@ class PhaseTimer:
 
 @dataclass
 class SeqStats:
+    """A sequence's iterations: tokens emitted and budget read by each, with running counts
+    so that a summary after every step costs O(γ), not O(iterations)."""
+
     gamma: int = 0
     iterations: int = 0
     tokens_per_iteration: list[int] = field(default_factory=list)
     budget: list[int] = field(default_factory=list)
+    counts: Counter[int] = field(default_factory=Counter)  # iterations by tokens emitted
+    budget_total: int = 0
 
     def record(self, emitted: int, budget: int | None) -> None:
         self.iterations += 1
         self.tokens_per_iteration.append(emitted)
+        self.counts[emitted] += 1
         if budget is not None:
             self.budget.append(budget)
+            self.budget_total += budget
 
     def summary(self) -> dict[str, Any]:
-        return summarize(self.tokens_per_iteration, self.gamma, self.budget)
+        return summarize_counts(self.counts, self.gamma, self.budget_total, len(self.budget))
 
 
 def summarize(tpi: list[int], gamma: int, budget: list[int]) -> dict[str, Any]:
     """tokens per iteration (mean, histogram), acceptance rate per draft position, budget;
     plain decoding (gamma 0) only counts its iterations, one per decoded token."""
-    if gamma == 0 or not tpi:
-        return {"iterations": len(tpi)}
-    n = len(tpi)
-    hist = [sum(1 for t in tpi if t == i) for i in range(1, gamma + 2)]
+    return summarize_counts(Counter(tpi), gamma, sum(budget), len(budget))
+
+
+def summarize_counts(counts: Counter[int], gamma: int, budget_total: int,
+                     budgets: int) -> dict[str, Any]:
+    """`summarize` from the number of iterations that emitted each count of tokens and the
+    sum and number of the budgets."""
+    n = sum(counts.values())
+    if gamma == 0 or not n:
+        return {"iterations": n}
+    hist = [counts[i] for i in range(1, gamma + 2)]
     # draft position j (1-based) is accepted when the iteration emitted more than j tokens
-    acc = [sum(1 for t in tpi if t > j) / n for j in range(1, gamma + 1)]
+    # (every iteration emits at least one)
+    above = list(itertools.accumulate(hist[:gamma], operator.sub, initial=n))[1:]
+    acc = [a / n for a in above]
     out: dict[str, Any] = {
         "iterations": n,
-        "tokens_per_iteration": sum(tpi) / n,
+        "tokens_per_iteration": sum(t * c for t, c in counts.items()) / n,
         "tokens_per_iteration_histogram": hist,
         "acceptance_rate_per_position": acc,
     }
-    if budget:
-        out["budget_mean"] = sum(budget) / len(budget)
+    if budgets:
+        out["budget_mean"] = budget_total / budgets
     return out
 
 

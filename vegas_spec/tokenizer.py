@@ -5,8 +5,10 @@ Converting a GGUF vocabulary takes seconds, so the converted tokenizer is cached
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from vegas_spec.config import ConfigError
@@ -52,6 +54,23 @@ def _load(source: ModelSource):  # noqa: ANN202
     except OSError:
         pass  # a read-only home only costs the conversion next time
     return tok
+
+
+def text_decoder(tok) -> Callable[[list[int]], str]:  # noqa: ANN001
+    """ids -> text, special tokens skipped and spaces left as they are: the `tokenizers`
+    backend's own decode where transformers' decode only forwards to it (its Python wrapper
+    costs several times the decode of the few ids a detokenizer step reads), else the
+    tokenizer's decode with those settings."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    kind = type(tok)
+    if isinstance(tok, PreTrainedTokenizerFast) \
+            and kind._decode is PreTrainedTokenizerFast._decode \
+            and kind.decode is PreTrainedTokenizerBase.decode:
+        return functools.partial(tok.backend_tokenizer.decode, skip_special_tokens=True)
+    return functools.partial(tok.decode, skip_special_tokens=True,
+                             clean_up_tokenization_spaces=False)
 
 
 def encode(tok, prompt: str, chat: bool) -> list[int]:  # noqa: ANN001
