@@ -137,17 +137,21 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(
 
 def test_paced_prefill_takes_the_pacers_budget_while_others_decode(
         tiny: Path, prompts: list[list[int]], alone: dict[str, list[list[int]]]) -> None:
-    """With prefill pacing, a step prefills at most the pacer's budget (here frozen at 30
-    tokens) while a row decodes, the whole prompt when nothing decodes, and outputs stay
-    the ones of each request alone."""
+    """With prefill pacing, a step prefills at most the pacer's budget (here 30 tokens) while
+    a row decodes, the whole prompt when nothing decodes, and outputs stay the ones of each
+    request alone."""
+
+    class Thirty(PrefillPacer):
+        def budget(self, decoding: bool) -> int:
+            return 30 if decoding else self.ceiling
+
     engine = LLMEngine(str(tiny), speculative=spec_of({"method": "vegas"}), prefill_pacing=1.0,
                        **ENGINE)
     assert engine.pacer is not None
     first = engine.add_request(prompts[3], params(MAX_TOKENS[3]))
     engine.step()
     assert engine.last_step.prefill_tokens == len(prompts[3])  # nothing decoding: all of it
-    engine.pacer = PrefillPacer(ceiling=engine.pacer.ceiling, floor=16, smoothing=0.0,
-                                decode_s=0.010, token_s=0.010 / 30)
+    engine.pacer = Thirty(ceiling=engine.pacer.ceiling)
     late = engine.add_request(prompts[4], params(MAX_TOKENS[4]))
     final: dict[str, RequestOutput] = {}
     prefilled = []

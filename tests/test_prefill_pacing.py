@@ -8,41 +8,59 @@ from vegas_spec.config import ConfigError, EngineConfig
 from vegas_spec.prefill_graphs import bucket_floor, token_bucket
 from vegas_spec.scheduler import PrefillPacer
 
+DECODE = 0.010  # seconds of a decode-only step in these cases
+
+
+def measured(ratio: float = 1.0, fixed: float = 0.002, marginal: float = 1e-6,
+             ceiling: int = 32768, floor: int = 512) -> PrefillPacer:
+    """A pacer that has seen decode-only steps of DECODE seconds and prefills costing
+    fixed + marginal x tokens on top, at several token counts."""
+    pacer = PrefillPacer(ceiling=ceiling, ratio=ratio, floor=floor, smoothing=0.5)
+    pacer.observe(0, True, DECODE)
+    for tokens in (4096, 1024, 7500, 2048):
+        pacer.observe(tokens, True, DECODE + fixed + marginal * tokens)
+    return pacer
+
 
 def test_whole_budget_until_measured_and_when_nothing_decodes() -> None:
     pacer = PrefillPacer(ceiling=32768)
     assert pacer.budget(decoding=True) == 32768  # nothing measured yet
-    pacer.observe(0, True, 0.010)
-    assert pacer.budget(decoding=True) == 32768  # no prefill rate yet
+    pacer.observe(0, True, DECODE)
     pacer.observe(4096, True, 0.030)
+    assert pacer.budget(decoding=True) == 32768  # one token count: no line yet
+    pacer.observe(1024, True, 0.020)
+    assert pacer.budget(decoding=True) < 32768
     assert pacer.budget(decoding=False) == 32768
 
 
-def test_budget_is_ratio_times_a_decode_step_of_prefill() -> None:
-    pacer = PrefillPacer(ceiling=32768, ratio=1.0, smoothing=1.0)
-    pacer.observe(0, True, 0.012)  # a decode-only step: 12 ms
-    pacer.observe(6000, True, 0.024)  # 6000 prompt tokens took the other 12 ms
-    assert pacer.budget(decoding=True) == 6000
-    pacer.ratio = 0.5
-    assert pacer.budget(decoding=True) == 3000
-    pacer.observe(0, False, 5.0)  # a prefill-only step says nothing about either rate
-    assert (pacer.decode_s, pacer.token_s) == (0.012, 0.002 / 1000)
+def test_budget_adds_ratio_decode_steps_over_the_fixed_cost() -> None:
+    """(ratio x 10 ms - 2 ms fixed) / 1 µs per token."""
+    assert measured(ratio=1.0).budget(decoding=True) == pytest.approx(8000, abs=2)
+    assert measured(ratio=0.5).budget(decoding=True) == pytest.approx(3000, abs=2)
 
 
-def test_budget_stays_within_floor_and_ceiling() -> None:
-    pacer = PrefillPacer(ceiling=8192, ratio=1.0, floor=512, smoothing=1.0)
-    pacer.observe(0, True, 0.001)
-    pacer.observe(1000, True, 1.001)  # very slow prefill: 1 ms per token
-    assert pacer.budget(decoding=True) == 512
-    pacer.observe(1000, True, 0.001)  # prefill that cost nothing measurable
-    assert pacer.budget(decoding=True) == 8192
-    tiny = PrefillPacer(ceiling=100, floor=512, smoothing=1.0)
-    tiny.observe(0, True, 0.001)
-    tiny.observe(10, True, 1.0)
-    assert tiny.budget(decoding=True) == 100  # never above the configured budget
+def test_an_unreachable_target_gives_the_whole_budget() -> None:
+    """A forward's fixed cost above ratio x the decode step: every prefill step stalls anyway,
+    so the fewest (largest) forwards keep the throughput."""
+    assert measured(ratio=0.1).budget(decoding=True) == 32768
+    # the smallest chunk (the floor) would already take too long
+    assert measured(ratio=1.0, fixed=0.0, marginal=1e-4).budget(decoding=True) == 32768
 
 
-def test_the_running_average_moves_towards_new_steps() -> None:
+def test_budget_never_exceeds_the_ceiling() -> None:
+    assert measured(marginal=1e-9, ceiling=8192).budget(decoding=True) == 8192
+    assert measured(ceiling=100, floor=512).budget(decoding=True) == 100
+
+
+def test_prefill_only_steps_say_nothing() -> None:
+    pacer = measured()
+    before = (pacer.decode_s, pacer.cost.line())
+    pacer.observe(0, False, 5.0)
+    pacer.observe(4096, False, 5.0)
+    assert (pacer.decode_s, pacer.cost.line()) == before
+
+
+def test_the_decode_estimate_moves_towards_new_steps() -> None:
     pacer = PrefillPacer(ceiling=32768, smoothing=0.5)
     pacer.observe(0, True, 0.010)
     pacer.observe(0, True, 0.020)

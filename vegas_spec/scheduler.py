@@ -12,7 +12,7 @@ while rows decode. Knows nothing of tensors. Imports `sequence`."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from vegas_spec.sequence import Sequence, Status
@@ -37,44 +37,81 @@ class Piece:
     end: int
 
 
-def _ema(old: float | None, new: float, weight: float) -> float:
-    return new if old is None else old + weight * (new - old)
+@dataclass
+class _CostFit:
+    """Exponentially weighted least squares of a prefill's cost over its tokens:
+    seconds ~ fixed + marginal x tokens (a forward has a cost of its own, launches and the
+    host's packing, besides its tokens')."""
+
+    decay: float
+    seen: int = 0
+    s0: float = 0.0
+    s1: float = 0.0
+    s2: float = 0.0
+    t0: float = 0.0
+    t1: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        d = 1.0 - self.decay
+        self.seen += 1
+        self.s0, self.s1, self.s2 = d * self.s0 + 1, d * self.s1 + tokens, d * self.s2 + tokens ** 2
+        self.t0, self.t1 = d * self.t0 + seconds, d * self.t1 + tokens * seconds
+
+    def line(self) -> tuple[float, float] | None:
+        """(fixed, marginal) seconds, or None until two different token counts were seen."""
+        spread = self.s0 * self.s2 - self.s1 ** 2
+        if self.seen < 2 or spread <= 1e-6 * self.s0 * self.s2:
+            return None
+        marginal = (self.s0 * self.t1 - self.s1 * self.t0) / spread
+        if marginal <= 0:
+            return None
+        return max((self.t0 - marginal * self.s1) / self.s0, 0.0), marginal
 
 
 @dataclass
 class PrefillPacer:
-    """The prompt tokens of a step while rows decode (stall-free chunked prefill): about
-    `ratio` x one decode iteration's time worth of prefill, so that a step which admits
+    """The prompt tokens of a step while rows decode (stall-free chunked prefill): as many as
+    add about `ratio` x one decode iteration's time to the step, so that a step which admits
     prompts takes about (1 + ratio) x a decode-only step, and the inter-token latency of the
     running requests stays within that factor while long prompts arrive.
 
     Estimated online from whole-step wall times, which end when the step's tokens reach the
-    host: `decode_s` from the decoding steps that prefilled nothing, `token_s` (seconds per
-    prompt token) from the excess of the decoding steps that did. Before both are known, and
-    whenever nothing decodes, the step gets the whole `ceiling`."""
+    host: the decode iteration from the decoding steps that prefilled nothing (a running
+    average), the prefill's cost from the excess of those that did (a line, fixed +
+    marginal per token: a forward costs something whatever its size). Where even the
+    smallest chunk would exceed the target (the fixed cost of a forward is more than `ratio`
+    decode iterations), pacing cannot help, and a step takes the whole `ceiling`: fewer,
+    larger forwards keep the most throughput. So it does before the first estimates, and
+    whenever nothing decodes."""
 
     ceiling: int
     ratio: float = 1.0
     floor: int = 512
-    smoothing: float = 0.2  # weight of the newest step in the running averages
-    decode_s: float | None = None
-    token_s: float | None = None
+    smoothing: float = 0.2  # weight of the newest step in the running estimates
+    decode_s: float | None = field(default=None, init=False)
+    cost: _CostFit = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cost = _CostFit(self.smoothing)
 
     def budget(self, decoding: bool) -> int:
-        if not decoding or self.decode_s is None or not self.token_s:
+        line = self.cost.line()
+        if not decoding or self.decode_s is None or line is None:
             return self.ceiling
-        tokens = int(self.ratio * self.decode_s / self.token_s)
-        return max(min(self.floor, self.ceiling), min(self.ceiling, tokens))
+        fixed, marginal = line
+        tokens = int((self.ratio * self.decode_s - fixed) / marginal)
+        floor = min(self.floor, self.ceiling)
+        return self.ceiling if tokens < floor else min(self.ceiling, tokens)
 
     def observe(self, prefill_tokens: int, decoded: bool, seconds: float) -> None:
         """One finished step: prompt tokens it prefilled, whether rows decoded, its seconds."""
         if not decoded:
             return
         if prefill_tokens == 0:
-            self.decode_s = _ema(self.decode_s, seconds, self.smoothing)
+            old, w = self.decode_s, self.smoothing
+            self.decode_s = seconds if old is None else old + w * (seconds - old)
         elif self.decode_s is not None:
-            per_token = max(seconds - self.decode_s, 0.0) / prefill_tokens
-            self.token_s = _ema(self.token_s, per_token, self.smoothing)
+            self.cost.add(prefill_tokens, max(seconds - self.decode_s, 0.0))
 
 
 class Scheduler:
