@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 32,
         "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -73,3 +75,15 @@ def test_cpu_methods_is_vegas_bench(tmp_path: Path) -> None:
                                                  "essays|96|1|vegas|g6|r0.05"]
     assert data["cells"][1]["token_ids"] == data["cells"][0]["token_ids"]
     assert (out / "report.md").exists()
+
+
+def test_host_loop_splits_the_host_work_by_phase(tmp_path: Path) -> None:
+    out = tmp_path / "host.json"
+    run("host_loop.py", "--batch", "2", "--prompt-tokens", "8", "--max-tokens", "24",
+        "--repeats", "1", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["vanilla", "vegas"]
+    vanilla = rows[0]
+    assert vanilla["iterations"] >= 20 and vanilla["host_ms"] > 0 and vanilla["graph"] > 0
+    assert vanilla["host_ms"] == pytest.approx(sum(vanilla[p] for p in (
+        "schedule", "inputs", "commit", "rows", "select", "outputs")))
