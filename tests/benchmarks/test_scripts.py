@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 32,
         "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -116,3 +118,15 @@ def test_serve_load_reports_throughput_and_latency_per_method(tmp_path: Path) ->
         assert 0 < r["decode_step_p50_s"] <= r["decode_step_p99_s"]
     assert rows[0]["vs_vanilla"] == 1.0
     assert rows[1]["vs_vanilla"] == rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"]
+
+
+def test_host_loop_splits_the_host_work_by_phase(tmp_path: Path) -> None:
+    out = tmp_path / "host.json"
+    run("host_loop.py", "--batch", "2", "--prompt-tokens", "8", "--max-tokens", "24",
+        "--repeats", "1", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["vanilla", "vegas"]
+    vanilla = rows[0]
+    assert vanilla["iterations"] >= 20 and vanilla["host_ms"] > 0 and vanilla["graph"] > 0
+    assert vanilla["host_ms"] == pytest.approx(sum(vanilla[p] for p in (
+        "schedule", "inputs", "commit", "rows", "select", "outputs")))
