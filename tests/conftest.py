@@ -4,6 +4,7 @@ essays as long text, and tiny random checkpoints of every supported family."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +36,19 @@ SPEC_VARIANTS: list[dict] = [
 TINY_METHODS: list[dict | None] = [None] + [
     {**v, "chunk": 4} if v["method"] == "specextend" else v for v in SPEC_VARIANTS]
 TINY_IDS = ["vanilla"] + ["-".join(map(str, m.values())) for m in TINY_METHODS[1:]]  # type: ignore[union-attr]
+
+
+def config_folder(tmp_path_factory: pytest.TempPathFactory, name: str, config: dict) -> Path:
+    """A model folder holding only an HF config.json (weights: load_format="dummy")."""
+    folder = tmp_path_factory.mktemp(name)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def random_prompts(seed: int, lengths: tuple[int, ...], vocab: int) -> list[list[int]]:
+    """Token ids 3..vocab-1 (clear of bos/eos), one prompt per length."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def package_dir(name: str) -> Path:

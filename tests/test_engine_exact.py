@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SPEC_VARIANTS, TINY_IDS, TINY_METHODS
+from conftest import SPEC_VARIANTS, TINY_IDS, TINY_METHODS, config_folder, random_prompts
 
 from vegas_spec import SamplingParams, SpecConfig
 from vegas_spec.engine import LLM
@@ -33,15 +33,12 @@ def spec_of(method: dict[str, Any]) -> SpecConfig:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-exact")
-    (folder / "config.json").write_text(json.dumps(CONFIG))
-    return folder
+    return config_folder(tmp_path_factory, "tiny-exact", CONFIG)
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(4)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (70, 23, 48)]
+    return random_prompts(4, (70, 23, 48), VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,11 @@ buffers (whose rows move when sequences leave), and every page must come back.""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from conftest import TINY_IDS, TINY_METHODS
+from conftest import TINY_IDS, TINY_METHODS, config_folder, random_prompts
 
 from vegas_spec import SamplingParams, SpecConfig
 from vegas_spec.engine import LLM, LLMEngine, RequestOutput
@@ -34,15 +32,12 @@ def spec_of(method: dict[str, Any] | None) -> SpecConfig:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    (folder / "config.json").write_text(json.dumps(CONFIG))
-    return folder
+    return config_folder(tmp_path_factory, "tiny-llama", CONFIG)
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (20, 45, 70, 33, 90)]
+    return random_prompts(1, (20, 45, 70, 33, 90), VOCAB)
 
 
 def params(n: int) -> SamplingParams:

@@ -9,14 +9,13 @@ device. On CUDA the captured graphs replay and must give the eager tokens too.""
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import TINY_IDS, TINY_METHODS
+from conftest import TINY_IDS, TINY_METHODS, config_folder
 
 from vegas_spec import SamplingParams, SpecConfig
 from vegas_spec.cli import _engine_kwargs, _parser
@@ -45,9 +44,7 @@ def spec_of(method: dict[str, Any] | None) -> SpecConfig | None:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    (folder / "config.json").write_text(json.dumps(CONFIG))
-    return folder
+    return config_folder(tmp_path_factory, "tiny-llama", CONFIG)
 
 
 @pytest.fixture(scope="module")
