@@ -4,8 +4,8 @@ with one engine (the same model, KV pool and requests) serving each method in tu
 Requests are essay prompts of --context tokens with output lengths drawn uniformly from
 [--min-tokens, --max-tokens] (ignore_eos, greedy), sent by --concurrency streaming clients
 until --requests have completed, after an untimed warm-up (--warmup-requests, by default one
-per client; prefill graphs are captured at the first chunk of each shape, so a warm-up of the
-whole list measures the steady state). The clients run in a child process, so that reading
+per client; every decode and prefill graph is captured before it, as `vegas serve` does at
+start-up). The clients run in a child process, so that reading
 their streams does not compete with the server's engine thread for the interpreter. Per
 method:
 
@@ -218,7 +218,7 @@ def start(engine: Any, concurrency: int, log: StepLog) -> tuple[Any, threading.T
 def measure(engine: Any, spec: Any, args: argparse.Namespace,
             work: list[tuple[list[int], int]], clients: Executor) -> dict:
     engine.set_spec(spec)
-    engine.runner.reserve(args.concurrency)  # every bucket's graphs, as `vegas serve` does
+    engine.warm_up(args.concurrency)  # every bucket's graphs, as `vegas serve` does
     log = StepLog()
     http, thread, url = start(engine, args.concurrency, log)
     try:

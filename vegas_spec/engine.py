@@ -129,6 +129,13 @@ class LLMEngine:
         if self.pacer is not None:  # another method's steps take other times
             self.pacer = PrefillPacer(self.pacer.ceiling, self.pacer.ratio)
 
+    def warm_up(self, rows: int) -> int:
+        """Before serving: the decode buffers and graphs of every batch bucket up to `rows`,
+        and every prefill bucket's forward, so that no request waits for a capture -> the
+        prefill forwards made."""
+        self.runner.reserve(rows)
+        return self.runner.warm_prefill(rows)
+
     # --- requests -----------------------------------------------------------------------
 
     def sequence(self, prompt: str | list[int], params: SamplingParams, chat: bool = False,

@@ -205,6 +205,18 @@ class ModelRunner:
         if self.config.static and self.batch is None and rows > 0:
             self.graphs = self._graph_runner(self.spec, self.policy, rows)
 
+    def warm_prefill(self, max_pieces: int) -> int:
+        """Capture every prefill bucket this method's chunks can meet (up to the prefill
+        budget's tokens in up to max_pieces pieces) now rather than at their first chunk ->
+        how many forwards were made (0 without prefill graphs)."""
+        graphs, policy = self.prefill_graphs, self.policy
+        if graphs is None:
+            return 0
+        kind = ScoreKind(policy.score_mode, policy.per_kv_head) \
+            if policy is not None and policy.wants_scores else None
+        with torch.inference_mode():
+            return graphs.warm(self.config.prefill_tokens(self.model_config), max_pieces, kind)
+
     def _graph_runner(self, spec: SpecConfig, policy: Policy | None, bsz: int,
                       greedy: bool = True) -> GraphRunner:
         """The runner of this method's shapes, rebuilt when they or the batch outgrow it."""
