@@ -14,10 +14,10 @@ the next power of two (padding pieces are empty, their tiles do nothing, their l
 the scratch page). The key axis of the last rows' scores is the static page-table width, as
 in the decode graphs. A graph is captured at the first chunk of its shape, or for every shape
 at once by `warm` (a server, before its first request: a capture takes far longer than a
-step, and every running sequence would wait for it). On CPU, or with a backend that needs the host lengths of the pieces
-(the torch backend), the same buffers run eagerly at the chunk's exact sizes (`pad_to` None;
-a test sets it to run the padding on CPU), so both paths share every line of the buffer
-logic."""
+step, and every running sequence would wait for it). On CPU, or with a backend that needs
+the host lengths of the pieces (the torch backend), the same buffers run eagerly at the
+chunk's exact sizes (`pad_to` None; a test sets it to run the padding on CPU), so both paths
+share every line of the buffer logic."""
 
 from __future__ import annotations
 
