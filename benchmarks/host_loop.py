@@ -15,8 +15,8 @@ that the random model drafts badly for decode longer, alone, and are not counted
     commit    the one device-to-host read and its unpacking         ModelRunner._commit
     rows      per row: tokens appended, stops, statistics            LLMEngine._decode_step
     select    finished rows dropped, the next plan (unless made)     ModelRunner.select
-    outputs   finished requests released (--stream: the step's       LLMEngine.step
-              RequestOutputs and their text deltas)
+    outputs   finished requests released (and, with --stream, the    LLMEngine.step
+              step's RequestOutputs and their text deltas)
 
 `generate` steps without making per-step outputs, and a request without stop strings is
 detokenized only when its text is read: after the loop (not timed here: one decode per

@@ -130,3 +130,11 @@ def test_host_loop_splits_the_host_work_by_phase(tmp_path: Path) -> None:
     assert vanilla["iterations"] >= 20 and vanilla["host_ms"] > 0 and vanilla["graph"] > 0
     assert vanilla["host_ms"] == pytest.approx(sum(vanilla[p] for p in (
         "schedule", "inputs", "commit", "rows", "select", "outputs")))
+
+
+def test_host_loop_streams_every_steps_outputs(tmp_path: Path) -> None:
+    out = tmp_path / "stream.json"
+    run("host_loop.py", "--batch", "2", "--prompt-tokens", "8", "--max-tokens", "24",
+        "--repeats", "1", "--methods", "vanilla", "--stream", "--out", str(out))
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["method"] == "vanilla" and row["iterations"] >= 20 and row["outputs"] > 0
