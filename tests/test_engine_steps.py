@@ -5,6 +5,7 @@ buffers (whose rows move when sequences leave), and every page must come back.""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,12 @@ def test_requests_joining_and_leaving_give_their_alone_tokens(
     for steps in outs.values():  # deltas add up to the output, finished once at the end
         assert sum((o.delta_token_ids for o in steps), []) == steps[-1].token_ids
         assert [o.finished for o in steps] == [False] * (len(steps) - 1) + [True]
+        # ids and stats read only now are the ones each output's step gave
+        deltas = [o.delta_token_ids for o in steps]
+        assert [o.token_ids for o in steps] == list(itertools.accumulate(deltas))
+        iterations = [o.stats["sequence"]["iterations"] for o in steps]
+        assert iterations == list(range(iterations[0], iterations[-1] + 1))
+    assert any(len(steps) > 2 for steps in outs.values())  # running outputs were read late
     assert len(engine.runner.cache.free_pages) == free and not engine.seqs
     assert engine.runner.batch is None
 
@@ -91,9 +98,9 @@ def test_more_prompts_than_rows_queue_and_equal_alone(tiny: Path, prompts: list[
     seen: list[int] = []
     step = llm.engine.step
 
-    def counting() -> list[RequestOutput]:
+    def counting(collect: bool = True) -> list[RequestOutput]:
         seen.append(llm.engine.num_running)
-        return step()
+        return step(collect)
 
     llm.engine.step = counting  # type: ignore[method-assign]
     outs = llm.generate(prompts, [params(n) for n in MAX_TOKENS],
@@ -218,9 +225,9 @@ def test_offline_buffers_are_sized_for_the_largest_batch_the_prompts_form(
     runners, running = [], []
     step = llm.engine.step
 
-    def counting() -> list[RequestOutput]:
+    def counting(collect: bool = True) -> list[RequestOutput]:
         running.append(llm.engine.num_running)
-        out = step()
+        out = step(collect)
         runners.append(llm.graphs)
         return out
 

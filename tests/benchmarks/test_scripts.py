@@ -147,3 +147,11 @@ def test_skinny_gemm_checks_and_times_each_setting(tmp_path: Path) -> None:
     assert all(r["rel_err"] < 2e-2 for r in timed)
     assert [(c["m"], "speedup" in c) for c in data["best"]] == [(1, True), (16, True),
                                                                 (112, False)]
+
+
+def test_host_loop_streams_every_steps_outputs(tmp_path: Path) -> None:
+    out = tmp_path / "stream.json"
+    run("host_loop.py", "--batch", "2", "--prompt-tokens", "8", "--max-tokens", "24",
+        "--repeats", "1", "--methods", "vanilla", "--stream", "--out", str(out))
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["method"] == "vanilla" and row["iterations"] >= 20 and row["outputs"] > 0
