@@ -11,6 +11,7 @@ over `step()`; offline, more prompts than fit at once simply queue, and no step 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import operator
@@ -162,7 +163,7 @@ class LLMEngine:
         self.spec = spec
         self.runner.set_spec(spec)
         if self.pacer is not None:  # another method's steps take other times
-            self.pacer = PrefillPacer(self.pacer.ceiling, self.pacer.ratio)
+            self.pacer = dataclasses.replace(self.pacer)  # the settings, no estimates
 
     def warm_up(self, rows: int) -> int:
         """Before serving: the decode buffers and graphs of every batch bucket up to `rows`,

@@ -116,6 +116,11 @@ def test_serve_load_reports_throughput_and_latency_per_method(tmp_path: Path) ->
         assert r["steps"] > r["prefill_steps"] >= 2
         assert 0 < r["prefill_step_p50_s"] <= r["prefill_step_max_s"]
         assert 0 < r["decode_step_p50_s"] <= r["decode_step_p99_s"]
+        assert 0 <= r["paced_steps"] <= r["prefill_steps"]
+        if r["paced_steps"]:
+            assert 0 < r["paced_tokens_p50"] <= r["paced_tokens_max"]
+        assert set(r["pacer"]) == {"decode_s", "fixed_s", "per_token_s", "budget"}
+        assert r["pacer"]["budget"] > 0 and 0 <= r["paced_whole"] <= r["paced_steps"]
     assert rows[0]["vs_vanilla"] == 1.0
     assert rows[1]["vs_vanilla"] == rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"]
 
