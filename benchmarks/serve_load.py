@@ -209,7 +209,7 @@ def pacer_estimates(engine: Any) -> dict[str, float | None]:
     pacer = engine.pacer
     if pacer is None:
         return {}
-    line = pacer.line
+    line = pacer.cost.line()
     return {"decode_s": pacer.decode_s, "fixed_s": None if line is None else line[0],
             "per_token_s": None if line is None else line[1],
             "budget": pacer.budget(decoding=True)}

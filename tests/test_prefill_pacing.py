@@ -68,10 +68,10 @@ def test_budget_never_exceeds_the_ceiling() -> None:
 
 def test_prefill_only_steps_say_nothing() -> None:
     pacer = measured()
-    before = (pacer.decode_s, pacer.line)
+    before = (pacer.decode_s, pacer.cost.line())
     pacer.observe(0, False, 5.0)
     pacer.observe(4096, False, 5.0)
-    assert (pacer.decode_s, pacer.line) == before
+    assert (pacer.decode_s, pacer.cost.line()) == before
 
 
 def test_the_decode_estimate_moves_towards_new_steps() -> None:
@@ -92,17 +92,3 @@ def test_bucket_floor_is_the_largest_bucket_not_above(tokens: int) -> None:
 def test_bad_pacing_is_refused(bad: object) -> None:
     with pytest.raises(ConfigError, match="prefill_pacing"):
         EngineConfig(prefill_pacing=bad)  # type: ignore[arg-type]
-
-
-def test_chunks_of_one_size_keep_the_pace() -> None:
-    """Once paced, a server's chunks all have about one size, from which no slope can be fitted:
-    the budget keeps the last slope and follows the cost of those chunks, instead of falling
-    back to the whole ceiling."""
-    pacer = measured(ratio=1.0)
-    assert pacer.budget(decoding=True) == pytest.approx(8000, abs=2)
-    for _ in range(40):  # 8000-token chunks that now cost 2 ms more than the line said
-        pacer.observe(8000, True, DECODE + 0.004 + 1e-6 * 8000)
-    assert pacer.line is not None
-    fixed, marginal = pacer.line
-    assert fixed + marginal * 8000 == pytest.approx(0.012, rel=1e-3)  # what they cost now
-    assert 512 < pacer.budget(decoding=True) < 8000  # smaller chunks, still paced

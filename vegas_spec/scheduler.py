@@ -57,20 +57,13 @@ class _CostFit:
         self.s0, self.s1, self.s2 = d * self.s0 + 1, d * self.s1 + tokens, d * self.s2 + tokens ** 2
         self.t0, self.t1 = d * self.t0 + seconds, d * self.t1 + tokens * seconds
 
-    def line(self, marginal_hint: float | None = None) -> tuple[float, float] | None:
-        """(fixed, marginal) seconds, or None until two different token counts were seen.
-        Where the recent steps all had about one token count (a paced server's chunks do),
-        the slope cannot be told from them: with `marginal_hint` (the last slope found) the
-        fixed cost still follows their mean."""
-        if self.seen < 1:
-            return None
+    def line(self) -> tuple[float, float] | None:
+        """(fixed, marginal) seconds, or None until two different token counts were seen."""
         spread = self.s0 * self.s2 - self.s1 ** 2
-        marginal = None
-        if self.seen >= 2 and spread > 1e-6 * self.s0 * self.s2:
-            marginal = (self.s0 * self.t1 - self.s1 * self.t0) / spread
-        if marginal is None or marginal <= 0:
-            marginal = marginal_hint
-        if marginal is None:
+        if self.seen < 2 or spread <= 1e-6 * self.s0 * self.s2:
+            return None
+        marginal = (self.s0 * self.t1 - self.s1 * self.t0) / spread
+        if marginal <= 0:
             return None
         return max((self.t0 - marginal * self.s1) / self.s0, 0.0), marginal
 
@@ -99,7 +92,6 @@ class PrefillPacer:
     out_of_reach: str = "whole"  # or "floor"
     decode_s: float | None = field(default=None, init=False)
     cost: _CostFit = field(init=False)
-    line: tuple[float, float] | None = field(default=None, init=False)  # (fixed, marginal) s
 
     def __post_init__(self) -> None:
         if self.out_of_reach not in ("whole", "floor"):
@@ -107,7 +99,7 @@ class PrefillPacer:
         self.cost = _CostFit(self.smoothing)
 
     def budget(self, decoding: bool) -> int:
-        line = self.line
+        line = self.cost.line()
         if not decoding or self.decode_s is None or line is None:
             return self.ceiling
         fixed, marginal = line
@@ -126,7 +118,6 @@ class PrefillPacer:
             self.decode_s = seconds if old is None else old + w * (seconds - old)
         elif self.decode_s is not None:
             self.cost.add(prefill_tokens, max(seconds - self.decode_s, 0.0))
-            self.line = self.cost.line(None if self.line is None else self.line[1])
 
 
 class Scheduler:
