@@ -21,7 +21,8 @@ method:
   (`itl_admitting_p99_over_itl_p50`). The server records each step's end and prefill tokens;
   both processes read the same monotonic clock;
 - the server's steps: how many, how many prefilled, and their durations; the prompt tokens
-  of the steps that prefilled while rows decoded (`paced_*`), and the prefill pacer's
+  of the steps that prefilled while rows decoded and the medians of their two parts, up to
+  the end of the prefill and after it (`paced_*`), and the prefill pacer's
   estimates after the last step (`pacer`: decode seconds, fixed and per-token prefill
   seconds, the budget they give);
 - the share of decode time spent outside the device's work (`decode_host_share`): over the
@@ -162,6 +163,7 @@ class StepLog:
     # steps that prefilled while rows decoded: their prompt tokens, and the pacer's estimates
     # after them (decode seconds, fixed and per-token prefill seconds; None before a fit)
     paced_tokens: list[int] = field(default_factory=list)
+    paced_parts: list[tuple[float, float]] = field(default_factory=list)  # prefill, decode s
     pacer: dict[str, float | None] = field(default_factory=dict)
     ceiling: int = 0  # the engine's prefill budget: a paced step that took all of it
 
@@ -174,6 +176,8 @@ class StepLog:
                 self.prefill_s.append(info.seconds)
                 if info.emitted:
                     self.paced_tokens.append(info.prefill_tokens)
+                    self.paced_parts.append((info.prefill_seconds,
+                                             info.seconds - info.prefill_seconds))
             else:
                 self.decode_s.append(info.seconds)
                 self.decode_device += device - self.device_mark
@@ -183,7 +187,8 @@ class StepLog:
         return hook
 
     def clear(self, engine: Any) -> None:
-        for values in (self.prefill_ends, self.prefill_s, self.decode_s, self.paced_tokens):
+        for values in (self.prefill_ends, self.prefill_s, self.decode_s, self.paced_tokens,
+                       self.paced_parts):
             values.clear()
         self.decode_device, self.device_mark = 0.0, decode_device_s(engine)
 
@@ -201,6 +206,8 @@ class StepLog:
                 "paced_tokens_p50": pct(self.paced_tokens, 50),
                 "paced_tokens_max": max(self.paced_tokens, default=None),
                 "paced_whole": sum(t >= self.ceiling for t in self.paced_tokens),
+                "paced_prefill_part_p50_s": pct([p for p, _ in self.paced_parts], 50),
+                "paced_decode_part_p50_s": pct([d for _, d in self.paced_parts], 50),
                 "pacer": self.pacer}
 
 

@@ -57,6 +57,7 @@ class StepInfo:
     emitted: list[int] = field(default_factory=list)
     gamma: int = 0
     seconds: float = 0.0
+    prefill_seconds: float = 0.0  # of which admission and prefill (the rest: the iteration)
 
 
 class _Later:
@@ -279,7 +280,7 @@ class LLMEngine:
         t2 = time.perf_counter()
         self.wall["prefill"] += t1 - t0
         self.wall["decode"] += t2 - t1
-        info.seconds = t2 - t0
+        info.seconds, info.prefill_seconds = t2 - t0, t1 - t0
         if self.pacer is not None:
             self.pacer.observe(info.prefill_tokens, bool(info.emitted), info.seconds)
         outs = [self._output(s) for s in touched.values()] if collect else []
