@@ -406,11 +406,12 @@ class LLM:
         except BaseException:
             engine.abort_all()
             raise
+        texts = [s.text for s in seqs]  # decoded here, once each: inside the run's total time
         self._finish_stats(stats, seqs, started, wall)
         summary = stats.summary()
-        return [RequestOutput(p, s.prompt_ids, s.text, s.output, s.finish_reason or "length",
+        return [RequestOutput(p, s.prompt_ids, text, s.output, s.finish_reason or "length",
                               {**summary, "sequence": s.stats.summary()}, s.request_id)
-                for p, s in zip(prompts, seqs)]
+                for p, s, text in zip(prompts, seqs, texts)]
 
     def _start_stats(self, spec: SpecConfig, seqs: list[Sequence],
                      ) -> tuple[RunStats, dict[str, float], int]:
