@@ -249,15 +249,11 @@ def start(engine: Any, concurrency: int, log: StepLog) -> tuple[Any, threading.T
     return http, thread, f"http://127.0.0.1:{port}/v1/completions"
 
 
-def freeze_heap() -> None:
-    from vegas_spec.cli import freeze_heap as freeze
-
-    freeze()
-
-
 def measure(engine: Any, spec: Any, args: argparse.Namespace,
             work: list[tuple[list[int], int]], clients: Executor) -> dict:
     engine.set_spec(spec)
+    from vegas_spec.cli import freeze_heap
+
     engine.warm_up(args.concurrency)  # every bucket's graphs, as `vegas serve` does
     freeze_heap()  # as `vegas serve` does after its warm-up
     log = StepLog(ceiling=engine.scheduler.prefill_budget)
