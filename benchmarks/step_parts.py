@@ -193,8 +193,28 @@ def measure(args: argparse.Namespace, method: str, base: list[list[int]],
         steps = run_pass(engine, arrivals, args.chunks, args.gap, drain)
         out[name] = summarize(steps, args.rows)
         print(json.dumps({"method": method, "pass": name, **out[name]}), flush=True)
+    if args.profile is not None:
+        profile(engine, arrivals[:1], args.profile_chunk, args.gap,
+                args.profile.with_name(f"{args.profile.stem}_{method}{args.profile.suffix}"))
     engine.abort_all()
     return out
+
+
+def profile(engine: LLMEngine, arrivals: list[list[int]], chunk: int, gap: int,
+            path: Path) -> None:
+    """torch.profiler over one arrival at `chunk` tokens per step (and `gap` decode-only
+    steps) -> `path`: the operators and kernels by device time and by host time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + \
+        ([ProfilerActivity.CUDA] if engine.runner.device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        run_pass(engine, arrivals, [chunk], gap, drain=False)
+    table = prof.key_averages()
+    sort = "self_cuda_time_total" if len(activities) > 1 else "self_cpu_time_total"
+    path.write_text(table.table(sort_by=sort, row_limit=50) + "\n\n"
+                    + table.table(sort_by="cpu_time_total", row_limit=50))
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -214,6 +234,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=["vanilla", "vegas"])
     p.add_argument("--gamma", type=int, default=6)
     p.add_argument("--ratio", type=float, default=0.05)
+    p.add_argument("--profile", type=Path,
+                   help="also profile one arrival per method (torch.profiler tables to "
+                        "PROFILE with the method's name added)")
+    p.add_argument("--profile-chunk", type=int, default=4096)
     p.add_argument("--out", type=Path, help="also write the report here (JSON)")
     args = p.parse_args(argv)
     for name in ("rows", "base_context", "context", "arrivals", "gap"):
