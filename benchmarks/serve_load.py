@@ -23,8 +23,8 @@ method:
 - the server's steps: how many, how many prefilled, and their durations; the prompt tokens
   of the steps that prefilled while rows decoded and the medians of their two parts, up to
   the end of the prefill and after it (`paced_*`), and the prefill pacer's
-  estimates after the last step (`pacer`: decode seconds, fixed and per-token prefill
-  seconds, the budget they give);
+  estimates after the last step (`pacer`: decode seconds, the prompt tokens a step can
+  take, the budget they give);
 - the share of decode time spent outside the device's work (`decode_host_share`): over the
   steps that prefilled nothing, 1 - the device time of their decode phases (CUDA events
   around the graph replays) over their wall time: the host work of the loop. On CPU the
@@ -161,7 +161,7 @@ class StepLog:
     decode_device: float = 0.0
     device_mark: float = 0.0  # decode_device_s after the last step
     # steps that prefilled while rows decoded: their prompt tokens, and the pacer's estimates
-    # after them (decode seconds, fixed and per-token prefill seconds; None before a fit)
+    # after the last step (decode seconds, tokens a step can take; None before one)
     paced_tokens: list[int] = field(default_factory=list)
     paced_parts: list[tuple[float, float]] = field(default_factory=list)  # prefill, decode s
     pacer: dict[str, float | None] = field(default_factory=dict)
@@ -216,9 +216,7 @@ def pacer_estimates(engine: Any) -> dict[str, float | None]:
     pacer = engine.pacer
     if pacer is None:
         return {}
-    line = pacer.cost.line()
-    return {"decode_s": pacer.decode_s, "fixed_s": None if line is None else line[0],
-            "per_token_s": None if line is None else line[1],
+    return {"decode_s": pacer.decode_s, "tokens": pacer.tokens,
             "budget": pacer.budget(decoding=True)}
 
 

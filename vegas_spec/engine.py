@@ -273,7 +273,8 @@ class LLMEngine:
         touched: dict[str, Sequence] = {}
         self.last_step = info = StepInfo(gamma=self.spec.gamma if self.spec.speculative else 0)
         t0 = time.perf_counter()
-        self._prefill_step(touched, info, self._prefill_budget())
+        budget = self._prefill_budget()
+        self._prefill_step(touched, info, budget)
         t1 = time.perf_counter()
         if self.runner.batch is not None:
             self._decode_step(touched, info)
@@ -282,7 +283,7 @@ class LLMEngine:
         self.wall["decode"] += t2 - t1
         info.seconds, info.prefill_seconds = t2 - t0, t1 - t0
         if self.pacer is not None:
-            self.pacer.observe(info.prefill_tokens, bool(info.emitted), info.seconds)
+            self.pacer.observe(info.prefill_tokens, bool(info.emitted), info.seconds, budget)
         outs = [self._output(s) for s in touched.values()] if collect else []
         for seq in touched.values():
             if seq.finished:  # its row, if it had one, left in `select`
