@@ -127,7 +127,7 @@ def _serve_parser(sub: argparse._SubParsersAction, methods: tuple[str, ...],
     s.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting for a row; past it the server answers 429")
     s.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1")
-    s.add_argument("--prefill-pacing", type=float, default=0.75,
+    s.add_argument("--prefill-pacing", type=float, default=2.0,
                    help="while requests decode, prefill about this many decode iterations' "
                         "time of prompt tokens per step, so arriving prompts stretch "
                         "inter-token latency by at most ~1+this (0: no pacing)")
