@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from host_loop import tiny_model
 from serve_load import prompts
 
 from vegas_spec.config import SamplingParams, spec_config
@@ -129,7 +131,8 @@ def run_pass(engine: LLMEngine, arrivals: list[list[int]], chunks: list[int], ga
             engine.scheduler.prefill_budget = chunk
             for prompt in arrivals:
                 engine.add_request(list(prompt), leave)
-                for i in range(10 ** 6):
+                after = 0  # steps since the arrival's prompt was all prefilled
+                while after <= gap:
                     t0 = time.perf_counter()
                     engine.step(collect=False)
                     seconds = time.perf_counter() - t0
@@ -137,9 +140,9 @@ def run_pass(engine: LLMEngine, arrivals: list[list[int]], chunks: list[int], ga
                     steps.append({"chunk": chunk, "tokens": info.prefill_tokens,
                                   "rows": len(info.emitted), "seconds": seconds,
                                   "parts": parts.take()})
-                    if not engine.scheduler.waiting and i >= gap and all(
+                    if not engine.scheduler.waiting and all(
                             s.prefilled == len(s.prompt_ids) for s in engine.scheduler.running):
-                        break
+                        after += 1
     finally:
         restore()
     return steps
@@ -149,6 +152,9 @@ def summarize(steps: list[dict[str, Any]], rows: int) -> dict[str, Any]:
     """Medians per budget of the steps that prefilled while rows decoded, against the
     decode-only steps of all rows."""
     plain = [s for s in steps if not s["tokens"] and s["rows"] >= rows]
+    if not plain:
+        raise SystemExit("step_parts.py: no decode-only step of every row was timed; raise "
+                         "--gap or --arrivals")
     base = statistics.median(s["seconds"] for s in plain)
     out: dict[str, Any] = {"decode_step_s": base, "decode_steps": len(plain),
                            "decode_parts_s": medians([s["parts"] for s in plain])}
@@ -174,6 +180,7 @@ def measure(args: argparse.Namespace, method: str, base: list[list[int]],
             arrivals: list[list[int]]) -> dict[str, Any]:
     spec = spec_config({"method": method, "gamma": args.gamma, "ratio": args.ratio})
     engine = LLMEngine(args.model, speculative=spec, device=args.device, dtype=args.dtype,
+                       load_format="dummy" if args.tiny else "auto",
                        max_num_seqs=args.rows + 1, kv_cache_bytes=int(args.kv_cache_gb * 2**30),
                        prefill_chunk=max(args.chunks), prefill_pacing=None)
     engine.warm_up(args.rows + 1)
@@ -220,6 +227,8 @@ def profile(engine: LLMEngine, arrivals: list[list[int]], chunk: int, gap: int,
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="a model path (default: the embedded SmolLM2)")
+    p.add_argument("--tiny", action="store_true",
+                   help="a 2-layer random model with SmolLM2's tokenizer (checks the script)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
@@ -250,6 +259,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    if args.tiny:
+        with tempfile.TemporaryDirectory() as tmp:
+            args.model = str(tiny_model(Path(tmp)))
+            report(args)
+    else:
+        report(args)
+
+
+def report(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(resolve(args.model))
     base = prompts(tokenizer, args.rows, args.base_context)
     arrivals = prompts(tokenizer, args.arrivals + 1, args.context)
