@@ -39,13 +39,11 @@ import json
 import statistics
 import tempfile
 import time
-from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from host_loop import tiny_model
+from host_loop import PhaseClock, install, tiny_model
 from serve_load import prompts
 
 from vegas_spec.config import SamplingParams, spec_config
@@ -65,48 +63,6 @@ TIMED: list[tuple[Any, str, str]] = [
 ]
 
 
-class Parts:
-    """Exclusive seconds per part of the current step; with `drain`, the device is synchronized
-    at every timed method's entry and exit."""
-
-    def __init__(self, device: torch.device, drain: bool) -> None:
-        self.sync: Callable[[], None] = (lambda: torch.cuda.synchronize(device)) \
-            if drain and device.type == "cuda" else (lambda: None)
-        self.step: dict[str, float] = defaultdict(float)
-        self._stack: list[list[float]] = []
-
-    def wrap(self, fn: Callable, part: str) -> Callable:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            self.sync()
-            self._stack.append([time.perf_counter(), 0.0])
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.sync()
-                start, inner = self._stack.pop()
-                elapsed = time.perf_counter() - start
-                self.step[part] += elapsed - inner
-                if self._stack:
-                    self._stack[-1][1] += elapsed
-        return timed
-
-    def take(self) -> dict[str, float]:
-        out, self.step = dict(self.step), defaultdict(float)
-        return out
-
-
-def install(parts: Parts) -> Callable[[], None]:
-    """Wrap the timed methods -> a function that puts the originals back."""
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in TIMED]
-    for owner, name, part in TIMED:
-        setattr(owner, name, parts.wrap(getattr(owner, name), part))
-
-    def restore() -> None:
-        for owner, name, fn in originals:
-            setattr(owner, name, fn)
-    return restore
-
-
 def line(points: list[tuple[int, float]]) -> dict[str, float | None]:
     """Least squares seconds ~ fixed + per_token x tokens."""
     if len({t for t, _ in points}) < 2:
@@ -122,8 +78,10 @@ def run_pass(engine: LLMEngine, arrivals: list[list[int]], chunks: list[int], ga
              drain: bool) -> list[dict[str, Any]]:
     """Per budget, each arrival prefilled in chunks of that budget, then `gap` decode-only
     steps -> one record per step: budget, prompt tokens, rows decoded, seconds, parts."""
-    parts = Parts(engine.runner.device, drain)
-    restore = install(parts)
+    device = engine.runner.device
+    clock = PhaseClock(0, (lambda: torch.cuda.synchronize(device))
+                       if drain and device.type == "cuda" else None)
+    restore = install(clock, TIMED)
     steps: list[dict[str, Any]] = []
     leave = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     try:
@@ -139,7 +97,8 @@ def run_pass(engine: LLMEngine, arrivals: list[list[int]], chunks: list[int], ga
                     info = engine.last_step
                     steps.append({"chunk": chunk, "tokens": info.prefill_tokens,
                                   "rows": len(info.emitted), "seconds": seconds,
-                                  "parts": parts.take()})
+                                  "parts": dict(clock.step)})
+                    clock.step.clear()
                     if not engine.scheduler.waiting and all(
                             s.prefilled == len(s.prompt_ids) for s in engine.scheduler.running):
                         after += 1
