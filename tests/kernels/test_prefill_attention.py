@@ -83,8 +83,7 @@ def test_small_tiles_cross_pages_and_the_diagonal() -> None:
     torch.testing.assert_close(out, _reference(case, cache, q), **tol(torch.float32))
 
 
-@pytest.mark.parametrize("splits", [2, 5])
-@pytest.mark.parametrize("case", CASES[1:5])
+@pytest.mark.parametrize(("case", "splits"), [(CASES[1], 2), (CASES[2], 5), (CASES[4], 3)])
 def test_split_keys_match_reference(case: Case, splits: int) -> None:
     """Each tile's keys cut into runs of whole blocks, one program each, merged: runs that
     start past a row's diagonal (the row sees none of their keys) and runs past the tile's
