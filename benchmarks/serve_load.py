@@ -163,11 +163,9 @@ class StepLog:
     decode_s: list[float] = field(default_factory=list)
     decode_device: float = 0.0
     device_mark: float = 0.0  # decode_device_s after the last step
-    # steps that prefilled while rows decoded: their prompt tokens, and the pacer's estimates
-    # after the last step (decode seconds, tokens a step can take; None before one)
+    # steps that prefilled while rows decoded: their prompt tokens, and their two parts
     paced_tokens: list[int] = field(default_factory=list)
     paced_parts: list[tuple[float, float]] = field(default_factory=list)  # prefill, decode s
-    pacer: dict[str, float | None] = field(default_factory=dict)
     ceiling: int = 0  # the engine's prefill budget: a paced step that took all of it
 
     def after(self, then: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -185,7 +183,6 @@ class StepLog:
                 self.decode_s.append(info.seconds)
                 self.decode_device += device - self.device_mark
             self.device_mark = device
-            self.pacer = pacer_estimates(engine)
             then(engine)
         return hook
 
@@ -210,12 +207,12 @@ class StepLog:
                 "paced_tokens_max": max(self.paced_tokens, default=None),
                 "paced_whole": sum(t >= self.ceiling for t in self.paced_tokens),
                 "paced_prefill_part_p50_s": pct([p for p, _ in self.paced_parts], 50),
-                "paced_decode_part_p50_s": pct([d for _, d in self.paced_parts], 50),
-                "pacer": self.pacer}
+                "paced_decode_part_p50_s": pct([d for _, d in self.paced_parts], 50)}
 
 
 def pacer_estimates(engine: Any) -> dict[str, float | None]:
-    """The prefill pacer's current estimates ({} when pacing is off)."""
+    """The prefill pacer's current estimates ({} when pacing is off): read once the engine
+    thread has stopped, they are the ones after the last step."""
     pacer = engine.pacer
     if pacer is None:
         return {}
@@ -270,7 +267,7 @@ def measure(engine: Any, spec: Any, args: argparse.Namespace,
         http.should_exit = True
         thread.join(timeout=120)
     return {"method": spec.method, **throughput(results, wall), **latency(results, log),
-            **log.summary()}
+            **log.summary(), "pacer": pacer_estimates(engine)}
 
 
 # --- the figures ----------------------------------------------------------------------------

@@ -24,7 +24,8 @@ per second (τ · batch / (round + host work)) in exact mode against the default
     python benchmarks/step_profile.py --config benchmarks/configs/smollm2-135m \
         --contexts 7500 --batches 64 --modes default exact --brief --out exact_smollm2.json
 
-`--profile` adds a per-kernel table (torch.profiler) of one replay of each step;
+`--profile` adds a per-kernel table (torch.profiler) of one replay of each step (quest's
+draft step too);
 `--projections` the weight-streaming rate of every projection at the plain and the verify
 step's row counts. Also reported: the verify step without scores (stream's), quest's draft
 step, the host work between rounds of the engine's own loop and the projected speedup
@@ -143,7 +144,8 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
                 lambda: unscored.run("verify", tokens, positions), args.reps)
             llm.graphs = None
             out["quest_draft_ms"] = quest_draft_ms(llm, spec, bsz, table, lengths, tokens,
-                                                   positions, context, args.reps)
+                                                   positions, context, args.reps,
+                                                   profiles if args.profile else None)
 
         policy = make_policy(spec)
         runner = llm._graph_runner(spec, policy, bsz)
@@ -250,8 +252,9 @@ def project(row: dict, gamma: int, tau: float) -> None:
 
 def quest_draft_ms(llm: LLM, spec: SpecConfig, bsz: int, table: torch.Tensor,
                    lengths: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                   context: int, reps: int) -> float:
-    """quest's draft step (page scoring and top-k inside every layer) at the same budget."""
+                   context: int, reps: int, profiles: dict[str, str] | None = None) -> float:
+    """quest's draft step (page scoring and top-k inside every layer) at the same budget;
+    with `profiles`, its kernel table goes there as "quest_draft"."""
     quest = dataclasses.replace(spec, method="quest")
     policy = make_policy(quest)
     runner = llm._graph_runner(quest, policy, bsz)
@@ -259,7 +262,10 @@ def quest_draft_ms(llm: LLM, spec: SpecConfig, bsz: int, table: torch.Tensor,
     inp = SelectionInput(None, lengths, torch.zeros_like(lengths), lengths + 1, spec.gamma,
                          llm.cache.layers, table, llm.config.page_size, max_len=context + 1)
     runner.set_plan(policy.plan(runner.bound(inp)))
-    ms = median_ms(lambda: runner.run("draft", tokens[:, :1], positions[:, :1]), reps)
+    draft = lambda: runner.run("draft", tokens[:, :1], positions[:, :1])  # noqa: E731
+    ms = median_ms(draft, reps)
+    if profiles is not None:
+        profiles["quest_draft"] = kernel_table(draft)
     llm.graphs = None
     return ms
 

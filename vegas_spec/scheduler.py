@@ -84,12 +84,17 @@ class PrefillPacer:
         if not decoding or self.decode_s is None or tokens is None:
             return self.ceiling
         if self._out_of_reach():
-            return self.ceiling if self.out_of_reach == "whole" else min(self.floor, self.ceiling)
+            return self.ceiling if self.out_of_reach == "whole" else self._smallest
         return min(self.ceiling, int(tokens))
+
+    @property
+    def _smallest(self) -> int:
+        """The smallest chunk a paced step takes (the floor, within the ceiling)."""
+        return min(self.floor, self.ceiling)
 
     def _out_of_reach(self) -> bool:
         tokens = self.tokens
-        return tokens is not None and tokens < min(self.floor, self.ceiling)
+        return tokens is not None and tokens < self._smallest
 
     def observe(self, prefill_tokens: int, decoded: bool, seconds: float,
                 asked: int | None = None) -> None:
@@ -105,7 +110,7 @@ class PrefillPacer:
         asked = self.ceiling if asked is None else asked
         if self.decode_s is None or (self.out_of_reach == "whole" and self._out_of_reach()):
             return
-        enough = asked / 2 if asked < self.ceiling else min(self.floor, self.ceiling)
+        enough = asked / 2 if asked < self.ceiling else self._smallest
         if prefill_tokens < enough:
             return
         target = self.ratio * self.decode_s
