@@ -41,7 +41,6 @@ hundred."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels.split_merge import Partials, merge_splits, sm_count
+from vegas_spec.kernels.split_merge import Partials, merge_splits, splits_to_fill
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
@@ -81,9 +80,7 @@ def prefill_splits(heads: int, num_tiles: int, device: torch.device) -> int:
     themselves)."""
     if device.type != "cuda":
         return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    wanted = math.ceil(2 * sm_count(index) / max(heads * num_tiles, 1))
-    return max(1, min(wanted, MAX_SPLITS))
+    return min(splits_to_fill(heads * num_tiles, device), MAX_SPLITS)
 
 
 def tile_list(lengths: list[int], starts: list[int], block_m: int) -> np.ndarray:
