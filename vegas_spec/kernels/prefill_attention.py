@@ -41,7 +41,6 @@ hundred."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels.split_merge import Partials, merge_splits, sm_count
+from vegas_spec.kernels.split_merge import Partials, merge_splits, splits_to_fill
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
@@ -81,9 +80,7 @@ def prefill_splits(heads: int, num_tiles: int, device: torch.device) -> int:
     themselves)."""
     if device.type != "cuda":
         return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    wanted = math.ceil(2 * sm_count(index) / max(heads * num_tiles, 1))
-    return max(1, min(wanted, MAX_SPLITS))
+    return min(splits_to_fill(heads * num_tiles, device), MAX_SPLITS)
 
 
 def tile_list(lengths: list[int], starts: list[int], block_m: int) -> np.ndarray:
@@ -132,23 +129,16 @@ def _load_kv(k_ptr, v_ptr, table_ptr, kpos, k_ok, kvh, d, d_ok, stride_cs, strid
 
 
 @triton.jit
-def _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+def _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr, SAFE: tl.constexpr):
     """Online softmax in base 2; s [M, N] already scaled by scale·log2(e), -inf where masked.
-    Every row sees key 0 in the first block, so m_i is finite after it."""
+    Unsplit, every row sees key 0 in the first block, so m_i is finite after it. SAFE (a
+    split, where a row may see no key of a block nor of any before it in the split): such a
+    row keeps m = -inf, l = 0, acc = 0 (m_use = 0 avoids inf - inf)."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _softmax_step_safe(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-    """`_softmax_step` for a split, where a row may see no key of a block (nor of any block
-    before it in the split): such a row keeps m = -inf, l = 0, acc = 0."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if SAFE:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -188,47 +178,34 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, cu_ptr, start_ptr, 
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if SPLITS == 1:
-        for start in range(0, full, BLOCK_N):
-            kpos = start + tl.arange(0, BLOCK_N)
-            k, v = _load_kv(k_ptr, v_ptr, table, kpos, kpos >= 0, kvh, d, d_ok, stride_cs,
-                            stride_ch, PAGE, False, EVEN_D)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
-        for start in range(full, last, BLOCK_N):
-            kpos = start + tl.arange(0, BLOCK_N)
-            k_ok = kpos < last
-            k, v = _load_kv(k_ptr, v_ptr, table, kpos, k_ok, kvh, d, d_ok, stride_cs,
-                            stride_ch, PAGE, True, EVEN_D)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            visible = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+        lo = 0
+        hi = last
+    else:  # this program's run of whole key blocks: split tl.program_id(2) of SPLITS
+        per = tl.cdiv(tl.cdiv(last, SPLITS), BLOCK_N) * BLOCK_N
+        lo = tl.program_id(2) * per
+        hi = tl.minimum(lo + per, last)
+    for start in range(lo, tl.minimum(full, hi), BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        k, v = _load_kv(k_ptr, v_ptr, table, kpos, kpos >= 0, kvh, d, d_ok, stride_cs,
+                        stride_ch, PAGE, False, EVEN_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION, False)
+    for start in range(tl.maximum(full, lo), hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        k_ok = kpos < last
+        k, v = _load_kv(k_ptr, v_ptr, table, kpos, k_ok, kvh, d, d_ok, stride_cs,
+                        stride_ch, PAGE, True, EVEN_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION, SPLITS > 1)
+    if SPLITS == 1:
         out = acc / l_i[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
     else:
-        # this program's run of whole key blocks: split tl.program_id(2) of SPLITS
-        split = tl.program_id(2)
-        per = tl.cdiv(tl.cdiv(last, SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * per
-        hi = tl.minimum(lo + per, last)
-        for start in range(lo, tl.minimum(full, hi), BLOCK_N):
-            kpos = start + tl.arange(0, BLOCK_N)
-            k, v = _load_kv(k_ptr, v_ptr, table, kpos, kpos >= 0, kvh, d, d_ok, stride_cs,
-                            stride_ch, PAGE, False, EVEN_D)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
-        for start in range(tl.maximum(full, lo), hi, BLOCK_N):
-            kpos = start + tl.arange(0, BLOCK_N)
-            k_ok = kpos < last
-            k, v = _load_kv(k_ptr, v_ptr, table, kpos, k_ok, kvh, d, d_ok, stride_cs,
-                            stride_ch, PAGE, True, EVEN_D)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            visible = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_i, l_i, acc = _softmax_step_safe(s, v, m_i, l_i, acc, DOT_PRECISION)
         # partials in split_merge's natural-log units: m x ln 2 (acc and l are relative to it)
-        base = (split * num_tokens + tok) * tl.num_programs(0) + h  # [S, T, H] row
+        base = (tl.program_id(2) * num_tokens + tok) * tl.num_programs(0) + h  # [S, T, H]
         tl.store(m_ptr + base, m_i * 0.6931471805599453, mask=m_ok)
         tl.store(l_ptr + base, l_i, mask=m_ok)
         live = m_ok & (l_i > 0)

@@ -70,6 +70,13 @@ def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def splits_to_fill(programs: int, device: torch.device) -> int:
+    """Splits that give a launch of `programs` programs per split about two programs per SM
+    of the CUDA `device` (at least 1)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(1, math.ceil(2 * sm_count(index) / max(programs, 1)))
+
+
 def split_size_for(length: int, programs: int, block_k: int, device: torch.device,
                    split_size: int | None = None) -> int:
     """Keys per split (a multiple of block_k): enough splits to give the GPU about two waves
@@ -80,9 +87,7 @@ def split_size_for(length: int, programs: int, block_k: int, device: torch.devic
     blocks = max(math.ceil(length / block_k), 1)
     if device.type != "cuda":
         return 4 * block_k  # the interpreter: several splits even on short test contexts
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    wanted = math.ceil(2 * sm_count(index) / max(programs, 1))
-    splits = max(1, min(wanted, math.ceil(blocks / 4)))
+    splits = max(1, min(splits_to_fill(programs, device), math.ceil(blocks / 4)))
     return math.ceil(blocks / splits) * block_k
 
 
