@@ -7,7 +7,7 @@ import torch
 from kernel_cases import DEVICE, generator
 
 from vegas_spec.kernels.topk import topk_positions_triton
-from vegas_spec.speculative.policies import topk_positions
+from vegas_spec.speculative.policies import expand_pages, topk_positions
 
 # (leading dims, B, G, W, rankable per sequence, k per sequence)
 CASES = [
@@ -56,3 +56,52 @@ def test_negative_zero_and_infinities() -> None:
     got = topk_positions_triton(scores, torch.tensor([6], device=DEVICE),
                                 torch.tensor([3], device=DEVICE))
     assert got.tolist() == [[[1, 3, 5]]]
+
+
+# quest's pages: (leading dims, B, G, pages W, rankable tokens, k in pages, page)
+PAGE_CASES = [
+    ((), 2, 2, 40, [600, 37], [5, 3], 16),  # a partial last page; k covers every page
+    ((2,), 3, 1, 300, [4800, 1000, 9], [30, 0, 7], 16),  # nothing wanted; k past the pages
+    ((), 1, 4, 520, [8190], [256], 16),  # several blocks of pages, a partial last page
+    ((), 2, 1, 50, [149, 150], [50, 10], 3),  # a page that is not a power of two
+    ((), 2, 2, 64, [0, 64], [0, 0], 4),  # nothing rankable: one slot of -1s
+    ((), 2, 1, 90, [70, 90], [20, 90], 1),  # tokens as units, bounded by the limit
+]
+
+
+def page_inputs(case: tuple, gen: torch.Generator, ties: bool,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(scores, ranked pages, pages to take, limit in tokens, page) of a PAGE_CASES case;
+    ties: scores from three values only."""
+    lead, bsz, groups, width, tokens, k, page = case
+    shape = (*lead, bsz, groups, width)
+    scores = (torch.randint(0, 3, shape, generator=gen).float().to(DEVICE) if ties
+              else scores_for(shape, gen, True))
+    limit = torch.tensor(tokens, device=DEVICE)
+    ranked = torch.minimum(-(-limit // page), torch.tensor(width, device=DEVICE))
+    return scores, ranked, torch.minimum(torch.tensor(k, device=DEVICE), ranked), limit, page
+
+
+@pytest.mark.parametrize("bound", [False, True], ids=["kmax", "max_k"])
+@pytest.mark.parametrize("case", PAGE_CASES, ids=lambda c: f"{c[1]}x{c[2]}x{c[3]}_page{c[6]}")
+def test_pages_expand_as_the_reference(case: tuple, bound: bool) -> None:
+    """Each chosen page's tokens in its slot, -1 past the rankable tokens and for the slots
+    past k: the reference's output, bit for bit (continuous scores, no ties)."""
+    scores, ranked, k, limit, page = page_inputs(case, generator(case[3]), ties=False)
+    kmax = int(k.max()) + 3 if bound else None
+    got = topk_positions_triton(scores, ranked, k, kmax, page, limit)
+    want = topk_positions(scores, ranked, k, kmax, page, limit)
+    assert got.shape == want.shape and got.shape[-1] % page == 0
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("case", PAGE_CASES, ids=lambda c: f"{c[1]}x{c[2]}x{c[3]}_page{c[6]}")
+def test_pages_with_ties_expand_the_unit_selection(case: tuple) -> None:
+    """With ties (where torch.topk may pick other pages) the expansion in the kernel is
+    `expand_pages` of the kernel's own choice of pages; without a limit nothing is cut."""
+    scores, ranked, k, limit, page = page_inputs(case, generator(7), ties=True)
+    units = topk_positions_triton(scores, ranked, k)
+    got = topk_positions_triton(scores, ranked, k, None, page, limit)
+    assert torch.equal(got, expand_pages(units, page, limit))
+    whole = topk_positions_triton(scores, ranked, k, None, page)
+    assert torch.equal(whole, expand_pages(units, page, None))

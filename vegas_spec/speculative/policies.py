@@ -89,9 +89,12 @@ def budget(cfg: SpecConfig, lengths: torch.Tensor, rankable: torch.Tensor) -> to
 
 
 def topk_positions(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
-                   kmax: int | None = None) -> torch.Tensor:
+                   kmax: int | None = None, page: int = 1,
+                   limit: torch.Tensor | None = None) -> torch.Tensor:
     """scores [..., B, G, W] -> the k[b] best positions < rankable[b], ascending, -1 padded:
-    [..., B, G, min(kmax, W)]; kmax (a host bound on k) defaults to max(k), a host sync."""
+    [..., B, G, min(kmax, W)]; kmax (a host bound on k) defaults to max(k), a host sync.
+    With page > 1 or a limit [B], the positions are units of `page` tokens, expanded by
+    `expand_pages`: [..., B, G, min(kmax, W) * page]."""
     width = scores.shape[-1]
     kmax = max(int(k.max()), 1) if kmax is None else kmax
     pos = torch.arange(width, device=scores.device)
@@ -100,7 +103,19 @@ def topk_positions(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor
     # topk's output is in descending order: its first k[b] are row b's k[b] best.
     idx = masked.topk(min(kmax, width), dim=-1).indices
     keep = torch.arange(idx.shape[-1], device=idx.device) < k[:, None, None]
-    return _sorted(torch.where(keep, idx, -1))
+    best = _sorted(torch.where(keep, idx, -1))
+    return best if page == 1 and limit is None else expand_pages(best, page, limit)
+
+
+def expand_pages(best: torch.Tensor, page: int, limit: torch.Tensor | None) -> torch.Tensor:
+    """Units best [..., B, G, n] (-1: none) -> their tokens [..., B, G, n * page]: unit u at
+    slot i gives u * page + j at i * page + j (j < page), -1 for a -1 unit and for tokens >=
+    limit[b] (None: no bound), so the -1s of a partial last page stay inside its slot."""
+    pos = best[..., None] * page + torch.arange(page, device=best.device)
+    keep = best[..., None] >= 0
+    if limit is not None:
+        keep = keep & (pos < limit[:, None, None, None])
+    return torch.where(keep, pos, -1).flatten(-2)
 
 
 def _sorted(idx: torch.Tensor) -> torch.Tensor:
@@ -111,9 +126,14 @@ def _sorted(idx: torch.Tensor) -> torch.Tensor:
     return torch.where(s == big, -1, s).long()
 
 
+def pages_of(rankable: torch.Tensor, size: int) -> torch.Tensor:
+    """Blocks of `size` tokens that hold the rankable positions (the last one partial)."""
+    return torch.ceil(rankable / size).long()
+
+
 def units(k: torch.Tensor, rankable: torch.Tensor, size: int) -> torch.Tensor:
     """Whole blocks of `size` tokens that fit the budget k (all of them when dense)."""
-    dense = torch.ceil(rankable / size).long()
+    dense = pages_of(rankable, size)
     return torch.where(k >= rankable, dense, torch.clamp(k // size, min=1))
 
 
@@ -260,11 +280,9 @@ class SpecExtend(LastQ):
         chunk_scores = _chunk_means(last, rankable, c)  # [B, C]
         n_chunks = units(k, rankable, c)
         most = None if inp.kmax is None else math.ceil(inp.kmax / c)
-        best = topk_positions(chunk_scores[:, None], torch.ceil(rankable / c).long(), n_chunks,
-                              most)
-        pos = best[..., None] * c + torch.arange(c, device=best.device)  # [B, 1, n, c]
-        pos = torch.where((best[..., None] >= 0) & (pos < rankable[:, None, None, None]), pos, -1)
-        pos = _sorted(pos.flatten(2))
+        pos = topk_positions(chunk_scores[:, None], pages_of(rankable, c), n_chunks, most, c,
+                             rankable)  # [B, 1, n * c]
+        pos = _sorted(pos)
         return pos.unsqueeze(0).expand(len(inp.kv_caches), -1, -1, -1)
 
 
@@ -379,8 +397,9 @@ class QuestSelector:
 
     def __call__(self, layer: int, q: torch.Tensor, ctx: StepContext,
                  backend: Any = None) -> torch.Tensor:
-        """q [B, 1, H, D] -> positions [B, Hkv, K]. With a backend, its page-score kernel
-        and top-k (if it has one) replace the references."""
+        """q [B, 1, H, D] -> positions [B, Hkv, K * page] (`expand_pages`' layout). With a
+        backend, its page-score kernel and top-k (if it has one) replace the references; the
+        Triton top-k expands the pages in its own kernel."""
         lo, hi = self.bounds[layer]
         pages = torch.ceil(self.rankable / self.page).long()
         if backend is None:
@@ -388,7 +407,4 @@ class QuestSelector:
         else:
             page_scores = backend.quest_page_scores(q, lo, hi, pages)
         top = topk_positions if backend is None or backend.topk is None else backend.topk
-        best = top(page_scores, pages, self.n_pages, self.max_pages)  # [B, Hkv, n]
-        pos = best[..., None] * self.page + torch.arange(self.page, device=q.device)
-        keep = (best[..., None] >= 0) & (pos < self.rankable[:, None, None, None])
-        return torch.where(keep, pos, -1).flatten(2)
+        return top(page_scores, pages, self.n_pages, self.max_pages, self.page, self.rankable)
