@@ -6,11 +6,21 @@ best positions < rankable[b] in ascending order, -1 padding, width max(k) or kma
 
 One program per score row of W floats. Each float maps to a 32-bit key whose unsigned order
 is the float order. The k-th largest key T is found most significant digit first, 4 bits per
-pass: a pass counts, for the 16 candidate digits at once, how many keys are >= the candidate
-prefix, and keeps the largest digit whose count still reaches k (8 passes over the row, which
-is only L floats and stays in cache). A final pass compacts, in position order, every key > T
-and the first (k - #keys > T) keys == T, so the output is already sorted ascending. Ties at
-the threshold go to the lowest positions, where torch.topk may pick others.
+pass, keeping in each pass the largest digit for which at least k keys are >= the prefix so
+far with that digit. A final pass compacts, in position order, every key > T and the first
+(k - #keys > T) keys == T, so the output is already sorted ascending. Ties at the threshold
+go to the lowest positions, where torch.topk may pick others. T is the k-th largest key
+whichever way the digits are counted, so both kernels below select the same positions:
+
+* `_topk_resident_kernel`, for rows of at most RESIDENT_MAX_WIDTH scores (quest's 2048 pages
+  of a 32K context): the row is loaded once into registers (BLOCK_W = W rounded up to a power
+  of two, keys as uint32) and each pass is a 16-bin histogram of the digit of the keys that
+  still match the prefix; the count for digit d is the keys already above the prefix plus
+  the bins >= d. Global reads: the row's 4 W bytes, once.
+* `_topk_kernel`, for wider rows (vegas's token scores of long contexts): each pass reloads
+  the row in BLOCK chunks and counts, for the 16 candidate digits at once, the keys >= each
+  candidate prefix ([BLOCK, 16] comparisons); 9 reads of the row (8 passes and the count
+  above T), then the compaction's, all from cache for a row of L floats.
 
 Pages (quest): with `page` > 1 a score is a page's and the kernel writes, for the i-th chosen
 page u, the token positions u * page + j (j < page) at i * page + j, -1 where they reach
@@ -25,6 +35,11 @@ import triton
 import triton.language as tl
 
 RADIX_BITS = 4
+# Rows of at most this many scores run `_topk_resident_kernel` (the row held in registers,
+# one read), wider ones `_topk_kernel` (the row re-read by every pass). The resident kernel
+# runs BLOCK_W / 256 warps within [4, 16]: 8 uint32 keys a thread up to 4096 scores, 16 at
+# 8192, which ptxas fits in 128 registers for sm_90 without spilling.
+RESIDENT_MAX_WIDTH = 8192
 
 
 @triton.jit
@@ -33,6 +48,14 @@ def _keys(x):
     bits = x.to(tl.int32, bitcast=True)
     ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     return ordered.to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _keys32(x):
+    """float32 -> uint32 with the same order: `_keys` in 32 bits (a register per key)."""
+    bits = x.to(tl.int32, bitcast=True)
+    flip = (bits >> 31) | -2147483648  # all bits for a negative float, else the sign bit
+    return (bits ^ flip).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -51,13 +74,15 @@ def _count_at_least(row_ptr, length, prefix, shift, BLOCK: tl.constexpr, RADIX: 
 
 
 @triton.jit
-def _store_units(out_row, slot, unit, take, limit, PAGE: tl.constexpr, PAGE_PAD: tl.constexpr):
+def _store_units(out_row, slot, unit, take, limit, PAGE: tl.constexpr):
     """Units [BLOCK] at their slots where `take`: unit u -> u * PAGE + j at slot * PAGE + j for
-    j < PAGE, -1 from `limit` on (PAGE 1: the unit itself)."""
-    j = tl.arange(0, PAGE_PAD)
-    pos = unit.to(tl.int64)[:, None] * PAGE + j[None, :]
-    tl.store(out_row + slot[:, None] * PAGE + j[None, :], tl.where(pos < limit, pos, -1),
-             mask=take[:, None] & (j < PAGE)[None, :])
+    j < PAGE, -1 from `limit` on (PAGE 1: the unit itself). One [BLOCK] store per j, not a
+    [BLOCK, PAGE] tile: only k of the row's units are taken, and the tile would hold PAGE
+    int64 per unit in registers."""
+    base = unit.to(tl.int64) * PAGE
+    for j in tl.static_range(PAGE):
+        pos = base + j
+        tl.store(out_row + slot * PAGE + j, tl.where(pos < limit, pos, -1), mask=take)
 
 
 @triton.jit
@@ -85,7 +110,7 @@ def _row_bounds(rankable_ptr, k_ptr, limit_ptr, b, width, HAS_LIMIT: tl.constexp
 @triton.jit
 def _topk_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B, G, width, out_width,
                  BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, PAGE: tl.constexpr,
-                 PAGE_PAD: tl.constexpr, HAS_LIMIT: tl.constexpr):
+                 HAS_LIMIT: tl.constexpr):
     row = tl.program_id(0)
     b = (row // G) % B
     row_ptr = scores_ptr + row.to(tl.int64) * width
@@ -110,9 +135,45 @@ def _topk_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B, G, widt
         tie_rank = tied + tl.cumsum(is_tie.to(tl.int32), axis=0)  # 1-based
         take = ok & ((key > prefix) | (is_tie & (tie_rank <= ties))) & (want > 0)
         slot = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        _store_units(out_row, slot, w, take, limit, PAGE, PAGE_PAD)
+        _store_units(out_row, slot, w, take, limit, PAGE)
         taken += tl.sum(take.to(tl.int32), axis=0)
         tied += tl.sum(is_tie.to(tl.int32), axis=0)
+    _pad_from(out_row, want * PAGE, out_width * PAGE, BLOCK)
+
+
+@triton.jit
+def _topk_resident_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B, G, width,
+                          out_width, BLOCK_W: tl.constexpr, BLOCK: tl.constexpr,
+                          RADIX_BITS: tl.constexpr, PAGE: tl.constexpr,
+                          HAS_LIMIT: tl.constexpr):
+    row = tl.program_id(0)
+    b = (row // G) % B
+    length, want, limit = _row_bounds(rankable_ptr, k_ptr, limit_ptr, b, width, HAS_LIMIT)
+    w = tl.arange(0, BLOCK_W)
+    ok = w < length
+    key = _keys32(tl.load(scores_ptr + row.to(tl.int64) * width + w, mask=ok, other=0.0))
+    digits = tl.arange(0, 1 << RADIX_BITS)
+    # Invariant: above (keys past the prefix's digits so far) + the keys that match them is
+    # at least `want`, so digit 0 always qualifies.
+    prefix = tl.zeros([], tl.uint32)
+    above = tl.zeros([], tl.int32)
+    for p in tl.static_range(32 // RADIX_BITS):
+        shift = 32 - RADIX_BITS * (p + 1)
+        same = ok
+        if p > 0:  # the digits above this one match the prefix's (a shift by 32 is undefined)
+            same = ok & ((key >> (shift + RADIX_BITS)) == (prefix >> (shift + RADIX_BITS)))
+        digit = ((key >> shift) & ((1 << RADIX_BITS) - 1)).to(tl.int32)
+        hist = tl.histogram(digit, 1 << RADIX_BITS, mask=same)
+        at_least = above + tl.cumsum(hist, 0, reverse=True)  # keys >= prefix + digit << shift
+        best = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
+        above += tl.sum(tl.where(digits > best, hist, 0), axis=0)
+        prefix += best.to(tl.uint32) << shift
+    is_tie = ok & (key == prefix)
+    tie_rank = tl.cumsum(is_tie.to(tl.int32), axis=0)  # 1-based
+    take = ok & ((key > prefix) | (is_tie & (tie_rank <= want - above))) & (want > 0)
+    slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    out_row = out_ptr + row.to(tl.int64) * (out_width * PAGE)
+    _store_units(out_row, slot, w, take, limit, PAGE)
     _pad_from(out_row, want * PAGE, out_width * PAGE, BLOCK)
 
 
@@ -143,8 +204,13 @@ def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch
         return out.view(*scores.shape[:-1], out_width * page)
     block = 1024 if scores.is_cuda else 256
     rankable = rankable.contiguous()
-    _topk_kernel[(flat.shape[0],)](
-        flat, rankable, k.contiguous(), rankable if limit is None else limit.contiguous(), out,
-        bsz, groups, width, out_width, BLOCK=block, RADIX_BITS=RADIX_BITS, PAGE=page,
-        PAGE_PAD=triton.next_power_of_2(page), HAS_LIMIT=limit is not None, num_warps=4)
+    args = (flat, rankable, k.contiguous(), rankable if limit is None else limit.contiguous(),
+            out, bsz, groups, width, out_width)
+    common = dict(BLOCK=block, RADIX_BITS=RADIX_BITS, PAGE=page, HAS_LIMIT=limit is not None)
+    if width <= RESIDENT_MAX_WIDTH:
+        block_w = triton.next_power_of_2(width)
+        _topk_resident_kernel[(flat.shape[0],)](*args, BLOCK_W=block_w, **common,
+                                                num_warps=min(max(block_w // 256, 4), 16))
+    else:
+        _topk_kernel[(flat.shape[0],)](*args, **common, num_warps=4)
     return out.view(*scores.shape[:-1], out_width * page)
