@@ -142,6 +142,7 @@ class StaticBuffers:
         self.lengths[rows].zero_()
         if self.quest is not None:
             self.quest.rankable[rows].zero_()
+            self.quest.pages[rows].zero_()
             self.quest.n_pages[rows].zero_()
 
     def move_rows(self, src: torch.Tensor, rows: int) -> None:
@@ -156,6 +157,7 @@ class StaticBuffers:
             q = self.quest
             q.lo[:, :rows], q.hi[:, :rows] = q.lo[:, src], q.hi[:, src]
             q.rankable[:rows], q.n_pages[:rows] = q.rankable[src], q.n_pages[src]
+            q.pages[:rows] = q.pages[src]
 
 
 @dataclass

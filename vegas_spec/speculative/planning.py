@@ -35,7 +35,7 @@ def take_plan(plan: SparsePlan | None, idx: torch.Tensor) -> SparsePlan | None:
         assert isinstance(selector, QuestSelector), "only quest selects inside its drafts"
         selector = QuestSelector([(lo[idx], hi[idx]) for lo, hi in selector.bounds],
                                  selector.rankable[idx], selector.n_pages[idx], selector.page,
-                                 selector.max_pages)
+                                 selector.max_pages, selector.pages[idx])
     indices = None if plan.indices is None else plan.indices[:, idx]  # [layers, B', G, K]
     return SparsePlan(indices, plan.recent_start[idx], plan.recent_max, plan.budget[idx],
                       selector)
@@ -49,7 +49,8 @@ def cat_quest(a: QuestSelector, b: QuestSelector) -> QuestSelector:
               for (la, ha), (lb, hb) in zip(a.bounds, b.bounds, strict=True)]
     most = None if a.max_pages is None or b.max_pages is None else max(a.max_pages, b.max_pages)
     return QuestSelector(bounds, torch.cat([a.rankable, b.rankable]),
-                         torch.cat([a.n_pages, b.n_pages]), a.page, most)
+                         torch.cat([a.n_pages, b.n_pages]), a.page, most,
+                         torch.cat([a.pages, b.pages]))
 
 
 def _cat_padded(x: torch.Tensor, y: torch.Tensor, fill: float, dim: int,

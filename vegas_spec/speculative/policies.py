@@ -52,13 +52,15 @@ class SelectionInput:
 class QuestState:
     """Fixed-shape home of quest's selection for captured draft steps: per layer the page
     bounds lo, hi [layers, C, NP, Hkv, D] in the cache's dtype (min and max of stored keys
-    are themselves stored values, so nothing is rounded) and per sequence rankable, n_pages
-    [C] int64, for C >= B rows and NP pages (the static key width over the quest page). A
-    plan fills rows [:B]; the captured draft graph's selector reads them."""
+    are themselves stored values, so nothing is rounded) and per sequence rankable (tokens),
+    pages (the pages they fill) and n_pages (pages to keep) [C] int64, for C >= B rows and
+    NP pages (the static key width over the quest page). A plan fills rows [:B] in place;
+    the captured draft graph's selector reads them, so a draft step computes none of them."""
 
     lo: torch.Tensor
     hi: torch.Tensor
     rankable: torch.Tensor
+    pages: torch.Tensor
     n_pages: torch.Tensor
 
     @classmethod
@@ -67,18 +69,19 @@ class QuestState:
         keys, i64 = dict(dtype=dtype, device=device), dict(dtype=torch.long, device=device)
         shape = (layers, rows, pages, hkv, dim)
         return cls(torch.zeros(shape, **keys), torch.zeros(shape, **keys),
-                   torch.zeros(rows, **i64), torch.zeros(rows, **i64))
+                   *(torch.zeros(rows, **i64) for _ in range(3)))
 
     def from_row(self, start: int) -> QuestState:
         """The same state from row `start` on (views: a plan for rows that joined there
         writes into this state's rows)."""
         return QuestState(self.lo[:, start:], self.hi[:, start:], self.rankable[start:],
-                          self.n_pages[start:])
+                          self.pages[start:], self.n_pages[start:])
 
     def selector(self, rows: int, page: int, max_pages: int) -> QuestSelector:
         """The selector of the first `rows` rows, reading this state."""
         bounds = [(self.lo[i, :rows], self.hi[i, :rows]) for i in range(self.lo.shape[0])]
-        return QuestSelector(bounds, self.rankable[:rows], self.n_pages[:rows], page, max_pages)
+        return QuestSelector(bounds, self.rankable[:rows], self.n_pages[:rows], page, max_pages,
+                             self.pages[:rows])
 
 
 def budget(cfg: SpecConfig, lengths: torch.Tensor, rankable: torch.Tensor) -> torch.Tensor:
@@ -89,9 +92,12 @@ def budget(cfg: SpecConfig, lengths: torch.Tensor, rankable: torch.Tensor) -> to
 
 
 def topk_positions(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
-                   kmax: int | None = None) -> torch.Tensor:
+                   kmax: int | None = None, page: int = 1,
+                   limit: torch.Tensor | None = None) -> torch.Tensor:
     """scores [..., B, G, W] -> the k[b] best positions < rankable[b], ascending, -1 padded:
-    [..., B, G, min(kmax, W)]; kmax (a host bound on k) defaults to max(k), a host sync."""
+    [..., B, G, min(kmax, W)]; kmax (a host bound on k) defaults to max(k), a host sync.
+    With page > 1 or a limit [B], the positions are units of `page` tokens, expanded by
+    `expand_pages`: [..., B, G, min(kmax, W) * page]."""
     width = scores.shape[-1]
     kmax = max(int(k.max()), 1) if kmax is None else kmax
     pos = torch.arange(width, device=scores.device)
@@ -100,7 +106,19 @@ def topk_positions(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor
     # topk's output is in descending order: its first k[b] are row b's k[b] best.
     idx = masked.topk(min(kmax, width), dim=-1).indices
     keep = torch.arange(idx.shape[-1], device=idx.device) < k[:, None, None]
-    return _sorted(torch.where(keep, idx, -1))
+    best = _sorted(torch.where(keep, idx, -1))
+    return best if page == 1 and limit is None else expand_pages(best, page, limit)
+
+
+def expand_pages(best: torch.Tensor, page: int, limit: torch.Tensor | None) -> torch.Tensor:
+    """Units best [..., B, G, n] (-1: none) -> their tokens [..., B, G, n * page]: unit u at
+    slot i gives u * page + j at i * page + j (j < page), -1 for a -1 unit and for tokens >=
+    limit[b] (None: no bound), so the -1s of a partial last page stay inside its slot."""
+    pos = best[..., None] * page + torch.arange(page, device=best.device)
+    keep = best[..., None] >= 0
+    if limit is not None:
+        keep = keep & (pos < limit[:, None, None, None])
+    return torch.where(keep, pos, -1).flatten(-2)
 
 
 def _sorted(idx: torch.Tensor) -> torch.Tensor:
@@ -111,9 +129,14 @@ def _sorted(idx: torch.Tensor) -> torch.Tensor:
     return torch.where(s == big, -1, s).long()
 
 
+def pages_of(rankable: torch.Tensor, size: int) -> torch.Tensor:
+    """Blocks of `size` tokens that hold the rankable positions (the last one partial)."""
+    return torch.ceil(rankable / size).long()
+
+
 def units(k: torch.Tensor, rankable: torch.Tensor, size: int) -> torch.Tensor:
     """Whole blocks of `size` tokens that fit the budget k (all of them when dense)."""
-    dense = torch.ceil(rankable / size).long()
+    dense = pages_of(rankable, size)
     return torch.where(k >= rankable, dense, torch.clamp(k // size, min=1))
 
 
@@ -260,11 +283,9 @@ class SpecExtend(LastQ):
         chunk_scores = _chunk_means(last, rankable, c)  # [B, C]
         n_chunks = units(k, rankable, c)
         most = None if inp.kmax is None else math.ceil(inp.kmax / c)
-        best = topk_positions(chunk_scores[:, None], torch.ceil(rankable / c).long(), n_chunks,
-                              most)
-        pos = best[..., None] * c + torch.arange(c, device=best.device)  # [B, 1, n, c]
-        pos = torch.where((best[..., None] >= 0) & (pos < rankable[:, None, None, None]), pos, -1)
-        pos = _sorted(pos.flatten(2))
+        pos = topk_positions(chunk_scores[:, None], pages_of(rankable, c), n_chunks, most, c,
+                             rankable)  # [B, 1, n * c]
+        pos = _sorted(pos)
         return pos.unsqueeze(0).expand(len(inp.kv_caches), -1, -1, -1)
 
 
@@ -331,16 +352,18 @@ class Quest(Policy):
                  k: torch.Tensor) -> QuestSelector:
         page = self.cfg.page
         most = None if inp.kmax is None else math.ceil(inp.kmax / page)
-        n_pages = units(k, rankable, page)
+        n_pages, pages = units(k, rankable, page), pages_of(rankable, page)
         state = inp.quest_state
         if state is None:
-            return QuestSelector(page_bounds(inp, rankable, page), rankable, n_pages, page, most)
+            return QuestSelector(page_bounds(inp, rankable, page), rankable, n_pages, page, most,
+                                 pages)
         assert most is not None, "a fixed-shape quest selection needs the host bound kmax"
         rows = rankable.shape[0]
         for layer, (lo, hi) in enumerate(page_bounds(inp, rankable, page, state.lo.shape[2])):
             state.lo[layer, :rows].copy_(lo)
             state.hi[layer, :rows].copy_(hi)
         state.rankable[:rows].copy_(rankable)
+        state.pages[:rows].copy_(pages)
         state.n_pages[:rows].copy_(n_pages)
         return state.selector(rows, page, most)
 
@@ -369,26 +392,29 @@ def page_bounds(inp: SelectionInput, rankable: torch.Tensor, page: int,
 
 
 class QuestSelector:
-    """bounds: per layer (lo, hi) [B, NP, Hkv, D]; rankable [B]; n_pages [B] pages to keep."""
+    """bounds: per layer (lo, hi) [B, NP, Hkv, D]; rankable [B] tokens; n_pages [B] pages to
+    keep; pages [B] the pages the rankable tokens fill (None: computed here). Everything
+    that does not depend on the layer is made once, with the selector (or by the plan that
+    fills a QuestState), so a layer runs the page scores and the top-k, nothing else."""
 
     def __init__(self, bounds: list[tuple[torch.Tensor, torch.Tensor]], rankable: torch.Tensor,
-                 n_pages: torch.Tensor, page: int, max_pages: int | None = None) -> None:
+                 n_pages: torch.Tensor, page: int, max_pages: int | None = None,
+                 pages: torch.Tensor | None = None) -> None:
         self.bounds, self.rankable, self.page = bounds, rankable, page
         self.n_pages = n_pages
+        self.pages = pages_of(rankable, page) if pages is None else pages
         self.max_pages = max_pages  # host bound on n_pages (None: read it, a host sync)
 
     def __call__(self, layer: int, q: torch.Tensor, ctx: StepContext,
                  backend: Any = None) -> torch.Tensor:
-        """q [B, 1, H, D] -> positions [B, Hkv, K]. With a backend, its page-score kernel
-        and top-k (if it has one) replace the references."""
+        """q [B, 1, H, D] -> positions [B, Hkv, K * page] (`expand_pages`' layout). With a
+        backend, its page-score kernel and top-k (if it has one) replace the references; the
+        Triton top-k expands the pages in its own kernel."""
         lo, hi = self.bounds[layer]
-        pages = torch.ceil(self.rankable / self.page).long()
         if backend is None:
-            page_scores = quest_page_scores_ref(q, lo, hi, pages)  # [B, Hkv, NP]
+            page_scores = quest_page_scores_ref(q, lo, hi, self.pages)  # [B, Hkv, NP]
         else:
-            page_scores = backend.quest_page_scores(q, lo, hi, pages)
+            page_scores = backend.quest_page_scores(q, lo, hi, self.pages)
         top = topk_positions if backend is None or backend.topk is None else backend.topk
-        best = top(page_scores, pages, self.n_pages, self.max_pages)  # [B, Hkv, n]
-        pos = best[..., None] * self.page + torch.arange(self.page, device=q.device)
-        keep = (best[..., None] >= 0) & (pos < self.rankable[:, None, None, None])
-        return torch.where(keep, pos, -1).flatten(2)
+        return top(page_scores, self.pages, self.n_pages, self.max_pages, self.page,
+                   self.rankable)
