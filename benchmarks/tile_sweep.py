@@ -2,7 +2,8 @@
 
 Times `paged_attention` for n = 7 query rows with and without selection scores (weight mode,
 rows 0 and 6) and for n = 1, over key blocks of 64 and 128, 2-3 pipeline stages, 4 warps
-(or `--warps`) and two split sizes, on random bf16 K/V behind a shuffled page table. Each
+(or `--warps`), two split sizes and where scored passes compute their logits (`--loops`,
+`SCORE_LOOP`), on random bf16 K/V behind a shuffled page table. Each
 figure is the median per call of 20 replays of a CUDA graph of 30 calls (the kernel count of
 one step of a 30-layer model), with the registers, spills and shared memory of the kernel
 variants each setting compiled. What it decided: the `SCORE_*` tiles of `paged_attention`.
@@ -30,6 +31,7 @@ from vegas_spec.graphs import capture  # noqa: E402
 from vegas_spec.kernels.split_merge import tile_config  # noqa: E402
 
 SCORE_STAGES = pa.SCORE_STAGES
+LIBRARY_LOOP = pa.SCORE_LOOP
 
 
 def graph_us(fn: Callable[[], object], calls: int = 30, reps: int = 20) -> float:
@@ -83,6 +85,12 @@ def with_store(name: str) -> None:
     pa.SCORE_HALF, pa.SCORE_DESCRIPTOR = STORES[name]
 
 
+def with_loop(name: str) -> None:
+    """Weight-mode logits computed in the attention loop ("fused") or in a score loop of their
+    own after it (the other SCORE_LOOPS values)."""
+    pa.SCORE_LOOP = name
+
+
 def sparse_sweep(args: argparse.Namespace, recent: int = 64) -> list[dict]:
     """The draft step's sparse attention (n = 1) over a sorted random 5% of each sequence's
     positions plus `recent` trailing ones: µs per call and TB/s of the K/V rows it must read."""
@@ -131,6 +139,9 @@ def main() -> None:
                     help="split sizes in keys, or 'auto' (the occupancy heuristic)")
     ap.add_argument("--stores", nargs="+", choices=sorted(STORES), default=[LIBRARY_STORE],
                     help="how weight-mode passes keep their logits (default: the library's)")
+    ap.add_argument("--loops", nargs="+", choices=sorted(pa.SCORE_LOOPS),
+                    default=[pa.SCORE_LOOP],
+                    help="where scored passes compute their logits (default: the library's)")
     ap.add_argument("--kernel", choices=["paged", "sparse"], default="paged",
                     help="sparse: the draft step's attention over a 5%% budget plus 64 recent")
     ap.add_argument("--out", type=Path, required=True)
@@ -157,9 +168,11 @@ def main() -> None:
         splits = [None if x == "auto" else int(x) for x in args.splits]
         for mode in modes:
             stores = args.stores if mode == "weight" else [LIBRARY_STORE]
-            for store, block_k, stages, warps, split in itertools.product(
-                    stores, args.block_k, args.stages, args.warps, splits):
+            loops = args.loops if mode == "weight" else [LIBRARY_LOOP]
+            for store, loop, block_k, stages, warps, split in itertools.product(
+                    stores, loops, args.block_k, args.stages, args.warps, splits):
                 with_store(store)
+                with_loop(loop)
                 extra = (score_rows, scores, "weight") if mode == "weight" else ()
                 before = compiled()
                 with_tiles(stages, warps)
@@ -167,8 +180,9 @@ def main() -> None:
                     q, k, v, table, pos, page, kv_len, scale, *extra,  # noqa: B023
                     block_k=block_k, split_size=split, out=out))  # noqa: B023
                 pa.tile_config, pa.SCORE_STAGES = tile_config, SCORE_STAGES
-                row = {"n": n, "mode": mode, "store": store, "block_k": block_k, "stages": stages,
-                       "warps": warps, "split": split, "us": us}
+                with_loop(LIBRARY_LOOP)
+                row = {"n": n, "mode": mode, "store": store, "loop": loop, "block_k": block_k,
+                       "stages": stages, "warps": warps, "split": split, "us": us}
                 new = [kern for i, kern in compiled().items() if i not in before]
                 if new:  # the variants this setting compiled: registers per thread
                     row["compiled"] = [{"registers": kern.n_regs, "spills": kern.n_spills,

@@ -17,6 +17,7 @@ from kernel_cases import (
     tol,
 )
 
+import vegas_spec.kernels.paged_attention as pa
 from vegas_spec.attention.torch_backend import paged_attention_ref
 from vegas_spec.kernels.paged_attention import paged_attention
 
@@ -125,7 +126,39 @@ def test_half_score_scratch(case: Case, descriptor: bool,
                             monkeypatch: pytest.MonkeyPatch) -> None:
     """16-bit models keep weight-mode logits in float16, stored through the tensor descriptor
     (one row block) or through pointers (several row blocks, or when switched off)."""
-    import vegas_spec.kernels.paged_attention as pa
-
     monkeypatch.setattr(pa, "SCORE_DESCRIPTOR", descriptor)
     run(case, torch.float16)
+
+
+SCORED = [case for case in CASES if case.rows is not None]
+
+
+@pytest.mark.parametrize("loop", [name for name in pa.SCORE_LOOPS if name != "fused"])
+@pytest.mark.parametrize("case", SCORED, ids=case_id)
+def test_score_loop(case: Case, loop: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The score rows' logits computed in a loop of their own after the attention loop give
+    the reference's scores (and the same attention output)."""
+    monkeypatch.setattr(pa, "SCORE_LOOP", loop)
+    run(case, torch.float32)
+
+
+@pytest.mark.parametrize("loop", [name for name in pa.SCORE_LOOPS if name != "fused"])
+@pytest.mark.parametrize("descriptor", [True, False], ids=["descriptor", "pointers"])
+def test_score_loop_same_scores(loop: str, descriptor: bool,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A separate score loop stores the same logits as the fused one: the same scores out of
+    float16 (descriptor) or float32 scratch."""
+    gen = generator(2)
+    cache = paged_cache(2, 100, 2, 64, 8, torch.float16, gen)
+    q = randn(2, 7, 8, 64, gen=gen, dtype=torch.float16)
+    positions = query_positions([100, 61], 7)
+    rows = torch.tensor([0, 6], device=DEVICE)
+    monkeypatch.setattr(pa, "SCORE_DESCRIPTOR", descriptor)
+    monkeypatch.setattr(pa, "SCORE_HALF", descriptor)
+    got = {}
+    for name in ("fused", loop):
+        monkeypatch.setattr(pa, "SCORE_LOOP", name)
+        got[name] = poisoned(2, 2, 2, 104)
+        paged_attention(q, cache.k, cache.v, cache.page_table, positions, 8, 100, 0.125,
+                        rows, got[name], "weight")
+    torch.testing.assert_close(got[loop], got["fused"], atol=1e-6, rtol=1e-5)

@@ -77,6 +77,20 @@ SCORE_SPLIT_MAX = 2048
 # descriptor 733; SmolLM2 64 x 7.5K: 176, 201, 168.
 SCORE_HALF = False
 SCORE_DESCRIPTOR = False
+# Where the split kernel computes the score rows' logits: "fused", in the attention loop, on
+# the key block it has just loaded (K read once); "after", in a second loop of the same
+# program once its partials are stored, re-reading the split's K blocks (likely still in L2)
+# so that the score tile's registers never overlap the attention tile's; "after-pipelined",
+# that loop with 2 pipeline stages. Same keys and the same dot products over D: the scratch
+# holds the same logits either way. name -> (loop, pipeline stages of the second loop).
+# Compiled for sm_90 at the Llama-3.1-8B verify shape (benchmarks/kernel_regs.py, 4 warps),
+# registers / programs per SM:
+#   128-key blocks, 3 stages: no scores 199 / 2, "fused" 255 / 2 with 76 B of spill stores,
+#   "after" 207 / 2, "after-pipelined" 252 / 2 (shared memory also caps this tile at 2);
+#   64-key blocks, 2 stages: no scores 152 / 3, "fused" 188 / 2, "after" 146 / 3,
+#   "after-pipelined" 255 / 2. Only "fused" spills.
+SCORE_LOOPS = {"fused": (0, 1), "after": (1, 1), "after-pipelined": (1, 2)}
+SCORE_LOOP = "fused"
 # Exact mode: one tiling for every full-attention step, plain or verify, scored or not, at any
 # batch size and context: the score pass's tiles and splits of exactly SCORE_SPLIT_MAX keys on
 # a GPU (the interpreter: its own small blocks, splits of 4 blocks), and EXACT_ROWS query rows
@@ -110,6 +124,30 @@ def _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_pt
 
 
 @triton.jit
+def _score_tile(q_ptr, rows_ptr, b, kvh, rb, d, d_ok, num_rows, Hkv, sc_width, stride_qb,
+                stride_qn, stride_qh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                BLOCK_N: tl.constexpr, R_PAD: tl.constexpr):
+    """The score rows' queries as a tile of their own (rows_ptr [num_rows]) and where their
+    logits go: (q_sc, sc_ok, sc_base, r_base, r_ok, desc_row) as `_emit_scores` takes them."""
+    sc_lane = tl.arange(0, R_PAD * GROUP_PAD)
+    sc_r = sc_lane // GROUP_PAD
+    sc_head = kvh * GROUP + sc_lane % GROUP_PAD
+    sc_row = tl.load(rows_ptr + sc_r, mask=sc_r < num_rows, other=0)
+    # each score row is emitted by the program of its row block, which visits its keys
+    sc_ok = (sc_r < num_rows) & (sc_lane % GROUP_PAD < GROUP) & (sc_row // BLOCK_N == rb)
+    q_sc = tl.load(q_ptr + b * stride_qb + sc_row[:, None] * stride_qn
+                   + sc_head[:, None] * stride_qh + d[None, :],
+                   mask=sc_ok[:, None] & d_ok[None, :], other=0.0)
+    desc_row = (b * Hkv + kvh) * (R_PAD * GROUP_PAD)  # weight mode: lane-major planes
+    sc_base = (desc_row + sc_lane).to(tl.int64) * sc_width
+    r = tl.arange(0, R_PAD)
+    r_row = tl.load(rows_ptr + r, mask=r < num_rows, other=0)
+    r_ok = (r < num_rows) & (r_row // BLOCK_N == rb)
+    r_base = ((b * num_rows + r).to(tl.int64) * Hkv + kvh) * sc_width
+    return q_sc, sc_ok, sc_base, r_base, r_ok, desc_row
+
+
+@triton.jit
 def _paged_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr,
         out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, rows_ptr, sc_ptr, sc_desc,
@@ -118,7 +156,8 @@ def _paged_split_kernel(
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
         MODE: tl.constexpr, R_PAD: tl.constexpr, USE_DESC: tl.constexpr, SINGLE: tl.constexpr,
-        WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SCORE_LOOP: tl.constexpr,
+        SC_STAGES: tl.constexpr):
     b = tl.program_id(0) // Hkv
     kvh = tl.program_id(0) % Hkv
     rb = tl.program_id(1)
@@ -133,23 +172,10 @@ def _paged_split_kernel(
     pos = pos.to(tl.int32)
     q = tl.load(q_ptr + b * stride_qb + row[:, None] * stride_qn + head[:, None] * stride_qh
                 + d[None, :], mask=lane_ok[:, None] & d_ok[None, :], other=0.0)
-    if MODE != 0:  # the score rows' queries, a tile of their own (rows_ptr [num_rows])
-        sc_lane = tl.arange(0, R_PAD * GROUP_PAD)
-        sc_r = sc_lane // GROUP_PAD
-        sc_head = kvh * GROUP + sc_lane % GROUP_PAD
-        sc_row = tl.load(rows_ptr + sc_r, mask=sc_r < num_rows, other=0)
-        # each score row is emitted by the program of its row block, which visits its keys
-        sc_ok = (sc_r < num_rows) & (sc_lane % GROUP_PAD < GROUP) & (sc_row // BLOCK_N == rb)
-        q_sc = tl.load(q_ptr + b * stride_qb + sc_row[:, None] * stride_qn
-                       + sc_head[:, None] * stride_qh + d[None, :],
-                       mask=sc_ok[:, None] & d_ok[None, :], other=0.0)
-        desc_row = (b * Hkv + kvh) * (R_PAD * GROUP_PAD)  # weight mode: lane-major planes
-        sc_base = (desc_row + sc_lane).to(tl.int64) * sc_width
-        r = tl.arange(0, R_PAD)
-        r_row = tl.load(rows_ptr + r, mask=r < num_rows, other=0)
-        r_ok = (r < num_rows) & (r_row // BLOCK_N == rb)
-        r_base = ((b * num_rows + r).to(tl.int64) * Hkv + kvh) * sc_width
-
+    if MODE != 0 and SCORE_LOOP == 0:
+        q_sc, sc_ok, sc_base, r_base, r_ok, desc_row = _score_tile(
+            q_ptr, rows_ptr, b, kvh, rb, d, d_ok, num_rows, Hkv, sc_width, stride_qb,
+            stride_qn, stride_qh, GROUP, GROUP_PAD, BLOCK_N, R_PAD)
     lo = split * split_size
     # causal: nothing past the last row; nothing past kv_len (= width), as the reference
     hi = tl.minimum(tl.minimum(lo + split_size, tl.max(pos, axis=0) + 1), width)
@@ -165,7 +191,7 @@ def _paged_split_kernel(
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, K] float32
-        if MODE != 0:
+        if MODE != 0 and SCORE_LOOP == 0:
             _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr,
                          sc_desc, desc_row, R_PAD, GROUP_PAD, BLOCK_K, MODE, USE_DESC,
                          DOT_PRECISION)
@@ -174,6 +200,24 @@ def _paged_split_kernel(
         m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
     finish_split(m_i, l_i, acc, b * n + row, head, lane_ok, d, d_ok, split, rows_total, H,
                  out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, HEAD_DIM, SINGLE, WRITE_LSE)
+    if MODE != 0 and SCORE_LOOP == 1:
+        # The score rows' logits in a loop of their own once the partials are stored: the
+        # attention tile's registers are free by now, and the split's K blocks were just read.
+        q_sc, sc_ok, sc_base, r_base, r_ok, desc_row = _score_tile(
+            q_ptr, rows_ptr, b, kvh, rb, d, d_ok, num_rows, Hkv, sc_width, stride_qb,
+            stride_qn, stride_qh, GROUP, GROUP_PAD, BLOCK_N, R_PAD)
+        # programs of a row block without score rows have nothing to store
+        sc_hi = tl.where(tl.max(sc_ok.to(tl.int32), axis=0) > 0, hi, lo)
+        for start in tl.range(lo, sc_hi, BLOCK_K, num_stages=SC_STAGES):
+            kpos = start + tl.arange(0, BLOCK_K)
+            k_ok = kpos < hi
+            page = tl.load(table_ptr + b * stride_tb + kpos // page_size, mask=k_ok, other=0)
+            slot = page.to(tl.int64) * page_size + kpos % page_size
+            k = tl.load(k_ptr + slot[:, None] * stride_cs + kvh * stride_ch + d[None, :],
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr,
+                         sc_desc, desc_row, R_PAD, GROUP_PAD, BLOCK_K, MODE, USE_DESC,
+                         DOT_PRECISION)
 
 
 @triton.jit
@@ -287,6 +331,13 @@ def _rows_pad(rows: int, group_pad: int, gpu: bool) -> int:
     return max(pad, MIN_DOT // group_pad, 1) if gpu else pad
 
 
+def _score_loop(job: _ScoreJob | None) -> dict[str, int]:
+    """The split kernel's SCORE_LOOP constexprs: where the logits are computed, and the
+    pipeline stages of a separate score loop."""
+    loop, stages = SCORE_LOOPS[SCORE_LOOP] if job is not None else (0, 1)
+    return dict(SCORE_LOOP=loop, SC_STAGES=stages)
+
+
 def _finalise_scores(job: _ScoreJob, positions: torch.Tensor, scale: float, cfg: TileConfig,
                      hkv: int, width: int) -> None:
     bsz, num_rows = job.out.shape[:2]
@@ -376,6 +427,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, MODE=0 if job is None else job.mode,
         R_PAD=1 if job is None else job.r_pad, USE_DESC=use_desc, SINGLE=parts is None,
         WRITE_LSE=lse is not None, DOT_PRECISION=cfg.dot_precision,
+        **_score_loop(job),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if parts is not None:
         merge_splits(parts, out, lse)

@@ -1,0 +1,123 @@
+"""Registers and spills per thread of the paged attention split kernel, compiled for a GPU
+target without a device (ptxas from the Triton wheel), at one verify shape.
+
+Default: the Llama-3.1-8B verify step (H 32, Hkv 8, D 128, bf16, n = 7 rows, 2 weight-score
+rows) with the score pass's tiles (SCORE_BLOCK_K keys, SCORE_STAGES stages, 4 warps). Prints
+one line per variant: no scores, and each SCORE_LOOP value of a weight-mode pass.
+
+    python benchmarks/kernel_regs.py [--arch 90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import vegas_spec.kernels.paged_attention as pa  # noqa: E402
+from vegas_spec.kernels.split_merge import MAX_LANES, MIN_DOT  # noqa: E402
+
+# argument -> type of the split kernel's runtime arguments (pointers 16-byte aligned)
+POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i32",
+            "pos_ptr": "*i64", "out_ptr": "*bf16", "lse_ptr": "*fp32", "acc_ptr": "*fp32",
+            "m_ptr": "*fp32", "l_ptr": "*fp32", "rows_ptr": "*i64", "sc_ptr": "*fp32"}
+SCALARS = {"scale": "fp32"}
+
+
+def compile_split(constexprs: dict, arch: int, warps: int, stages: int):
+    """The split kernel compiled for sm_<arch> with these constexprs; every integer argument
+    a runtime i32 (divisible by 16 where the JIT would see it so: strides, sizes)."""
+    fn = pa._paged_split_kernel
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs or name == "sc_desc":
+            signature[name] = "constexpr"
+        elif name in POINTERS:
+            signature[name] = POINTERS[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = SCALARS.get(name, "i32")
+            if name.startswith("stride") or name in ("split_size", "width", "sc_width"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(fn=fn, signature=signature,
+                                    constexprs={**constexprs, "sc_desc": None}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 64),
+                          options={"num_warps": warps, "num_stages": stages})
+
+
+def resources(kern, arch: int) -> dict[str, int]:
+    """Registers per thread of a compiled kernel's cubin (cuobjdump), and the spill bytes and
+    stack frame ptxas -v reports for its PTX (the launcher's n_regs / n_spills need a
+    device)."""
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin, ptx = Path(tmp) / "k.cubin", Path(tmp) / "k.ptx"
+        cubin.write_bytes(kern.asm["cubin"])
+        ptx.write_text(kern.asm["ptx"])
+        dump = subprocess.run([str(bin_dir / "cuobjdump"), "--dump-resource-usage", str(cubin)],
+                              capture_output=True, text=True, check=True).stdout
+        log = subprocess.run([str(bin_dir / "ptxas"), "-v", f"-arch=sm_{arch}a", str(ptx),
+                              "-o", str(Path(tmp) / "v.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    frame, stores, loads = re.search(
+        r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+        log).groups()
+    return {"registers": int(re.search(r"REG:(\d+)", dump).group(1)),
+            "ptxas_registers": int(re.search(r"Used (\d+) registers", log).group(1)),
+            "spill_store_bytes": int(stores), "spill_load_bytes": int(loads),
+            "stack_frame_bytes": int(frame)}
+
+
+def programs_per_sm(registers: int, shared: int, warps: int, regs_per_sm: int = 65536,
+                    smem_per_sm: int = 228 * 1024) -> int:
+    """Programs one SM holds (Hopper: 64K registers, 228 KB of shared memory with 1 KB
+    reserved per program); registers are allocated per warp in units of 8 per thread."""
+    by_regs = regs_per_sm // (-(-registers // 8) * 8 * 32) // warps
+    by_smem = smem_per_sm // (shared + 1024) if shared else by_regs
+    return min(by_regs, by_smem)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--n", type=int, default=7)
+    ap.add_argument("--score-rows", type=int, default=2)
+    ap.add_argument("--block-k", type=int, default=pa.SCORE_BLOCK_K)
+    ap.add_argument("--stages", type=int, default=pa.SCORE_STAGES)
+    ap.add_argument("--warps", type=int, default=4)
+    args = ap.parse_args()
+    group = args.heads // args.kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_n = max(min(triton.next_power_of_2(args.n), max(1, MAX_LANES // group_pad)),
+                  MIN_DOT // group_pad, 1)
+    r_pad = pa._rows_pad(args.score_rows, group_pad, gpu=True)
+    base = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_N=block_n, BLOCK_K=args.block_k,
+                BLOCK_D=max(triton.next_power_of_2(args.head_dim), 16),
+                HEAD_DIM=args.head_dim, USE_DESC=False, SINGLE=False, DOT_PRECISION="tf32")
+    variants = [("no scores", dict(MODE=0, R_PAD=1, WRITE_LSE=False, **pa._score_loop(None)))]
+    variants += [(f"weight scores, SCORE_LOOP={name!r}",
+                  dict(MODE=1, R_PAD=r_pad, WRITE_LSE=True, SCORE_LOOP=loop, SC_STAGES=stages))
+                 for name, (loop, stages) in pa.SCORE_LOOPS.items()]
+    for label, extra in variants:
+        kern = compile_split({**base, **extra}, args.arch, args.warps, args.stages)
+        found = resources(kern, args.arch)
+        print(json.dumps({"variant": label, **found, "shared_bytes": kern.metadata.shared,
+                          "programs_per_sm": programs_per_sm(found["registers"],
+                                                             kern.metadata.shared, args.warps),
+                          "block_k": args.block_k, "stages": args.stages,
+                          "warps": args.warps}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
