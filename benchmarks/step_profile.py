@@ -46,6 +46,7 @@ import torch
 from vegas_spec import LLM, SamplingParams, SpecConfig
 from vegas_spec.attention import triton_backend
 from vegas_spec.graphs import GraphRunner
+from vegas_spec.kernels import paged_attention as pa
 from vegas_spec.speculative.policies import SelectionInput, make_policy
 
 
@@ -317,6 +318,14 @@ def cost_table(lines: list[dict]) -> str:
     return "\n".join([head, *body])
 
 
+def score_tiles(text: str) -> tuple[str, int, int]:
+    """'after:64:2' -> ("after", 64, 2): a scored pass's SCORE_LOOP, key block and stages."""
+    loop, block_k, stages = text.split(":")
+    if loop not in pa.SCORE_LOOPS:
+        raise argparse.ArgumentTypeError(f"unknown score loop {loop!r}")
+    return loop, int(block_k), int(stages)
+
+
 def kv_bytes_per_token(folder: Path, itemsize: int) -> int:
     """K and V of one position over all layers."""
     from vegas_spec.models.loader import load_config, resolve
@@ -351,6 +360,11 @@ def main() -> None:
                     default=[triton_backend.SKINNY_MAX_ROWS],
                     help="the Triton backend's SKINNY_MAX_ROWS to time (0: cuBLAS for every "
                          "projection), each in graphs of its own; default: the library's")
+    ap.add_argument("--score-tiles", nargs="+", type=score_tiles,
+                    default=[score_tiles(f"{pa.SCORE_LOOP}:{pa.SCORE_BLOCK_K}:{pa.SCORE_STAGES}")],
+                    help="how scored attention passes run, LOOP:BLOCK_K:STAGES (LOOP one of "
+                         f"{', '.join(pa.SCORE_LOOPS)}), each in graphs of its own; "
+                         "default: the library's")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -368,10 +382,13 @@ def main() -> None:
         for k, v in llm.cache.layers:
             k.normal_()
             v.normal_()
-        for bsz, skinny in ((b, r) for b in args.batches for r in args.skinny_rows):
-            triton_backend.SKINNY_MAX_ROWS = skinny  # read when the graphs are captured
+        for bsz, skinny, tiles in ((b, r, t) for b in args.batches for r in args.skinny_rows
+                                   for t in args.score_tiles):
+            # Both are read when the graphs are captured.
+            triton_backend.SKINNY_MAX_ROWS = skinny
+            pa.SCORE_LOOP, pa.SCORE_BLOCK_K, pa.SCORE_STAGES = tiles
             llm.graphs = None
-            row = {"mode": mode, "skinny_rows": skinny,
+            row = {"mode": mode, "skinny_rows": skinny, "score_tiles": ":".join(map(str, tiles)),
                    **measure(llm, spec, context, bsz, args, bandwidth)}
             row["host_gap_ms"] = host_gap_ms(llm, spec, bsz, args.host_gap_tokens,
                                              min(256, context // 2))
