@@ -7,8 +7,11 @@ rows 0 and 6) and for n = 1, over key blocks of 64 and 128, 2-3 pipeline stages,
 figure is the median per call of 20 replays of a CUDA graph of 30 calls (the kernel count of
 one step of a 30-layer model), with the registers, spills and shared memory of the kernel
 variants each setting compiled. What it decided: the `SCORE_*` tiles of `paged_attention`.
+`--kernel sparse` times the draft step's sparse attention instead, and `--kernel quest`
+quest's page scores (`quest_scores.QUEST_*`) and its top-k (`topk.RESIDENT_KEYS_PER_WARP`).
 
     python benchmarks/tile_sweep.py --out tile_sweep.json
+    python benchmarks/tile_sweep.py --kernel quest --warps 2 4 8 --out quest_sweep.json
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vegas_spec.kernels.paged_attention as pa  # noqa: E402
+import vegas_spec.kernels.quest_scores as qs  # noqa: E402
 import vegas_spec.kernels.sparse_attention as sa  # noqa: E402
+import vegas_spec.kernels.topk as tk  # noqa: E402
 from vegas_spec.graphs import capture  # noqa: E402
 from vegas_spec.kernels.split_merge import tile_config  # noqa: E402
 
@@ -125,6 +130,46 @@ def sparse_sweep(args: argparse.Namespace, recent: int = 64) -> list[dict]:
     return rows
 
 
+def quest_sweep(args: argparse.Namespace, page: int = 16) -> list[dict]:
+    """quest's per-layer work in a draft step: the page scores over the bounds of every page
+    (µs per call and TB/s of the bounds) for pages per program x warps, and the top-k of
+    those scores with the pages expanded for several warp counts of the resident kernel."""
+    torch.manual_seed(0)
+    bsz, heads, hkv, dim, ctx = args.batch, args.heads, args.kv_heads, args.head_dim, args.context
+    num_pages = -(-(ctx + 52) // page)
+    lo = torch.randn(bsz, num_pages, hkv, dim, device="cuda", dtype=torch.bfloat16)
+    hi = lo + torch.rand_like(lo)
+    q = torch.randn(bsz, 1, heads, dim, device="cuda", dtype=torch.bfloat16)
+    pages = torch.full((bsz,), ctx // page, device="cuda")
+    moved = 2 * lo.numel() * lo.element_size()
+    rows = []
+    for block_p, warps in itertools.product(args.quest_pages, args.warps):
+        qs.QUEST_BLOCK_P, qs.QUEST_WARPS = block_p, warps
+        us = graph_us(lambda: qs.quest_page_scores(q, lo, hi, pages))
+        row = {"kernel": "quest_scores", "block_p": block_p, "warps": warps, "us": us,
+               "tb_per_s": moved / us / 1e6}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    qs.QUEST_BLOCK_P, qs.QUEST_WARPS = QUEST_SETTINGS
+    scores = qs.quest_page_scores(q, lo, hi, pages)
+    keep = max(int(args.ratio * ctx) // page, 1)
+    k = torch.full((bsz,), keep, device="cuda")
+    rankable = pages * page
+    for per_warp in args.topk_keys_per_warp:
+        tk.RESIDENT_KEYS_PER_WARP = per_warp
+        us = graph_us(lambda: tk.topk_positions_triton(scores, pages, k, keep, page, rankable))
+        row = {"kernel": "quest_topk", "keys_per_warp": per_warp, "width": num_pages,
+               "keep_pages": keep, "us": us}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    tk.RESIDENT_KEYS_PER_WARP = TOPK_SETTING
+    return rows
+
+
+QUEST_SETTINGS = (qs.QUEST_BLOCK_P, qs.QUEST_WARPS)
+TOPK_SETTING = tk.RESIDENT_KEYS_PER_WARP
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
@@ -142,13 +187,19 @@ def main() -> None:
     ap.add_argument("--loops", nargs="+", choices=sorted(pa.SCORE_LOOPS),
                     default=[pa.SCORE_LOOP],
                     help="where scored passes compute their logits (default: the library's)")
-    ap.add_argument("--kernel", choices=["paged", "sparse"], default="paged",
-                    help="sparse: the draft step's attention over a 5%% budget plus 64 recent")
+    ap.add_argument("--kernel", choices=["paged", "sparse", "quest"], default="paged",
+                    help="sparse: the draft step's attention over a 5%% budget plus 64 recent; "
+                         "quest: quest's page scores and top-k of one layer")
+    ap.add_argument("--quest-pages", type=int, nargs="+", default=[32, 64, 128, 256],
+                    help="quest: pages per program of the page-score kernel")
+    ap.add_argument("--topk-keys-per-warp", type=int, nargs="+", default=[128, 256, 512],
+                    help="quest: scores per warp of the resident top-k")
+    ap.add_argument("--ratio", type=float, default=0.05, help="quest: tokens kept")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     assert torch.cuda.is_available(), "tile_sweep times CUDA kernels"
-    if args.kernel == "sparse":
-        rows = sparse_sweep(args)
+    if args.kernel in ("sparse", "quest"):
+        rows = sparse_sweep(args) if args.kernel == "sparse" else quest_sweep(args)
         meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
                 "args": {k: str(v) for k, v in vars(args).items()}}
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

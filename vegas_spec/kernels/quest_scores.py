@@ -18,6 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+# Pages per program and warps on a GPU (benchmarks/tile_sweep.py --kernel quest).
+QUEST_BLOCK_P = 64
+QUEST_WARPS = 4
+
 
 @triton.jit
 def _quest_kernel(q_ptr, lo_ptr, hi_ptr, pages_ptr, out_ptr, Hkv, NP,
@@ -58,11 +62,11 @@ def quest_page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     num_pages, hkv = lo.shape[1], lo.shape[2]
     group = heads // hkv
     out = torch.empty(bsz, hkv, num_pages, dtype=torch.float32, device=q.device)
-    block_p = 64 if q.is_cuda else 16
+    block_p = QUEST_BLOCK_P if q.is_cuda else 16
     _quest_kernel[(bsz * hkv, triton.cdiv(num_pages, block_p))](
         q, lo, hi, pages, out, hkv, num_pages,
         q.stride(0), q.stride(2), lo.stride(0), lo.stride(1), lo.stride(2),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_P=block_p,
-        BLOCK_D=max(triton.next_power_of_2(dim), 16), HEAD_DIM=dim, num_warps=4)
+        BLOCK_D=max(triton.next_power_of_2(dim), 16), HEAD_DIM=dim, num_warps=QUEST_WARPS)
     return out

@@ -40,6 +40,9 @@ RADIX_BITS = 4
 # runs BLOCK_W / 256 warps within [4, 16]: 8 uint32 keys a thread up to 4096 scores, 16 at
 # 8192, which ptxas fits in 128 registers for sm_90 without spilling.
 RESIDENT_MAX_WIDTH = 8192
+# Warps of the resident top-k: one per RESIDENT_KEYS_PER_WARP scores, 4 to 16
+# (benchmarks/tile_sweep.py --kernel quest).
+RESIDENT_KEYS_PER_WARP = 256
 
 
 @triton.jit
@@ -209,8 +212,9 @@ def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch
     common = dict(BLOCK=block, RADIX_BITS=RADIX_BITS, PAGE=page, HAS_LIMIT=limit is not None)
     if width <= RESIDENT_MAX_WIDTH:
         block_w = triton.next_power_of_2(width)
+        warps = min(max(block_w // RESIDENT_KEYS_PER_WARP, 4), 16)
         _topk_resident_kernel[(flat.shape[0],)](*args, BLOCK_W=block_w, **common,
-                                                num_warps=min(max(block_w // 256, 4), 16))
+                                                num_warps=warps)
     else:
         _topk_kernel[(flat.shape[0],)](*args, **common, num_warps=4)
     return out.view(*scores.shape[:-1], out_width * page)
