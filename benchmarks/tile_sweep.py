@@ -8,7 +8,7 @@ figure is the median per call of 20 replays of a CUDA graph of 30 calls (the ker
 one step of a 30-layer model), with the registers, spills and shared memory of the kernel
 variants each setting compiled. What it decided: the `SCORE_*` tiles of `paged_attention`.
 `--kernel sparse` times the draft step's sparse attention instead, and `--kernel quest`
-quest's page scores (`quest_scores.QUEST_*`) and its top-k (`topk.RESIDENT_KEYS_PER_WARP`).
+quest's page scores (`quest_scores.QUEST_TILES`) and its top-k (`topk.RESIDENT_*`).
 
     python benchmarks/tile_sweep.py --out tile_sweep.json
     python benchmarks/tile_sweep.py --kernel quest --warps 2 4 8 --out quest_sweep.json
@@ -144,30 +144,30 @@ def quest_sweep(args: argparse.Namespace, page: int = 16) -> list[dict]:
     moved = 2 * lo.numel() * lo.element_size()
     rows = []
     for block_p, warps in itertools.product(args.quest_pages, args.warps):
-        qs.QUEST_BLOCK_P, qs.QUEST_WARPS = block_p, warps
+        qs.QUEST_TILES = {dim: (block_p, warps)}
         us = graph_us(lambda: qs.quest_page_scores(q, lo, hi, pages))
         row = {"kernel": "quest_scores", "block_p": block_p, "warps": warps, "us": us,
                "tb_per_s": moved / us / 1e6}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    qs.QUEST_BLOCK_P, qs.QUEST_WARPS = QUEST_SETTINGS
+    qs.QUEST_TILES = QUEST_SETTINGS
     scores = qs.quest_page_scores(q, lo, hi, pages)
     keep = max(int(args.ratio * ctx) // page, 1)
     k = torch.full((bsz,), keep, device="cuda")
     rankable = pages * page
-    for per_warp in args.topk_keys_per_warp:
-        tk.RESIDENT_KEYS_PER_WARP = per_warp
+    for per_warp, bits in itertools.product(args.topk_keys_per_warp, args.topk_radix_bits):
+        tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS = per_warp, bits
         us = graph_us(lambda: tk.topk_positions_triton(scores, pages, k, keep, page, rankable))
-        row = {"kernel": "quest_topk", "keys_per_warp": per_warp, "width": num_pages,
-               "keep_pages": keep, "us": us}
+        row = {"kernel": "quest_topk", "keys_per_warp": per_warp, "radix_bits": bits,
+               "width": num_pages, "keep_pages": keep, "us": us}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    tk.RESIDENT_KEYS_PER_WARP = TOPK_SETTING
+    tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS = TOPK_SETTING
     return rows
 
 
-QUEST_SETTINGS = (qs.QUEST_BLOCK_P, qs.QUEST_WARPS)
-TOPK_SETTING = tk.RESIDENT_KEYS_PER_WARP
+QUEST_SETTINGS = qs.QUEST_TILES
+TOPK_SETTING = (tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS)
 
 
 def main() -> None:
@@ -194,6 +194,8 @@ def main() -> None:
                     help="quest: pages per program of the page-score kernel")
     ap.add_argument("--topk-keys-per-warp", type=int, nargs="+", default=[128, 256, 512],
                     help="quest: scores per warp of the resident top-k")
+    ap.add_argument("--topk-radix-bits", type=int, nargs="+", default=[4, 8],
+                    help="quest: bits per radix pass of the resident top-k")
     ap.add_argument("--ratio", type=float, default=0.05, help="quest: tokens kept")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()

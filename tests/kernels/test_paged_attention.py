@@ -136,8 +136,8 @@ SCORED = [case for case in CASES if case.rows is not None]
 @pytest.mark.parametrize("loop", [name for name in pa.SCORE_LOOPS if name != "fused"])
 @pytest.mark.parametrize("case", SCORED, ids=case_id)
 def test_score_loop(case: Case, loop: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The score rows' logits computed in a loop of their own after the attention loop give
-    the reference's scores (and the same attention output)."""
+    """The score rows' logits computed in a loop of their own (after the attention loop, or in
+    a sibling program) give the reference's scores (and the same attention output)."""
     monkeypatch.setattr(pa, "SCORE_LOOP", loop)
     run(case, torch.float32)
 

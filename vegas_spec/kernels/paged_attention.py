@@ -89,7 +89,12 @@ SCORE_DESCRIPTOR = False
 #   "after" 207 / 2, "after-pipelined" 252 / 2 (shared memory also caps this tile at 2);
 #   64-key blocks, 2 stages: no scores 152 / 3, "fused" 188 / 2, "after" 146 / 3,
 #   "after-pipelined" 255 / 2. Only "fused" spills.
-SCORE_LOOPS = {"fused": (0, 1), "after": (1, 1), "after-pipelined": (1, 2)}
+# "sibling": a program of its own beside each attention program (same sequence, kv head,
+# row block and split) computes the score rows' logits, so that the attention programs run
+# the no-score loop and its registers, and the K blocks both read are read once from HBM
+# when the pair runs at the same time; "sibling-pipelined" with 2 stages in the score loop.
+SCORE_LOOPS = {"fused": (0, 1), "after": (1, 1), "after-pipelined": (1, 2), "sibling": (2, 1),
+               "sibling-pipelined": (2, 2)}
 SCORE_LOOP = "fused"
 # Exact mode: one tiling for every full-attention step, plain or verify, scored or not, at any
 # batch size and context: the score pass's tiles and splits of exactly SCORE_SPLIT_MAX keys on
@@ -158,8 +163,17 @@ def _paged_split_kernel(
         MODE: tl.constexpr, R_PAD: tl.constexpr, USE_DESC: tl.constexpr, SINGLE: tl.constexpr,
         WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SCORE_LOOP: tl.constexpr,
         SC_STAGES: tl.constexpr):
-    b = tl.program_id(0) // Hkv
-    kvh = tl.program_id(0) % Hkv
+    if MODE != 0 and SCORE_LOOP == 2:
+        # Sibling programs: 2j runs the attention of (sequence, kv head) j, 2j + 1 the score
+        # rows' logits over the same split, launched side by side so that one of the two
+        # reads each K block from L2.
+        pair = tl.program_id(0) // 2
+        attend = tl.program_id(0) % 2 == 0
+    else:
+        pair = tl.program_id(0)
+        attend = True
+    b = pair // Hkv
+    kvh = pair % Hkv
     rb = tl.program_id(1)
     split = tl.program_id(2)
     lane = tl.arange(0, BLOCK_N * GROUP_PAD)  # lane = row_in_block * GROUP_PAD + head_in_group
@@ -182,7 +196,9 @@ def _paged_split_kernel(
     m_i = tl.full([BLOCK_N * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_N * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_N * GROUP_PAD, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_K):
+    # A score sibling walks no attention keys.
+    attn_hi = tl.where(attend, hi, lo)
+    for start in range(lo, attn_hi, BLOCK_K):
         kpos = start + tl.arange(0, BLOCK_K)
         k_ok = kpos < hi
         page = tl.load(table_ptr + b * stride_tb + kpos // page_size, mask=k_ok, other=0)
@@ -198,16 +214,22 @@ def _paged_split_kernel(
         x = tl.where(kpos[None, :] <= pos[:, None], s * scale, float("-inf"))
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
-    finish_split(m_i, l_i, acc, b * n + row, head, lane_ok, d, d_ok, split, rows_total, H,
-                 out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, HEAD_DIM, SINGLE, WRITE_LSE)
-    if MODE != 0 and SCORE_LOOP == 1:
-        # The score rows' logits in a loop of their own once the partials are stored: the
-        # attention tile's registers are free by now, and the split's K blocks were just read.
+    if attend:
+        finish_split(m_i, l_i, acc, b * n + row, head, lane_ok, d, d_ok, split, rows_total,
+                     H, out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, HEAD_DIM, SINGLE, WRITE_LSE)
+    if MODE != 0 and SCORE_LOOP != 0:
+        # The score rows' logits in a loop of their own: once the partials are stored (1: the
+        # attention tile's registers are free by now, and the split's K blocks were just
+        # read), or in the score sibling (2).
         q_sc, sc_ok, sc_base, r_base, r_ok, desc_row = _score_tile(
             q_ptr, rows_ptr, b, kvh, rb, d, d_ok, num_rows, Hkv, sc_width, stride_qb,
             stride_qn, stride_qh, GROUP, GROUP_PAD, BLOCK_N, R_PAD)
-        # programs of a row block without score rows have nothing to store
-        sc_hi = tl.where(tl.max(sc_ok.to(tl.int32), axis=0) > 0, hi, lo)
+        # programs of a row block without score rows have nothing to store, nor has an
+        # attention program with a sibling
+        has_rows = tl.max(sc_ok.to(tl.int32), axis=0) > 0
+        if SCORE_LOOP == 2:
+            has_rows = has_rows & (tl.program_id(0) % 2 == 1)
+        sc_hi = tl.where(has_rows, hi, lo)
         for start in tl.range(lo, sc_hi, BLOCK_K, num_stages=SC_STAGES):
             kpos = start + tl.arange(0, BLOCK_K)
             k_ok = kpos < hi
@@ -413,7 +435,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     parts = Partials.empty(splits, bsz * n, heads, dim, q.device) if splits > 1 else None
     lse = None if job is None else job.lse
     kernel = _paged_split_kernel_exact if exact else _paged_split_kernel
-    kernel[(bsz * hkv, row_blocks, splits)](
+    siblings = 2 if job is not None and SCORE_LOOPS[SCORE_LOOP][0] == 2 else 1
+    kernel[(bsz * hkv * siblings, row_blocks, splits)](
         q, k_cache, v_cache, page_table, positions,
         out, out if lse is None else lse,
         *((out, out, out) if parts is None else (parts.acc, parts.m, parts.l)),

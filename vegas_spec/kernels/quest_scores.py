@@ -18,9 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-# Pages per program and warps on a GPU (benchmarks/tile_sweep.py --kernel quest).
-QUEST_BLOCK_P = 64
-QUEST_WARPS = 4
+# Pages per program and warps on a GPU, by head dim (other dims: QUEST_TILE). Measured on an
+# H200 (benchmarks/tile_sweep.py --kernel quest, µs per layer): Llama-3.1-8B shape at
+# 16 x 32K 34.9 with 64 pages / 8 warps against 39.8 with 64 / 4; SmolLM2 at 64 x 7.5K 5.7
+# with 128 / 2 against 7.1 with 64 / 4.
+QUEST_TILES = {64: (128, 2), 128: (64, 8)}
+QUEST_TILE = (64, 4)
 
 
 @triton.jit
@@ -62,11 +65,11 @@ def quest_page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     num_pages, hkv = lo.shape[1], lo.shape[2]
     group = heads // hkv
     out = torch.empty(bsz, hkv, num_pages, dtype=torch.float32, device=q.device)
-    block_p = QUEST_BLOCK_P if q.is_cuda else 16
+    block_p, warps = QUEST_TILES.get(dim, QUEST_TILE) if q.is_cuda else (16, 4)
     _quest_kernel[(bsz * hkv, triton.cdiv(num_pages, block_p))](
         q, lo, hi, pages, out, hkv, num_pages,
         q.stride(0), q.stride(2), lo.stride(0), lo.stride(1), lo.stride(2),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_P=block_p,
-        BLOCK_D=max(triton.next_power_of_2(dim), 16), HEAD_DIM=dim, num_warps=QUEST_WARPS)
+        BLOCK_D=max(triton.next_power_of_2(dim), 16), HEAD_DIM=dim, num_warps=warps)
     return out

@@ -43,6 +43,8 @@ RESIDENT_MAX_WIDTH = 8192
 # Warps of the resident top-k: one per RESIDENT_KEYS_PER_WARP scores, 4 to 16
 # (benchmarks/tile_sweep.py --kernel quest).
 RESIDENT_KEYS_PER_WARP = 256
+# Bits per radix pass of the resident top-k (32 / bits passes, one 2^bits-bin histogram each).
+RESIDENT_RADIX_BITS = 4
 
 
 @triton.jit
@@ -213,7 +215,8 @@ def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch
     if width <= RESIDENT_MAX_WIDTH:
         block_w = triton.next_power_of_2(width)
         warps = min(max(block_w // RESIDENT_KEYS_PER_WARP, 4), 16)
-        _topk_resident_kernel[(flat.shape[0],)](*args, BLOCK_W=block_w, **common,
+        _topk_resident_kernel[(flat.shape[0],)](*args, BLOCK_W=block_w,
+                                                **(common | {"RADIX_BITS": RESIDENT_RADIX_BITS}),
                                                 num_warps=warps)
     else:
         _topk_kernel[(flat.shape[0],)](*args, **common, num_warps=4)
