@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from vegas_spec.kernels import split_merge
 from vegas_spec.kernels.split_merge import (
     MIN_DOT,
     Partials,
@@ -53,6 +54,7 @@ from vegas_spec.kernels.split_merge import (
     merge_splits,
     output_buffer,
     softmax_block,
+    split_counters,
     split_size_for,
     tile_config,
 )
@@ -155,14 +157,14 @@ def _score_tile(q_ptr, rows_ptr, b, kvh, rb, d, d_ok, num_rows, Hkv, sc_width, s
 @triton.jit
 def _paged_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr,
-        out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, rows_ptr, sc_ptr, sc_desc,
+        out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, count_ptr, rows_ptr, sc_ptr, sc_desc,
         n, H, Hkv, page_size, split_size, scale, rows_total, num_rows, width, sc_width,
         stride_qb, stride_qn, stride_qh, stride_cs, stride_ch, stride_tb, stride_pb, stride_pn,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
         MODE: tl.constexpr, R_PAD: tl.constexpr, USE_DESC: tl.constexpr, SINGLE: tl.constexpr,
         WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SCORE_LOOP: tl.constexpr,
-        SC_STAGES: tl.constexpr):
+        SC_STAGES: tl.constexpr, MERGE_LAST: tl.constexpr):
     if MODE != 0 and SCORE_LOOP == 2:
         # Sibling programs: 2j runs the attention of (sequence, kv head) j, 2j + 1 the score
         # rows' logits over the same split, launched side by side so that one of the two
@@ -216,7 +218,8 @@ def _paged_split_kernel(
         m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
     if attend:
         finish_split(m_i, l_i, acc, b * n + row, head, lane_ok, d, d_ok, split, rows_total,
-                     H, out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, HEAD_DIM, SINGLE, WRITE_LSE)
+                     H, out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, count_ptr, HEAD_DIM, SINGLE,
+                     WRITE_LSE, MERGE_LAST)
     if MODE != 0 and SCORE_LOOP != 0:
         # The score rows' logits in a loop of their own: once the partials are stored (1: the
         # attention tile's registers are free by now, and the split's K blocks were just
@@ -436,10 +439,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     lse = None if job is None else job.lse
     kernel = _paged_split_kernel_exact if exact else _paged_split_kernel
     siblings = 2 if job is not None and SCORE_LOOPS[SCORE_LOOP][0] == 2 else 1
+    merge_last = parts is not None and split_merge.MERGE_IN_KERNEL
+    programs = bsz * hkv * siblings * row_blocks
+    counters = split_counters(programs, q.device) if merge_last else out
     kernel[(bsz * hkv * siblings, row_blocks, splits)](
         q, k_cache, v_cache, page_table, positions,
         out, out if lse is None else lse,
-        *((out, out, out) if parts is None else (parts.acc, parts.m, parts.l)),
+        *((out, out, out) if parts is None else (parts.acc, parts.m, parts.l)), counters,
         positions if job is None else job.rows, out if job is None else job.scratch,
         _descriptor(job, cfg.block_k) if use_desc else None,
         n, heads, hkv, page_size, size, scale, bsz * n, 0 if job is None else len(job.rows),
@@ -450,9 +456,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, MODE=0 if job is None else job.mode,
         R_PAD=1 if job is None else job.r_pad, USE_DESC=use_desc, SINGLE=parts is None,
         WRITE_LSE=lse is not None, DOT_PRECISION=cfg.dot_precision,
-        **_score_loop(job),
+        **_score_loop(job), MERGE_LAST=merge_last,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if parts is not None:
+    if parts is not None and not merge_last:
         merge_splits(parts, out, lse)
     if job is not None:
         _finalise_scores(job, positions, scale, cfg, hkv, kv_len)
