@@ -95,8 +95,11 @@ SCORE_DESCRIPTOR = False
 # row block and split) computes the score rows' logits, so that the attention programs run
 # the no-score loop and its registers, and the K blocks both read are read once from HBM
 # when the pair runs at the same time; "sibling-pipelined" with 2 stages in the score loop.
+# "gather": in the attention loop, but the score lanes are gathered from the products the
+# attention tile has just computed (tl.gather along the lanes) instead of a second product
+# with a tile of the score rows' queries; the score tile then needs no 16-lane minimum.
 SCORE_LOOPS = {"fused": (0, 1), "after": (1, 1), "after-pipelined": (1, 2), "sibling": (2, 1),
-               "sibling-pipelined": (2, 2)}
+               "sibling-pipelined": (2, 2), "gather": (3, 1)}
 SCORE_LOOP = "fused"
 # Exact mode: one tiling for every full-attention step, plain or verify, scored or not, at any
 # batch size and context: the score pass's tiles and splits of exactly SCORE_SPLIT_MAX keys on
@@ -112,11 +115,21 @@ def _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_pt
                  desc_row, R_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
                  MODE: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Raw q.k of the score rows only (q_sc [R_PAD * GROUP_PAD, D]) for one key block -> the
-    scratch. Weight mode: lane l of the tile goes to scratch row desc_row + l (a whole
+    scratch (`_store_scores`)."""
+    s = tl.dot(q_sc, tl.trans(k), input_precision=DOT_PRECISION)  # [R_PAD * GROUP_PAD, K]
+    _store_scores(s, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr, sc_desc, desc_row,
+                  R_PAD, GROUP_PAD, BLOCK_K, MODE, USE_DESC)
+
+
+@triton.jit
+def _store_scores(s, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr, sc_desc,
+                  desc_row, R_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
+                  BLOCK_K: tl.constexpr, MODE: tl.constexpr, USE_DESC: tl.constexpr):
+    """The score rows' raw q.k of one key block, s [R_PAD * GROUP_PAD, K] -> the scratch.
+    Weight mode: lane l of the tile goes to scratch row desc_row + l (a whole
     [lanes, BLOCK_K] block through sc_desc when USE_DESC, else the real lanes through
     sc_base [lanes] = row starts). Logit mode: summed over the group, r_base [R_PAD] = row
     starts; sc_ok / r_ok: real lanes / rows."""
-    s = tl.dot(q_sc, tl.trans(k), input_precision=DOT_PRECISION)  # [R_PAD * GROUP_PAD, K]
     if MODE == 1:
         if USE_DESC:
             sc_desc.store([desc_row, start], s.to(sc_desc.dtype))
@@ -128,6 +141,19 @@ def _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_pt
         summed = tl.sum(tl.reshape(s, [R_PAD, GROUP_PAD, BLOCK_K]), axis=1)  # [R_PAD, K]
         tl.store(sc_ptr + r_base[:, None] + kpos[None, :], summed,
                  mask=r_ok[:, None] & k_ok[None, :])
+
+
+@triton.jit
+def _tile_lanes(rows_ptr, rb, num_rows, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                R_PAD: tl.constexpr):
+    """[R_PAD * GROUP_PAD]: the lane of the attention tile that holds score lane l (row
+    rows[l // GROUP_PAD], head l % GROUP_PAD of the group), 0 where that row is not in row
+    block rb (the lane is then masked when stored)."""
+    sc_lane = tl.arange(0, R_PAD * GROUP_PAD)
+    sc_r = sc_lane // GROUP_PAD
+    sc_row = tl.load(rows_ptr + sc_r, mask=sc_r < num_rows, other=0)
+    in_block = (sc_r < num_rows) & (sc_row // BLOCK_N == rb)
+    return tl.where(in_block, (sc_row - rb * BLOCK_N) * GROUP_PAD + sc_lane % GROUP_PAD, 0)
 
 
 @triton.jit
@@ -188,10 +214,15 @@ def _paged_split_kernel(
     pos = pos.to(tl.int32)
     q = tl.load(q_ptr + b * stride_qb + row[:, None] * stride_qn + head[:, None] * stride_qh
                 + d[None, :], mask=lane_ok[:, None] & d_ok[None, :], other=0.0)
-    if MODE != 0 and SCORE_LOOP == 0:
+    if MODE != 0 and (SCORE_LOOP == 0 or SCORE_LOOP == 3):
         q_sc, sc_ok, sc_base, r_base, r_ok, desc_row = _score_tile(
             q_ptr, rows_ptr, b, kvh, rb, d, d_ok, num_rows, Hkv, sc_width, stride_qb,
             stride_qn, stride_qh, GROUP, GROUP_PAD, BLOCK_N, R_PAD)
+    if MODE != 0 and SCORE_LOOP == 3:
+        # Gathered from the attention tile's products: no second product, no q_sc tile.
+        take = tl.broadcast_to(
+            _tile_lanes(rows_ptr, rb, num_rows, GROUP_PAD, BLOCK_N, R_PAD)[:, None],
+            [R_PAD * GROUP_PAD, BLOCK_K])
     lo = split * split_size
     # causal: nothing past the last row; nothing past kv_len (= width), as the reference
     hi = tl.minimum(tl.minimum(lo + split_size, tl.max(pos, axis=0) + 1), width)
@@ -213,6 +244,10 @@ def _paged_split_kernel(
             _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr,
                          sc_desc, desc_row, R_PAD, GROUP_PAD, BLOCK_K, MODE, USE_DESC,
                          DOT_PRECISION)
+        if MODE != 0 and SCORE_LOOP == 3:
+            _store_scores(tl.gather(s, take, 0), start, kpos, k_ok, sc_base, sc_ok, r_base,
+                          r_ok, sc_ptr, sc_desc, desc_row, R_PAD, GROUP_PAD, BLOCK_K, MODE,
+                          USE_DESC)
         x = tl.where(kpos[None, :] <= pos[:, None], s * scale, float("-inf"))
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
@@ -220,7 +255,7 @@ def _paged_split_kernel(
         finish_split(m_i, l_i, acc, b * n + row, head, lane_ok, d, d_ok, split, rows_total,
                      H, out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, count_ptr, HEAD_DIM, SINGLE,
                      WRITE_LSE, MERGE_LAST)
-    if MODE != 0 and SCORE_LOOP != 0:
+    if MODE != 0 and (SCORE_LOOP == 1 or SCORE_LOOP == 2):
         # The score rows' logits in a loop of their own: once the partials are stored (1: the
         # attention tile's registers are free by now, and the split's K blocks were just
         # read), or in the score sibling (2).
@@ -331,7 +366,8 @@ def _score_job(rows: torch.Tensor | None, out: torch.Tensor | None, mode_name: s
     bsz, n, heads, _ = q.shape
     _check_scores(rows, out, mode_name, bsz, hkv, kv_len)
     mode = MODES[mode_name]
-    r_pad = _rows_pad(rows.shape[0], cfg.group_pad, q.is_cuda)
+    # A gathered score tile feeds no tl.dot, so it needs no 16-lane minimum.
+    r_pad = _rows_pad(rows.shape[0], cfg.group_pad, q.is_cuda and SCORE_LOOP != "gather")
     f32 = dict(dtype=torch.float32, device=q.device)
     if mode == 1:
         half = SCORE_HALF and q.dtype != torch.float32
