@@ -35,6 +35,9 @@ QUEST_TILE = (64, 4)
 # row's bounds are at most QUEST_ONE_KERNEL_ROW_BYTES; True / False force it either way.
 QUEST_ONE_KERNEL: bool | str = "auto"
 QUEST_ONE_KERNEL_ROW_BYTES = 256 * 1024
+# Pages per step of the one kernel's score loop on a GPU: its [pages, D] bound tiles set its
+# registers (sm_90, head dim 64, 4 warps: 88 at 32 pages, 160 at 64, 255 at 128).
+QUEST_ONE_KERNEL_BLOCK_P = 64
 
 
 @triton.jit
@@ -168,7 +171,7 @@ def quest_select(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, pages: tor
     units = topk.out_units(k, kmax, num_pages)
     scores = torch.empty(bsz * hkv, num_pages, dtype=torch.float32, device=q.device)
     out = torch.empty(bsz * hkv, units * page, dtype=torch.int64, device=q.device)
-    block_p = QUEST_TILES.get(dim, QUEST_TILE)[0] if q.is_cuda else 16
+    block_p = QUEST_ONE_KERNEL_BLOCK_P if q.is_cuda else 16
     block_w = triton.next_power_of_2(num_pages)
     pages = pages.contiguous()
     _quest_topk_kernel[(bsz * hkv,)](
