@@ -321,12 +321,22 @@ def cost_table(lines: list[dict]) -> str:
     return "\n".join([head, *body])
 
 
-def score_tiles(text: str) -> tuple[str, int, int]:
-    """'after:64:2' -> ("after", 64, 2): a scored pass's SCORE_LOOP, key block and stages."""
-    loop, block_k, stages = text.split(":")
+def score_tiles(text: str) -> tuple[str, int, int, str]:
+    """'after:64:2' -> ("after", 64, 2, the library's store), 'gather:128:3:f32-descriptor'
+    -> ("gather", 128, 3, "f32-descriptor"): a scored pass's SCORE_LOOP, key block, stages
+    and store of its logits (`paged_attention.SCORE_STORES`)."""
+    loop, block_k, stages, *store = text.split(":")
     if loop not in pa.SCORE_LOOPS:
         raise argparse.ArgumentTypeError(f"unknown score loop {loop!r}")
-    return loop, int(block_k), int(stages)
+    name = store[0] if store else library_store()
+    if name not in pa.SCORE_STORES or len(store) > 1:
+        raise argparse.ArgumentTypeError(f"unknown score store {':'.join(store)!r}")
+    return loop, int(block_k), int(stages), name
+
+
+def library_store() -> str:
+    return next(name for name, flags in pa.SCORE_STORES.items()
+                if flags == (pa.SCORE_HALF, pa.SCORE_DESCRIPTOR))
 
 
 def kv_bytes_per_token(folder: Path, itemsize: int) -> int:
@@ -365,8 +375,9 @@ def main() -> None:
                          "projection), each in graphs of its own; default: the library's")
     ap.add_argument("--score-tiles", nargs="+", type=score_tiles,
                     default=[score_tiles(f"{pa.SCORE_LOOP}:{pa.SCORE_BLOCK_K}:{pa.SCORE_STAGES}")],
-                    help="how scored attention passes run, LOOP:BLOCK_K:STAGES (LOOP one of "
-                         f"{', '.join(pa.SCORE_LOOPS)}), each in graphs of its own; "
+                    help="how scored attention passes run, LOOP:BLOCK_K:STAGES[:STORE] (LOOP "
+                         f"one of {', '.join(pa.SCORE_LOOPS)}; STORE one of "
+                         f"{', '.join(pa.SCORE_STORES)}), each in graphs of its own; "
                          "default: the library's")
     ap.add_argument("--merges", nargs="+", choices=["in-kernel", "separate"],
                     default=["in-kernel" if split_merge.MERGE_IN_KERNEL else "separate"],
@@ -394,7 +405,8 @@ def main() -> None:
                                           for g in args.merges):
             # All three are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
-            pa.SCORE_LOOP, pa.SCORE_BLOCK_K, pa.SCORE_STAGES = tiles
+            pa.SCORE_LOOP, pa.SCORE_BLOCK_K, pa.SCORE_STAGES, store = tiles
+            pa.SCORE_HALF, pa.SCORE_DESCRIPTOR = pa.SCORE_STORES[store]
             split_merge.MERGE_IN_KERNEL = merge == "in-kernel"
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny, "score_tiles": ":".join(map(str, tiles)),

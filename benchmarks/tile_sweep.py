@@ -80,8 +80,7 @@ def with_tiles(stages: int, warps: int) -> None:
     pa.SCORE_STAGES = stages
 
 
-STORES = {"f32-pointers": (False, False), "f16-pointers": (True, False),
-          "f16-descriptor": (True, True)}
+STORES = pa.SCORE_STORES
 LIBRARY_STORE = next(name for name, flags in STORES.items()
                      if flags == (pa.SCORE_HALF, pa.SCORE_DESCRIPTOR))
 

@@ -79,6 +79,11 @@ SCORE_SPLIT_MAX = 2048
 # descriptor 733; SmolLM2 64 x 7.5K: 176, 201, 168.
 SCORE_HALF = False
 SCORE_DESCRIPTOR = False
+# Those two switches by name: (SCORE_HALF, SCORE_DESCRIPTOR). With SCORE_LOOP "gather" the
+# score tile holds only R_PAD x GROUP_PAD lanes (8 at the 8B verify shape, all real), so
+# a float32 descriptor stores no padding lanes there.
+SCORE_STORES = {"f32-pointers": (False, False), "f16-pointers": (True, False),
+                "f16-descriptor": (True, True), "f32-descriptor": (False, True)}
 # Where the split kernel computes the score rows' logits: "fused", in the attention loop, on
 # the key block it has just loaded (K read once); "after", in a second loop of the same
 # program once its partials are stored, re-reading the split's K blocks (likely still in L2)
