@@ -244,7 +244,6 @@ def main() -> None:
                     q, k, v, table, pos, page, kv_len, scale, *extra,  # noqa: B023
                     block_k=block_k, split_size=split, out=out))  # noqa: B023
                 pa.tile_config, pa.SCORE_STAGES = tile_config, SCORE_STAGES
-                with_loop(LIBRARY_LOOP)
                 row = {"n": n, "mode": mode, "store": store, "loop": loop, "block_k": block_k,
                        "stages": stages, "warps": warps, "split": split, "us": us}
                 new = [kern for i, kern in compiled().items() if i not in before]

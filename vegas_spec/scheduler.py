@@ -38,6 +38,11 @@ class Piece:
     end: int
 
 
+def _running(old: float | None, new: float, weight: float) -> float:
+    """A running average: `new` at first, then moved `weight` of the way towards it."""
+    return new if old is None else old + weight * (new - old)
+
+
 @dataclass
 class PrefillPacer:
     """The prompt tokens of a step while rows decode (stall-free chunked prefill): as many as
@@ -83,7 +88,7 @@ class PrefillPacer:
         tokens = self.tokens
         if not decoding or self.decode_s is None or tokens is None:
             return self.ceiling
-        if self._out_of_reach():
+        if tokens < self._smallest:  # out of reach
             return self.ceiling if self.out_of_reach == "whole" else self._smallest
         return min(self.ceiling, int(tokens))
 
@@ -102,10 +107,8 @@ class PrefillPacer:
         the budget it was given (None: the ceiling)."""
         if not decoded:
             return
-        w = self.smoothing
         if prefill_tokens == 0:
-            old = self.decode_s
-            self.decode_s = seconds if old is None else old + w * (seconds - old)
+            self.decode_s = _running(self.decode_s, seconds, self.smoothing)
             return
         asked = self.ceiling if asked is None else asked
         if self.decode_s is None or (self.out_of_reach == "whole" and self._out_of_reach()):
@@ -115,9 +118,8 @@ class PrefillPacer:
             return
         target = self.ratio * self.decode_s
         excess = max(seconds - self.decode_s, 0.05 * target)  # noise under a tiny excess
-        new = math.log(prefill_tokens * target / excess)
-        old_log = self.log_tokens
-        self.log_tokens = new if old_log is None else old_log + w * (new - old_log)
+        self.log_tokens = _running(self.log_tokens, math.log(prefill_tokens * target / excess),
+                                   self.smoothing)
 
 
 class Scheduler:
