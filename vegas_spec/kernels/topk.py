@@ -230,12 +230,12 @@ def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch
     rankable = rankable.contiguous()
     args = (flat, rankable, k.contiguous(), rankable if limit is None else limit.contiguous(),
             out, bsz, groups, width, out_width)
-    common = dict(BLOCK=block, RADIX_BITS=RADIX_BITS, PAGE=page, HAS_LIMIT=limit is not None)
+    common = dict(BLOCK=block, PAGE=page, HAS_LIMIT=limit is not None)
     if width <= RESIDENT_MAX_WIDTH:
         block_w = triton.next_power_of_2(width)
         _topk_resident_kernel[(flat.shape[0],)](*args, BLOCK_W=block_w,
-                                                **(common | {"RADIX_BITS": RESIDENT_RADIX_BITS}),
+                                                RADIX_BITS=RESIDENT_RADIX_BITS, **common,
                                                 num_warps=resident_warps(block_w))
     else:
-        _topk_kernel[(flat.shape[0],)](*args, **common, num_warps=4)
+        _topk_kernel[(flat.shape[0],)](*args, RADIX_BITS=RADIX_BITS, **common, num_warps=4)
     return out.view(*scores.shape[:-1], out_width * page)
