@@ -8,7 +8,8 @@ figure is the median per call of 20 replays of a CUDA graph of 30 calls (the ker
 one step of a 30-layer model), with the registers, spills and shared memory of the kernel
 variants each setting compiled. What it decided: the `SCORE_*` tiles of `paged_attention`.
 `--kernel sparse` times the draft step's sparse attention instead, and `--kernel quest`
-quest's page scores (`quest_scores.QUEST_TILES`) and its top-k (`topk.RESIDENT_*`).
+quest's page scores (`quest_scores.QUEST_TILES`), its top-k (`topk.RESIDENT_*`) and the two
+as one kernel (`quest_scores.QUEST_ONE_KERNEL`).
 
     python benchmarks/tile_sweep.py --out tile_sweep.json
     python benchmarks/tile_sweep.py --kernel quest --warps 2 4 8 --out quest_sweep.json
@@ -79,8 +80,7 @@ def with_tiles(stages: int, warps: int) -> None:
     pa.SCORE_STAGES = stages
 
 
-STORES = {"f32-pointers": (False, False), "f16-pointers": (True, False),
-          "f16-descriptor": (True, True)}
+STORES = pa.SCORE_STORES
 LIBRARY_STORE = next(name for name, flags in STORES.items()
                      if flags == (pa.SCORE_HALF, pa.SCORE_DESCRIPTOR))
 
@@ -163,11 +163,22 @@ def quest_sweep(args: argparse.Namespace, page: int = 16) -> list[dict]:
         rows.append(row)
         print(json.dumps(row), flush=True)
     tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS = TOPK_SETTING
+    for one in (False, True):  # the whole selection: two kernels, or one
+        if one and num_pages > tk.RESIDENT_MAX_WIDTH:
+            continue
+        qs.QUEST_ONE_KERNEL = one
+        us = graph_us(lambda: qs.quest_select(q, lo, hi, pages, k, keep, page, rankable))
+        row = {"kernel": "quest_select", "one_kernel": one, "width": num_pages,
+               "keep_pages": keep, "us": us}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    qs.QUEST_ONE_KERNEL = ONE_KERNEL_SETTING
     return rows
 
 
 QUEST_SETTINGS = qs.QUEST_TILES
 TOPK_SETTING = (tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS)
+ONE_KERNEL_SETTING = qs.QUEST_ONE_KERNEL
 
 
 def main() -> None:

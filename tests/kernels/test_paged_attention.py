@@ -148,18 +148,19 @@ def test_score_loop(case: Case, loop: str, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.parametrize("loop", OTHER_LOOPS)
-@pytest.mark.parametrize("descriptor", [True, False], ids=["descriptor", "pointers"])
-def test_score_loop_same_scores(loop: str, descriptor: bool,
+@pytest.mark.parametrize("store", sorted(pa.SCORE_STORES))
+def test_score_loop_same_scores(loop: str, store: str,
                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """A separate score loop stores the same logits as the fused one: the same scores out of
-    float16 (descriptor) or float32 scratch."""
+    """Every other place for the score logits stores the same logits as the fused loop,
+    through pointers or a descriptor, in float16 or float32 scratch: the same scores."""
+    half, descriptor = pa.SCORE_STORES[store]
     gen = generator(2)
     cache = paged_cache(2, 100, 2, 64, 8, torch.float16, gen)
     q = randn(2, 7, 8, 64, gen=gen, dtype=torch.float16)
     positions = query_positions([100, 61], 7)
     rows = torch.tensor([0, 6], device=DEVICE)
     monkeypatch.setattr(pa, "SCORE_DESCRIPTOR", descriptor)
-    monkeypatch.setattr(pa, "SCORE_HALF", descriptor)
+    monkeypatch.setattr(pa, "SCORE_HALF", half)
     got = {}
     for name in ("fused", loop):
         monkeypatch.setattr(pa, "SCORE_LOOP", name)

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from vegas_spec.kernels import split_merge
 from vegas_spec.kernels.split_merge import (
     MIN_DOT,
     Partials,
@@ -53,6 +54,7 @@ from vegas_spec.kernels.split_merge import (
     merge_splits,
     output_buffer,
     softmax_block,
+    split_counters,
     split_size_for,
     tile_config,
 )
@@ -77,6 +79,11 @@ SCORE_SPLIT_MAX = 2048
 # descriptor 733; SmolLM2 64 x 7.5K: 176, 201, 168.
 SCORE_HALF = False
 SCORE_DESCRIPTOR = False
+# Those two switches by name: (SCORE_HALF, SCORE_DESCRIPTOR). With SCORE_LOOP "gather" the
+# score tile holds only R_PAD x GROUP_PAD lanes (8 at the 8B verify shape, all real), so
+# a float32 descriptor stores no padding lanes there.
+SCORE_STORES = {"f32-pointers": (False, False), "f16-pointers": (True, False),
+                "f16-descriptor": (True, True), "f32-descriptor": (False, True)}
 # Where the split kernel computes the score rows' logits: "fused", in the attention loop, on
 # the key block it has just loaded (K read once); "after", in a second loop of the same
 # program once its partials are stored, re-reading the split's K blocks (likely still in L2)
@@ -93,8 +100,11 @@ SCORE_DESCRIPTOR = False
 # row block and split) computes the score rows' logits, so that the attention programs run
 # the no-score loop and its registers, and the K blocks both read are read once from HBM
 # when the pair runs at the same time; "sibling-pipelined" with 2 stages in the score loop.
+# "gather": in the attention loop, but the score lanes are gathered from the products the
+# attention tile has just computed (tl.gather along the lanes) instead of a second product
+# with a tile of the score rows' queries; the score tile then needs no 16-lane minimum.
 SCORE_LOOPS = {"fused": (0, 1), "after": (1, 1), "after-pipelined": (1, 2), "sibling": (2, 1),
-               "sibling-pipelined": (2, 2)}
+               "sibling-pipelined": (2, 2), "gather": (3, 1)}
 SCORE_LOOP = "fused"
 # Exact mode: one tiling for every full-attention step, plain or verify, scored or not, at any
 # batch size and context: the score pass's tiles and splits of exactly SCORE_SPLIT_MAX keys on
@@ -110,11 +120,21 @@ def _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_pt
                  desc_row, R_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
                  MODE: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Raw q.k of the score rows only (q_sc [R_PAD * GROUP_PAD, D]) for one key block -> the
-    scratch. Weight mode: lane l of the tile goes to scratch row desc_row + l (a whole
+    scratch (`_store_scores`)."""
+    s = tl.dot(q_sc, tl.trans(k), input_precision=DOT_PRECISION)  # [R_PAD * GROUP_PAD, K]
+    _store_scores(s, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr, sc_desc, desc_row,
+                  R_PAD, GROUP_PAD, BLOCK_K, MODE, USE_DESC)
+
+
+@triton.jit
+def _store_scores(s, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr, sc_desc,
+                  desc_row, R_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
+                  BLOCK_K: tl.constexpr, MODE: tl.constexpr, USE_DESC: tl.constexpr):
+    """The score rows' raw q.k of one key block, s [R_PAD * GROUP_PAD, K] -> the scratch.
+    Weight mode: lane l of the tile goes to scratch row desc_row + l (a whole
     [lanes, BLOCK_K] block through sc_desc when USE_DESC, else the real lanes through
     sc_base [lanes] = row starts). Logit mode: summed over the group, r_base [R_PAD] = row
     starts; sc_ok / r_ok: real lanes / rows."""
-    s = tl.dot(q_sc, tl.trans(k), input_precision=DOT_PRECISION)  # [R_PAD * GROUP_PAD, K]
     if MODE == 1:
         if USE_DESC:
             sc_desc.store([desc_row, start], s.to(sc_desc.dtype))
@@ -126,6 +146,19 @@ def _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_pt
         summed = tl.sum(tl.reshape(s, [R_PAD, GROUP_PAD, BLOCK_K]), axis=1)  # [R_PAD, K]
         tl.store(sc_ptr + r_base[:, None] + kpos[None, :], summed,
                  mask=r_ok[:, None] & k_ok[None, :])
+
+
+@triton.jit
+def _tile_lanes(rows_ptr, rb, num_rows, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                R_PAD: tl.constexpr):
+    """[R_PAD * GROUP_PAD]: the lane of the attention tile that holds score lane l (row
+    rows[l // GROUP_PAD], head l % GROUP_PAD of the group), 0 where that row is not in row
+    block rb (the lane is then masked when stored)."""
+    sc_lane = tl.arange(0, R_PAD * GROUP_PAD)
+    sc_r = sc_lane // GROUP_PAD
+    sc_row = tl.load(rows_ptr + sc_r, mask=sc_r < num_rows, other=0)
+    in_block = (sc_r < num_rows) & (sc_row // BLOCK_N == rb)
+    return tl.where(in_block, (sc_row - rb * BLOCK_N) * GROUP_PAD + sc_lane % GROUP_PAD, 0)
 
 
 @triton.jit
@@ -155,14 +188,14 @@ def _score_tile(q_ptr, rows_ptr, b, kvh, rb, d, d_ok, num_rows, Hkv, sc_width, s
 @triton.jit
 def _paged_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr,
-        out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, rows_ptr, sc_ptr, sc_desc,
+        out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, count_ptr, rows_ptr, sc_ptr, sc_desc,
         n, H, Hkv, page_size, split_size, scale, rows_total, num_rows, width, sc_width,
         stride_qb, stride_qn, stride_qh, stride_cs, stride_ch, stride_tb, stride_pb, stride_pn,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
         MODE: tl.constexpr, R_PAD: tl.constexpr, USE_DESC: tl.constexpr, SINGLE: tl.constexpr,
         WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SCORE_LOOP: tl.constexpr,
-        SC_STAGES: tl.constexpr):
+        SC_STAGES: tl.constexpr, MERGE_LAST: tl.constexpr):
     if MODE != 0 and SCORE_LOOP == 2:
         # Sibling programs: 2j runs the attention of (sequence, kv head) j, 2j + 1 the score
         # rows' logits over the same split, launched side by side so that one of the two
@@ -186,10 +219,15 @@ def _paged_split_kernel(
     pos = pos.to(tl.int32)
     q = tl.load(q_ptr + b * stride_qb + row[:, None] * stride_qn + head[:, None] * stride_qh
                 + d[None, :], mask=lane_ok[:, None] & d_ok[None, :], other=0.0)
-    if MODE != 0 and SCORE_LOOP == 0:
+    if MODE != 0 and (SCORE_LOOP == 0 or SCORE_LOOP == 3):
         q_sc, sc_ok, sc_base, r_base, r_ok, desc_row = _score_tile(
             q_ptr, rows_ptr, b, kvh, rb, d, d_ok, num_rows, Hkv, sc_width, stride_qb,
             stride_qn, stride_qh, GROUP, GROUP_PAD, BLOCK_N, R_PAD)
+    if MODE != 0 and SCORE_LOOP == 3:
+        # Gathered from the attention tile's products: no second product, no q_sc tile.
+        take = tl.broadcast_to(
+            _tile_lanes(rows_ptr, rb, num_rows, GROUP_PAD, BLOCK_N, R_PAD)[:, None],
+            [R_PAD * GROUP_PAD, BLOCK_K])
     lo = split * split_size
     # causal: nothing past the last row; nothing past kv_len (= width), as the reference
     hi = tl.minimum(tl.minimum(lo + split_size, tl.max(pos, axis=0) + 1), width)
@@ -211,13 +249,18 @@ def _paged_split_kernel(
             _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr,
                          sc_desc, desc_row, R_PAD, GROUP_PAD, BLOCK_K, MODE, USE_DESC,
                          DOT_PRECISION)
+        if MODE != 0 and SCORE_LOOP == 3:
+            _store_scores(tl.gather(s, take, 0), start, kpos, k_ok, sc_base, sc_ok, r_base,
+                          r_ok, sc_ptr, sc_desc, desc_row, R_PAD, GROUP_PAD, BLOCK_K, MODE,
+                          USE_DESC)
         x = tl.where(kpos[None, :] <= pos[:, None], s * scale, float("-inf"))
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
     if attend:
         finish_split(m_i, l_i, acc, b * n + row, head, lane_ok, d, d_ok, split, rows_total,
-                     H, out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, HEAD_DIM, SINGLE, WRITE_LSE)
-    if MODE != 0 and SCORE_LOOP != 0:
+                     H, out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, count_ptr, HEAD_DIM, SINGLE,
+                     WRITE_LSE, MERGE_LAST)
+    if MODE != 0 and (SCORE_LOOP == 1 or SCORE_LOOP == 2):
         # The score rows' logits in a loop of their own: once the partials are stored (1: the
         # attention tile's registers are free by now, and the split's K blocks were just
         # read), or in the score sibling (2).
@@ -328,7 +371,8 @@ def _score_job(rows: torch.Tensor | None, out: torch.Tensor | None, mode_name: s
     bsz, n, heads, _ = q.shape
     _check_scores(rows, out, mode_name, bsz, hkv, kv_len)
     mode = MODES[mode_name]
-    r_pad = _rows_pad(rows.shape[0], cfg.group_pad, q.is_cuda)
+    # A gathered score tile feeds no tl.dot, so it needs no 16-lane minimum.
+    r_pad = _rows_pad(rows.shape[0], cfg.group_pad, q.is_cuda and SCORE_LOOP != "gather")
     f32 = dict(dtype=torch.float32, device=q.device)
     if mode == 1:
         half = SCORE_HALF and q.dtype != torch.float32
@@ -436,10 +480,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     lse = None if job is None else job.lse
     kernel = _paged_split_kernel_exact if exact else _paged_split_kernel
     siblings = 2 if job is not None and SCORE_LOOPS[SCORE_LOOP][0] == 2 else 1
+    merge_last = parts is not None and split_merge.MERGE_IN_KERNEL
+    programs = bsz * hkv * siblings * row_blocks
+    counters = split_counters(programs, q.device) if merge_last else out
     kernel[(bsz * hkv * siblings, row_blocks, splits)](
         q, k_cache, v_cache, page_table, positions,
         out, out if lse is None else lse,
-        *((out, out, out) if parts is None else (parts.acc, parts.m, parts.l)),
+        *((out, out, out) if parts is None else (parts.acc, parts.m, parts.l)), counters,
         positions if job is None else job.rows, out if job is None else job.scratch,
         _descriptor(job, cfg.block_k) if use_desc else None,
         n, heads, hkv, page_size, size, scale, bsz * n, 0 if job is None else len(job.rows),
@@ -450,9 +497,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, MODE=0 if job is None else job.mode,
         R_PAD=1 if job is None else job.r_pad, USE_DESC=use_desc, SINGLE=parts is None,
         WRITE_LSE=lse is not None, DOT_PRECISION=cfg.dot_precision,
-        **_score_loop(job),
+        **_score_loop(job), MERGE_LAST=merge_last,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if parts is not None:
+    if parts is not None and not merge_last:
         merge_splits(parts, out, lse)
     if job is not None:
         _finalise_scores(job, positions, scale, cfg, hkv, kv_len)
