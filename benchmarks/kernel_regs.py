@@ -3,8 +3,7 @@ target without a device (ptxas from the Triton wheel), at one verify shape.
 
 Default: the Llama-3.1-8B verify step (H 32, Hkv 8, D 128, bf16, n = 7 rows, 2 weight-score
 rows) with the score pass's tiles (SCORE_BLOCK_K keys, SCORE_STAGES stages, 4 warps). Prints
-one line per variant: no scores, and each SCORE_LOOP value of a weight-mode pass (`--merge`:
-the splits merged in the kernel, as the library does by default, or by a merge kernel).
+one line per variant: no scores, and a weight-mode pass with each of `SCORE_STORES`.
 
     python benchmarks/kernel_regs.py [--arch 90]
 """
@@ -24,22 +23,21 @@ from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vegas_spec.kernels.paged_attention as pa  # noqa: E402
-from vegas_spec.kernels import split_merge  # noqa: E402
 from vegas_spec.kernels.split_merge import MAX_LANES, MIN_DOT  # noqa: E402
 
 # argument -> type of the split kernel's runtime arguments (pointers 16-byte aligned)
 POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i32",
             "pos_ptr": "*i64", "out_ptr": "*bf16", "lse_ptr": "*fp32", "acc_ptr": "*fp32",
-            "m_ptr": "*fp32", "l_ptr": "*fp32", "rows_ptr": "*i64", "sc_ptr": "*fp32",
-            "count_ptr": "*i32"}
+            "m_ptr": "*fp32", "l_ptr": "*fp32", "rows_ptr": "*i64", "sc_ptr": "*fp32"}
 SCALARS = {"scale": "fp32"}
 
 
 def compile_split(constexprs: dict, arch: int, warps: int, stages: int,
-                  desc: str | None = None):
+                  desc: str | None = None, scratch: str = "*fp32"):
     """The split kernel compiled for sm_<arch> with these constexprs; every integer argument
     a runtime i32 (divisible by 16 where the JIT would see it so: strides, sizes). desc: the
-    score scratch's descriptor type (e.g. "tensordesc<fp32[8, 128]>") when USE_DESC."""
+    score scratch's descriptor type (e.g. "tensordesc<fp32[8, 128]>") when USE_DESC; scratch:
+    the score scratch's pointer type."""
     fn = pa._paged_split_kernel
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -48,7 +46,7 @@ def compile_split(constexprs: dict, arch: int, warps: int, stages: int,
         elif name in constexprs or name == "sc_desc":
             signature[name] = "constexpr"
         elif name in POINTERS:
-            signature[name] = POINTERS[name]
+            signature[name] = scratch if name == "sc_ptr" else POINTERS[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = SCALARS.get(name, "i32")
@@ -103,41 +101,31 @@ def main() -> None:
     ap.add_argument("--block-k", type=int, default=pa.SCORE_BLOCK_K)
     ap.add_argument("--stages", type=int, default=pa.SCORE_STAGES)
     ap.add_argument("--warps", type=int, default=4)
-    ap.add_argument("--merge", choices=["in-kernel", "separate"],
-                    default="in-kernel" if split_merge.MERGE_IN_KERNEL else "separate",
-                    help="splits merged by the last split program or by a merge kernel")
-    ap.add_argument("--store", choices=sorted(pa.SCORE_STORES),
-                    default=next(name for name, flags in pa.SCORE_STORES.items()
-                                 if flags == (pa.SCORE_HALF, pa.SCORE_DESCRIPTOR)),
-                    help="how weight-mode passes keep their logits")
     args = ap.parse_args()
-    half, use_desc = pa.SCORE_STORES[args.store]
     group = args.heads // args.kv_heads
     group_pad = triton.next_power_of_2(group)
     block_n = max(min(triton.next_power_of_2(args.n), max(1, MAX_LANES // group_pad)),
                   MIN_DOT // group_pad, 1)
     base = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_N=block_n, BLOCK_K=args.block_k,
                 BLOCK_D=max(triton.next_power_of_2(args.head_dim), 16),
-                HEAD_DIM=args.head_dim, SINGLE=False, DOT_PRECISION="tf32",
-                MERGE_LAST=args.merge == "in-kernel")
-    variants = [("no scores", dict(MODE=0, R_PAD=1, WRITE_LSE=False, USE_DESC=False,
-                                   **pa._score_loop(None)))]
-    variants += [(f"weight scores, SCORE_LOOP={name!r}",
-                  dict(MODE=1, R_PAD=pa._rows_pad(args.score_rows, group_pad,
-                                                  gpu=name != "gather"),
-                       WRITE_LSE=True, USE_DESC=use_desc, SCORE_LOOP=loop, SC_STAGES=stages))
-                 for name, (loop, stages) in pa.SCORE_LOOPS.items()]
-    for label, extra in variants:
+                HEAD_DIM=args.head_dim, SINGLE=False, DOT_PRECISION="tf32")
+    r_pad = pa._rows_pad(args.score_rows, group_pad, gpu=True)
+    variants = [("no scores", None, dict(MODE=0, R_PAD=1, WRITE_LSE=False, USE_DESC=False))]
+    variants += [(f"weight scores, {name}", half,
+                  dict(MODE=1, R_PAD=r_pad, WRITE_LSE=True, USE_DESC=use_desc))
+                 for name, (half, use_desc) in pa.SCORE_STORES.items()]
+    for label, half, extra in variants:
         lanes = extra["R_PAD"] * group_pad
         desc = (f"tensordesc<{'fp16' if half else 'fp32'}[{lanes}, {args.block_k}]>"
                 if extra["USE_DESC"] else None)
-        kern = compile_split({**base, **extra}, args.arch, args.warps, args.stages, desc)
+        kern = compile_split({**base, **extra}, args.arch, args.warps, args.stages, desc,
+                             "*fp16" if half else "*fp32")
         found = resources(kern, args.arch)
         print(json.dumps({"variant": label, **found, "shared_bytes": kern.metadata.shared,
                           "programs_per_sm": programs_per_sm(found["registers"],
                                                              kern.metadata.shared, args.warps),
                           "block_k": args.block_k, "stages": args.stages,
-                          "warps": args.warps, "store": args.store}), flush=True)
+                          "warps": args.warps}), flush=True)
 
 
 if __name__ == "__main__":

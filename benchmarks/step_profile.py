@@ -26,8 +26,6 @@ per second (τ · batch / (round + host work)) in exact mode against the default
 
 `--profile` adds a per-kernel table (torch.profiler) of one replay of each step (quest's
 draft step too);
-`--merges in-kernel separate` times every step with the attention splits merged by their last
-split program and by a merge kernel, each in graphs of its own;
 `--projections` the weight-streaming rate of every projection at the plain and the verify
 step's row counts. Also reported: the verify step without scores (stream's), quest's draft
 step, the host work between rounds of the engine's own loop and the projected speedup
@@ -49,7 +47,6 @@ from vegas_spec import LLM, SamplingParams, SpecConfig
 from vegas_spec.attention import triton_backend
 from vegas_spec.graphs import GraphRunner
 from vegas_spec.kernels import paged_attention as pa
-from vegas_spec.kernels import split_merge
 from vegas_spec.speculative.policies import SelectionInput, make_policy
 
 
@@ -321,17 +318,15 @@ def cost_table(lines: list[dict]) -> str:
     return "\n".join([head, *body])
 
 
-def score_tiles(text: str) -> tuple[str, int, int, str]:
-    """'after:64:2' -> ("after", 64, 2, the library's store), 'gather:128:3:f32-descriptor'
-    -> ("gather", 128, 3, "f32-descriptor"): a scored pass's SCORE_LOOP, key block, stages
-    and store of its logits (`paged_attention.SCORE_STORES`)."""
-    loop, block_k, stages, *store = text.split(":")
-    if loop not in pa.SCORE_LOOPS:
-        raise argparse.ArgumentTypeError(f"unknown score loop {loop!r}")
+def score_tiles(text: str) -> tuple[int, int, str]:
+    """'64:2' -> (64, 2, the library's store), '128:3:f32-pointers' -> (128, 3,
+    "f32-pointers"): a scored pass's key block, stages and store of its logits
+    (`paged_attention.SCORE_STORES`)."""
+    block_k, stages, *store = text.split(":")
     name = store[0] if store else library_store()
     if name not in pa.SCORE_STORES or len(store) > 1:
         raise argparse.ArgumentTypeError(f"unknown score store {':'.join(store)!r}")
-    return loop, int(block_k), int(stages), name
+    return int(block_k), int(stages), name
 
 
 def library_store() -> str:
@@ -374,15 +369,10 @@ def main() -> None:
                     help="the Triton backend's SKINNY_MAX_ROWS to time (0: cuBLAS for every "
                          "projection), each in graphs of its own; default: the library's")
     ap.add_argument("--score-tiles", nargs="+", type=score_tiles,
-                    default=[score_tiles(f"{pa.SCORE_LOOP}:{pa.SCORE_BLOCK_K}:{pa.SCORE_STAGES}")],
-                    help="how scored attention passes run, LOOP:BLOCK_K:STAGES[:STORE] (LOOP "
-                         f"one of {', '.join(pa.SCORE_LOOPS)}; STORE one of "
-                         f"{', '.join(pa.SCORE_STORES)}), each in graphs of its own; "
+                    default=[score_tiles(f"{pa.SCORE_BLOCK_K}:{pa.SCORE_STAGES}")],
+                    help="how scored attention passes run, BLOCK_K:STAGES[:STORE] (STORE one "
+                         f"of {', '.join(pa.SCORE_STORES)}), each in graphs of its own; "
                          "default: the library's")
-    ap.add_argument("--merges", nargs="+", choices=["in-kernel", "separate"],
-                    default=["in-kernel" if split_merge.MERGE_IN_KERNEL else "separate"],
-                    help="how attention splits are merged: by the last split program, or by a "
-                         "merge kernel after the launch; each in graphs of its own")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -400,17 +390,14 @@ def main() -> None:
         for k, v in llm.cache.layers:
             k.normal_()
             v.normal_()
-        for bsz, skinny, tiles, merge in ((b, r, t, g) for b in args.batches
-                                          for r in args.skinny_rows for t in args.score_tiles
-                                          for g in args.merges):
-            # All three are read when the graphs are captured.
+        for bsz, skinny, tiles in ((b, r, t) for b in args.batches
+                                   for r in args.skinny_rows for t in args.score_tiles):
+            # Both are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
-            pa.SCORE_LOOP, pa.SCORE_BLOCK_K, pa.SCORE_STAGES, store = tiles
+            pa.SCORE_BLOCK_K, pa.SCORE_STAGES, store = tiles
             pa.SCORE_HALF, pa.SCORE_DESCRIPTOR = pa.SCORE_STORES[store]
-            split_merge.MERGE_IN_KERNEL = merge == "in-kernel"
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny, "score_tiles": ":".join(map(str, tiles)),
-                   "merge": merge,
                    **measure(llm, spec, context, bsz, args, bandwidth)}
             row["host_gap_ms"] = host_gap_ms(llm, spec, bsz, args.host_gap_tokens,
                                              min(256, context // 2))

@@ -2,14 +2,13 @@
 
 Times `paged_attention` for n = 7 query rows with and without selection scores (weight mode,
 rows 0 and 6) and for n = 1, over key blocks of 64 and 128, 2-3 pipeline stages, 4 warps
-(or `--warps`), two split sizes and where scored passes compute their logits (`--loops`,
-`SCORE_LOOP`), on random bf16 K/V behind a shuffled page table. Each
+(or `--warps`), two split sizes and how scored passes store their logits (`--stores`,
+`SCORE_STORES`), on random bf16 K/V behind a shuffled page table. Each
 figure is the median per call of 20 replays of a CUDA graph of 30 calls (the kernel count of
 one step of a 30-layer model), with the registers, spills and shared memory of the kernel
 variants each setting compiled. What it decided: the `SCORE_*` tiles of `paged_attention`.
 `--kernel sparse` times the draft step's sparse attention instead, and `--kernel quest`
-quest's page scores (`quest_scores.QUEST_TILES`), its top-k (`topk.RESIDENT_*`) and the two
-as one kernel (`quest_scores.QUEST_ONE_KERNEL`).
+quest's page scores (`quest_scores.QUEST_TILES`) and its top-k (`topk.RESIDENT_*`).
 
     python benchmarks/tile_sweep.py --out tile_sweep.json
     python benchmarks/tile_sweep.py --kernel quest --warps 2 4 8 --out quest_sweep.json
@@ -37,7 +36,6 @@ from vegas_spec.graphs import capture  # noqa: E402
 from vegas_spec.kernels.split_merge import tile_config  # noqa: E402
 
 SCORE_STAGES = pa.SCORE_STAGES
-LIBRARY_LOOP = pa.SCORE_LOOP
 
 
 def graph_us(fn: Callable[[], object], calls: int = 30, reps: int = 20) -> float:
@@ -88,12 +86,6 @@ LIBRARY_STORE = next(name for name, flags in STORES.items()
 def with_store(name: str) -> None:
     """Weight-mode logits in float16 or float32, stored through pointers or a descriptor."""
     pa.SCORE_HALF, pa.SCORE_DESCRIPTOR = STORES[name]
-
-
-def with_loop(name: str) -> None:
-    """Weight-mode logits computed in the attention loop ("fused") or in a score loop of their
-    own after it (the other SCORE_LOOPS values)."""
-    pa.SCORE_LOOP = name
 
 
 def sparse_sweep(args: argparse.Namespace, recent: int = 64) -> list[dict]:
@@ -163,22 +155,11 @@ def quest_sweep(args: argparse.Namespace, page: int = 16) -> list[dict]:
         rows.append(row)
         print(json.dumps(row), flush=True)
     tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS = TOPK_SETTING
-    for one in (False, True):  # the whole selection: two kernels, or one
-        if one and num_pages > tk.RESIDENT_MAX_WIDTH:
-            continue
-        qs.QUEST_ONE_KERNEL = one
-        us = graph_us(lambda: qs.quest_select(q, lo, hi, pages, k, keep, page, rankable))
-        row = {"kernel": "quest_select", "one_kernel": one, "width": num_pages,
-               "keep_pages": keep, "us": us}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    qs.QUEST_ONE_KERNEL = ONE_KERNEL_SETTING
     return rows
 
 
 QUEST_SETTINGS = qs.QUEST_TILES
 TOPK_SETTING = (tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS)
-ONE_KERNEL_SETTING = qs.QUEST_ONE_KERNEL
 
 
 def main() -> None:
@@ -195,9 +176,6 @@ def main() -> None:
                     help="split sizes in keys, or 'auto' (the occupancy heuristic)")
     ap.add_argument("--stores", nargs="+", choices=sorted(STORES), default=[LIBRARY_STORE],
                     help="how weight-mode passes keep their logits (default: the library's)")
-    ap.add_argument("--loops", nargs="+", choices=sorted(pa.SCORE_LOOPS),
-                    default=[pa.SCORE_LOOP],
-                    help="where scored passes compute their logits (default: the library's)")
     ap.add_argument("--kernel", choices=["paged", "sparse", "quest"], default="paged",
                     help="sparse: the draft step's attention over a 5%% budget plus 64 recent; "
                          "quest: quest's page scores and top-k of one layer")
@@ -232,11 +210,9 @@ def main() -> None:
         splits = [None if x == "auto" else int(x) for x in args.splits]
         for mode in modes:
             stores = args.stores if mode == "weight" else [LIBRARY_STORE]
-            loops = args.loops if mode == "weight" else [LIBRARY_LOOP]
-            for store, loop, block_k, stages, warps, split in itertools.product(
-                    stores, loops, args.block_k, args.stages, args.warps, splits):
+            for store, block_k, stages, warps, split in itertools.product(
+                    stores, args.block_k, args.stages, args.warps, splits):
                 with_store(store)
-                with_loop(loop)
                 extra = (score_rows, scores, "weight") if mode == "weight" else ()
                 before = compiled()
                 with_tiles(stages, warps)
@@ -244,7 +220,7 @@ def main() -> None:
                     q, k, v, table, pos, page, kv_len, scale, *extra,  # noqa: B023
                     block_k=block_k, split_size=split, out=out))  # noqa: B023
                 pa.tile_config, pa.SCORE_STAGES = tile_config, SCORE_STAGES
-                row = {"n": n, "mode": mode, "store": store, "loop": loop, "block_k": block_k,
+                row = {"n": n, "mode": mode, "store": store, "block_k": block_k,
                        "stages": stages, "warps": warps, "split": split, "us": us}
                 new = [kern for i, kern in compiled().items() if i not in before]
                 if new:  # the variants this setting compiled: registers per thread

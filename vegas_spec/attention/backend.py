@@ -148,10 +148,6 @@ class AttentionBackend(ABC):
 
     # The backend's own top-k (the contract of speculative.policies.topk_positions), or None.
     topk: Callable[..., torch.Tensor] | None = None
-    # The backend's whole quest selection of a layer, or None (then quest_page_scores and
-    # topk): (q, lo, hi, pages, k, kmax, page, limit) -> topk(quest_page_scores(q, lo, hi,
-    # pages), pages, k, kmax, page, limit).
-    quest_select: Callable[..., torch.Tensor] | None = None
 
 
 def _torch(exact: bool) -> AttentionBackend:

@@ -20,7 +20,7 @@ from vegas_spec.kernels.prefill_attention import (
     prefill_tiles,
     tile_list,
 )
-from vegas_spec.kernels.quest_scores import quest_page_scores, quest_select
+from vegas_spec.kernels.quest_scores import quest_page_scores
 from vegas_spec.kernels.rms_norm import rms_norm
 from vegas_spec.kernels.rope_store import rope_store
 from vegas_spec.kernels.silu_mul import silu_mul
@@ -58,7 +58,6 @@ class TritonBackend(AttentionBackend):
 
     # Drop-in for vegas_spec.speculative.policies.topk_positions on the backend's device.
     topk = staticmethod(topk_positions_triton)
-    quest_select = staticmethod(quest_select)
 
     def quest_page_scores(self, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                           pages: torch.Tensor) -> torch.Tensor:

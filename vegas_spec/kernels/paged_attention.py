@@ -31,9 +31,9 @@ Extra bytes of score emission, per layer and sequence with R score rows and L ke
 against 2·Hkv·D·L·itemsize bytes of K and V the attention reads anyway. For Qwen3-8B
 (H 32, Hkv 8, D 128, bf16) and Collect-2 (R = 2): weight 520 B per key vs 4096 B of K/V
 (+12.7 %), logit 136 B (+3.3 %); for R = γ+1 = 7 rows (collect all) weight is +44 %.
-Half-precision logits would halve the weight-mode bytes, but measured they lose (SCORE_HALF
-below): the profile says the scored pass is limited by its two programs per SM, not by these
-bytes; the float32 logits also keep this kernel exact against the reference."""
+Half-precision logits would halve the weight-mode bytes, but measured they lose
+(SCORE_STORES below): the profile says the scored pass is limited by its two programs per SM,
+not by these bytes; the float32 logits also keep this kernel exact against the reference."""
 
 from __future__ import annotations
 
@@ -45,7 +45,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from vegas_spec.kernels import split_merge
 from vegas_spec.kernels.split_merge import (
     MIN_DOT,
     Partials,
@@ -54,7 +53,6 @@ from vegas_spec.kernels.split_merge import (
     merge_splits,
     output_buffer,
     softmax_block,
-    split_counters,
     split_size_for,
     tile_config,
 )
@@ -70,42 +68,22 @@ MODES = {"weight": 1, "logit": 2}
 SCORE_BLOCK_K = 128
 SCORE_STAGES = 3
 SCORE_SPLIT_MAX = 2048
-# Two other ways to keep the weight-mode logits, measured by benchmarks/tile_sweep.py
-# (--stores) and off by default: float16 logits for 16-bit models (half the scratch bytes),
-# and a store through a tensor descriptor (one bulk copy of the [lanes, block_k] tile per key
-# block instead of a tile of pointers in registers; steps with one row block). On an H200 at
-# the verify shape (n = 7, 2 score rows), µs per call with the merge and finalise kernels:
-# Llama-3.1-8B shape 16 x 32K: float32 pointers 704, float16 pointers 780, float16
-# descriptor 733; SmolLM2 64 x 7.5K: 176, 201, 168.
-SCORE_HALF = False
-SCORE_DESCRIPTOR = False
-# Those two switches by name: (SCORE_HALF, SCORE_DESCRIPTOR). With SCORE_LOOP "gather" the
-# score tile holds only R_PAD x GROUP_PAD lanes (8 at the 8B verify shape, all real), so
-# a float32 descriptor stores no padding lanes there.
+# How the weight-mode logits are stored: float32 or float16 (16-bit models: half the scratch
+# bytes), through a tile of pointers or a tensor descriptor (one bulk copy of the
+# [lanes, block_k] tile per key block; steps with one row block, pointers otherwise).
+# name -> (SCORE_HALF, SCORE_DESCRIPTOR). On an H200 (benchmarks/tile_sweep.py --stores,
+# n = 7, weight scores of 2 rows, 128 / 3, µs per layer; sm_90 registers / spill bytes):
+# Llama-3.1-8B shape 16 x 32K float32 descriptor 781 (216 / 0), float32 pointers 842
+# (255 / 10), float16 descriptor 830 (220 / 0); no scores 658. The descriptor frees the
+# pointer tile's registers, so the loop stops spilling.
 SCORE_STORES = {"f32-pointers": (False, False), "f16-pointers": (True, False),
                 "f16-descriptor": (True, True), "f32-descriptor": (False, True)}
-# Where the split kernel computes the score rows' logits: "fused", in the attention loop, on
-# the key block it has just loaded (K read once); "after", in a second loop of the same
-# program once its partials are stored, re-reading the split's K blocks (likely still in L2)
-# so that the score tile's registers never overlap the attention tile's; "after-pipelined",
-# that loop with 2 pipeline stages. Same keys and the same dot products over D: the scratch
-# holds the same logits either way. name -> (loop, pipeline stages of the second loop).
-# Compiled for sm_90 at the Llama-3.1-8B verify shape (benchmarks/kernel_regs.py, 4 warps),
-# registers / programs per SM:
-#   128-key blocks, 3 stages: no scores 199 / 2, "fused" 255 / 2 with 76 B of spill stores,
-#   "after" 207 / 2, "after-pipelined" 252 / 2 (shared memory also caps this tile at 2);
-#   64-key blocks, 2 stages: no scores 152 / 3, "fused" 188 / 2, "after" 146 / 3,
-#   "after-pipelined" 255 / 2. Only "fused" spills.
-# "sibling": a program of its own beside each attention program (same sequence, kv head,
-# row block and split) computes the score rows' logits, so that the attention programs run
-# the no-score loop and its registers, and the K blocks both read are read once from HBM
-# when the pair runs at the same time; "sibling-pipelined" with 2 stages in the score loop.
-# "gather": in the attention loop, but the score lanes are gathered from the products the
-# attention tile has just computed (tl.gather along the lanes) instead of a second product
-# with a tile of the score rows' queries; the score tile then needs no 16-lane minimum.
-SCORE_LOOPS = {"fused": (0, 1), "after": (1, 1), "after-pipelined": (1, 2), "sibling": (2, 1),
-               "sibling-pipelined": (2, 2), "gather": (3, 1)}
-SCORE_LOOP = "fused"
+SCORE_HALF, SCORE_DESCRIPTOR = SCORE_STORES["f32-descriptor"]
+# The logits are computed in the attention loop, on the key block it has just loaded, so K is
+# read once. Measured slower and dropped (BENCHMARKS.md §2.9): a second loop over the split's
+# K blocks after the partials are stored (1062 against 708 µs per layer at the 8B shape), a
+# sibling program per attention program (1010), and score lanes gathered from the attention
+# tile's products (789 against 781 with the float32 descriptor).
 # Exact mode: one tiling for every full-attention step, plain or verify, scored or not, at any
 # batch size and context: the score pass's tiles and splits of exactly SCORE_SPLIT_MAX keys on
 # a GPU (the interpreter: its own small blocks, splits of 4 blocks), and EXACT_ROWS query rows
@@ -149,19 +127,6 @@ def _store_scores(s, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr, sc
 
 
 @triton.jit
-def _tile_lanes(rows_ptr, rb, num_rows, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                R_PAD: tl.constexpr):
-    """[R_PAD * GROUP_PAD]: the lane of the attention tile that holds score lane l (row
-    rows[l // GROUP_PAD], head l % GROUP_PAD of the group), 0 where that row is not in row
-    block rb (the lane is then masked when stored)."""
-    sc_lane = tl.arange(0, R_PAD * GROUP_PAD)
-    sc_r = sc_lane // GROUP_PAD
-    sc_row = tl.load(rows_ptr + sc_r, mask=sc_r < num_rows, other=0)
-    in_block = (sc_r < num_rows) & (sc_row // BLOCK_N == rb)
-    return tl.where(in_block, (sc_row - rb * BLOCK_N) * GROUP_PAD + sc_lane % GROUP_PAD, 0)
-
-
-@triton.jit
 def _score_tile(q_ptr, rows_ptr, b, kvh, rb, d, d_ok, num_rows, Hkv, sc_width, stride_qb,
                 stride_qn, stride_qh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                 BLOCK_N: tl.constexpr, R_PAD: tl.constexpr):
@@ -188,25 +153,15 @@ def _score_tile(q_ptr, rows_ptr, b, kvh, rb, d, d_ok, num_rows, Hkv, sc_width, s
 @triton.jit
 def _paged_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr,
-        out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, count_ptr, rows_ptr, sc_ptr, sc_desc,
+        out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, rows_ptr, sc_ptr, sc_desc,
         n, H, Hkv, page_size, split_size, scale, rows_total, num_rows, width, sc_width,
         stride_qb, stride_qn, stride_qh, stride_cs, stride_ch, stride_tb, stride_pb, stride_pn,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
         MODE: tl.constexpr, R_PAD: tl.constexpr, USE_DESC: tl.constexpr, SINGLE: tl.constexpr,
-        WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SCORE_LOOP: tl.constexpr,
-        SC_STAGES: tl.constexpr, MERGE_LAST: tl.constexpr):
-    if MODE != 0 and SCORE_LOOP == 2:
-        # Sibling programs: 2j runs the attention of (sequence, kv head) j, 2j + 1 the score
-        # rows' logits over the same split, launched side by side so that one of the two
-        # reads each K block from L2.
-        pair = tl.program_id(0) // 2
-        attend = tl.program_id(0) % 2 == 0
-    else:
-        pair = tl.program_id(0)
-        attend = True
-    b = pair // Hkv
-    kvh = pair % Hkv
+        WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    b = tl.program_id(0) // Hkv
+    kvh = tl.program_id(0) % Hkv
     rb = tl.program_id(1)
     split = tl.program_id(2)
     lane = tl.arange(0, BLOCK_N * GROUP_PAD)  # lane = row_in_block * GROUP_PAD + head_in_group
@@ -219,24 +174,17 @@ def _paged_split_kernel(
     pos = pos.to(tl.int32)
     q = tl.load(q_ptr + b * stride_qb + row[:, None] * stride_qn + head[:, None] * stride_qh
                 + d[None, :], mask=lane_ok[:, None] & d_ok[None, :], other=0.0)
-    if MODE != 0 and (SCORE_LOOP == 0 or SCORE_LOOP == 3):
+    if MODE != 0:
         q_sc, sc_ok, sc_base, r_base, r_ok, desc_row = _score_tile(
             q_ptr, rows_ptr, b, kvh, rb, d, d_ok, num_rows, Hkv, sc_width, stride_qb,
             stride_qn, stride_qh, GROUP, GROUP_PAD, BLOCK_N, R_PAD)
-    if MODE != 0 and SCORE_LOOP == 3:
-        # Gathered from the attention tile's products: no second product, no q_sc tile.
-        take = tl.broadcast_to(
-            _tile_lanes(rows_ptr, rb, num_rows, GROUP_PAD, BLOCK_N, R_PAD)[:, None],
-            [R_PAD * GROUP_PAD, BLOCK_K])
     lo = split * split_size
     # causal: nothing past the last row; nothing past kv_len (= width), as the reference
     hi = tl.minimum(tl.minimum(lo + split_size, tl.max(pos, axis=0) + 1), width)
     m_i = tl.full([BLOCK_N * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_N * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_N * GROUP_PAD, BLOCK_D], tl.float32)
-    # A score sibling walks no attention keys.
-    attn_hi = tl.where(attend, hi, lo)
-    for start in range(lo, attn_hi, BLOCK_K):
+    for start in range(lo, hi, BLOCK_K):
         kpos = start + tl.arange(0, BLOCK_K)
         k_ok = kpos < hi
         page = tl.load(table_ptr + b * stride_tb + kpos // page_size, mask=k_ok, other=0)
@@ -245,44 +193,16 @@ def _paged_split_kernel(
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, K] float32
-        if MODE != 0 and SCORE_LOOP == 0:
+        if MODE != 0:
+            # the score rows' logits from the key block just loaded: K is read once
             _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr,
                          sc_desc, desc_row, R_PAD, GROUP_PAD, BLOCK_K, MODE, USE_DESC,
                          DOT_PRECISION)
-        if MODE != 0 and SCORE_LOOP == 3:
-            _store_scores(tl.gather(s, take, 0), start, kpos, k_ok, sc_base, sc_ok, r_base,
-                          r_ok, sc_ptr, sc_desc, desc_row, R_PAD, GROUP_PAD, BLOCK_K, MODE,
-                          USE_DESC)
         x = tl.where(kpos[None, :] <= pos[:, None], s * scale, float("-inf"))
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
-    if attend:
-        finish_split(m_i, l_i, acc, b * n + row, head, lane_ok, d, d_ok, split, rows_total,
-                     H, out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, count_ptr, HEAD_DIM, SINGLE,
-                     WRITE_LSE, MERGE_LAST)
-    if MODE != 0 and (SCORE_LOOP == 1 or SCORE_LOOP == 2):
-        # The score rows' logits in a loop of their own: once the partials are stored (1: the
-        # attention tile's registers are free by now, and the split's K blocks were just
-        # read), or in the score sibling (2).
-        q_sc, sc_ok, sc_base, r_base, r_ok, desc_row = _score_tile(
-            q_ptr, rows_ptr, b, kvh, rb, d, d_ok, num_rows, Hkv, sc_width, stride_qb,
-            stride_qn, stride_qh, GROUP, GROUP_PAD, BLOCK_N, R_PAD)
-        # programs of a row block without score rows have nothing to store, nor has an
-        # attention program with a sibling
-        has_rows = tl.max(sc_ok.to(tl.int32), axis=0) > 0
-        if SCORE_LOOP == 2:
-            has_rows = has_rows & (tl.program_id(0) % 2 == 1)
-        sc_hi = tl.where(has_rows, hi, lo)
-        for start in tl.range(lo, sc_hi, BLOCK_K, num_stages=SC_STAGES):
-            kpos = start + tl.arange(0, BLOCK_K)
-            k_ok = kpos < hi
-            page = tl.load(table_ptr + b * stride_tb + kpos // page_size, mask=k_ok, other=0)
-            slot = page.to(tl.int64) * page_size + kpos % page_size
-            k = tl.load(k_ptr + slot[:, None] * stride_cs + kvh * stride_ch + d[None, :],
-                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-            _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr,
-                         sc_desc, desc_row, R_PAD, GROUP_PAD, BLOCK_K, MODE, USE_DESC,
-                         DOT_PRECISION)
+    finish_split(m_i, l_i, acc, b * n + row, head, lane_ok, d, d_ok, split, rows_total, H,
+                 out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, HEAD_DIM, SINGLE, WRITE_LSE)
 
 
 @triton.jit
@@ -371,8 +291,7 @@ def _score_job(rows: torch.Tensor | None, out: torch.Tensor | None, mode_name: s
     bsz, n, heads, _ = q.shape
     _check_scores(rows, out, mode_name, bsz, hkv, kv_len)
     mode = MODES[mode_name]
-    # A gathered score tile feeds no tl.dot, so it needs no 16-lane minimum.
-    r_pad = _rows_pad(rows.shape[0], cfg.group_pad, q.is_cuda and SCORE_LOOP != "gather")
+    r_pad = _rows_pad(rows.shape[0], cfg.group_pad, q.is_cuda)
     f32 = dict(dtype=torch.float32, device=q.device)
     if mode == 1:
         half = SCORE_HALF and q.dtype != torch.float32
@@ -395,13 +314,6 @@ def _rows_pad(rows: int, group_pad: int, gpu: bool) -> int:
     lanes) has at least the 16 lanes tl.dot needs."""
     pad = triton.next_power_of_2(rows)
     return max(pad, MIN_DOT // group_pad, 1) if gpu else pad
-
-
-def _score_loop(job: _ScoreJob | None) -> dict[str, int]:
-    """The split kernel's SCORE_LOOP constexprs: where the logits are computed, and the
-    pipeline stages of a separate score loop."""
-    loop, stages = SCORE_LOOPS[SCORE_LOOP] if job is not None else (0, 1)
-    return dict(SCORE_LOOP=loop, SC_STAGES=stages)
 
 
 def _finalise_scores(job: _ScoreJob, positions: torch.Tensor, scale: float, cfg: TileConfig,
@@ -479,14 +391,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     parts = Partials.empty(splits, bsz * n, heads, dim, q.device) if splits > 1 else None
     lse = None if job is None else job.lse
     kernel = _paged_split_kernel_exact if exact else _paged_split_kernel
-    siblings = 2 if job is not None and SCORE_LOOPS[SCORE_LOOP][0] == 2 else 1
-    merge_last = parts is not None and split_merge.MERGE_IN_KERNEL
-    programs = bsz * hkv * siblings * row_blocks
-    counters = split_counters(programs, q.device) if merge_last else out
-    kernel[(bsz * hkv * siblings, row_blocks, splits)](
+    kernel[(bsz * hkv, row_blocks, splits)](
         q, k_cache, v_cache, page_table, positions,
         out, out if lse is None else lse,
-        *((out, out, out) if parts is None else (parts.acc, parts.m, parts.l)), counters,
+        *((out, out, out) if parts is None else (parts.acc, parts.m, parts.l)),
         positions if job is None else job.rows, out if job is None else job.scratch,
         _descriptor(job, cfg.block_k) if use_desc else None,
         n, heads, hkv, page_size, size, scale, bsz * n, 0 if job is None else len(job.rows),
@@ -497,9 +405,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, MODE=0 if job is None else job.mode,
         R_PAD=1 if job is None else job.r_pad, USE_DESC=use_desc, SINGLE=parts is None,
         WRITE_LSE=lse is not None, DOT_PRECISION=cfg.dot_precision,
-        **_score_loop(job), MERGE_LAST=merge_last,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if parts is not None and not merge_last:
+    if parts is not None:
         merge_splits(parts, out, lse)
     if job is not None:
         _finalise_scores(job, positions, scale, cfg, hkv, kv_len)

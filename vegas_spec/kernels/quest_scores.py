@@ -18,26 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels import topk
-from vegas_spec.kernels.split_merge import sm_count
-from vegas_spec.kernels.topk import resident_row_topk, topk_positions_triton
-
 # Pages per program and warps on a GPU, by head dim (other dims: QUEST_TILE). Measured on an
 # H200 (benchmarks/tile_sweep.py --kernel quest, µs per layer): Llama-3.1-8B shape at
 # 16 x 32K 34.9 with 64 pages / 8 warps against 39.8 with 64 / 4; SmolLM2 at 64 x 7.5K 5.7
 # with 128 / 2 against 7.1 with 64 / 4.
 QUEST_TILES = {64: (128, 2), 128: (64, 8)}
 QUEST_TILE = (64, 4)
-# quest's selection of one layer as one kernel (`quest_select`): every page's score, then the
-# row's top-k in the same program, one program per (sequence, kv head). It saves a launch
-# and a kernel's fixed latency per layer, but one program walks all of a row's bounds, so
-# "auto" takes it where a row fits the resident top-k and either the rows fill the SMs or a
-# row's bounds are at most QUEST_ONE_KERNEL_ROW_BYTES; True / False force it either way.
-QUEST_ONE_KERNEL: bool | str = "auto"
-QUEST_ONE_KERNEL_ROW_BYTES = 256 * 1024
-# Pages per step of the one kernel's score loop on a GPU: its [pages, D] bound tiles set its
-# registers (sm_90, head dim 64, 4 warps: 88 at 32 pages, 160 at 64, 255 at 128).
-QUEST_ONE_KERNEL_BLOCK_P = 64
 
 
 @triton.jit
@@ -79,32 +65,6 @@ def _quest_kernel(q_ptr, lo_ptr, hi_ptr, pages_ptr, out_ptr, Hkv, NP,
     tl.store(out_ptr + b * stride_ob + kvh * stride_oh + p, score, mask=p < NP)
 
 
-@triton.jit
-def _quest_topk_kernel(q_ptr, lo_ptr, hi_ptr, pages_ptr, k_ptr, limit_ptr, sc_ptr, out_ptr,
-                       Hkv, NP, out_width, stride_qb, stride_qh, stride_lb, stride_lp,
-                       stride_lh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                       BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       BLOCK_W: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr,
-                       PAGE: tl.constexpr, HAS_LIMIT: tl.constexpr):
-    """One (sequence, kv head): every page's score into its row of sc [B * Hkv, NP], then that
-    row's top-k as `topk_positions_triton` makes it, in the same program."""
-    row = tl.program_id(0)
-    b = row // Hkv
-    kvh = row % Hkv
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    up, down = _group_signs(q_ptr, b, kvh, stride_qb, stride_qh, d, d_ok, GROUP, GROUP_PAD)
-    ranked = tl.load(pages_ptr + b)
-    for start in range(0, NP, BLOCK_P):
-        p = start + tl.arange(0, BLOCK_P)
-        score = _page_scores(lo_ptr, hi_ptr, up, down, b, kvh, p, ranked, d, d_ok, stride_lb,
-                             stride_lp, stride_lh)
-        tl.store(sc_ptr + row.to(tl.int64) * NP + p, score, mask=p < NP)
-    tl.debug_barrier()  # every thread's scores are in the row before any thread reads it
-    resident_row_topk(sc_ptr, pages_ptr, k_ptr, limit_ptr, out_ptr, row, tl.num_programs(0)
-                      // Hkv, Hkv, NP, out_width, BLOCK_W, BLOCK, RADIX_BITS, PAGE, HAS_LIMIT)
-
-
 def _check(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, pages: torch.Tensor) -> None:
     assert q.dim() == 4 and q.shape[1] == 1 and q.stride(-1) == 1
     assert lo.shape == hi.shape and lo.dim() == 4 and lo.stride() == hi.stride()
@@ -135,50 +95,3 @@ def quest_page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
         q.stride(0), q.stride(2), lo.stride(0), lo.stride(1), lo.stride(2),
         out.stride(0), out.stride(1), BLOCK_P=block_p, **_head_args(q, lo), num_warps=warps)
     return out
-
-
-def one_kernel(rows: int, width: int, row_bytes: int, device: torch.device) -> bool:
-    """Whether `quest_select` runs as one kernel (QUEST_ONE_KERNEL's rule)."""
-    if QUEST_ONE_KERNEL != "auto":
-        return bool(QUEST_ONE_KERNEL)
-    if width > topk.RESIDENT_MAX_WIDTH:
-        return False
-    if row_bytes <= QUEST_ONE_KERNEL_ROW_BYTES:
-        return True
-    if device.type != "cuda":
-        return False
-    return rows >= sm_count(device.index if device.index is not None
-                            else torch.cuda.current_device())
-
-
-def quest_select(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, pages: torch.Tensor,
-                 k: torch.Tensor, kmax: int | None, page: int,
-                 limit: torch.Tensor | None) -> torch.Tensor:
-    """quest's positions of one layer: `topk_positions_triton(quest_page_scores(q, lo, hi,
-    pages), pages, k, kmax, page, limit)`, [B, Hkv, units * page] int64, in one kernel where
-    `one_kernel` says so (the same scores, the same choice)."""
-    _check(q, lo, hi, pages)
-    bsz, dim = q.shape[0], q.shape[3]
-    num_pages, hkv = lo.shape[1], lo.shape[2]
-    row_bytes = 2 * num_pages * dim * lo.element_size()
-    if (bsz * hkv == 0 or num_pages == 0
-            or not one_kernel(bsz * hkv, num_pages, row_bytes, q.device)):
-        return topk_positions_triton(quest_page_scores(q, lo, hi, pages), pages, k, kmax, page,
-                                     limit)
-    assert k.shape == (bsz,) and not k.is_floating_point() and k.device == q.device
-    assert limit is None or (limit.shape == (bsz,) and not limit.is_floating_point())
-    assert num_pages <= topk.RESIDENT_MAX_WIDTH, "one kernel holds a row in registers"
-    units = topk.out_units(k, kmax, num_pages)
-    scores = torch.empty(bsz * hkv, num_pages, dtype=torch.float32, device=q.device)
-    out = torch.empty(bsz * hkv, units * page, dtype=torch.int64, device=q.device)
-    block_p = QUEST_ONE_KERNEL_BLOCK_P if q.is_cuda else 16
-    block_w = triton.next_power_of_2(num_pages)
-    pages = pages.contiguous()
-    _quest_topk_kernel[(bsz * hkv,)](
-        q, lo, hi, pages, k.contiguous(), pages if limit is None else limit.contiguous(),
-        scores, out, hkv, num_pages, units,
-        q.stride(0), q.stride(2), lo.stride(0), lo.stride(1), lo.stride(2),
-        BLOCK_P=block_p, **_head_args(q, lo), BLOCK_W=block_w,
-        BLOCK=1024 if q.is_cuda else 256, RADIX_BITS=topk.RESIDENT_RADIX_BITS, PAGE=page,
-        HAS_LIMIT=limit is not None, num_warps=topk.resident_warps(block_w))
-    return out.view(bsz, hkv, units * page)

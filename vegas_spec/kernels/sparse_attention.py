@@ -18,14 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels import split_merge
 from vegas_spec.kernels.split_merge import (
     Partials,
     finish_split,
     merge_splits,
     output_buffer,
     softmax_block,
-    split_counters,
     split_size_for,
     tile_config,
 )
@@ -41,13 +39,13 @@ SPARSE_BLOCK_K = 128
 @triton.jit
 def _sparse_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, idx_ptr, start_ptr,
-        out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, count_ptr,
+        out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr,
         n, H, Hkv, page_size, split_size, scale, rows_total, num_listed, recent_max,
         stride_qb, stride_qn, stride_qh, stride_cs, stride_ch, stride_tb, stride_pb, stride_pn,
         stride_ib, stride_ig,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-        SINGLE: tl.constexpr, MERGE_LAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0) // Hkv
     kvh = tl.program_id(0) % Hkv
     rb = tl.program_id(1)
@@ -90,8 +88,7 @@ def _sparse_split_kernel(
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
     finish_split(m_i, l_i, acc, b * n + row, head, lane_ok, d, d_ok, split, rows_total, H,
-                 out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, count_ptr, HEAD_DIM, SINGLE, False,
-                 MERGE_LAST)
+                 out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, HEAD_DIM, SINGLE, False)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -138,19 +135,16 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = output_buffer(q, out)
     parts = Partials.empty(splits, bsz * n, heads, dim, q.device) if splits > 1 else None
     stride_ig = indices.stride(1) if indices.shape[1] > 1 else 0
-    merge_last = parts is not None and split_merge.MERGE_IN_KERNEL
-    counters = split_counters(bsz * hkv * row_blocks, q.device) if merge_last else out
     _sparse_split_kernel[(bsz * hkv, row_blocks, splits)](
         q, k_cache, v_cache, page_table, positions, indices, recent_start,
         out, out, *((out, out, out) if parts is None else (parts.acc, parts.m, parts.l)),
-        counters,
         n, heads, hkv, page_size, size, scale, bsz * n, indices.shape[2], recent_max,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
         page_table.stride(0), positions.stride(0), positions.stride(1),
         indices.stride(0), stride_ig,
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        BLOCK_D=cfg.block_d, HEAD_DIM=dim, SINGLE=parts is None, MERGE_LAST=merge_last,
+        BLOCK_D=cfg.block_d, HEAD_DIM=dim, SINGLE=parts is None,
         DOT_PRECISION=cfg.dot_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if parts is not None and not merge_last:
+    if parts is not None:
         merge_splits(parts, out, None)
     return out

@@ -91,29 +91,6 @@ def split_size_for(length: int, programs: int, block_k: int, device: torch.devic
     return math.ceil(blocks / splits) * block_k
 
 
-# With several splits, the last split program of each (sequence, kv head, row block) to finish
-# merges the splits itself (`finish_split`'s MERGE_LAST) instead of `merge_splits` after the
-# launch: one kernel fewer per attention call, in the same split order. The counters that
-# elect that program are shared by every launch on a device, so launches that use them must
-# not run concurrently (the engine runs one stream).
-MERGE_IN_KERNEL = True
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-# Outgrown counter buffers stay allocated: CUDA graphs captured with them still use them.
-_OUTGROWN: list[torch.Tensor] = []
-
-
-def split_counters(programs: int, device: torch.device) -> torch.Tensor:
-    """At least `programs` int32 counters, all 0 (each launch leaves them 0 again); 65,536
-    at first (256 KB), enough for every decode and verify launch of the engine's buckets."""
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < programs:
-        if have is not None:
-            _OUTGROWN.append(have)
-        have = torch.zeros(max(programs, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[device] = have
-    return have
-
-
 @dataclass
 class Partials:
     """Per-split softmax state: acc [S, B*n, H, D], m and l [S, B*n, H], all float32."""
@@ -155,53 +132,19 @@ def softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _store_out(acc, l_i, m_i, o_row, lse_row, mask, lane_ok, out_ptr, lse_ptr,
-               WRITE_LSE: tl.constexpr):
-    """Normalise acc [M, D] by l_i [M] into out at o_row [M, D] offsets; lse = m + log l."""
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    tl.store(out_ptr + o_row, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
-    if WRITE_LSE:
-        tl.store(lse_ptr + lse_row, m_i + tl.log(l_safe), mask=lane_ok)
-
-
-@triton.jit
-def _merge_step(m_run, l_run, acc, m_s, l_s, a_s):
-    """Fold one split's (m_s, l_s, a_s) into the running merge; a split whose l_s is 0 saw no
-    key and adds nothing (its acc was never written)."""
-    live = l_s > 0
-    m_new = tl.maximum(m_run, tl.where(live, m_s, float("-inf")))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_run - m_use)
-    beta = tl.where(live, tl.exp(m_s - m_use), 0.0)
-    return m_new, l_run * alpha + l_s * beta, acc * alpha[:, None] + a_s * beta[:, None]
-
-
-@triton.jit
-def _load_split(acc_ptr, m_ptr, l_ptr, base, d, ok, d_ok, HEAD_DIM: tl.constexpr):
-    """One split's partials at base [M] (rows x heads offsets), read past L1: (m, l, acc)."""
-    m_s = tl.load(m_ptr + base, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    l_s = tl.load(l_ptr + base, mask=ok, other=0.0, cache_modifier=".cg")
-    live = ok & (l_s > 0)
-    a_s = tl.load(acc_ptr + base[:, None] * HEAD_DIM + d[None, :],
-                  mask=live[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-    return m_s, l_s, a_s
-
-
-@triton.jit
 def finish_split(m_i, l_i, acc, flat_row, head, lane_ok, d, d_ok, split, rows_total, H,
-                 out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, count_ptr,
-                 HEAD_DIM: tl.constexpr, SINGLE: tl.constexpr, WRITE_LSE: tl.constexpr,
-                 MERGE_LAST: tl.constexpr):
+                 out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr,
+                 HEAD_DIM: tl.constexpr, SINGLE: tl.constexpr, WRITE_LSE: tl.constexpr):
     """Epilogue of a split program. flat_row = b * n + row, head, lane_ok: [M] per lane.
-    SINGLE: normalise into out [B, n, H, D] (and lse [B, n, H]); else write the partials,
-    and with MERGE_LAST the last of the split programs (program_id 2) of this (program_id 0,
-    program_id 1) to finish merges them all in split order (count_ptr: one int32 counter per
-    such pair, `split_counters`, 0 before the launch and again after it)."""
-    o_row = (flat_row.to(tl.int64) * H + head)[:, None] * HEAD_DIM + d[None, :]
-    o_mask = lane_ok[:, None] & d_ok[None, :]
+    SINGLE: normalise into out [B, n, H, D] (and lse [B, n, H]); else write the partials."""
     if SINGLE:
-        _store_out(acc, l_i, m_i, o_row, flat_row * H + head, o_mask, lane_ok, out_ptr,
-                   lse_ptr, WRITE_LSE)
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o_off = (flat_row.to(tl.int64) * H + head)[:, None] * HEAD_DIM + d[None, :]
+        o = acc / l_safe[:, None]
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty),
+                 mask=lane_ok[:, None] & d_ok[None, :])
+        if WRITE_LSE:
+            tl.store(lse_ptr + flat_row * H + head, m_i + tl.log(l_safe), mask=lane_ok)
     else:
         base = (split * rows_total + flat_row).to(tl.int64) * H + head
         tl.store(m_ptr + base, m_i, mask=lane_ok)
@@ -209,24 +152,6 @@ def finish_split(m_i, l_i, acc, flat_row, head, lane_ok, d, d_ok, split, rows_to
         live = lane_ok & (l_i > 0)
         tl.store(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc,
                  mask=live[:, None] & d_ok[None, :])
-        if MERGE_LAST:
-            # Every thread's partials are stored before one thread takes a ticket (release);
-            # the program that takes the last one has seen every split's stores (acquire).
-            tl.debug_barrier()
-            counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-            num_splits = tl.num_programs(2)
-            if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-                m_run = tl.full(m_i.shape, float("-inf"), tl.float32)
-                l_run = tl.zeros(l_i.shape, tl.float32)
-                merged = tl.zeros(acc.shape, tl.float32)
-                for s in range(num_splits):
-                    m_s, l_s, a_s = _load_split(
-                        acc_ptr, m_ptr, l_ptr, (s * rows_total + flat_row).to(tl.int64) * H
-                        + head, d, lane_ok, d_ok, HEAD_DIM)
-                    m_run, l_run, merged = _merge_step(m_run, l_run, merged, m_s, l_s, a_s)
-                _store_out(merged, l_run, m_run, o_row, flat_row * H + head, o_mask, lane_ok,
-                           out_ptr, lse_ptr, WRITE_LSE)
-                tl.atomic_xchg(counter, 0)  # ready for the next launch
 
 
 @triton.jit
@@ -242,11 +167,24 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, num_splits, rows_tota
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for split in range(num_splits):
         base = (split * rows_total + flat_row).to(tl.int64) * H + h
-        m_s, l_s, a_s = _load_split(acc_ptr, m_ptr, l_ptr, base, d, h_ok, d_ok, HEAD_DIM)
-        m_run, l_run, acc = _merge_step(m_run, l_run, acc, m_s, l_s, a_s)
-    o_row = (flat_row.to(tl.int64) * H + h)[:, None] * HEAD_DIM + d[None, :]
-    _store_out(acc, l_run, m_run, o_row, flat_row.to(tl.int64) * H + h,
-               h_ok[:, None] & d_ok[None, :], h_ok, out_ptr, lse_ptr, WRITE_LSE)
+        m_s = tl.load(m_ptr + base, mask=h_ok, other=float("-inf"))
+        l_s = tl.load(l_ptr + base, mask=h_ok, other=0.0)
+        live = l_s > 0
+        a_s = tl.load(acc_ptr + base[:, None] * HEAD_DIM + d[None, :],
+                      mask=live[:, None] & d_ok[None, :], other=0.0)
+        m_new = tl.maximum(m_run, tl.where(live, m_s, float("-inf")))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_run - m_use)
+        beta = tl.where(live, tl.exp(m_s - m_use), 0.0)
+        l_run = l_run * alpha + l_s * beta
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        m_run = m_new
+    l_safe = tl.where(l_run > 0, l_run, 1.0)
+    o_off = (flat_row.to(tl.int64) * H + h)[:, None] * HEAD_DIM + d[None, :]
+    o = acc / l_safe[:, None]
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+    if WRITE_LSE:
+        tl.store(lse_ptr + flat_row.to(tl.int64) * H + h, m_run + tl.log(l_safe), mask=h_ok)
 
 
 def merge_splits(parts: Partials, out: torch.Tensor, lse: torch.Tensor | None) -> None:

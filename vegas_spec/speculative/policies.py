@@ -408,13 +408,9 @@ class QuestSelector:
     def __call__(self, layer: int, q: torch.Tensor, ctx: StepContext,
                  backend: Any = None) -> torch.Tensor:
         """q [B, 1, H, D] -> positions [B, Hkv, K * page] (`expand_pages`' layout). With a
-        backend, its whole selection (if it has one), or its page-score kernel and top-k (if
-        it has one) replace the references; the Triton top-k expands the pages in its own
-        kernel."""
+        backend, its page-score kernel and top-k (if it has one) replace the references; the
+        Triton top-k expands the pages in its own kernel."""
         lo, hi = self.bounds[layer]
-        if backend is not None and backend.quest_select is not None:
-            return backend.quest_select(q, lo, hi, self.pages, self.n_pages, self.max_pages,
-                                        self.page, self.rankable)
         if backend is None:
             page_scores = quest_page_scores_ref(q, lo, hi, self.pages)  # [B, Hkv, NP]
         else:
