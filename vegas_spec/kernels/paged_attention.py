@@ -59,8 +59,8 @@ from vegas_spec.kernels.split_merge import (
 
 MODES = {"weight": 1, "logit": 2}
 # Tiles of a score-emitting pass on a GPU: 128-key blocks, 3 pipeline stages and splits of at
-# most 2048 keys. The score tile and its stores take the 128-key loop to 253-255 registers,
-# two programs per SM; many short splits keep the SMs fed all the same. On an H200
+# most 2048 keys. Two programs per SM (shared memory caps the 3-stage 128-key tile at two);
+# many short splits keep the SMs fed all the same. On an H200
 # (benchmarks/tile_sweep.py, n = 7, weight scores of 2 rows): Llama-3.1-8B shape at 16 x 32K
 # 693 against 1003 µs per layer with 64-key blocks, 2 stages and the occupancy-based split;
 # SmolLM2 at 64 x 7.5K 176 against 180 µs. The keys are read in the same order either way,
@@ -71,19 +71,20 @@ SCORE_SPLIT_MAX = 2048
 # How the weight-mode logits are stored: float32 or float16 (16-bit models: half the scratch
 # bytes), through a tile of pointers or a tensor descriptor (one bulk copy of the
 # [lanes, block_k] tile per key block; steps with one row block, pointers otherwise).
-# name -> (SCORE_HALF, SCORE_DESCRIPTOR). On an H200 (benchmarks/tile_sweep.py --stores,
-# n = 7, weight scores of 2 rows, 128 / 3, µs per layer; sm_90 registers / spill bytes):
-# Llama-3.1-8B shape 16 x 32K float32 descriptor 781 (216 / 0), float32 pointers 842
-# (255 / 10), float16 descriptor 830 (220 / 0); no scores 658. The descriptor frees the
-# pointer tile's registers, so the loop stops spilling.
+# name -> (SCORE_HALF, SCORE_DESCRIPTOR). Compiled for sm_90 at the Llama-3.1-8B verify shape
+# (benchmarks/kernel_regs.py, 128 / 3): float32 descriptor 205 registers, no spills; float32
+# pointers 255 with 76 B of spill stores (no scores: 199). The whole verify step on an H200
+# (benchmarks/step_profile.py --score-tiles 128:3 128:3:f32-pointers, one engine): 8B shape
+# 16 x 32K 27.98 against 28.24 ms, SmolLM2 64 x 7.5K 6.57 against 6.50: level within a
+# percent; the float16 stores were slower (BENCHMARKS.md §2.6, §2.10).
 SCORE_STORES = {"f32-pointers": (False, False), "f16-pointers": (True, False),
                 "f16-descriptor": (True, True), "f32-descriptor": (False, True)}
 SCORE_HALF, SCORE_DESCRIPTOR = SCORE_STORES["f32-descriptor"]
 # The logits are computed in the attention loop, on the key block it has just loaded, so K is
-# read once. Measured slower and dropped (BENCHMARKS.md §2.9): a second loop over the split's
-# K blocks after the partials are stored (1062 against 708 µs per layer at the 8B shape), a
-# sibling program per attention program (1010), and score lanes gathered from the attention
-# tile's products (789 against 781 with the float32 descriptor).
+# read once. Measured slower and dropped (BENCHMARKS.md §2.9, §2.10): a second loop over the
+# split's K blocks after the partials are stored (1062 against 708 µs per layer at the 8B
+# shape), a sibling program per attention program (1010), and score lanes gathered from the
+# attention tile's products (789 against 781 µs with the float32 descriptor).
 # Exact mode: one tiling for every full-attention step, plain or verify, scored or not, at any
 # batch size and context: the score pass's tiles and splits of exactly SCORE_SPLIT_MAX keys on
 # a GPU (the interpreter: its own small blocks, splits of 4 blocks), and EXACT_ROWS query rows
