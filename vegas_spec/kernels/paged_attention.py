@@ -99,21 +99,11 @@ def _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_pt
                  desc_row, R_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
                  MODE: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Raw q.k of the score rows only (q_sc [R_PAD * GROUP_PAD, D]) for one key block -> the
-    scratch (`_store_scores`)."""
-    s = tl.dot(q_sc, tl.trans(k), input_precision=DOT_PRECISION)  # [R_PAD * GROUP_PAD, K]
-    _store_scores(s, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr, sc_desc, desc_row,
-                  R_PAD, GROUP_PAD, BLOCK_K, MODE, USE_DESC)
-
-
-@triton.jit
-def _store_scores(s, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr, sc_desc,
-                  desc_row, R_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
-                  BLOCK_K: tl.constexpr, MODE: tl.constexpr, USE_DESC: tl.constexpr):
-    """The score rows' raw q.k of one key block, s [R_PAD * GROUP_PAD, K] -> the scratch.
-    Weight mode: lane l of the tile goes to scratch row desc_row + l (a whole
+    scratch. Weight mode: lane l of the tile goes to scratch row desc_row + l (a whole
     [lanes, BLOCK_K] block through sc_desc when USE_DESC, else the real lanes through
     sc_base [lanes] = row starts). Logit mode: summed over the group, r_base [R_PAD] = row
     starts; sc_ok / r_ok: real lanes / rows."""
+    s = tl.dot(q_sc, tl.trans(k), input_precision=DOT_PRECISION)  # [R_PAD * GROUP_PAD, K]
     if MODE == 1:
         if USE_DESC:
             sc_desc.store([desc_row, start], s.to(sc_desc.dtype))
