@@ -26,6 +26,8 @@ per second (τ · batch / (round + host work)) in exact mode against the default
 
 `--profile` adds a per-kernel table (torch.profiler) of one replay of each step (quest's
 draft step too);
+`--swaps no yes` times every step with paged attention as Q·Kᵀ and as K·Qᵀ
+(`paged_attention.SWAP_AB`), each in graphs of its own;
 `--projections` the weight-streaming rate of every projection at the plain and the verify
 step's row counts. Also reported: the verify step without scores (stream's), quest's draft
 step, the host work between rounds of the engine's own loop and the projected speedup
@@ -373,6 +375,10 @@ def main() -> None:
                     help="how scored attention passes run, BLOCK_K:STAGES[:STORE] (STORE one "
                          f"of {', '.join(pa.SCORE_STORES)}), each in graphs of its own; "
                          "default: the library's")
+    ap.add_argument("--swaps", nargs="+", choices=["no", "yes"],
+                    default=["yes" if pa.SWAP_AB else "no"],
+                    help="paged attention as Q·Kᵀ (no) or K·Qᵀ (yes, paged_attention.SWAP_AB), "
+                         "each in graphs of its own; default: the library's")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -390,14 +396,17 @@ def main() -> None:
         for k, v in llm.cache.layers:
             k.normal_()
             v.normal_()
-        for bsz, skinny, tiles in ((b, r, t) for b in args.batches
-                                   for r in args.skinny_rows for t in args.score_tiles):
-            # Both are read when the graphs are captured.
+        for bsz, skinny, tiles, swap in ((b, r, t, w) for b in args.batches
+                                         for r in args.skinny_rows for t in args.score_tiles
+                                         for w in args.swaps):
+            # All three are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
             pa.SCORE_BLOCK_K, pa.SCORE_STAGES, store = tiles
             pa.SCORE_HALF, pa.SCORE_DESCRIPTOR = pa.SCORE_STORES[store]
+            pa.SWAP_AB = swap == "yes"
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny, "score_tiles": ":".join(map(str, tiles)),
+                   "swap": swap,
                    **measure(llm, spec, context, bsz, args, bandwidth)}
             row["host_gap_ms"] = host_gap_ms(llm, spec, bsz, args.host_gap_tokens,
                                              min(256, context // 2))

@@ -2,11 +2,11 @@
 
 Times `paged_attention` for n = 7 query rows with and without selection scores (weight mode,
 rows 0 and 6) and for n = 1, over key blocks of 64 and 128, 2-3 pipeline stages, 4 warps
-(or `--warps`), two split sizes and how scored passes store their logits (`--stores`,
-`SCORE_STORES`), on random bf16 K/V behind a shuffled page table. Each
-figure is the median per call of 20 replays of a CUDA graph of 30 calls (the kernel count of
-one step of a 30-layer model), with the registers, spills and shared memory of the kernel
-variants each setting compiled. What it decided: the `SCORE_*` tiles of `paged_attention`.
+(or `--warps`), two split sizes, how scored passes store their logits (`--stores`,
+`SCORE_STORES`) and Q·Kᵀ or K·Qᵀ (`--swaps`, `SWAP_AB`), on random bf16 K/V behind a
+shuffled page table. Each figure is the median per call of 20 replays of a CUDA graph of 30
+calls (the kernel count of one step of a 30-layer model), with the registers, spills and
+shared memory of the kernel variants each setting compiled. What it decided: the `SCORE_*` tiles of `paged_attention`.
 `--kernel sparse` times the draft step's sparse attention instead, and `--kernel quest`
 quest's page scores (`quest_scores.QUEST_TILES`) and its top-k (`topk.RESIDENT_*`).
 
@@ -176,6 +176,9 @@ def main() -> None:
                     help="split sizes in keys, or 'auto' (the occupancy heuristic)")
     ap.add_argument("--stores", nargs="+", choices=sorted(STORES), default=[LIBRARY_STORE],
                     help="how weight-mode passes keep their logits (default: the library's)")
+    ap.add_argument("--swaps", nargs="+", choices=["no", "yes"],
+                    default=["yes" if pa.SWAP_AB else "no"],
+                    help="paged: Q·Kᵀ (no) or K·Qᵀ (yes, paged_attention.SWAP_AB)")
     ap.add_argument("--kernel", choices=["paged", "sparse", "quest"], default="paged",
                     help="sparse: the draft step's attention over a 5%% budget plus 64 recent; "
                          "quest: quest's page scores and top-k of one layer")
@@ -210,9 +213,10 @@ def main() -> None:
         splits = [None if x == "auto" else int(x) for x in args.splits]
         for mode in modes:
             stores = args.stores if mode == "weight" else [LIBRARY_STORE]
-            for store, block_k, stages, warps, split in itertools.product(
-                    stores, args.block_k, args.stages, args.warps, splits):
+            for store, swap, block_k, stages, warps, split in itertools.product(
+                    stores, args.swaps, args.block_k, args.stages, args.warps, splits):
                 with_store(store)
+                pa.SWAP_AB = swap == "yes"
                 extra = (score_rows, scores, "weight") if mode == "weight" else ()
                 before = compiled()
                 with_tiles(stages, warps)
@@ -220,7 +224,7 @@ def main() -> None:
                     q, k, v, table, pos, page, kv_len, scale, *extra,  # noqa: B023
                     block_k=block_k, split_size=split, out=out))  # noqa: B023
                 pa.tile_config, pa.SCORE_STAGES = tile_config, SCORE_STAGES
-                row = {"n": n, "mode": mode, "store": store, "block_k": block_k,
+                row = {"n": n, "mode": mode, "store": store, "swap": swap, "block_k": block_k,
                        "stages": stages, "warps": warps, "split": split, "us": us}
                 new = [kern for i, kern in compiled().items() if i not in before]
                 if new:  # the variants this setting compiled: registers per thread

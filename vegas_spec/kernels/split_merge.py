@@ -132,6 +132,21 @@ def softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def softmax_block_t(xt, v, m_i, l_i, acc_t, DOT_PRECISION: tl.constexpr):
+    """`softmax_block` with the key axis first: xt [K, M] scaled logits, acc_t [D, M]. The
+    products are K·Qᵀ and Vᵀ·P, whose M side is the matrix unit's N side: a few query rows
+    then fill no padded 64-row MMA tile (Hopper's warpgroup MMA takes N down to 8)."""
+    m_new = tl.maximum(m_i, tl.max(xt, axis=0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(xt - m_use[None, :])
+    alpha = tl.exp(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype),
+                                            input_precision=DOT_PRECISION)
+    return m_new, l_i, acc_t
+
+
+@triton.jit
 def finish_split(m_i, l_i, acc, flat_row, head, lane_ok, d, d_ok, split, rows_total, H,
                  out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr,
                  HEAD_DIM: tl.constexpr, SINGLE: tl.constexpr, WRITE_LSE: tl.constexpr):
