@@ -8,7 +8,8 @@ shuffled page table. Each figure is the median per call of 20 replays of a CUDA 
 calls (the kernel count of one step of a 30-layer model), with the registers, spills and
 shared memory of the kernel variants each setting compiled. What it decided: the `SCORE_*`
 tiles of `paged_attention`. `--kernel sparse` times the draft step's sparse attention
-instead, and `--kernel quest` quest's page scores (`quest_scores.QUEST_TILES`) and its top-k (`topk.RESIDENT_*`).
+instead, and `--kernel quest` quest's page scores (`quest_scores.QUEST_TILES`) and its
+top-k (`topk.RESIDENT_*`).
 
     python benchmarks/tile_sweep.py --out tile_sweep.json
     python benchmarks/tile_sweep.py --kernel quest --warps 2 4 8 --out quest_sweep.json
