@@ -26,8 +26,8 @@ per second (τ · batch / (round + host work)) in exact mode against the default
 
 `--profile` adds a per-kernel table (torch.profiler) of one replay of each step (quest's
 draft step too);
-`--swaps no yes` times every step with paged attention as Q·Kᵀ and as K·Qᵀ
-(`paged_attention.SWAP_AB`), each in graphs of its own;
+`--swaps no yes` times every step with paged and sparse attention as Q·Kᵀ and as K·Qᵀ
+(their `SWAP_AB`), each in graphs of its own;
 `--projections` the weight-streaming rate of every projection at the plain and the verify
 step's row counts. Also reported: the verify step without scores (stream's), quest's draft
 step, the host work between rounds of the engine's own loop and the projected speedup
@@ -49,6 +49,7 @@ from vegas_spec import LLM, SamplingParams, SpecConfig
 from vegas_spec.attention import triton_backend
 from vegas_spec.graphs import GraphRunner
 from vegas_spec.kernels import paged_attention as pa
+from vegas_spec.kernels import sparse_attention
 from vegas_spec.speculative.policies import SelectionInput, make_policy
 
 
@@ -377,8 +378,8 @@ def main() -> None:
                          "default: the library's")
     ap.add_argument("--swaps", nargs="+", choices=["no", "yes"],
                     default=["yes" if pa.SWAP_AB else "no"],
-                    help="paged attention as Q·Kᵀ (no) or K·Qᵀ (yes, paged_attention.SWAP_AB), "
-                         "each in graphs of its own; default: the library's")
+                    help="paged and sparse attention as Q·Kᵀ (no) or K·Qᵀ (yes, their "
+                         "SWAP_AB), each in graphs of its own; default: the library's")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -403,7 +404,7 @@ def main() -> None:
             triton_backend.SKINNY_MAX_ROWS = skinny
             pa.SCORE_BLOCK_K, pa.SCORE_STAGES, store = tiles
             pa.SCORE_HALF, pa.SCORE_DESCRIPTOR = pa.SCORE_STORES[store]
-            pa.SWAP_AB = swap == "yes"
+            pa.SWAP_AB = sparse_attention.SWAP_AB = swap == "yes"
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny, "score_tiles": ":".join(map(str, tiles)),
                    "swap": swap,

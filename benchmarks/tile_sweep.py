@@ -106,18 +106,20 @@ def sparse_sweep(args: argparse.Namespace, recent: int = 64) -> list[dict]:
     moved = 2 * bsz * hkv * (budget + recent) * dim * k.element_size()
     rows = []
     splits = [None if x == "auto" else int(x) for x in args.splits]
-    for block_k, stages, warps, split in itertools.product(
-            args.block_k, args.stages, args.warps, splits):
+    for swap, block_k, stages, warps, split in itertools.product(
+            args.swaps, args.block_k, args.stages, args.warps, splits):
         if split is not None and split % block_k:
             continue
+        sa.SWAP_AB = swap == "yes"
         sa.tile_config = lambda q, hkv, block_k=None, s=stages, w=warps: (  # noqa: E731
             dataclasses.replace(tile_config(q, hkv, block_k), num_stages=s, num_warps=w))
         us = graph_us(lambda: sa.sparse_attention(  # noqa: B023
             q, k, v, table, pos, 16, idx, recent_start, recent, dim ** -0.5,
             block_k=block_k, split_size=split, out=out))  # noqa: B023
         sa.tile_config = tile_config
-        row = {"kernel": "sparse", "block_k": block_k, "stages": stages, "warps": warps,
-               "split": split, "budget": budget, "us": us, "tb_per_s": moved / us / 1e6}
+        row = {"kernel": "sparse", "swap": swap, "block_k": block_k, "stages": stages,
+               "warps": warps, "split": split, "budget": budget, "us": us,
+               "tb_per_s": moved / us / 1e6}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -179,7 +181,7 @@ def main() -> None:
                     help="how weight-mode passes keep their logits (default: the library's)")
     ap.add_argument("--swaps", nargs="+", choices=["no", "yes"],
                     default=["yes" if pa.SWAP_AB else "no"],
-                    help="paged: Q·Kᵀ (no) or K·Qᵀ (yes, paged_attention.SWAP_AB)")
+                    help="paged, sparse: Q·Kᵀ (no) or K·Qᵀ (yes, the kernel's SWAP_AB)")
     ap.add_argument("--kernel", choices=["paged", "sparse", "quest"], default="paged",
                     help="sparse: the draft step's attention over a 5%% budget plus 64 recent; "
                          "quest: quest's page scores and top-k of one layer")

@@ -49,13 +49,15 @@ from vegas_spec.kernels.split_merge import (
     MIN_DOT,
     Partials,
     TileConfig,
+    attend_block,
+    final_acc,
     finish_split,
+    load_query,
     merge_splits,
     output_buffer,
-    softmax_block,
-    softmax_block_t,
     split_size_for,
     tile_config,
+    zero_acc,
 )
 
 MODES = {"weight": 1, "logit": 2}
@@ -86,13 +88,11 @@ SCORE_HALF, SCORE_DESCRIPTOR = SCORE_STORES["f32-descriptor"]
 # split's K blocks after the partials are stored (1062 against 708 µs per layer at the 8B
 # shape), a sibling program per attention program (1010), and score lanes gathered from the
 # attention tile's products (789 against 781 µs with the float32 descriptor).
-# SWAP_AB: the split kernel computes K·Qᵀ and Vᵀ·P instead of Q·Kᵀ and P·V. A step of few
-# rows has few query lanes (n rows x the group's heads: 28 at the 8B verify shape, 4 at a
-# plain step): as the M side of Q·Kᵀ they are padded to a 16-row tile for `mma.sync`; as the
-# N side of K·Qᵀ the key block is M and the product compiles to Hopper's warpgroup MMA
-# (`wgmma`, checked with ptxas for sm_90). Same keys, same blocks and splits; the dot products
-# and the softmax run in another order, so results differ by float rounding only. One switch
-# for every call, so exact mode keeps one tiling.
+# SWAP_AB: the split kernel computes K·Qᵀ and Vᵀ·P instead of Q·Kᵀ and P·V
+# (`split_merge.attend_block`). A step of few rows has few query lanes (n rows x the group's
+# heads: 28 at the 8B verify shape, 4 at a plain step); as the N side of the products they
+# compile to Hopper's warpgroup MMA (`wgmma`, checked with ptxas for sm_90) instead of
+# `mma.sync` on a padded tile. One switch for every call, so exact mode keeps one tiling.
 SWAP_AB = False
 # Exact mode: one tiling for every full-attention step, plain or verify, scored or not, at any
 # batch size and context: the score pass's tiles and splits of exactly SCORE_SPLIT_MAX keys on
@@ -186,12 +186,8 @@ def _paged_split_kernel(
     d_ok = d < HEAD_DIM
     pos = tl.load(pos_ptr + b * stride_pb + row * stride_pn, mask=row < n, other=-1)
     pos = pos.to(tl.int32)
-    if SWAP:  # the query tile as qᵀ [D, M]
-        q = tl.load(q_ptr + b * stride_qb + row[None, :] * stride_qn + head[None, :] * stride_qh
-                    + d[:, None], mask=lane_ok[None, :] & d_ok[:, None], other=0.0)
-    else:
-        q = tl.load(q_ptr + b * stride_qb + row[:, None] * stride_qn + head[:, None] * stride_qh
-                    + d[None, :], mask=lane_ok[:, None] & d_ok[None, :], other=0.0)
+    q = load_query(q_ptr, b, row, head, lane_ok, d, d_ok, stride_qb, stride_qn, stride_qh,
+                   SWAP)
     if MODE != 0:
         q_sc, sc_ok, sc_base, r_base, r_ok, desc_row = _score_tile(
             q_ptr, rows_ptr, b, kvh, rb, d, d_ok, num_rows, Hkv, sc_width, stride_qb,
@@ -201,10 +197,7 @@ def _paged_split_kernel(
     hi = tl.minimum(tl.minimum(lo + split_size, tl.max(pos, axis=0) + 1), width)
     m_i = tl.full([BLOCK_N * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_N * GROUP_PAD], tl.float32)
-    if SWAP:
-        acc = tl.zeros([BLOCK_D, BLOCK_N * GROUP_PAD], tl.float32)  # accᵀ until the loop ends
-    else:
-        acc = tl.zeros([BLOCK_N * GROUP_PAD, BLOCK_D], tl.float32)
+    acc = zero_acc(BLOCK_N * GROUP_PAD, BLOCK_D, SWAP)
     for start in range(lo, hi, BLOCK_K):
         kpos = start + tl.arange(0, BLOCK_K)
         k_ok = kpos < hi
@@ -213,26 +206,17 @@ def _paged_split_kernel(
         kv_off = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-        if SWAP:
-            s = tl.dot(k, q, input_precision=DOT_PRECISION)  # [K, M] float32
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, K] float32
         if MODE != 0:
             # the score rows' logits from the key block just loaded: K is read once
             _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr,
                          sc_desc, desc_row, R_PAD, GROUP_PAD, BLOCK_K, MODE, USE_DESC,
                          DOT_PRECISION, SWAP)
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-        if SWAP:
-            x = tl.where(kpos[:, None] <= pos[None, :], s * scale, float("-inf"))
-            m_i, l_i, acc = softmax_block_t(x, v, m_i, l_i, acc, DOT_PRECISION)
-        else:
-            x = tl.where(kpos[None, :] <= pos[:, None], s * scale, float("-inf"))
-            m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
-    if SWAP:
-        acc = tl.trans(acc)
-    finish_split(m_i, l_i, acc, b * n + row, head, lane_ok, d, d_ok, split, rows_total, H,
-                 out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, HEAD_DIM, SINGLE, WRITE_LSE)
+        m_i, l_i, acc = attend_block(q, k, v, kpos, k_ok, pos, scale, m_i, l_i, acc,
+                                     DOT_PRECISION, SWAP)
+    finish_split(m_i, l_i, final_acc(acc, SWAP), b * n + row, head, lane_ok, d, d_ok, split,
+                 rows_total, H, out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, HEAD_DIM, SINGLE,
+                 WRITE_LSE)
 
 
 @triton.jit

@@ -133,9 +133,7 @@ def softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def softmax_block_t(xt, v, m_i, l_i, acc_t, DOT_PRECISION: tl.constexpr):
-    """`softmax_block` with the key axis first: xt [K, M] scaled logits, acc_t [D, M]. The
-    products are K·Qᵀ and Vᵀ·P, whose M side is the matrix unit's N side: a few query rows
-    then fill no padded 64-row MMA tile (Hopper's warpgroup MMA takes N down to 8)."""
+    """`softmax_block` with the key axis first: xt [K, M] scaled logits, acc_t [D, M]."""
     m_new = tl.maximum(m_i, tl.max(xt, axis=0))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(xt - m_use[None, :])
@@ -144,6 +142,51 @@ def softmax_block_t(xt, v, m_i, l_i, acc_t, DOT_PRECISION: tl.constexpr):
     acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype),
                                             input_precision=DOT_PRECISION)
     return m_new, l_i, acc_t
+
+
+@triton.jit
+def load_query(q_ptr, b, row, head, lane_ok, d, d_ok, stride_qb, stride_qn, stride_qh,
+               SWAP: tl.constexpr):
+    """The query tile of a split program: q [M, D], or qᵀ [D, M] with SWAP."""
+    if SWAP:
+        return tl.load(q_ptr + b * stride_qb + row[None, :] * stride_qn
+                       + head[None, :] * stride_qh + d[:, None],
+                       mask=lane_ok[None, :] & d_ok[:, None], other=0.0)
+    return tl.load(q_ptr + b * stride_qb + row[:, None] * stride_qn + head[:, None] * stride_qh
+                   + d[None, :], mask=lane_ok[:, None] & d_ok[None, :], other=0.0)
+
+
+@triton.jit
+def zero_acc(M: tl.constexpr, BLOCK_D: tl.constexpr, SWAP: tl.constexpr):
+    """The output accumulator: [M, D], or accᵀ [D, M] with SWAP (`final_acc` turns it back)."""
+    if SWAP:
+        return tl.zeros([BLOCK_D, M], tl.float32)
+    return tl.zeros([M, BLOCK_D], tl.float32)
+
+
+@triton.jit
+def final_acc(acc, SWAP: tl.constexpr):
+    """The accumulator as [M, D] for `finish_split`."""
+    if SWAP:
+        return tl.trans(acc)
+    return acc
+
+
+@triton.jit
+def attend_block(q, k, v, kpos, k_ok, pos, scale, m_i, l_i, acc, DOT_PRECISION: tl.constexpr,
+                 SWAP: tl.constexpr):
+    """One key block k, v [K, D] at positions kpos [K] (k_ok: real keys) for query lanes at
+    positions pos [M]: causal mask, then the online softmax. SWAP: the products as K·Qᵀ and
+    Vᵀ·P (q is qᵀ, acc accᵀ), so that the M query lanes are the matrix unit's N side; few
+    lanes then fill no padded 16- or 64-row MMA tile (Hopper's warpgroup MMA takes N down
+    to 8). Same blocks, other summation order: results differ by float rounding only."""
+    if SWAP:
+        s = tl.dot(k, q, input_precision=DOT_PRECISION)  # [K, M] float32
+        x = tl.where(k_ok[:, None] & (kpos[:, None] <= pos[None, :]), s * scale, float("-inf"))
+        return softmax_block_t(x, v, m_i, l_i, acc, DOT_PRECISION)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, K] float32
+    x = tl.where(k_ok[None, :] & (kpos[None, :] <= pos[:, None]), s * scale, float("-inf"))
+    return softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
 
 
 @triton.jit
