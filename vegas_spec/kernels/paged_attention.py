@@ -49,7 +49,8 @@ from vegas_spec.kernels.split_merge import (
     MIN_DOT,
     Partials,
     TileConfig,
-    attend_block,
+    attend_logits,
+    block_logits,
     final_acc,
     finish_split,
     load_query,
@@ -89,7 +90,7 @@ SCORE_HALF, SCORE_DESCRIPTOR = SCORE_STORES["f32-descriptor"]
 # shape), a sibling program per attention program (1010), and score lanes gathered from the
 # attention tile's products (789 against 781 µs with the float32 descriptor).
 # SWAP_AB: the split kernel computes K·Qᵀ and Vᵀ·P instead of Q·Kᵀ and P·V
-# (`split_merge.attend_block`). A step of few rows has few query lanes (n rows x the group's
+# (`split_merge.block_logits`). A step of few rows has few query lanes (n rows x the group's
 # heads: 28 at the 8B verify shape, 4 at a plain step); as the N side of the products they
 # compile to Hopper's warpgroup MMA (`wgmma`, checked with ptxas for sm_90) instead of
 # `mma.sync` on a padded tile. One switch for every call, so exact mode keeps one tiling.
@@ -206,14 +207,15 @@ def _paged_split_kernel(
         kv_off = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = block_logits(q, k, DOT_PRECISION, SWAP)
         if MODE != 0:
             # the score rows' logits from the key block just loaded: K is read once
             _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr,
                          sc_desc, desc_row, R_PAD, GROUP_PAD, BLOCK_K, MODE, USE_DESC,
                          DOT_PRECISION, SWAP)
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-        m_i, l_i, acc = attend_block(q, k, v, kpos, k_ok, pos, scale, m_i, l_i, acc,
-                                     DOT_PRECISION, SWAP)
+        m_i, l_i, acc = attend_logits(s, v, kpos, k_ok, pos, scale, m_i, l_i, acc,
+                                      DOT_PRECISION, SWAP, False)
     finish_split(m_i, l_i, final_acc(acc, SWAP), b * n + row, head, lane_ok, d, d_ok, split,
                  rows_total, H, out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, HEAD_DIM, SINGLE,
                  WRITE_LSE)

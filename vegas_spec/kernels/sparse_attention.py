@@ -20,7 +20,8 @@ import triton.language as tl
 
 from vegas_spec.kernels.split_merge import (
     Partials,
-    attend_block,
+    attend_logits,
+    block_logits,
     final_acc,
     finish_split,
     load_query,
@@ -37,7 +38,7 @@ from vegas_spec.kernels.split_merge import (
 # copy bandwidth) against 57.8. Gathered rows arrive from scattered pages, so more keys in
 # flight per program hide more latency; 4 pipeline stages were slower (42.1 / 46.6 µs).
 SPARSE_BLOCK_K = 128
-# The products as K·Qᵀ and Vᵀ·P (`split_merge.attend_block`); off until timed.
+# The products as K·Qᵀ and Vᵀ·P (`split_merge.block_logits`); off until timed.
 SWAP_AB = False
 
 
@@ -87,9 +88,10 @@ def _sparse_split_kernel(
         kv_off = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = block_logits(q, k, DOT_PRECISION, SWAP)
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-        m_i, l_i, acc = attend_block(q, k, v, kpos, k_ok, pos, scale, m_i, l_i, acc,
-                                     DOT_PRECISION, SWAP)
+        m_i, l_i, acc = attend_logits(s, v, kpos, k_ok, pos, scale, m_i, l_i, acc,
+                                      DOT_PRECISION, SWAP, True)
     finish_split(m_i, l_i, final_acc(acc, SWAP), b * n + row, head, lane_ok, d, d_ok, split,
                  rows_total, H, out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, HEAD_DIM, SINGLE,
                  False)

@@ -149,44 +149,64 @@ def load_query(q_ptr, b, row, head, lane_ok, d, d_ok, stride_qb, stride_qn, stri
                SWAP: tl.constexpr):
     """The query tile of a split program: q [M, D], or qᵀ [D, M] with SWAP."""
     if SWAP:
-        return tl.load(q_ptr + b * stride_qb + row[None, :] * stride_qn
-                       + head[None, :] * stride_qh + d[:, None],
-                       mask=lane_ok[None, :] & d_ok[:, None], other=0.0)
-    return tl.load(q_ptr + b * stride_qb + row[:, None] * stride_qn + head[:, None] * stride_qh
-                   + d[None, :], mask=lane_ok[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(q_ptr + b * stride_qb + row[None, :] * stride_qn + head[None, :] * stride_qh
+                    + d[:, None], mask=lane_ok[None, :] & d_ok[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptr + b * stride_qb + row[:, None] * stride_qn + head[:, None] * stride_qh
+                    + d[None, :], mask=lane_ok[:, None] & d_ok[None, :], other=0.0)
+    return q
 
 
 @triton.jit
 def zero_acc(M: tl.constexpr, BLOCK_D: tl.constexpr, SWAP: tl.constexpr):
     """The output accumulator: [M, D], or accᵀ [D, M] with SWAP (`final_acc` turns it back)."""
     if SWAP:
-        return tl.zeros([BLOCK_D, M], tl.float32)
-    return tl.zeros([M, BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_D, M], tl.float32)
+    else:
+        acc = tl.zeros([M, BLOCK_D], tl.float32)
+    return acc
 
 
 @triton.jit
 def final_acc(acc, SWAP: tl.constexpr):
     """The accumulator as [M, D] for `finish_split`."""
     if SWAP:
-        return tl.trans(acc)
+        acc = tl.trans(acc)
     return acc
 
 
 @triton.jit
-def attend_block(q, k, v, kpos, k_ok, pos, scale, m_i, l_i, acc, DOT_PRECISION: tl.constexpr,
-                 SWAP: tl.constexpr):
-    """One key block k, v [K, D] at positions kpos [K] (k_ok: real keys) for query lanes at
-    positions pos [M]: causal mask, then the online softmax. SWAP: the products as K·Qᵀ and
-    Vᵀ·P (q is qᵀ, acc accᵀ), so that the M query lanes are the matrix unit's N side; few
-    lanes then fill no padded 16- or 64-row MMA tile (Hopper's warpgroup MMA takes N down
-    to 8). Same blocks, other summation order: results differ by float rounding only."""
+def block_logits(q, k, DOT_PRECISION: tl.constexpr, SWAP: tl.constexpr):
+    """Raw logits of one key block k [K, D]: q·kᵀ [M, K], or with SWAP k·qᵀ [K, M] (q is then
+    qᵀ [D, M]). SWAP puts the M query lanes on the matrix unit's N side: few lanes then fill
+    no padded 16- or 64-row MMA tile (Hopper's warpgroup MMA takes N down to 8). Same
+    blocks, other summation order: results differ by float rounding only."""
     if SWAP:
-        s = tl.dot(k, q, input_precision=DOT_PRECISION)  # [K, M] float32
-        x = tl.where(k_ok[:, None] & (kpos[:, None] <= pos[None, :]), s * scale, float("-inf"))
-        return softmax_block_t(x, v, m_i, l_i, acc, DOT_PRECISION)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, K] float32
-    x = tl.where(k_ok[None, :] & (kpos[None, :] <= pos[:, None]), s * scale, float("-inf"))
-    return softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
+        s = tl.dot(k, q, input_precision=DOT_PRECISION)
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    return s
+
+
+@triton.jit
+def attend_logits(s, v, kpos, k_ok, pos, scale, m_i, l_i, acc, DOT_PRECISION: tl.constexpr,
+                  SWAP: tl.constexpr, MASK_KEYS: tl.constexpr):
+    """The online softmax over one key block's logits s (`block_logits`) at positions kpos
+    [K] for query lanes at positions pos [M]: causal mask (and k_ok, the real keys, with
+    MASK_KEYS), then `softmax_block` (`softmax_block_t` with SWAP, acc being accᵀ)."""
+    if SWAP:
+        visible = kpos[:, None] <= pos[None, :]
+        if MASK_KEYS:
+            visible = visible & k_ok[:, None]
+        x = tl.where(visible, s * scale, float("-inf"))
+        m_i, l_i, acc = softmax_block_t(x, v, m_i, l_i, acc, DOT_PRECISION)
+    else:
+        visible = kpos[None, :] <= pos[:, None]
+        if MASK_KEYS:
+            visible = visible & k_ok[None, :]
+        x = tl.where(visible, s * scale, float("-inf"))
+        m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
+    return m_i, l_i, acc
 
 
 @triton.jit
