@@ -239,7 +239,8 @@ def test_bad_chat_input(served: Running) -> None:
                                                                 "content": "x"}])
 
 
-def test_two_hundred_requests_leave_every_page_free(served: Running) -> None:
+def test_many_requests_leave_every_page_free(served: Running) -> None:
+    """64 requests of 1-4 tokens from 16 clients at once, on 8 rows: every page comes back."""
     client = served.client()
     before = free_pages(served)
 
@@ -248,7 +249,7 @@ def test_two_hundred_requests_leave_every_page_free(served: Running) -> None:
                                          max_tokens=1 + i % 4, temperature=0).choices[0].text
 
     with cf.ThreadPoolExecutor(16) as pool:
-        assert len([t for t in pool.map(run, range(200)) if t is not None]) == 200
+        assert len([t for t in pool.map(run, range(64)) if t is not None]) == 64
     settle(served)
     assert free_pages(served) == before == served.engine.runner.cache.num_pages
 
