@@ -150,19 +150,21 @@ def quest_sweep(args: argparse.Namespace, page: int = 16) -> list[dict]:
     keep = max(int(args.ratio * ctx) // page, 1)
     k = torch.full((bsz,), keep, device="cuda")
     rankable = pages * page
-    for per_warp, bits in itertools.product(args.topk_keys_per_warp, args.topk_radix_bits):
+    for per_warp, bits, early in itertools.product(args.topk_keys_per_warp,
+                                                   args.topk_radix_bits, args.topk_early_exit):
         tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS = per_warp, bits
+        tk.RESIDENT_EARLY_EXIT = early == "yes"
         us = graph_us(lambda: tk.topk_positions_triton(scores, pages, k, keep, page, rankable))
         row = {"kernel": "quest_topk", "keys_per_warp": per_warp, "radix_bits": bits,
-               "width": num_pages, "keep_pages": keep, "us": us}
+               "early_exit": early, "width": num_pages, "keep_pages": keep, "us": us}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS = TOPK_SETTING
+    tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS, tk.RESIDENT_EARLY_EXIT = TOPK_SETTING
     return rows
 
 
 QUEST_SETTINGS = qs.QUEST_TILES
-TOPK_SETTING = (tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS)
+TOPK_SETTING = (tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS, tk.RESIDENT_EARLY_EXIT)
 
 
 def main() -> None:
@@ -191,6 +193,9 @@ def main() -> None:
                     help="quest: scores per warp of the resident top-k")
     ap.add_argument("--topk-radix-bits", type=int, nargs="+", default=[4, 8],
                     help="quest: bits per radix pass of the resident top-k")
+    ap.add_argument("--topk-early-exit", nargs="+", choices=["no", "yes"],
+                    default=["yes" if tk.RESIDENT_EARLY_EXIT else "no"],
+                    help="quest: the resident top-k stops once the prefix decides")
     ap.add_argument("--ratio", type=float, default=0.05, help="quest: tokens kept")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()

@@ -45,6 +45,9 @@ RESIDENT_MAX_WIDTH = 8192
 RESIDENT_KEYS_PER_WARP = 256
 # Bits per radix pass of the resident top-k (32 / bits passes, one 2^bits-bin histogram each).
 RESIDENT_RADIX_BITS = 4
+# The resident top-k stops its passes once the prefix decides the choice (a runtime loop
+# instead of 8 unrolled passes); off until timed.
+RESIDENT_EARLY_EXIT = False
 
 
 @triton.jit
@@ -150,17 +153,20 @@ def _topk_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B, G, widt
 def _topk_resident_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B, G, width,
                           out_width, BLOCK_W: tl.constexpr, BLOCK: tl.constexpr,
                           RADIX_BITS: tl.constexpr, PAGE: tl.constexpr,
-                          HAS_LIMIT: tl.constexpr):
+                          HAS_LIMIT: tl.constexpr, EARLY_EXIT: tl.constexpr):
     resident_row_topk(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, tl.program_id(0),
-                      B, G, width, out_width, BLOCK_W, BLOCK, RADIX_BITS, PAGE, HAS_LIMIT)
+                      B, G, width, out_width, BLOCK_W, BLOCK, RADIX_BITS, PAGE, HAS_LIMIT,
+                      EARLY_EXIT)
 
 
 @triton.jit
 def resident_row_topk(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, row, B, G, width,
                       out_width, BLOCK_W: tl.constexpr, BLOCK: tl.constexpr,
-                      RADIX_BITS: tl.constexpr, PAGE: tl.constexpr, HAS_LIMIT: tl.constexpr):
+                      RADIX_BITS: tl.constexpr, PAGE: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                      EARLY_EXIT: tl.constexpr):
     """The top-k of score row `row` (sequence (row // G) % B) of at most BLOCK_W scores, held
-    in registers: `topk_positions_triton`'s output row."""
+    in registers: `topk_positions_triton`'s output row. EARLY_EXIT: stop the radix passes
+    once the keys matching the prefix are exactly the ones still wanted (the same choice)."""
     b = (row // G) % B
     length, want, limit = _row_bounds(rankable_ptr, k_ptr, limit_ptr, b, width, HAS_LIMIT)
     w = tl.arange(0, BLOCK_W)
@@ -171,20 +177,41 @@ def resident_row_topk(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, row, 
     # at least `want`, so digit 0 always qualifies.
     prefix = tl.zeros([], tl.uint32)
     above = tl.zeros([], tl.int32)
-    for p in tl.static_range(32 // RADIX_BITS):
-        shift = 32 - RADIX_BITS * (p + 1)
-        same = ok
-        if p > 0:  # the digits above this one match the prefix's (a shift by 32 is undefined)
-            same = ok & ((key >> (shift + RADIX_BITS)) == (prefix >> (shift + RADIX_BITS)))
-        digit = ((key >> shift) & ((1 << RADIX_BITS) - 1)).to(tl.int32)
-        hist = tl.histogram(digit, 1 << RADIX_BITS, mask=same)
-        at_least = above + tl.cumsum(hist, 0, reverse=True)  # keys >= prefix + digit << shift
-        best = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
-        above += tl.sum(tl.where(digits > best, hist, 0), axis=0)
-        prefix += best.to(tl.uint32) << shift
+    if EARLY_EXIT:
+        # Stop once the keys that match the prefix's digits so far are exactly the ones still
+        # wanted: every key >= prefix (whose lower digits are 0) is then taken.
+        p = tl.zeros([], tl.int32)
+        done = want < 0
+        while (p < 32 // RADIX_BITS) & (done == 0):
+            shift = (32 - RADIX_BITS * (p + 1)).to(tl.uint32)
+            # the digits above this one match the prefix's (none at the first pass)
+            high = shift + RADIX_BITS
+            same = ok & ((p == 0) | ((key >> high) == (prefix >> high)))
+            digit = ((key >> shift) & ((1 << RADIX_BITS) - 1)).to(tl.int32)
+            hist = tl.histogram(digit, 1 << RADIX_BITS, mask=same)
+            at_least = above + tl.cumsum(hist, 0, reverse=True)
+            best = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
+            above += tl.sum(tl.where(digits > best, hist, 0), axis=0)
+            prefix += best.to(tl.uint32) << shift
+            done = above + tl.sum(tl.where(digits == best, hist, 0), axis=0) == want
+            p += 1
+    else:
+        done = want < 0
+        for p in tl.static_range(32 // RADIX_BITS):
+            shift = 32 - RADIX_BITS * (p + 1)
+            same = ok
+            if p > 0:  # the digits above this one match the prefix's (a shift by 32 is undefined)
+                same = ok & ((key >> (shift + RADIX_BITS)) == (prefix >> (shift + RADIX_BITS)))
+            digit = ((key >> shift) & ((1 << RADIX_BITS) - 1)).to(tl.int32)
+            hist = tl.histogram(digit, 1 << RADIX_BITS, mask=same)
+            at_least = above + tl.cumsum(hist, 0, reverse=True)  # keys >= prefix + digit << shift
+            best = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
+            above += tl.sum(tl.where(digits > best, hist, 0), axis=0)
+            prefix += best.to(tl.uint32) << shift
     is_tie = ok & (key == prefix)
     tie_rank = tl.cumsum(is_tie.to(tl.int32), axis=0)  # 1-based
-    take = ok & ((key > prefix) | (is_tie & (tie_rank <= want - above))) & (want > 0)
+    take = ok & ((key > prefix) | (is_tie & (tie_rank <= want - above)))
+    take = tl.where(done, ok & (key >= prefix), take) & (want > 0)
     slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
     out_row = out_ptr + row.to(tl.int64) * (out_width * PAGE)
     _store_units(out_row, slot, w, take, limit, PAGE)
@@ -234,7 +261,8 @@ def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch
     if width <= RESIDENT_MAX_WIDTH:
         block_w = triton.next_power_of_2(width)
         _topk_resident_kernel[(flat.shape[0],)](*args, BLOCK_W=block_w,
-                                                RADIX_BITS=RESIDENT_RADIX_BITS, **common,
+                                                RADIX_BITS=RESIDENT_RADIX_BITS,
+                                                EARLY_EXIT=RESIDENT_EARLY_EXIT, **common,
                                                 num_warps=resident_warps(block_w))
     else:
         _topk_kernel[(flat.shape[0],)](*args, RADIX_BITS=RADIX_BITS, **common, num_warps=4)
