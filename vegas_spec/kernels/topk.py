@@ -150,6 +150,21 @@ def _topk_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B, G, widt
 
 
 @triton.jit
+def _radix_pass(key, same, prefix, above, want, shift, RADIX_BITS: tl.constexpr):
+    """One pass of the resident top-k over the digit at `shift` of the keys that match the
+    prefix so far (`same`): the largest digit d for which above + #(keys >= prefix + d <<
+    shift) >= want joins the prefix. -> (prefix, above, keys matching the new prefix)."""
+    digits = tl.arange(0, 1 << RADIX_BITS)
+    digit = ((key >> shift) & ((1 << RADIX_BITS) - 1)).to(tl.int32)
+    hist = tl.histogram(digit, 1 << RADIX_BITS, mask=same)
+    at_least = above + tl.cumsum(hist, 0, reverse=True)  # keys >= prefix + digit << shift
+    best = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
+    above += tl.sum(tl.where(digits > best, hist, 0), axis=0)
+    prefix += best.to(tl.uint32) << shift
+    return prefix, above, tl.sum(tl.where(digits == best, hist, 0), axis=0)
+
+
+@triton.jit
 def _topk_resident_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B, G, width,
                           out_width, BLOCK_W: tl.constexpr, BLOCK: tl.constexpr,
                           RADIX_BITS: tl.constexpr, PAGE: tl.constexpr,
@@ -172,7 +187,6 @@ def resident_row_topk(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, row, 
     w = tl.arange(0, BLOCK_W)
     ok = w < length
     key = _keys32(tl.load(scores_ptr + row.to(tl.int64) * width + w, mask=ok, other=0.0))
-    digits = tl.arange(0, 1 << RADIX_BITS)
     # Invariant: above (keys past the prefix's digits so far) + the keys that match them is
     # at least `want`, so digit 0 always qualifies.
     prefix = tl.zeros([], tl.uint32)
@@ -187,31 +201,23 @@ def resident_row_topk(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, row, 
             # the digits above this one match the prefix's (none at the first pass)
             high = shift + RADIX_BITS
             same = ok & ((p == 0) | ((key >> high) == (prefix >> high)))
-            digit = ((key >> shift) & ((1 << RADIX_BITS) - 1)).to(tl.int32)
-            hist = tl.histogram(digit, 1 << RADIX_BITS, mask=same)
-            at_least = above + tl.cumsum(hist, 0, reverse=True)
-            best = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
-            above += tl.sum(tl.where(digits > best, hist, 0), axis=0)
-            prefix += best.to(tl.uint32) << shift
-            done = above + tl.sum(tl.where(digits == best, hist, 0), axis=0) == want
+            prefix, above, matched = _radix_pass(key, same, prefix, above, want, shift,
+                                                 RADIX_BITS)
+            done = above + matched == want
             p += 1
     else:
-        done = want < 0
         for p in tl.static_range(32 // RADIX_BITS):
             shift = 32 - RADIX_BITS * (p + 1)
             same = ok
             if p > 0:  # the digits above this one match the prefix's (a shift by 32 is undefined)
                 same = ok & ((key >> (shift + RADIX_BITS)) == (prefix >> (shift + RADIX_BITS)))
-            digit = ((key >> shift) & ((1 << RADIX_BITS) - 1)).to(tl.int32)
-            hist = tl.histogram(digit, 1 << RADIX_BITS, mask=same)
-            at_least = above + tl.cumsum(hist, 0, reverse=True)  # keys >= prefix + digit << shift
-            best = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
-            above += tl.sum(tl.where(digits > best, hist, 0), axis=0)
-            prefix += best.to(tl.uint32) << shift
+            prefix, above, _ = _radix_pass(key, same, prefix, above, want, shift, RADIX_BITS)
     is_tie = ok & (key == prefix)
     tie_rank = tl.cumsum(is_tie.to(tl.int32), axis=0)  # 1-based
     take = ok & ((key > prefix) | (is_tie & (tie_rank <= want - above)))
-    take = tl.where(done, ok & (key >= prefix), take) & (want > 0)
+    if EARLY_EXIT:
+        take = tl.where(done, ok & (key >= prefix), take)
+    take = take & (want > 0)
     slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
     out_row = out_ptr + row.to(tl.int64) * (out_width * PAGE)
     _store_units(out_row, slot, w, take, limit, PAGE)
