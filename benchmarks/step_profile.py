@@ -327,15 +327,10 @@ def score_tiles(text: str) -> tuple[int, int, str]:
     "f32-pointers"): a scored pass's key block, stages and store of its logits
     (`paged_attention.SCORE_STORES`)."""
     block_k, stages, *store = text.split(":")
-    name = store[0] if store else library_store()
+    name = store[0] if store else pa.SCORE_STORE
     if name not in pa.SCORE_STORES or len(store) > 1:
         raise argparse.ArgumentTypeError(f"unknown score store {':'.join(store)!r}")
     return int(block_k), int(stages), name
-
-
-def library_store() -> str:
-    return next(name for name, flags in pa.SCORE_STORES.items()
-                if flags == (pa.SCORE_HALF, pa.SCORE_DESCRIPTOR))
 
 
 def kv_bytes_per_token(folder: Path, itemsize: int) -> int:
@@ -407,8 +402,7 @@ def main() -> None:
                 for t in args.score_tiles for w in args.swaps for e in args.topk_early_exit):
             # All of these are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
-            pa.SCORE_BLOCK_K, pa.SCORE_STAGES, store = tiles
-            pa.SCORE_HALF, pa.SCORE_DESCRIPTOR = pa.SCORE_STORES[store]
+            pa.SCORE_BLOCK_K, pa.SCORE_STAGES, pa.SCORE_STORE = tiles
             pa.SWAP_AB = sparse_attention.SWAP_AB = swap == "yes"
             topk.RESIDENT_EARLY_EXIT = early == "yes"
             llm.graphs = None

@@ -79,14 +79,7 @@ def with_tiles(stages: int, warps: int) -> None:
     pa.SCORE_STAGES = stages
 
 
-STORES = pa.SCORE_STORES
-LIBRARY_STORE = next(name for name, flags in STORES.items()
-                     if flags == (pa.SCORE_HALF, pa.SCORE_DESCRIPTOR))
-
-
-def with_store(name: str) -> None:
-    """Weight-mode logits in float16 or float32, stored through pointers or a descriptor."""
-    pa.SCORE_HALF, pa.SCORE_DESCRIPTOR = STORES[name]
+LIBRARY_STORE = pa.SCORE_STORE
 
 
 def sparse_sweep(args: argparse.Namespace, recent: int = 64) -> list[dict]:
@@ -179,7 +172,8 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--splits", nargs="+", default=["auto", "2048"],
                     help="split sizes in keys, or 'auto' (the occupancy heuristic)")
-    ap.add_argument("--stores", nargs="+", choices=sorted(STORES), default=[LIBRARY_STORE],
+    ap.add_argument("--stores", nargs="+", choices=sorted(pa.SCORE_STORES),
+                    default=[LIBRARY_STORE],
                     help="how weight-mode passes keep their logits (default: the library's)")
     ap.add_argument("--swaps", nargs="+", choices=["no", "yes"],
                     default=["yes" if pa.SWAP_AB else "no"],
@@ -223,7 +217,7 @@ def main() -> None:
             stores = args.stores if mode == "weight" else [LIBRARY_STORE]
             for store, swap, block_k, stages, warps, split in itertools.product(
                     stores, args.swaps, args.block_k, args.stages, args.warps, splits):
-                with_store(store)
+                pa.SCORE_STORE = store
                 pa.SWAP_AB = swap == "yes"
                 extra = (score_rows, scores, "weight") if mode == "weight" else ()
                 before = compiled()

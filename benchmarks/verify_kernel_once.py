@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
-from tile_sweep import LIBRARY_STORE, STORES, paged_cache, with_store
+from tile_sweep import paged_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vegas_spec.kernels.paged_attention as pa  # noqa: E402
@@ -30,7 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--score-block-k", type=int, default=None,
                     help="key block of the score-emitting call (default: the library's)")
-    ap.add_argument("--store", choices=sorted(STORES), default=LIBRARY_STORE,
+    ap.add_argument("--store", choices=sorted(pa.SCORE_STORES), default=pa.SCORE_STORE,
                     help="how the scored pass keeps its logits (tile_sweep.py)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=7500)
@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this script runs CUDA kernels"
-    with_store(args.store)
+    pa.SCORE_STORE = args.store
     bsz, heads, hkv, dim = args.batch, args.heads, args.kv_heads, args.head_dim
     page, ctx, n = 16, args.context, 7
     table, k, v, kv_len = paged_cache(bsz, hkv, dim, ctx, page)

@@ -126,7 +126,7 @@ def test_half_score_scratch(case: Case, descriptor: bool,
                             monkeypatch: pytest.MonkeyPatch) -> None:
     """16-bit models keep weight-mode logits in float16, stored through the tensor descriptor
     (one row block) or through pointers (several row blocks, or when switched off)."""
-    monkeypatch.setattr(pa, "SCORE_DESCRIPTOR", descriptor)
+    monkeypatch.setattr(pa, "SCORE_STORE", "f16-descriptor" if descriptor else "f16-pointers")
     run(case, torch.float16)
 
 
@@ -137,7 +137,7 @@ SCORED = [case for case in CASES if case.rows is not None]
 def test_score_store_through_pointers(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     """Float32 logits stored through a tile of pointers instead of the tensor descriptor give
     the reference's scores (and the same attention output)."""
-    monkeypatch.setattr(pa, "SCORE_DESCRIPTOR", False)
+    monkeypatch.setattr(pa, "SCORE_STORE", "f32-pointers")
     run(case, torch.float32)
 
 
@@ -153,9 +153,7 @@ def test_score_stores_give_the_same_scores(store: str,
     rows = torch.tensor([0, 6], device=DEVICE)
     got = {}
     for name in ("f32-pointers", store):
-        half, descriptor = pa.SCORE_STORES[name]
-        monkeypatch.setattr(pa, "SCORE_DESCRIPTOR", descriptor)
-        monkeypatch.setattr(pa, "SCORE_HALF", half)
+        monkeypatch.setattr(pa, "SCORE_STORE", name)
         got[name] = poisoned(2, 2, 2, 104)
         paged_attention(q, cache.k, cache.v, cache.page_table, positions, 8, 100, 0.125,
                         rows, got[name], "weight")

@@ -75,7 +75,7 @@ SCORE_SPLIT_MAX = 2048
 # How the weight-mode logits are stored: float32 or float16 (16-bit models: half the scratch
 # bytes), through a tile of pointers or a tensor descriptor (one bulk copy of the
 # [lanes, block_k] tile per key block; steps with one row block, pointers otherwise).
-# name -> (SCORE_HALF, SCORE_DESCRIPTOR). Compiled for sm_90 at the Llama-3.1-8B verify shape
+# name -> (float16 scratch, descriptor store). Compiled for sm_90 at the Llama-3.1-8B verify shape
 # (benchmarks/kernel_regs.py, 128 / 3): float32 descriptor 205 registers, no spills; float32
 # pointers 255 with 76 B of spill stores (no scores: 199). The whole verify step on an H200
 # (benchmarks/step_profile.py --score-tiles 128:3 128:3:f32-pointers, one engine): 8B shape
@@ -83,7 +83,7 @@ SCORE_SPLIT_MAX = 2048
 # percent; the float16 stores were slower (BENCHMARKS.md §2.6, §2.10).
 SCORE_STORES = {"f32-pointers": (False, False), "f16-pointers": (True, False),
                 "f16-descriptor": (True, True), "f32-descriptor": (False, True)}
-SCORE_HALF, SCORE_DESCRIPTOR = SCORE_STORES["f32-descriptor"]
+SCORE_STORE = "f32-descriptor"
 # The logits are computed in the attention loop, on the key block it has just loaded, so K is
 # read once. Measured slower and dropped (BENCHMARKS.md §2.9, §2.10): a second loop over the
 # split's K blocks after the partials are stored (1062 against 708 µs per layer at the 8B
@@ -110,24 +110,14 @@ def _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_pt
                  MODE: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  SWAP: tl.constexpr):
     """Raw q.k of the score rows only (q_sc [R_PAD * GROUP_PAD, D]) for one key block -> the
-    scratch (`_store_scores`); SWAP: as the product K·q_scᵀ (see SWAP_AB)."""
+    scratch (SWAP: as the product K·q_scᵀ, see SWAP_AB). Weight mode: lane l of the tile goes
+    to scratch row desc_row + l (a whole [lanes, BLOCK_K] block through sc_desc when
+    USE_DESC, else the real lanes through sc_base [lanes] = row starts). Logit mode: summed
+    over the group, r_base [R_PAD] = row starts; sc_ok / r_ok: real lanes / rows."""
     if SWAP:
         s = tl.trans(tl.dot(k, tl.trans(q_sc), input_precision=DOT_PRECISION))
     else:
         s = tl.dot(q_sc, tl.trans(k), input_precision=DOT_PRECISION)  # [R_PAD * GROUP_PAD, K]
-    _store_scores(s, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr, sc_desc, desc_row,
-                  R_PAD, GROUP_PAD, BLOCK_K, MODE, USE_DESC)
-
-
-@triton.jit
-def _store_scores(s, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr, sc_desc,
-                  desc_row, R_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
-                  BLOCK_K: tl.constexpr, MODE: tl.constexpr, USE_DESC: tl.constexpr):
-    """The score rows' raw q.k of one key block, s [R_PAD * GROUP_PAD, K] -> the scratch.
-    Weight mode: lane l of the tile goes to scratch row desc_row + l (a whole
-    [lanes, BLOCK_K] block through sc_desc when USE_DESC, else the real lanes through
-    sc_base [lanes] = row starts). Logit mode: summed over the group, r_base [R_PAD] = row
-    starts; sc_ok / r_ok: real lanes / rows."""
     if MODE == 1:
         if USE_DESC:
             sc_desc.store([desc_row, start], s.to(sc_desc.dtype))
@@ -310,7 +300,7 @@ def _score_job(rows: torch.Tensor | None, out: torch.Tensor | None, mode_name: s
     r_pad = _rows_pad(rows.shape[0], cfg.group_pad, q.is_cuda)
     f32 = dict(dtype=torch.float32, device=q.device)
     if mode == 1:
-        half = SCORE_HALF and q.dtype != torch.float32
+        half = SCORE_STORES[SCORE_STORE][0] and q.dtype != torch.float32
         scratch = torch.empty(bsz, hkv, r_pad * cfg.group_pad, -(-kv_len // 16) * 16,
                               dtype=torch.float16 if half else torch.float32, device=q.device)
         lse = torch.empty(bsz, n, heads, **f32)
@@ -402,7 +392,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     row_blocks = triton.cdiv(n, cfg.block_n)
     splits = triton.cdiv(kv_len, size)
     job = _score_job(score_rows, score_out, score_mode, q, cfg, hkv, kv_len)
-    use_desc = SCORE_DESCRIPTOR and job is not None and job.mode == 1 and row_blocks == 1
+    use_desc = (SCORE_STORES[SCORE_STORE][1] and job is not None and job.mode == 1
+                and row_blocks == 1)
     out = output_buffer(q, out)
     parts = Partials.empty(splits, bsz * n, heads, dim, q.device) if splits > 1 else None
     lse = None if job is None else job.lse

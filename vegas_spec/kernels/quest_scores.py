@@ -27,57 +27,28 @@ QUEST_TILE = (64, 4)
 
 
 @triton.jit
-def _group_signs(q_ptr, b, kvh, stride_qb, stride_qh, d, d_ok, GROUP: tl.constexpr,
-                 GROUP_PAD: tl.constexpr):
-    """up, down [D]: the sums over the kv head's query heads of max(q, 0) and min(q, 0)."""
-    g = tl.arange(0, GROUP_PAD)
-    q = tl.load(q_ptr + b * stride_qb + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :],
-                mask=(g < GROUP)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    return tl.sum(tl.maximum(q, 0.0), axis=0), tl.sum(tl.minimum(q, 0.0), axis=0)
-
-
-@triton.jit
-def _page_scores(lo_ptr, hi_ptr, up, down, b, kvh, p, ranked, d, d_ok, stride_lb, stride_lp,
-                 stride_lh):
-    """Scores of pages p [BLOCK_P] of (b, kvh): up . hi + down . lo, -inf from `ranked` on."""
-    ok = p < ranked
-    off = b.to(tl.int64) * stride_lb + p[:, None] * stride_lp + kvh * stride_lh + d[None, :]
-    mask = ok[:, None] & d_ok[None, :]
-    hi = tl.load(hi_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    lo = tl.load(lo_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    score = tl.sum(hi * up[None, :] + lo * down[None, :], axis=1)
-    return tl.where(ok, score, float("-inf"))
-
-
-@triton.jit
 def _quest_kernel(q_ptr, lo_ptr, hi_ptr, pages_ptr, out_ptr, Hkv, NP,
                   stride_qb, stride_qh, stride_lb, stride_lp, stride_lh, stride_ob, stride_oh,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr,
                   BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
     b = tl.program_id(0) // Hkv
     kvh = tl.program_id(0) % Hkv
+    g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    up, down = _group_signs(q_ptr, b, kvh, stride_qb, stride_qh, d, d_ok, GROUP, GROUP_PAD)
+    q = tl.load(q_ptr + b * stride_qb + (kvh * GROUP + g)[:, None] * stride_qh + d[None, :],
+                mask=(g < GROUP)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    up = tl.sum(tl.maximum(q, 0.0), axis=0)  # [D]
+    down = tl.sum(tl.minimum(q, 0.0), axis=0)
     p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
-    score = _page_scores(lo_ptr, hi_ptr, up, down, b, kvh, p, tl.load(pages_ptr + b), d, d_ok,
-                         stride_lb, stride_lp, stride_lh)
-    tl.store(out_ptr + b * stride_ob + kvh * stride_oh + p, score, mask=p < NP)
-
-
-def _check(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, pages: torch.Tensor) -> None:
-    assert q.dim() == 4 and q.shape[1] == 1 and q.stride(-1) == 1
-    assert lo.shape == hi.shape and lo.dim() == 4 and lo.stride() == hi.stride()
-    assert lo.stride(-1) == 1 and lo.shape[0] == q.shape[0] and lo.shape[3] == q.shape[3]
-    assert q.shape[2] % lo.shape[2] == 0 and pages.shape == (q.shape[0],)
-    assert q.device == lo.device == hi.device == pages.device
-
-
-def _head_args(q: torch.Tensor, lo: torch.Tensor) -> dict[str, int]:
-    group = q.shape[2] // lo.shape[2]
-    dim = q.shape[3]
-    return dict(GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
-                BLOCK_D=max(triton.next_power_of_2(dim), 16), HEAD_DIM=dim)
+    ok = p < tl.load(pages_ptr + b)
+    off = b.to(tl.int64) * stride_lb + p[:, None] * stride_lp + kvh * stride_lh + d[None, :]
+    mask = ok[:, None] & d_ok[None, :]
+    hi = tl.load(hi_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    lo = tl.load(lo_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    score = tl.sum(hi * up[None, :] + lo * down[None, :], axis=1)
+    tl.store(out_ptr + b * stride_ob + kvh * stride_oh + p, tl.where(ok, score, float("-inf")),
+             mask=p < NP)
 
 
 def quest_page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -85,13 +56,20 @@ def quest_page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     """q [B, 1, H, D] (one draft row, RoPE applied); lo, hi [B, NP, Hkv, D] the elementwise
     min and max key of every page; pages [B]: pages of rankable positions. Returns page
     scores [B, Hkv, NP] float32, -inf for pages >= pages[b]."""
-    _check(q, lo, hi, pages)
-    bsz, dim = q.shape[0], q.shape[3]
+    assert q.dim() == 4 and q.shape[1] == 1 and q.stride(-1) == 1
+    assert lo.shape == hi.shape and lo.dim() == 4 and lo.stride() == hi.stride()
+    assert lo.stride(-1) == 1 and lo.shape[0] == q.shape[0] and lo.shape[3] == q.shape[3]
+    assert q.shape[2] % lo.shape[2] == 0 and pages.shape == (q.shape[0],)
+    assert q.device == lo.device == hi.device == pages.device
+    bsz, _, heads, dim = q.shape
     num_pages, hkv = lo.shape[1], lo.shape[2]
+    group = heads // hkv
     out = torch.empty(bsz, hkv, num_pages, dtype=torch.float32, device=q.device)
     block_p, warps = QUEST_TILES.get(dim, QUEST_TILE) if q.is_cuda else (16, 4)
     _quest_kernel[(bsz * hkv, triton.cdiv(num_pages, block_p))](
         q, lo, hi, pages, out, hkv, num_pages,
         q.stride(0), q.stride(2), lo.stride(0), lo.stride(1), lo.stride(2),
-        out.stride(0), out.stride(1), BLOCK_P=block_p, **_head_args(q, lo), num_warps=warps)
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_P=block_p,
+        BLOCK_D=max(triton.next_power_of_2(dim), 16), HEAD_DIM=dim, num_warps=warps)
     return out

@@ -169,19 +169,9 @@ def _topk_resident_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B
                           out_width, BLOCK_W: tl.constexpr, BLOCK: tl.constexpr,
                           RADIX_BITS: tl.constexpr, PAGE: tl.constexpr,
                           HAS_LIMIT: tl.constexpr, EARLY_EXIT: tl.constexpr):
-    resident_row_topk(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, tl.program_id(0),
-                      B, G, width, out_width, BLOCK_W, BLOCK, RADIX_BITS, PAGE, HAS_LIMIT,
-                      EARLY_EXIT)
-
-
-@triton.jit
-def resident_row_topk(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, row, B, G, width,
-                      out_width, BLOCK_W: tl.constexpr, BLOCK: tl.constexpr,
-                      RADIX_BITS: tl.constexpr, PAGE: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                      EARLY_EXIT: tl.constexpr):
-    """The top-k of score row `row` (sequence (row // G) % B) of at most BLOCK_W scores, held
-    in registers: `topk_positions_triton`'s output row. EARLY_EXIT: stop the radix passes
-    once the keys matching the prefix are exactly the ones still wanted (the same choice)."""
+    """EARLY_EXIT: stop the radix passes once the keys matching the prefix are exactly the
+    ones still wanted (the same choice)."""
+    row = tl.program_id(0)
     b = (row // G) % B
     length, want, limit = _row_bounds(rankable_ptr, k_ptr, limit_ptr, b, width, HAS_LIMIT)
     w = tl.arange(0, BLOCK_W)
@@ -224,19 +214,6 @@ def resident_row_topk(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, row, 
     _pad_from(out_row, want * PAGE, out_width * PAGE, BLOCK)
 
 
-def resident_warps(block_w: int) -> int:
-    """Warps of a resident top-k over rows of block_w scores."""
-    return min(max(block_w // RESIDENT_KEYS_PER_WARP, 4), 16)
-
-
-def out_units(k: torch.Tensor, kmax: int | None, width: int) -> int:
-    """Units per output row: min(kmax, width), or without kmax max(k) (a host sync, as in the
-    reference) within [1, width]."""
-    if kmax is None:
-        return min(max(int(k.max()), 1), width)
-    return min(kmax, width)
-
-
 def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
                           kmax: int | None = None, page: int = 1,
                           limit: torch.Tensor | None = None) -> torch.Tensor:
@@ -254,7 +231,10 @@ def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch
     if limit is not None:
         assert limit.shape == (bsz,) and not limit.is_floating_point()
         assert limit.device == scores.device
-    out_width = out_units(k, kmax, width)
+    if kmax is None:
+        out_width = min(max(int(k.max()), 1), width)  # a host sync, as in the reference
+    else:
+        out_width = min(kmax, width)
     flat = scores.reshape(-1, width).contiguous()
     out = torch.empty(flat.shape[0], out_width * page, dtype=torch.int64, device=scores.device)
     if flat.shape[0] == 0:
@@ -266,10 +246,11 @@ def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch
     common = dict(BLOCK=block, PAGE=page, HAS_LIMIT=limit is not None)
     if width <= RESIDENT_MAX_WIDTH:
         block_w = triton.next_power_of_2(width)
+        warps = min(max(block_w // RESIDENT_KEYS_PER_WARP, 4), 16)
         _topk_resident_kernel[(flat.shape[0],)](*args, BLOCK_W=block_w,
                                                 RADIX_BITS=RESIDENT_RADIX_BITS,
                                                 EARLY_EXIT=RESIDENT_EARLY_EXIT, **common,
-                                                num_warps=resident_warps(block_w))
+                                                num_warps=warps)
     else:
         _topk_kernel[(flat.shape[0],)](*args, RADIX_BITS=RADIX_BITS, **common, num_warps=4)
     return out.view(*scores.shape[:-1], out_width * page)
