@@ -132,6 +132,84 @@ def softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def softmax_block_t(xt, v, m_i, l_i, acc_t, DOT_PRECISION: tl.constexpr):
+    """`softmax_block` with the key axis first: xt [K, M] scaled logits, acc_t [D, M]."""
+    m_new = tl.maximum(m_i, tl.max(xt, axis=0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(xt - m_use[None, :])
+    alpha = tl.exp(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype),
+                                            input_precision=DOT_PRECISION)
+    return m_new, l_i, acc_t
+
+
+@triton.jit
+def load_query(q_ptr, b, row, head, lane_ok, d, d_ok, stride_qb, stride_qn, stride_qh,
+               SWAP: tl.constexpr):
+    """The query tile of a split program: q [M, D], or qᵀ [D, M] with SWAP."""
+    if SWAP:
+        q = tl.load(q_ptr + b * stride_qb + row[None, :] * stride_qn + head[None, :] * stride_qh
+                    + d[:, None], mask=lane_ok[None, :] & d_ok[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptr + b * stride_qb + row[:, None] * stride_qn + head[:, None] * stride_qh
+                    + d[None, :], mask=lane_ok[:, None] & d_ok[None, :], other=0.0)
+    return q
+
+
+@triton.jit
+def zero_acc(M: tl.constexpr, BLOCK_D: tl.constexpr, SWAP: tl.constexpr):
+    """The output accumulator: [M, D], or accᵀ [D, M] with SWAP (`final_acc` turns it back)."""
+    if SWAP:
+        acc = tl.zeros([BLOCK_D, M], tl.float32)
+    else:
+        acc = tl.zeros([M, BLOCK_D], tl.float32)
+    return acc
+
+
+@triton.jit
+def final_acc(acc, SWAP: tl.constexpr):
+    """The accumulator as [M, D] for `finish_split`."""
+    if SWAP:
+        acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit
+def block_logits(q, k, DOT_PRECISION: tl.constexpr, SWAP: tl.constexpr):
+    """Raw logits of one key block k [K, D]: q·kᵀ [M, K], or with SWAP k·qᵀ [K, M] (q is then
+    qᵀ [D, M]). SWAP puts the M query lanes on the matrix unit's N side: few lanes then fill
+    no padded 16- or 64-row MMA tile (Hopper's warpgroup MMA takes N down to 8). Same
+    blocks, other summation order: results differ by float rounding only."""
+    if SWAP:
+        s = tl.dot(k, q, input_precision=DOT_PRECISION)
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    return s
+
+
+@triton.jit
+def attend_logits(s, v, kpos, k_ok, pos, scale, m_i, l_i, acc, DOT_PRECISION: tl.constexpr,
+                  SWAP: tl.constexpr, MASK_KEYS: tl.constexpr):
+    """The online softmax over one key block's logits s (`block_logits`) at positions kpos
+    [K] for query lanes at positions pos [M]: causal mask (and k_ok, the real keys, with
+    MASK_KEYS), then `softmax_block` (`softmax_block_t` with SWAP, acc being accᵀ)."""
+    if SWAP:
+        visible = kpos[:, None] <= pos[None, :]
+        if MASK_KEYS:
+            visible = visible & k_ok[:, None]
+        x = tl.where(visible, s * scale, float("-inf"))
+        m_i, l_i, acc = softmax_block_t(x, v, m_i, l_i, acc, DOT_PRECISION)
+    else:
+        visible = kpos[None, :] <= pos[:, None]
+        if MASK_KEYS:
+            visible = visible & k_ok[None, :]
+        x = tl.where(visible, s * scale, float("-inf"))
+        m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def finish_split(m_i, l_i, acc, flat_row, head, lane_ok, d, d_ok, split, rows_total, H,
                  out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr,
                  HEAD_DIM: tl.constexpr, SINGLE: tl.constexpr, WRITE_LSE: tl.constexpr):
