@@ -101,8 +101,6 @@ def main() -> None:
     ap.add_argument("--block-k", type=int, default=pa.SCORE_BLOCK_K)
     ap.add_argument("--stages", type=int, default=pa.SCORE_STAGES)
     ap.add_argument("--warps", type=int, default=4)
-    ap.add_argument("--swap", action="store_true",
-                    help="the products as K·Qᵀ and Vᵀ·P (paged_attention.SWAP_AB)")
     args = ap.parse_args()
     group = args.heads // args.kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -110,7 +108,7 @@ def main() -> None:
                   MIN_DOT // group_pad, 1)
     base = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_N=block_n, BLOCK_K=args.block_k,
                 BLOCK_D=max(triton.next_power_of_2(args.head_dim), 16),
-                HEAD_DIM=args.head_dim, SINGLE=False, DOT_PRECISION="tf32", SWAP=args.swap)
+                HEAD_DIM=args.head_dim, SINGLE=False, DOT_PRECISION="tf32")
     r_pad = pa._rows_pad(args.score_rows, group_pad, gpu=True)
     variants = [("no scores", None, dict(MODE=0, R_PAD=1, WRITE_LSE=False, USE_DESC=False))]
     variants += [(f"weight scores, {name}", half,
@@ -127,9 +125,7 @@ def main() -> None:
                           "programs_per_sm": programs_per_sm(found["registers"],
                                                              kern.metadata.shared, args.warps),
                           "block_k": args.block_k, "stages": args.stages,
-                          "warps": args.warps, "swap": args.swap,
-                          "wgmma": kern.asm["ptx"].count("wgmma.mma_async"),
-                          "mma_sync": kern.asm["ptx"].count("mma.sync")}), flush=True)
+                          "warps": args.warps}), flush=True)
 
 
 if __name__ == "__main__":

@@ -26,9 +26,6 @@ per second (τ · batch / (round + host work)) in exact mode against the default
 
 `--profile` adds a per-kernel table (torch.profiler) of one replay of each step (quest's
 draft step too);
-`--swaps no yes` times every step with paged and sparse attention as Q·Kᵀ and as K·Qᵀ
-(their `SWAP_AB`), each in graphs of its own; `--topk-early-exit no yes` the resident top-k
-with every radix pass and stopping once the prefix decides;
 `--projections` the weight-streaming rate of every projection at the plain and the verify
 step's row counts. Also reported: the verify step without scores (stream's), quest's draft
 step, the host work between rounds of the engine's own loop and the projected speedup
@@ -50,7 +47,6 @@ from vegas_spec import LLM, SamplingParams, SpecConfig
 from vegas_spec.attention import triton_backend
 from vegas_spec.graphs import GraphRunner
 from vegas_spec.kernels import paged_attention as pa
-from vegas_spec.kernels import sparse_attention, topk
 from vegas_spec.speculative.policies import SelectionInput, make_policy
 
 
@@ -372,14 +368,6 @@ def main() -> None:
                     help="how scored attention passes run, BLOCK_K:STAGES[:STORE] (STORE one "
                          f"of {', '.join(pa.SCORE_STORES)}), each in graphs of its own; "
                          "default: the library's")
-    ap.add_argument("--swaps", nargs="+", choices=["no", "yes"],
-                    default=["yes" if pa.SWAP_AB else "no"],
-                    help="paged and sparse attention as Q·Kᵀ (no) or K·Qᵀ (yes, their "
-                         "SWAP_AB), each in graphs of its own; default: the library's")
-    ap.add_argument("--topk-early-exit", nargs="+", choices=["no", "yes"],
-                    default=["yes" if topk.RESIDENT_EARLY_EXIT else "no"],
-                    help="the resident top-k (selection, quest) stops its radix passes once the "
-                         "prefix decides (topk.RESIDENT_EARLY_EXIT), each in graphs of its own")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -397,17 +385,13 @@ def main() -> None:
         for k, v in llm.cache.layers:
             k.normal_()
             v.normal_()
-        for bsz, skinny, tiles, swap, early in (
-                (b, r, t, w, e) for b in args.batches for r in args.skinny_rows
-                for t in args.score_tiles for w in args.swaps for e in args.topk_early_exit):
-            # All of these are read when the graphs are captured.
+        for bsz, skinny, tiles in ((b, r, t) for b in args.batches
+                                   for r in args.skinny_rows for t in args.score_tiles):
+            # Both are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
             pa.SCORE_BLOCK_K, pa.SCORE_STAGES, pa.SCORE_STORE = tiles
-            pa.SWAP_AB = sparse_attention.SWAP_AB = swap == "yes"
-            topk.RESIDENT_EARLY_EXIT = early == "yes"
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny, "score_tiles": ":".join(map(str, tiles)),
-                   "swap": swap, "topk_early_exit": early,
                    **measure(llm, spec, context, bsz, args, bandwidth)}
             row["host_gap_ms"] = host_gap_ms(llm, spec, bsz, args.host_gap_tokens,
                                              min(256, context // 2))

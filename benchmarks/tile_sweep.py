@@ -2,14 +2,13 @@
 
 Times `paged_attention` for n = 7 query rows with and without selection scores (weight mode,
 rows 0 and 6) and for n = 1, over key blocks of 64 and 128, 2-3 pipeline stages, 4 warps
-(or `--warps`), two split sizes, how scored passes store their logits (`--stores`,
-`SCORE_STORES`) and Q·Kᵀ or K·Qᵀ (`--swaps`, `SWAP_AB`), on random bf16 K/V behind a
-shuffled page table. Each figure is the median per call of 20 replays of a CUDA graph of 30
-calls (the kernel count of one step of a 30-layer model), with the registers, spills and
-shared memory of the kernel variants each setting compiled. What it decided: the `SCORE_*`
-tiles of `paged_attention`. `--kernel sparse` times the draft step's sparse attention
-instead, and `--kernel quest` quest's page scores (`quest_scores.QUEST_TILES`) and its
-top-k (`topk.RESIDENT_*`).
+(or `--warps`), two split sizes and how scored passes store their logits (`--stores`,
+`SCORE_STORES`), on random bf16 K/V behind a shuffled page table. Each
+figure is the median per call of 20 replays of a CUDA graph of 30 calls (the kernel count of
+one step of a 30-layer model), with the registers, spills and shared memory of the kernel
+variants each setting compiled. What it decided: the `SCORE_*` tiles of `paged_attention`.
+`--kernel sparse` times the draft step's sparse attention instead, and `--kernel quest`
+quest's page scores (`quest_scores.QUEST_TILES`) and its top-k (`topk.RESIDENT_*`).
 
     python benchmarks/tile_sweep.py --out tile_sweep.json
     python benchmarks/tile_sweep.py --kernel quest --warps 2 4 8 --out quest_sweep.json
@@ -99,20 +98,18 @@ def sparse_sweep(args: argparse.Namespace, recent: int = 64) -> list[dict]:
     moved = 2 * bsz * hkv * (budget + recent) * dim * k.element_size()
     rows = []
     splits = [None if x == "auto" else int(x) for x in args.splits]
-    for swap, block_k, stages, warps, split in itertools.product(
-            args.swaps, args.block_k, args.stages, args.warps, splits):
+    for block_k, stages, warps, split in itertools.product(
+            args.block_k, args.stages, args.warps, splits):
         if split is not None and split % block_k:
             continue
-        sa.SWAP_AB = swap == "yes"
         sa.tile_config = lambda q, hkv, block_k=None, s=stages, w=warps: (  # noqa: E731
             dataclasses.replace(tile_config(q, hkv, block_k), num_stages=s, num_warps=w))
         us = graph_us(lambda: sa.sparse_attention(  # noqa: B023
             q, k, v, table, pos, 16, idx, recent_start, recent, dim ** -0.5,
             block_k=block_k, split_size=split, out=out))  # noqa: B023
         sa.tile_config = tile_config
-        row = {"kernel": "sparse", "swap": swap, "block_k": block_k, "stages": stages,
-               "warps": warps, "split": split, "budget": budget, "us": us,
-               "tb_per_s": moved / us / 1e6}
+        row = {"kernel": "sparse", "block_k": block_k, "stages": stages, "warps": warps,
+               "split": split, "budget": budget, "us": us, "tb_per_s": moved / us / 1e6}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -143,21 +140,19 @@ def quest_sweep(args: argparse.Namespace, page: int = 16) -> list[dict]:
     keep = max(int(args.ratio * ctx) // page, 1)
     k = torch.full((bsz,), keep, device="cuda")
     rankable = pages * page
-    for per_warp, bits, early in itertools.product(args.topk_keys_per_warp,
-                                                   args.topk_radix_bits, args.topk_early_exit):
+    for per_warp, bits in itertools.product(args.topk_keys_per_warp, args.topk_radix_bits):
         tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS = per_warp, bits
-        tk.RESIDENT_EARLY_EXIT = early == "yes"
         us = graph_us(lambda: tk.topk_positions_triton(scores, pages, k, keep, page, rankable))
         row = {"kernel": "quest_topk", "keys_per_warp": per_warp, "radix_bits": bits,
-               "early_exit": early, "width": num_pages, "keep_pages": keep, "us": us}
+               "width": num_pages, "keep_pages": keep, "us": us}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS, tk.RESIDENT_EARLY_EXIT = TOPK_SETTING
+    tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS = TOPK_SETTING
     return rows
 
 
 QUEST_SETTINGS = qs.QUEST_TILES
-TOPK_SETTING = (tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS, tk.RESIDENT_EARLY_EXIT)
+TOPK_SETTING = (tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS)
 
 
 def main() -> None:
@@ -175,9 +170,6 @@ def main() -> None:
     ap.add_argument("--stores", nargs="+", choices=sorted(pa.SCORE_STORES),
                     default=[LIBRARY_STORE],
                     help="how weight-mode passes keep their logits (default: the library's)")
-    ap.add_argument("--swaps", nargs="+", choices=["no", "yes"],
-                    default=["yes" if pa.SWAP_AB else "no"],
-                    help="paged, sparse: Q·Kᵀ (no) or K·Qᵀ (yes, the kernel's SWAP_AB)")
     ap.add_argument("--kernel", choices=["paged", "sparse", "quest"], default="paged",
                     help="sparse: the draft step's attention over a 5%% budget plus 64 recent; "
                          "quest: quest's page scores and top-k of one layer")
@@ -187,9 +179,6 @@ def main() -> None:
                     help="quest: scores per warp of the resident top-k")
     ap.add_argument("--topk-radix-bits", type=int, nargs="+", default=[4, 8],
                     help="quest: bits per radix pass of the resident top-k")
-    ap.add_argument("--topk-early-exit", nargs="+", choices=["no", "yes"],
-                    default=["yes" if tk.RESIDENT_EARLY_EXIT else "no"],
-                    help="quest: the resident top-k stops once the prefix decides")
     ap.add_argument("--ratio", type=float, default=0.05, help="quest: tokens kept")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -215,10 +204,9 @@ def main() -> None:
         splits = [None if x == "auto" else int(x) for x in args.splits]
         for mode in modes:
             stores = args.stores if mode == "weight" else [LIBRARY_STORE]
-            for store, swap, block_k, stages, warps, split in itertools.product(
-                    stores, args.swaps, args.block_k, args.stages, args.warps, splits):
+            for store, block_k, stages, warps, split in itertools.product(
+                    stores, args.block_k, args.stages, args.warps, splits):
                 pa.SCORE_STORE = store
-                pa.SWAP_AB = swap == "yes"
                 extra = (score_rows, scores, "weight") if mode == "weight" else ()
                 before = compiled()
                 with_tiles(stages, warps)
@@ -226,7 +214,7 @@ def main() -> None:
                     q, k, v, table, pos, page, kv_len, scale, *extra,  # noqa: B023
                     block_k=block_k, split_size=split, out=out))  # noqa: B023
                 pa.tile_config, pa.SCORE_STAGES = tile_config, SCORE_STAGES
-                row = {"n": n, "mode": mode, "store": store, "swap": swap, "block_k": block_k,
+                row = {"n": n, "mode": mode, "store": store, "block_k": block_k,
                        "stages": stages, "warps": warps, "split": split, "us": us}
                 new = [kern for i, kern in compiled().items() if i not in before]
                 if new:  # the variants this setting compiled: registers per thread

@@ -161,17 +161,3 @@ def test_score_stores_give_the_same_scores(store: str,
                                                                            rtol=1e-5)
     torch.testing.assert_close(got[store], got["f32-pointers"], **tol)
     assert (got[store][:, :, :, 100:] == 0).all()
-
-
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_swapped_products(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The split kernel with K·Qᵀ and Vᵀ·P (SWAP_AB) gives the reference's output and scores."""
-    monkeypatch.setattr(pa, "SWAP_AB", True)
-    run(case, torch.float32)
-
-
-@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32], ids=str)
-def test_swapped_products_half(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same in 16-bit (GPUs), a verify step with weight scores."""
-    monkeypatch.setattr(pa, "SWAP_AB", True)
-    run(CASES[2], dtype)

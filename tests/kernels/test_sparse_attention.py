@@ -18,7 +18,6 @@ from kernel_cases import (
 )
 
 from vegas_spec.attention.torch_backend import sparse_attention_ref
-from vegas_spec.kernels import sparse_attention as sparse_module
 from vegas_spec.kernels.sparse_attention import sparse_attention
 
 
@@ -101,13 +100,4 @@ def run(case: Case, dtype: torch.dtype, seed: int = 0) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_matches_reference(case: Case, dtype: torch.dtype) -> None:
-    run(case, dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_swapped_products(case: Case, dtype: torch.dtype,
-                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """The split kernel with K·Qᵀ and Vᵀ·P (SWAP_AB) gives the reference's output."""
-    monkeypatch.setattr(sparse_module, "SWAP_AB", True)
     run(case, dtype)

@@ -118,18 +118,15 @@ PATH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["all_passes", "early_exit"])
 @pytest.mark.parametrize("bits", [4, 8], ids=lambda b: f"radix{b}")
 @pytest.mark.parametrize("kind", ["continuous", "ties", "few_values"])
 @pytest.mark.parametrize("case", PATH_CASES, ids=lambda c: f"{c[1]}x{c[2]}x{c[3]}_page{c[6]}")
 def test_resident_rows_select_as_the_chunked_kernel(case: tuple, kind: str, bits: int,
-                                                    early: bool,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows of at most RESIDENT_MAX_WIDTH scores (the row held in registers, one histogram per
-    radix pass of 4 or 8 bits, every pass or only until the prefix decides) choose exactly
-    what the chunked kernel chooses, ties at the threshold to the lowest positions included."""
+    radix pass of 4 or 8 bits) choose exactly what the chunked kernel chooses, ties at the
+    threshold to the lowest positions included."""
     monkeypatch.setattr(topk, "RESIDENT_RADIX_BITS", bits)
-    monkeypatch.setattr(topk, "RESIDENT_EARLY_EXIT", early)
     lead, bsz, groups, width, rankable, k, page = case
     gen = generator(width + len(kind))
     shape = (*lead, bsz, groups, width)

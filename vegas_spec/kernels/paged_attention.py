@@ -49,16 +49,12 @@ from vegas_spec.kernels.split_merge import (
     MIN_DOT,
     Partials,
     TileConfig,
-    attend_logits,
-    block_logits,
-    final_acc,
     finish_split,
-    load_query,
     merge_splits,
     output_buffer,
+    softmax_block,
     split_size_for,
     tile_config,
-    zero_acc,
 )
 
 MODES = {"weight": 1, "logit": 2}
@@ -89,12 +85,6 @@ SCORE_STORE = "f32-descriptor"
 # split's K blocks after the partials are stored (1062 against 708 µs per layer at the 8B
 # shape), a sibling program per attention program (1010), and score lanes gathered from the
 # attention tile's products (789 against 781 µs with the float32 descriptor).
-# SWAP_AB: the split kernel computes K·Qᵀ and Vᵀ·P instead of Q·Kᵀ and P·V
-# (`split_merge.block_logits`). A step of few rows has few query lanes (n rows x the group's
-# heads: 28 at the 8B verify shape, 4 at a plain step); as the N side of the products they
-# compile to Hopper's warpgroup MMA (`wgmma`, checked with ptxas for sm_90) instead of
-# `mma.sync` on a padded tile. One switch for every call, so exact mode keeps one tiling.
-SWAP_AB = False
 # Exact mode: one tiling for every full-attention step, plain or verify, scored or not, at any
 # batch size and context: the score pass's tiles and splits of exactly SCORE_SPLIT_MAX keys on
 # a GPU (the interpreter: its own small blocks, splits of 4 blocks), and EXACT_ROWS query rows
@@ -107,17 +97,13 @@ EXACT_SPLIT_CPU_BLOCKS = 4
 @triton.jit
 def _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr, sc_desc,
                  desc_row, R_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
-                 MODE: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 SWAP: tl.constexpr):
+                 MODE: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Raw q.k of the score rows only (q_sc [R_PAD * GROUP_PAD, D]) for one key block -> the
-    scratch (SWAP: as the product K·q_scᵀ, see SWAP_AB). Weight mode: lane l of the tile goes
-    to scratch row desc_row + l (a whole [lanes, BLOCK_K] block through sc_desc when
-    USE_DESC, else the real lanes through sc_base [lanes] = row starts). Logit mode: summed
-    over the group, r_base [R_PAD] = row starts; sc_ok / r_ok: real lanes / rows."""
-    if SWAP:
-        s = tl.trans(tl.dot(k, tl.trans(q_sc), input_precision=DOT_PRECISION))
-    else:
-        s = tl.dot(q_sc, tl.trans(k), input_precision=DOT_PRECISION)  # [R_PAD * GROUP_PAD, K]
+    scratch. Weight mode: lane l of the tile goes to scratch row desc_row + l (a whole
+    [lanes, BLOCK_K] block through sc_desc when USE_DESC, else the real lanes through
+    sc_base [lanes] = row starts). Logit mode: summed over the group, r_base [R_PAD] = row
+    starts; sc_ok / r_ok: real lanes / rows."""
+    s = tl.dot(q_sc, tl.trans(k), input_precision=DOT_PRECISION)  # [R_PAD * GROUP_PAD, K]
     if MODE == 1:
         if USE_DESC:
             sc_desc.store([desc_row, start], s.to(sc_desc.dtype))
@@ -164,7 +150,7 @@ def _paged_split_kernel(
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
         MODE: tl.constexpr, R_PAD: tl.constexpr, USE_DESC: tl.constexpr, SINGLE: tl.constexpr,
-        WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SWAP: tl.constexpr):
+        WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0) // Hkv
     kvh = tl.program_id(0) % Hkv
     rb = tl.program_id(1)
@@ -177,8 +163,8 @@ def _paged_split_kernel(
     d_ok = d < HEAD_DIM
     pos = tl.load(pos_ptr + b * stride_pb + row * stride_pn, mask=row < n, other=-1)
     pos = pos.to(tl.int32)
-    q = load_query(q_ptr, b, row, head, lane_ok, d, d_ok, stride_qb, stride_qn, stride_qh,
-                   SWAP)
+    q = tl.load(q_ptr + b * stride_qb + row[:, None] * stride_qn + head[:, None] * stride_qh
+                + d[None, :], mask=lane_ok[:, None] & d_ok[None, :], other=0.0)
     if MODE != 0:
         q_sc, sc_ok, sc_base, r_base, r_ok, desc_row = _score_tile(
             q_ptr, rows_ptr, b, kvh, rb, d, d_ok, num_rows, Hkv, sc_width, stride_qb,
@@ -188,7 +174,7 @@ def _paged_split_kernel(
     hi = tl.minimum(tl.minimum(lo + split_size, tl.max(pos, axis=0) + 1), width)
     m_i = tl.full([BLOCK_N * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_N * GROUP_PAD], tl.float32)
-    acc = zero_acc(BLOCK_N * GROUP_PAD, BLOCK_D, SWAP)
+    acc = tl.zeros([BLOCK_N * GROUP_PAD, BLOCK_D], tl.float32)
     for start in range(lo, hi, BLOCK_K):
         kpos = start + tl.arange(0, BLOCK_K)
         k_ok = kpos < hi
@@ -197,18 +183,17 @@ def _paged_split_kernel(
         kv_off = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = block_logits(q, k, DOT_PRECISION, SWAP)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, K] float32
         if MODE != 0:
             # the score rows' logits from the key block just loaded: K is read once
             _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr,
                          sc_desc, desc_row, R_PAD, GROUP_PAD, BLOCK_K, MODE, USE_DESC,
-                         DOT_PRECISION, SWAP)
+                         DOT_PRECISION)
+        x = tl.where(kpos[None, :] <= pos[:, None], s * scale, float("-inf"))
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-        m_i, l_i, acc = attend_logits(s, v, kpos, k_ok, pos, scale, m_i, l_i, acc,
-                                      DOT_PRECISION, SWAP, False)
-    finish_split(m_i, l_i, final_acc(acc, SWAP), b * n + row, head, lane_ok, d, d_ok, split,
-                 rows_total, H, out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, HEAD_DIM, SINGLE,
-                 WRITE_LSE)
+        m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
+    finish_split(m_i, l_i, acc, b * n + row, head, lane_ok, d, d_ok, split, rows_total, H,
+                 out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, HEAD_DIM, SINGLE, WRITE_LSE)
 
 
 @triton.jit
@@ -411,7 +396,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, MODE=0 if job is None else job.mode,
         R_PAD=1 if job is None else job.r_pad, USE_DESC=use_desc, SINGLE=parts is None,
-        WRITE_LSE=lse is not None, DOT_PRECISION=cfg.dot_precision, SWAP=SWAP_AB,
+        WRITE_LSE=lse is not None, DOT_PRECISION=cfg.dot_precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if parts is not None:
         merge_splits(parts, out, lse)

@@ -20,16 +20,12 @@ import triton.language as tl
 
 from vegas_spec.kernels.split_merge import (
     Partials,
-    attend_logits,
-    block_logits,
-    final_acc,
     finish_split,
-    load_query,
     merge_splits,
     output_buffer,
+    softmax_block,
     split_size_for,
     tile_config,
-    zero_acc,
 )
 
 # Keys per loop step on a GPU: 128 at every head dim. On an H200, draft step (n = 1), 5% budget
@@ -38,8 +34,6 @@ from vegas_spec.kernels.split_merge import (
 # copy bandwidth) against 57.8. Gathered rows arrive from scattered pages, so more keys in
 # flight per program hide more latency; 4 pipeline stages were slower (42.1 / 46.6 µs).
 SPARSE_BLOCK_K = 128
-# The products as K·Qᵀ and Vᵀ·P (`split_merge.block_logits`); off until timed.
-SWAP_AB = False
 
 
 @triton.jit
@@ -51,7 +45,7 @@ def _sparse_split_kernel(
         stride_ib, stride_ig,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-        SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr, SWAP: tl.constexpr):
+        SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0) // Hkv
     kvh = tl.program_id(0) % Hkv
     rb = tl.program_id(1)
@@ -64,8 +58,8 @@ def _sparse_split_kernel(
     d_ok = d < HEAD_DIM
     pos = tl.load(pos_ptr + b * stride_pb + row * stride_pn, mask=row < n, other=-1)
     pos = pos.to(tl.int32)
-    q = load_query(q_ptr, b, row, head, lane_ok, d, d_ok, stride_qb, stride_qn, stride_qh,
-                   SWAP)
+    q = tl.load(q_ptr + b * stride_qb + row[:, None] * stride_qn + head[:, None] * stride_qh
+                + d[None, :], mask=lane_ok[:, None] & d_ok[None, :], other=0.0)
     max_pos = tl.max(pos, axis=0)
     recent0 = tl.load(start_ptr + b).to(tl.int32)
     recent = tl.minimum(recent_max, tl.maximum(max_pos - recent0 + 1, 0))  # visible ones only
@@ -75,7 +69,7 @@ def _sparse_split_kernel(
 
     m_i = tl.full([BLOCK_N * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_N * GROUP_PAD], tl.float32)
-    acc = zero_acc(BLOCK_N * GROUP_PAD, BLOCK_D, SWAP)
+    acc = tl.zeros([BLOCK_N * GROUP_PAD, BLOCK_D], tl.float32)
     for start in range(lo, hi, BLOCK_K):
         j = start + tl.arange(0, BLOCK_K)  # index into the virtual key list
         listed = j < num_listed
@@ -88,13 +82,13 @@ def _sparse_split_kernel(
         kv_off = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = block_logits(q, k, DOT_PRECISION, SWAP)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, K] float32
+        visible = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
+        x = tl.where(visible, s * scale, float("-inf"))
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-        m_i, l_i, acc = attend_logits(s, v, kpos, k_ok, pos, scale, m_i, l_i, acc,
-                                      DOT_PRECISION, SWAP, True)
-    finish_split(m_i, l_i, final_acc(acc, SWAP), b * n + row, head, lane_ok, d, d_ok, split,
-                 rows_total, H, out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, HEAD_DIM, SINGLE,
-                 False)
+        m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
+    finish_split(m_i, l_i, acc, b * n + row, head, lane_ok, d, d_ok, split, rows_total, H,
+                 out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, HEAD_DIM, SINGLE, False)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -150,8 +144,7 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         indices.stride(0), stride_ig,
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, SINGLE=parts is None,
-        DOT_PRECISION=cfg.dot_precision, SWAP=SWAP_AB, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        DOT_PRECISION=cfg.dot_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if parts is not None:
         merge_splits(parts, out, None)
     return out

@@ -45,9 +45,6 @@ RESIDENT_MAX_WIDTH = 8192
 RESIDENT_KEYS_PER_WARP = 256
 # Bits per radix pass of the resident top-k (32 / bits passes, one 2^bits-bin histogram each).
 RESIDENT_RADIX_BITS = 4
-# The resident top-k stops its passes once the prefix decides the choice (a runtime loop
-# instead of 8 unrolled passes); off until timed.
-RESIDENT_EARLY_EXIT = False
 
 
 @triton.jit
@@ -150,64 +147,35 @@ def _topk_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B, G, widt
 
 
 @triton.jit
-def _radix_pass(key, same, prefix, above, want, shift, RADIX_BITS: tl.constexpr):
-    """One pass of the resident top-k over the digit at `shift` of the keys that match the
-    prefix so far (`same`): the largest digit d for which above + #(keys >= prefix + d <<
-    shift) >= want joins the prefix. -> (prefix, above, keys matching the new prefix)."""
-    digits = tl.arange(0, 1 << RADIX_BITS)
-    digit = ((key >> shift) & ((1 << RADIX_BITS) - 1)).to(tl.int32)
-    hist = tl.histogram(digit, 1 << RADIX_BITS, mask=same)
-    at_least = above + tl.cumsum(hist, 0, reverse=True)  # keys >= prefix + digit << shift
-    best = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
-    above += tl.sum(tl.where(digits > best, hist, 0), axis=0)
-    prefix += best.to(tl.uint32) << shift
-    return prefix, above, tl.sum(tl.where(digits == best, hist, 0), axis=0)
-
-
-@triton.jit
 def _topk_resident_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B, G, width,
                           out_width, BLOCK_W: tl.constexpr, BLOCK: tl.constexpr,
                           RADIX_BITS: tl.constexpr, PAGE: tl.constexpr,
-                          HAS_LIMIT: tl.constexpr, EARLY_EXIT: tl.constexpr):
-    """EARLY_EXIT: stop the radix passes once the keys matching the prefix are exactly the
-    ones still wanted (the same choice)."""
+                          HAS_LIMIT: tl.constexpr):
     row = tl.program_id(0)
     b = (row // G) % B
     length, want, limit = _row_bounds(rankable_ptr, k_ptr, limit_ptr, b, width, HAS_LIMIT)
     w = tl.arange(0, BLOCK_W)
     ok = w < length
     key = _keys32(tl.load(scores_ptr + row.to(tl.int64) * width + w, mask=ok, other=0.0))
+    digits = tl.arange(0, 1 << RADIX_BITS)
     # Invariant: above (keys past the prefix's digits so far) + the keys that match them is
     # at least `want`, so digit 0 always qualifies.
     prefix = tl.zeros([], tl.uint32)
     above = tl.zeros([], tl.int32)
-    if EARLY_EXIT:
-        # Stop once the keys that match the prefix's digits so far are exactly the ones still
-        # wanted: every key >= prefix (whose lower digits are 0) is then taken.
-        p = tl.zeros([], tl.int32)
-        done = want < 0
-        while (p < 32 // RADIX_BITS) & (done == 0):
-            shift = (32 - RADIX_BITS * (p + 1)).to(tl.uint32)
-            # the digits above this one match the prefix's (none at the first pass)
-            high = shift + RADIX_BITS
-            same = ok & ((p == 0) | ((key >> high) == (prefix >> high)))
-            prefix, above, matched = _radix_pass(key, same, prefix, above, want, shift,
-                                                 RADIX_BITS)
-            done = above + matched == want
-            p += 1
-    else:
-        for p in tl.static_range(32 // RADIX_BITS):
-            shift = 32 - RADIX_BITS * (p + 1)
-            same = ok
-            if p > 0:  # the digits above this one match the prefix's (a shift by 32 is undefined)
-                same = ok & ((key >> (shift + RADIX_BITS)) == (prefix >> (shift + RADIX_BITS)))
-            prefix, above, _ = _radix_pass(key, same, prefix, above, want, shift, RADIX_BITS)
+    for p in tl.static_range(32 // RADIX_BITS):
+        shift = 32 - RADIX_BITS * (p + 1)
+        same = ok
+        if p > 0:  # the digits above this one match the prefix's (a shift by 32 is undefined)
+            same = ok & ((key >> (shift + RADIX_BITS)) == (prefix >> (shift + RADIX_BITS)))
+        digit = ((key >> shift) & ((1 << RADIX_BITS) - 1)).to(tl.int32)
+        hist = tl.histogram(digit, 1 << RADIX_BITS, mask=same)
+        at_least = above + tl.cumsum(hist, 0, reverse=True)  # keys >= prefix + digit << shift
+        best = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
+        above += tl.sum(tl.where(digits > best, hist, 0), axis=0)
+        prefix += best.to(tl.uint32) << shift
     is_tie = ok & (key == prefix)
     tie_rank = tl.cumsum(is_tie.to(tl.int32), axis=0)  # 1-based
-    take = ok & ((key > prefix) | (is_tie & (tie_rank <= want - above)))
-    if EARLY_EXIT:
-        take = tl.where(done, ok & (key >= prefix), take)
-    take = take & (want > 0)
+    take = ok & ((key > prefix) | (is_tie & (tie_rank <= want - above))) & (want > 0)
     slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
     out_row = out_ptr + row.to(tl.int64) * (out_width * PAGE)
     _store_units(out_row, slot, w, take, limit, PAGE)
@@ -248,8 +216,7 @@ def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch
         block_w = triton.next_power_of_2(width)
         warps = min(max(block_w // RESIDENT_KEYS_PER_WARP, 4), 16)
         _topk_resident_kernel[(flat.shape[0],)](*args, BLOCK_W=block_w,
-                                                RADIX_BITS=RESIDENT_RADIX_BITS,
-                                                EARLY_EXIT=RESIDENT_EARLY_EXIT, **common,
+                                                RADIX_BITS=RESIDENT_RADIX_BITS, **common,
                                                 num_warps=warps)
     else:
         _topk_kernel[(flat.shape[0],)](*args, RADIX_BITS=RADIX_BITS, **common, num_warps=4)
