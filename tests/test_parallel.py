@@ -1,0 +1,173 @@
+"""Tensor parallelism on CPU: ranks are processes joined by gloo. Logits at N ranks equal one
+rank's to float32 rounding, and a model whose heads do not divide by N is refused by name."""
+
+from __future__ import annotations
+
+import datetime
+import queue
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import config_folder, random_prompts
+
+from vegas_spec import parallel
+from vegas_spec.config import ConfigError, ModelConfig
+from vegas_spec.engine import LLM
+from vegas_spec.models.loader import dummy_weights, expected_shapes, load_config, resolve
+
+VOCAB = 256
+CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 64,
+          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+          "bos_token_id": 1, "eos_token_id": 2}
+ENGINE: dict[str, Any] = dict(load_format="dummy", kv_cache_bytes=1 << 22)
+RANK_TIMEOUT_S = 120  # a rank that dies or hangs fails the test after this, never hangs it
+# TP adds o_proj's and down's partial sums (one per rank) in another order than one rank's
+# matmul does, so float32 logits differ by rounding that grows with depth: measured, 1.5e-7
+# of logits up to 0.57 on the tiny model (2 layers), 1.0e-4 of logits up to 33 on SmolLM2
+# (30 layers, about 25 ulps); the bounds leave room for other BLAS blockings.
+TOL = dict(rtol=1e-4, atol=1e-5)
+SMOLLM_TOL = dict(rtol=1e-4, atol=5e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return config_folder(tmp_path_factory, "tiny-llama-tp", CONFIG)
+
+
+def _rank(rank: int, world: int, init: str, fn: Callable[..., Any], args: tuple,
+          results: Any) -> None:
+    """One rank's process: join the gloo group, run fn(*args), put (rank, result)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
+    try:
+        parallel.join(world, rank)
+        out = fn(*args)
+        # numpy, not a tensor: torch's queues share tensors through this process's memory,
+        # which is gone once it exits
+        results.put((rank, out.numpy() if isinstance(out, torch.Tensor) else out))
+    except Exception as err:  # the parent reports it; a bare exit would say only "code 1"
+        results.put((rank, err))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, tmp: Path, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """fn(*args) on `world` ranks (spawned processes) -> each rank's result, rank 0 first;
+    a rank that raises, dies or runs past RANK_TIMEOUT_S fails the test."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init = f"file://{tmp / 'rendezvous'}"
+    procs = [ctx.Process(target=_rank, args=(r, world, init, fn, args, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    try:
+        while len(got) < world:
+            rank, out = results.get(timeout=RANK_TIMEOUT_S)
+            if isinstance(out, Exception):
+                raise out
+            got[rank] = out
+    except queue.Empty:
+        dead = [f"rank {r}: exit code {p.exitcode}" for r, p in enumerate(procs)
+                if p.exitcode not in (None, 0)]
+        pytest.fail(f"tensor-parallel ranks gave no result in {RANK_TIMEOUT_S} s "
+                    f"({', '.join(dead) or 'none exited'})")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [torch.from_numpy(got[r]) if hasattr(got[r], "dtype") else got[r]
+            for r in range(world)]
+
+
+def prompt_logits(model: str, prompt: list[int]) -> torch.Tensor:
+    """Logits [n, V] of every prompt position, on this process's group."""
+    return LLM(model, **ENGINE).logits(prompt)
+
+
+def smollm_logits(model: str, prompt: list[int]) -> torch.Tensor:
+    return LLM(model, kv_cache_bytes=1 << 24).logits(prompt)
+
+
+# --- sizes and slices -----------------------------------------------------------------
+
+
+def test_check_divisible_names_every_size_that_does_not_split() -> None:
+    cfg = ModelConfig.from_hf({**CONFIG, "num_attention_heads": 9, "num_key_value_heads": 3,
+                               "intermediate_size": 1536, "vocab_size": 49152,
+                               "head_dim": 64})
+    with pytest.raises(ConfigError, match=r"query heads \(num_attention_heads\) = 9, "
+                                          r"KV heads \(num_key_value_heads\) = 3 divisible by 2"):
+        parallel.check_divisible(cfg, 2)
+    parallel.check_divisible(cfg, 3)
+    local = parallel.shard_config(cfg, 3)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (3, 1, 512)
+    assert local.vocab_size == 49152 and local.head_dim == 64
+    with pytest.raises(ConfigError, match="vocab_size = 49152"):
+        parallel.check_divisible(cfg, 5)
+
+
+def test_dummy_shards_are_slices_of_the_one_rank_weights() -> None:
+    """Column-parallel rows, row-parallel columns, vocabulary rows; norms whole."""
+    cfg = ModelConfig.from_hf(CONFIG)
+    whole = dummy_weights(cfg, torch.float32, torch.device("cpu"))
+    shards = [dummy_weights(cfg, torch.float32, torch.device("cpu"),
+                            tp=parallel.TPGroup(2, r)) for r in range(2)]
+    shapes = parallel.shard_shapes(expected_shapes(cfg), 2)
+    for name, w in whole.items():
+        assert all(tuple(s[name].shape) == shapes[name] for s in shards), name
+        dim = parallel.split_dim(name)
+        joined = torch.cat([s[name] for s in shards], dim) if dim is not None else \
+            shards[1][name]
+        assert torch.equal(joined, w), name
+    assert shapes["model.layers.0.self_attn.o_proj.weight"] == (64, 32)
+    assert shapes["model.layers.0.mlp.gate_proj.weight"] == (64, 64)
+
+
+def test_join_refuses_a_rank_outside_the_group() -> None:
+    with pytest.raises(ConfigError, match="rank 2 is not in 0..1"):
+        parallel.join(2, 2)
+    assert parallel.current() is parallel.SINGLE
+
+
+# --- logits across ranks --------------------------------------------------------------
+
+
+def test_two_ranks_give_one_ranks_logits(tiny: Path, tmp_path: Path) -> None:
+    prompt = random_prompts(3, (40,), VOCAB)[0]
+    one = prompt_logits(str(tiny), prompt)
+    ranks = run_ranks(2, tmp_path, prompt_logits, str(tiny), prompt)
+    assert torch.equal(ranks[0], ranks[1])  # gathered logits: the same bits on every rank
+    assert ranks[0].shape == one.shape == (40, VOCAB)
+    torch.testing.assert_close(ranks[0], one, **TOL)
+    assert torch.equal(ranks[0].argmax(-1), one.argmax(-1))
+
+
+def test_smollm2_at_three_ranks_gives_one_ranks_logits(smollm_gguf: Path,
+                                                       tmp_path: Path) -> None:
+    """9 query / 3 KV heads: 3 query heads and 1 KV head a rank."""
+    prompt = random_prompts(4, (24,), 49152)[0]
+    one = smollm_logits(str(smollm_gguf), prompt)
+    ranks = run_ranks(3, tmp_path, smollm_logits, str(smollm_gguf), prompt)
+    assert all(torch.equal(ranks[0], r) for r in ranks[1:])
+    torch.testing.assert_close(ranks[0], one, **SMOLLM_TOL)
+    assert torch.equal(ranks[0].argmax(-1), one.argmax(-1))
+
+
+def test_smollm2_is_refused_at_two_ranks(smollm_gguf: Path, tmp_path: Path) -> None:
+    """Every rank's engine refuses before it reads a weight, naming the heads."""
+    with pytest.raises(ConfigError, match=r"query heads \(num_attention_heads\) = 9"):
+        parallel.check_divisible(load_config(resolve(smollm_gguf)), 2)
+    with pytest.raises(ConfigError, match=r"over 2 ranks needs the model's query heads "
+                                          r"\(num_attention_heads\) = 9, KV heads"):
+        run_ranks(2, tmp_path, smollm_logits, str(smollm_gguf), [1, 2, 3])
