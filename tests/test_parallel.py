@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from conftest import config_folder, random_prompts
 
-from vegas_spec import parallel
+from vegas_spec import SamplingParams, SpecConfig, parallel
 from vegas_spec.config import ConfigError, ModelConfig
 from vegas_spec.engine import LLM
 from vegas_spec.models.loader import dummy_weights, expected_shapes, load_config, resolve
@@ -95,6 +95,28 @@ def prompt_logits(model: str, prompt: list[int]) -> torch.Tensor:
     return LLM(model, **ENGINE).logits(prompt)
 
 
+def greedy_tokens(model: str, prompts: list[list[int]], static: bool) -> dict[str, list]:
+    """Greedy tokens of plain decoding and of vegas (head-aggregated and per-KV-head
+    selection) in exact mode, where speculative output is plain output bit for bit."""
+    llm = LLM(model, **ENGINE, exact=True, static_shapes=static)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    methods = {"plain": SpecConfig(method="vanilla"),
+               "vegas": SpecConfig(method="vegas", gamma=3, ratio=0.1, min_tokens=8),
+               "vegas-kv_head": SpecConfig(method="vegas", gamma=3, ratio=0.1, min_tokens=8,
+                                           granularity="kv_head")}
+    return {name: [o.token_ids for o in llm.generate(prompts, params, speculative=spec)]
+            for name, spec in methods.items()}
+
+
+def vegas_histogram(model: str, prompts: list[list[int]]) -> list:
+    """Tokens per iteration of greedy vegas (exact mode), a histogram per request."""
+    llm = LLM(model, **ENGINE, exact=True)
+    spec = SpecConfig(method="vegas", gamma=3, ratio=0.05, min_tokens=8)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True),
+                        speculative=spec)
+    return [o.stats["tokens_per_iteration_histogram"] for o in outs]
+
+
 def smollm_logits(model: str, prompt: list[int]) -> torch.Tensor:
     return LLM(model, kv_cache_bytes=1 << 24).logits(prompt)
 
@@ -151,6 +173,29 @@ def test_two_ranks_give_one_ranks_logits(tiny: Path, tmp_path: Path) -> None:
     assert ranks[0].shape == one.shape == (40, VOCAB)
     torch.testing.assert_close(ranks[0], one, **TOL)
     assert torch.equal(ranks[0].argmax(-1), one.argmax(-1))
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_two_ranks_greedy_speculative_gives_plain_tokens(tiny: Path, tmp_path: Path,
+                                                         static: bool) -> None:
+    """Exact mode at 2 ranks (a + b = b + a: the all_reduce is row-invariant): every
+    speculative method's greedy output is plain decoding's, and every rank's is the same."""
+    prompts = random_prompts(5, (60, 23), VOCAB)
+    ranks = run_ranks(2, tmp_path, greedy_tokens, str(tiny), prompts, static)
+    assert ranks[0] == ranks[1]
+    out = ranks[0]
+    assert out["vegas"] == out["plain"] and out["vegas-kv_head"] == out["plain"]
+    assert all(len(t) == 10 for t in out["plain"])
+
+
+def test_two_ranks_select_what_one_rank_selects(tiny: Path, tmp_path: Path) -> None:
+    """Head-aggregated scores summed over the ranks before the top-k: drafts attend to the
+    positions one rank would pick, so acceptance is one rank's (with each rank's own heads'
+    scores it is not: 24/9/2/0 iterations by tokens emitted against 26/7/2/0 here)."""
+    prompts = random_prompts(5, (120, 90), VOCAB)
+    one = vegas_histogram(str(tiny), prompts)
+    ranks = run_ranks(2, tmp_path, vegas_histogram, str(tiny), prompts)
+    assert ranks[0] == ranks[1] == one
 
 
 def test_smollm2_at_three_ranks_gives_one_ranks_logits(smollm_gguf: Path,

@@ -600,6 +600,7 @@ class ModelRunner:
         if self.policy is None:
             return None
         with self.timer.phase("select"):
+            scores = self.tp.sum_scores(scores, self.policy.per_kv_head)
             inp = SelectionInput(scores, row, accepted, batch.lengths, self.spec.gamma,
                                  self.cache.layers, batch.page_table, self.config.page_size)
             if self.graphs is None:

@@ -34,10 +34,20 @@ the same forwards on the same shapes (one CUDA graph per rank, the collectives c
 inside). Greedy and sampled tokens come from logits that are identical on every rank, with
 generators seeded alike, so all ranks accept the same drafts. Selection reads each rank's
 own heads' scores: per-KV-head selection (`granularity="kv_head"`) is local by nature;
-head-aggregated scores are all_reduced (summed over the ranks' heads, [layers, B, R, 1, W]
-float32 per round) before the top-k, so every rank selects the same positions as one rank
-would. Without that reduction each rank's drafts would attend to its own selection: still
-lossless (verification is full attention), but acceptance would differ from one rank's.
+head-aggregated scores are all_reduced (`TPGroup.sum_scores`: summed over the ranks' heads,
+one all_reduce of [layers, B, R, 1, W] float32 a round, W the scored KV length) before the
+top-k, so every rank selects the same positions as one rank would, to rounding. Without it
+each rank's drafts would attend to its own selection: still lossless (verification is full
+attention), but acceptance would differ from one rank's.
+
+Exact mode at more than 2 ranks needs a fixed-order sum of the row-parallel partials (an
+all_gather, then a sum in rank order): a ring all_reduce adds an element's partials in an
+order set by its place in the flattened tensor, which moves with the batch's shape. At 2
+ranks a + b = b + a, so the all_reduce is row-invariant as it is.
+
+Done so far on CPU (gloo): every rank runs the whole engine on the same requests (SPMD),
+which the identical logits keep in step; the one-scheduler layout above replaces that for
+the CLI and the server.
 """
 
 from __future__ import annotations
@@ -86,6 +96,15 @@ class TPGroup:
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
+
+    def sum_scores(self, scores: torch.Tensor | None, per_kv_head: bool) -> torch.Tensor | None:
+        """Selection scores [layers, B, R, G, W] of this rank's heads -> what every rank
+        selects from: head-aggregated ones (G = 1) summed over all ranks' heads, so every rank
+        selects the positions one rank would; per-KV-head ones (G = this rank's KV heads)
+        as they are, each rank selecting for the KV heads it holds."""
+        if self.world_size == 1 or scores is None or per_kv_head:
+            return scores
+        return self.all_reduce(scores.contiguous())
 
     def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """ids [...] -> [..., hidden]: rows of the vocabulary-parallel table weight [V/N,
