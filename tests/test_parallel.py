@@ -117,6 +117,11 @@ def vegas_histogram(model: str, prompts: list[list[int]]) -> list:
     return [o.stats["tokens_per_iteration_histogram"] for o in outs]
 
 
+def family_logits(models: list[str], prompt: list[int]) -> torch.Tensor:
+    """Logits [models, n, V] of real (safetensors) checkpoints."""
+    return torch.stack([LLM(m, kv_cache_bytes=1 << 22).logits(prompt) for m in models])
+
+
 def smollm_logits(model: str, prompt: list[int]) -> torch.Tensor:
     return LLM(model, kv_cache_bytes=1 << 24).logits(prompt)
 
@@ -173,6 +178,45 @@ def test_two_ranks_give_one_ranks_logits(tiny: Path, tmp_path: Path) -> None:
     assert ranks[0].shape == one.shape == (40, VOCAB)
     torch.testing.assert_close(ranks[0], one, **TOL)
     assert torch.equal(ranks[0].argmax(-1), one.argmax(-1))
+
+
+# Biases everywhere (o_proj's and down's added once, after the sum), q/k RMSNorm, tied and
+# untied heads: each written by transformers with random norms and biases.
+FAMILIES = {"llama-bias-untied": ("LlamaConfig", "LlamaForCausalLM", {
+                "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": False}),
+            "qwen2-tied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+            "qwen3-bias": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16,
+                                                               "attention_bias": True})}
+
+
+def save_family(name: str, folder: Path) -> str:
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[name]
+    torch.manual_seed(0)
+    fields = {k: CONFIG[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                     "num_hidden_layers", "num_attention_heads",
+                                     "num_key_value_heads", "max_position_embeddings")}
+    config = getattr(transformers, config_cls)(**fields, **extra, initializer_range=0.1)
+    model = getattr(transformers, model_cls)(config).float()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif pname.endswith("bias"):
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(str(folder / name))
+    return str(folder / name)
+
+
+def test_two_ranks_give_one_ranks_logits_in_every_family(tmp_path: Path) -> None:
+    models = [save_family(name, tmp_path) for name in FAMILIES]
+    prompt = random_prompts(6, (30,), VOCAB)[0]
+    one = family_logits(models, prompt)
+    ranks = run_ranks(2, tmp_path, family_logits, models, prompt)
+    assert torch.equal(ranks[0], ranks[1])
+    for name, got, want in zip(FAMILIES, ranks[0], one, strict=True):
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])

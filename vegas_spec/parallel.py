@@ -1,8 +1,8 @@
 """Tensor parallelism, Megatron-style, on `torch.distributed` (gloo on CPU, NCCL on GPUs).
 
 A `TPGroup` is this process's place in the group: world size, rank and the process group.
-World size 1 (`SINGLE`, the default) runs the single-process code unchanged and never
-imports `torch.distributed`. At world size N each rank holds:
+World size 1 (`SINGLE`, the default) runs the single-process code unchanged and calls
+nothing in `torch.distributed`. At world size N each rank holds:
 
 - q/k/v and gate/up column-parallel: its 1/N of the query heads and of the KV heads (the q,
   k and v rows of those heads, fused as at N = 1) and its 1/N of the gate and up rows, so
@@ -104,7 +104,7 @@ class TPGroup:
         as they are, each rank selecting for the KV heads it holds."""
         if self.world_size == 1 or scores is None or per_kv_head:
             return scores
-        return self.all_reduce(scores.contiguous())
+        return self.all_reduce(scores.clone(memory_format=torch.contiguous_format))
 
     def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """ids [...] -> [..., hidden]: rows of the vocabulary-parallel table weight [V/N,
