@@ -4,6 +4,7 @@ rank's to float32 rounding, and a model whose heads do not divide by N is refuse
 from __future__ import annotations
 
 import datetime
+import os
 import queue
 from collections.abc import Callable
 from pathlib import Path
@@ -115,6 +116,14 @@ def vegas_histogram(model: str, prompts: list[list[int]]) -> list:
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True),
                         speculative=spec)
     return [o.stats["tokens_per_iteration_histogram"] for o in outs]
+
+
+def logits_or_exit(model: str, prompt: list[int]) -> torch.Tensor:
+    """Rank 1 dies once its engine is built; rank 0 runs the prompt."""
+    llm = LLM(model, **ENGINE)
+    if parallel.current().rank == 1:
+        os._exit(3)
+    return llm.logits(prompt)
 
 
 def family_logits(models: list[str], prompt: list[int]) -> torch.Tensor:
@@ -260,3 +269,9 @@ def test_smollm2_is_refused_at_two_ranks(smollm_gguf: Path, tmp_path: Path) -> N
     with pytest.raises(ConfigError, match=r"over 2 ranks needs the model's query heads "
                                           r"\(num_attention_heads\) = 9, KV heads"):
         run_ranks(2, tmp_path, smollm_logits, str(smollm_gguf), [1, 2, 3])
+
+
+def test_a_rank_that_dies_fails_the_others_instead_of_hanging(tiny: Path,
+                                                              tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="(?i)connection|closed|peer"):
+        run_ranks(2, tmp_path, logits_or_exit, str(tiny), [5, 6, 7])
