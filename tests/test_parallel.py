@@ -18,7 +18,14 @@ from conftest import config_folder, random_prompts
 from vegas_spec import SamplingParams, SpecConfig, parallel
 from vegas_spec.config import ConfigError, ModelConfig
 from vegas_spec.engine import LLM
-from vegas_spec.models.loader import dummy_weights, expected_shapes, load_config, resolve
+from vegas_spec.models.loader import (
+    WeightError,
+    dummy_weights,
+    expected_shapes,
+    load_config,
+    load_weights,
+    resolve,
+)
 
 VOCAB = 256
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 64,
@@ -168,6 +175,33 @@ def test_dummy_shards_are_slices_of_the_one_rank_weights() -> None:
         assert torch.equal(joined, w), name
     assert shapes["model.layers.0.self_attn.o_proj.weight"] == (64, 32)
     assert shapes["model.layers.0.mlp.gate_proj.weight"] == (64, 64)
+
+
+def test_safetensors_slices_are_the_whole_tensors_slices(tmp_path: Path) -> None:
+    """Read slice by slice from the file: the same slices as cutting the whole tensors."""
+    source = resolve(save_family("llama-bias-untied", tmp_path))
+    cfg = load_config(source)
+    whole = load_weights(source, cfg)
+    for rank in range(2):
+        tp = parallel.TPGroup(2, rank)
+        shards = load_weights(source, cfg, tp)
+        assert shards.keys() == whole.keys()
+        for name, w in whole.items():
+            assert torch.equal(shards[name], parallel.shard_tensor(name, w, tp)), name
+
+
+def test_a_mis_shaped_tensor_is_named_with_the_rank(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(save_family("qwen2-tied", tmp_path))
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = tensors[name][:, :100].contiguous()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    source = resolve(folder)
+    with pytest.raises(WeightError, match=r"rank 1 of 2\): model.layers.1.mlp.down_proj.weight"
+                                          r" has shape \(64, 50\), config says \(64, 64\)"):
+        load_weights(source, load_config(source), parallel.TPGroup(2, 1))
 
 
 def test_join_refuses_a_rank_outside_the_group() -> None:

@@ -21,9 +21,10 @@ selection's host bounds) sees the same full-vocabulary logits on every rank, so 
 takes the same decisions. Only the partial sums of o_proj and down are added in another
 order than at N = 1, so logits agree with one rank to float rounding, not bit for bit.
 
-Weights are sharded as they are read (`shard_tensor`, one tensor at a time), so a rank
-keeps only its slices. GGUF tensors are read and dequantised whole, then sliced;
-safetensors could read just the slices (`safe_open(...).get_slice`), which is not done yet.
+Weights are sharded as they are read, one tensor at a time, so a rank keeps only its
+slices: safetensors checkpoints are read slice by slice from the memory-mapped file
+(`safe_open(...).get_slice`); GGUF tensors are read and dequantised whole (quantised blocks
+do not split along every dim), then sliced (`shard_tensor`).
 Dummy weights are generated whole from one seed, then sliced, so they are the same model
 at every world size.
 

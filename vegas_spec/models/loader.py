@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from vegas_spec.config import ConfigError, ModelConfig
-from vegas_spec.parallel import SINGLE, TPGroup, shard_shapes, shard_tensor
+from vegas_spec.parallel import SINGLE, TPGroup, shard_shapes, shard_tensor, split_dim
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -211,22 +211,40 @@ def _safetensors_weights(folder: Path, tp: TPGroup) -> dict[str, torch.Tensor]:
     for name in files:
         if not (folder / name).exists():
             raise WeightError(f"{folder}: shard {name} named by the index is missing")
-        # whole files, then slices; safe_open(...).get_slice could read only the slices
-        weights.update({k: shard_tensor(k, w, tp)
-                        for k, w in _safetensors_file(folder / name).items()})
+        weights.update(_safetensors_file(folder / name, tp))
     return weights
 
 
-def _safetensors_file(path: Path) -> dict[str, torch.Tensor]:
+def _safetensors_file(path: Path, tp: TPGroup) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
-        return load_file(str(path))
+        return load_file(str(path)) if tp.world_size == 1 else _safetensors_slices(path, tp)
     except SafetensorError as err:
         raise WeightError(f"{path} is not a readable safetensors file: {err}") from None
     except OSError as err:
         raise WeightError(f"cannot read {path}: {err.strerror or err}") from None
+
+
+def _safetensors_slices(path: Path, tp: TPGroup) -> dict[str, torch.Tensor]:
+    """Only rank tp.rank's slice of each tensor, read from the memory-mapped file (the rest
+    of a split tensor is never read)."""
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():
+            dim = split_dim(key)
+            part = f.get_slice(key)
+            shape = part.get_shape()
+            if dim is None or dim >= len(shape):
+                out[key] = f.get_tensor(key)
+                continue
+            size = shape[dim] // tp.world_size
+            cut = slice(tp.rank * size, (tp.rank + 1) * size)
+            out[key] = part[cut] if dim == 0 else part[:, cut]
+    return out
 
 
 # --- GGUF -------------------------------------------------------------------------------------
