@@ -285,6 +285,20 @@ def test_two_ranks_select_what_one_rank_selects(tiny: Path, tmp_path: Path) -> N
     assert ranks[0] == ranks[1] == one
 
 
+def test_three_ranks_greedy_speculative_gives_plain_tokens(tmp_path_factory: pytest.TempPathFactory,
+                                                           tmp_path: Path) -> None:
+    """3 ranks, where exact mode adds the row-parallel partials in rank order. (gloo's
+    all_reduce happens to give plain tokens here too: small tensors are not split.)"""
+    config = {**CONFIG, "vocab_size": 258, "hidden_size": 96, "intermediate_size": 192,
+              "num_attention_heads": 6, "num_key_value_heads": 3}
+    folder = config_folder(tmp_path_factory, "tiny-llama-tp3", config)
+    prompts = random_prompts(7, (50, 21), 258)
+    ranks = run_ranks(3, tmp_path, greedy_tokens, str(folder), prompts, False)
+    assert ranks[0] == ranks[1] == ranks[2]
+    out = ranks[0]
+    assert out["vegas"] == out["plain"] and out["vegas-kv_head"] == out["plain"]
+
+
 def test_smollm2_at_three_ranks_gives_one_ranks_logits(smollm_gguf: Path,
                                                        tmp_path: Path) -> None:
     """9 query / 3 KV heads: 3 query heads and 1 KV head a rank."""

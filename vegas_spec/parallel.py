@@ -41,8 +41,8 @@ top-k, so every rank selects the same positions as one rank would, to rounding. 
 each rank's drafts would attend to its own selection: still lossless (verification is full
 attention), but acceptance would differ from one rank's.
 
-Exact mode at more than 2 ranks needs a fixed-order sum of the row-parallel partials (an
-all_gather, then a sum in rank order): a ring all_reduce adds an element's partials in an
+Exact mode sums the row-parallel partials in rank order (`sum_in_order`: an all_gather,
+then N - 1 adds) at more than 2 ranks: a ring all_reduce adds an element's partials in an
 order set by its place in the flattened tensor, which moves with the batch's shape. At 2
 ranks a + b = b + a, so the all_reduce is row-invariant as it is.
 
@@ -86,6 +86,21 @@ class TPGroup:
 
         dist.all_reduce(x, group=self.group)
         return x
+
+    def sum_in_order(self, x: torch.Tensor) -> torch.Tensor:
+        """x [...] -> the sum of every rank's x added in rank order, the same order for every
+        element whatever x's shape (exact mode; an all_reduce's order follows the element's
+        place in the tensor, which moves with the batch's shape)."""
+        if self.world_size <= 2:  # a + b = b + a: any order gives the same bits
+            return self.all_reduce(x)
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        out = parts[0]
+        for part in parts[1:]:
+            out = out + part
+        return out
 
     def gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., C] -> [..., N C]: every rank's x side by side along the last dim, rank 0

@@ -117,11 +117,13 @@ class AttentionBackend(ABC):
 
     def row_linear(self, x: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Row-parallel `linear`: x [..., K/N] @ weight [N_out, K/N]^T summed over the ranks,
-        + bias [N_out] once after the sum."""
+        """Row-parallel `linear`: x [..., K/N] @ weight [N_out, K/N]^T summed over the ranks
+        (in exact mode in rank order, the same for every shape), + bias [N_out] once after
+        the sum."""
         if self.tp.world_size == 1:
             return self.linear(x, weight, bias)
-        out = self.tp.all_reduce(self.linear(x, weight))
+        part = self.linear(x, weight)
+        out = self.tp.sum_in_order(part) if self.exact else self.tp.all_reduce(part)
         return out if bias is None else out + bias
 
     def head_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
