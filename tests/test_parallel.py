@@ -299,6 +299,7 @@ def test_three_ranks_greedy_speculative_gives_plain_tokens(tmp_path_factory: pyt
     assert out["vegas"] == out["plain"] and out["vegas-kv_head"] == out["plain"]
 
 
+@pytest.mark.slow
 def test_smollm2_at_three_ranks_gives_one_ranks_logits(smollm_gguf: Path,
                                                        tmp_path: Path) -> None:
     """9 query / 3 KV heads: 3 query heads and 1 KV head a rank."""
@@ -310,6 +311,7 @@ def test_smollm2_at_three_ranks_gives_one_ranks_logits(smollm_gguf: Path,
     assert torch.equal(ranks[0].argmax(-1), one.argmax(-1))
 
 
+@pytest.mark.slow
 def test_smollm2_is_refused_at_two_ranks(smollm_gguf: Path, tmp_path: Path) -> None:
     """Every rank's engine refuses before it reads a weight, naming the heads."""
     with pytest.raises(ConfigError, match=r"query heads \(num_attention_heads\) = 9"):
