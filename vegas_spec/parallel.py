@@ -39,7 +39,8 @@ head-aggregated scores are all_reduced (`TPGroup.sum_scores`: summed over the ra
 one all_reduce of [layers, B, R, 1, W] float32 a round, W the scored KV length) before the
 top-k, so every rank selects the same positions as one rank would, to rounding. Without it
 each rank's drafts would attend to its own selection: still lossless (verification is full
-attention), but acceptance would differ from one rank's.
+attention), but acceptance would differ from one rank's. quest ranks pages with each rank's
+own queries inside its draft steps, so its selection is per rank (not yet reduced).
 
 Exact mode sums the row-parallel partials in rank order (`sum_in_order`: an all_gather,
 then N - 1 adds) at more than 2 ranks: a ring all_reduce adds an element's partials in an
