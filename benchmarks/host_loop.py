@@ -13,9 +13,14 @@ that the random model drafts badly for decode longer, alone, and are not counted
     schedule  admission, prefill pieces (none), reservation          LLMEngine._prefill_step
     inputs    the iteration's tensor bookkeeping around the steps    ModelRunner.decode
     commit    the one device-to-host read and its unpacking         ModelRunner._commit
-    rows      per row: tokens appended, text, stops, statistics      LLMEngine._decode_step
+    rows      per row: tokens appended, stops, statistics            LLMEngine._decode_step
     select    finished rows dropped, the next plan (unless made)     ModelRunner.select
-    outputs   the step's RequestOutputs and text deltas, releases    LLMEngine.step
+    outputs   finished requests released (and, with --stream, the    LLMEngine.step
+              step's RequestOutputs and their text deltas)
+
+`generate` steps without making per-step outputs, and a request without stop strings is
+detokenized only when its text is read: after the loop (not timed here: one decode per
+request), or, with `--stream`, by every step's text delta, as the server's loop reads it.
 
 Each figure is that method's own time (its timed callees excluded). Not host work, reported
 apart: `graph`, the fixed-shape steps the GPU replays as graphs (GraphRunner._replay: here the
@@ -25,6 +30,7 @@ over `--repeats` timed runs after one warm-up run.
 
     python benchmarks/host_loop.py --batch 64 --max-tokens 128 --out host_loop.json
     python benchmarks/host_loop.py --batch 64 --methods vegas --cprofile 25
+    python benchmarks/host_loop.py --batch 64 --stream
 """
 
 from __future__ import annotations
@@ -129,20 +135,20 @@ def tiny_model(folder: Path) -> Path:
 
 
 def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams,
-             spec: SpecConfig, clock: PhaseClock | None) -> None:
-    """One generate() of every prompt; with a clock, each step's phases go to it."""
+             spec: SpecConfig, clock: PhaseClock | None, stream: bool = False) -> None:
+    """One generate() of every prompt; with a clock, each step's phases go to it; stream:
+    every step makes its RequestOutputs (text deltas included), as the server's loop does,
+    where generate makes none."""
     engine = llm.engine
-    if clock is None:
-        llm.generate(prompts, params, speculative=spec)
-        return
     step = engine.step
 
-    def step_and_keep() -> list:
-        outs = step()
-        clock.end_step(engine)
+    def each_step(collect: bool = True) -> list:
+        outs = step(collect or stream)
+        if clock is not None:
+            clock.end_step(engine)
         return outs
 
-    engine.step = step_and_keep  # type: ignore[method-assign]
+    engine.step = each_step  # type: ignore[method-assign]
     try:
         llm.generate(prompts, params, speculative=spec)
     finally:
@@ -150,15 +156,15 @@ def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams,
 
 
 def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams, spec: SpecConfig,
-            repeats: int) -> dict[str, Any]:
+            repeats: int, stream: bool = False) -> dict[str, Any]:
     """Median per-iteration ms of every phase over `repeats` timed runs (after a warm-up)."""
-    run_once(llm, prompts, params, spec, None)
+    run_once(llm, prompts, params, spec, None, stream)
     runs = []
     for _ in range(repeats):
         clock = PhaseClock(len(prompts))
         restore = install(clock)
         try:
-            run_once(llm, prompts, params, spec, clock)
+            run_once(llm, prompts, params, spec, clock, stream)
         finally:
             restore()
         row = clock.per_iteration_ms()
@@ -169,7 +175,7 @@ def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams, spec: Sp
 
 
 def profile_table(llm: LLM, prompts: list[list[int]], params: SamplingParams,
-                  spec: SpecConfig, rows: int) -> str:
+                  spec: SpecConfig, rows: int, stream: bool = False) -> str:
     """cProfile of one whole generate() by own time, paused inside the device phases and the
     prefill's forwards: what remains is host work (the prefill's included)."""
     from vegas_spec.prefill_graphs import PrefillGraphs
@@ -181,7 +187,7 @@ def profile_table(llm: LLM, prompts: list[list[int]], params: SamplingParams,
         setattr(owner, name, pausing(prof, fn))
     try:
         prof.enable()
-        run_once(llm, prompts, params, spec, None)
+        run_once(llm, prompts, params, spec, None, stream)
         prof.disable()
     finally:
         for owner, name, fn in originals:
@@ -211,6 +217,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: host work only)")
     ap.add_argument("--cprofile", type=int, default=0, help="also print the top N functions")
+    ap.add_argument("--stream", action="store_true",
+                    help="every step makes its outputs and text deltas, as the server does")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -224,12 +232,14 @@ def main() -> None:
         rows = []
         for method in args.methods:
             spec = SpecConfig(method=method, gamma=args.gamma, ratio=0.1, min_tokens=16)
-            row = {"method": method, **measure(llm, prompts, params, spec, args.repeats)}
+            row = {"method": method,
+                   **measure(llm, prompts, params, spec, args.repeats, args.stream)}
             rows.append(row)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
                               for k, v in row.items()}), flush=True)
             if args.cprofile:
-                print(profile_table(llm, prompts, params, spec, args.cprofile), flush=True)
+                print(profile_table(llm, prompts, params, spec, args.cprofile, args.stream),
+                      flush=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or "cpu",
             "cpus": torch.get_num_threads(), "torch": torch.__version__,
             "args": {k: str(v) for k, v in vars(args).items()}}

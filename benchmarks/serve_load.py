@@ -4,8 +4,8 @@ with one engine (the same model, KV pool and requests) serving each method in tu
 Requests are essay prompts of --context tokens with output lengths drawn uniformly from
 [--min-tokens, --max-tokens] (ignore_eos, greedy), sent by --concurrency streaming clients
 until --requests have completed, after an untimed warm-up (--warmup-requests, by default one
-per client; prefill graphs are captured at the first chunk of each shape, so a warm-up of the
-whole list measures the steady state). The clients run in a child process, so that reading
+per client; every decode and prefill graph is captured before it, as `vegas serve` does at
+start-up). The clients run in a child process, so that reading
 their streams does not compete with the server's engine thread for the interpreter. Per
 method:
 
@@ -20,7 +20,11 @@ method:
   before its first chunk), p50 and p99, and that p99 over the median of all gaps
   (`itl_admitting_p99_over_itl_p50`). The server records each step's end and prefill tokens;
   both processes read the same monotonic clock;
-- the server's steps: how many, how many prefilled, and their durations;
+- the server's steps: how many, how many prefilled, and their durations; the prompt tokens
+  of the steps that prefilled while rows decoded and the medians of their two parts, up to
+  the end of the prefill and after it (`paced_*`), and the prefill pacer's
+  estimates after the last step (`pacer`: decode seconds, fixed and per-token prefill
+  seconds, the budget they give);
 - the share of decode time spent outside the device's work (`decode_host_share`): over the
   steps that prefilled nothing, 1 - the device time of their decode phases (CUDA events
   around the graph replays) over their wall time: the host work of the loop. On CPU the
@@ -156,6 +160,12 @@ class StepLog:
     decode_s: list[float] = field(default_factory=list)
     decode_device: float = 0.0
     device_mark: float = 0.0  # decode_device_s after the last step
+    # steps that prefilled while rows decoded: their prompt tokens, and the pacer's estimates
+    # after them (decode seconds, fixed and per-token prefill seconds; None before a fit)
+    paced_tokens: list[int] = field(default_factory=list)
+    paced_parts: list[tuple[float, float]] = field(default_factory=list)  # prefill, decode s
+    pacer: dict[str, float | None] = field(default_factory=dict)
+    ceiling: int = 0  # the engine's prefill budget: a paced step that took all of it
 
     def after(self, then: Callable[[Any], None]) -> Callable[[Any], None]:
         """An on_step hook that records the step, then calls `then` (the server's metrics)."""
@@ -164,15 +174,21 @@ class StepLog:
             if info.prefill_tokens:
                 self.prefill_ends.append(time.perf_counter())
                 self.prefill_s.append(info.seconds)
+                if info.emitted:
+                    self.paced_tokens.append(info.prefill_tokens)
+                    self.paced_parts.append((info.prefill_seconds,
+                                             info.seconds - info.prefill_seconds))
             else:
                 self.decode_s.append(info.seconds)
                 self.decode_device += device - self.device_mark
             self.device_mark = device
+            self.pacer = pacer_estimates(engine)
             then(engine)
         return hook
 
     def clear(self, engine: Any) -> None:
-        for values in (self.prefill_ends, self.prefill_s, self.decode_s):
+        for values in (self.prefill_ends, self.prefill_s, self.decode_s, self.paced_tokens,
+                       self.paced_parts):
             values.clear()
         self.decode_device, self.device_mark = 0.0, decode_device_s(engine)
 
@@ -185,7 +201,25 @@ class StepLog:
                 "decode_step_p50_s": pct(self.decode_s, 50),
                 "decode_step_p99_s": pct(self.decode_s, 99),
                 "decode_wall_s": wall, "decode_device_s": self.decode_device,
-                "decode_host_share": 1 - self.decode_device / wall if wall > 0 else None}
+                "decode_host_share": 1 - self.decode_device / wall if wall > 0 else None,
+                "paced_steps": len(self.paced_tokens),
+                "paced_tokens_p50": pct(self.paced_tokens, 50),
+                "paced_tokens_max": max(self.paced_tokens, default=None),
+                "paced_whole": sum(t >= self.ceiling for t in self.paced_tokens),
+                "paced_prefill_part_p50_s": pct([p for p, _ in self.paced_parts], 50),
+                "paced_decode_part_p50_s": pct([d for _, d in self.paced_parts], 50),
+                "pacer": self.pacer}
+
+
+def pacer_estimates(engine: Any) -> dict[str, float | None]:
+    """The prefill pacer's current estimates ({} when pacing is off)."""
+    pacer = engine.pacer
+    if pacer is None:
+        return {}
+    line = pacer.cost.line()
+    return {"decode_s": pacer.decode_s, "fixed_s": None if line is None else line[0],
+            "per_token_s": None if line is None else line[1],
+            "budget": pacer.budget(decoding=True)}
 
 
 def free_port() -> int:
@@ -218,8 +252,8 @@ def start(engine: Any, concurrency: int, log: StepLog) -> tuple[Any, threading.T
 def measure(engine: Any, spec: Any, args: argparse.Namespace,
             work: list[tuple[list[int], int]], clients: Executor) -> dict:
     engine.set_spec(spec)
-    engine.runner.reserve(args.concurrency)  # every bucket's graphs, as `vegas serve` does
-    log = StepLog()
+    engine.warm_up(args.concurrency)  # every bucket's graphs, as `vegas serve` does
+    log = StepLog(ceiling=engine.scheduler.prefill_budget)
     http, thread, url = start(engine, args.concurrency, log)
     try:
         warmup = [work[i % len(work)] for i in range(args.warmup_requests or args.concurrency)]
@@ -312,6 +346,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prompt tokens prefilled per step (default: the engine's)")
     p.add_argument("--prefill-pacing", type=float, default=0.75,
                    help="the engine's prefill pacing, as `vegas serve --prefill-pacing` (0: off)")
+    p.add_argument("--out-of-reach", choices=["whole", "floor"], default=None,
+                   help="the pacer's step where its target is out of reach (PrefillPacer."
+                        "out_of_reach; default: the library's)")
     p.add_argument("--warmup-requests", type=int, default=0,
                    help="requests of the untimed warm-up (0: one per client)")
     p.add_argument("--seed", type=int, default=0)
@@ -356,6 +393,8 @@ def main(argv: list[str] | None = None) -> None:
                            prefill_pacing=args.prefill_pacing or None)
     except ConfigError as e:
         raise SystemExit(f"serve_load.py: {e}") from None
+    if engine.pacer is not None and args.out_of_reach is not None:
+        engine.pacer.out_of_reach = args.out_of_reach
     work = workload(load_tokenizer(resolve(args.model)), args)
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(1, mp_context=spawn) as clients:

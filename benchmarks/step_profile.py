@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from vegas_spec import LLM, SamplingParams, SpecConfig
+from vegas_spec.attention import triton_backend
 from vegas_spec.graphs import GraphRunner
 from vegas_spec.speculative.policies import SelectionInput, make_policy
 
@@ -340,6 +341,10 @@ def main() -> None:
                          "and the host work (not stream's verify nor quest's draft)")
     ap.add_argument("--host-gap-tokens", type=int, default=64,
                     help="new tokens per sequence of the run that measures the host work")
+    ap.add_argument("--skinny-rows", type=int, nargs="+",
+                    default=[triton_backend.SKINNY_MAX_ROWS],
+                    help="the Triton backend's SKINNY_MAX_ROWS to time (0: cuBLAS for every "
+                         "projection), each in graphs of its own; default: the library's")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -357,8 +362,11 @@ def main() -> None:
         for k, v in llm.cache.layers:
             k.normal_()
             v.normal_()
-        for bsz in args.batches:
-            row = {"mode": mode, **measure(llm, spec, context, bsz, args, bandwidth)}
+        for bsz, skinny in ((b, r) for b in args.batches for r in args.skinny_rows):
+            triton_backend.SKINNY_MAX_ROWS = skinny  # read when the graphs are captured
+            llm.graphs = None
+            row = {"mode": mode, "skinny_rows": skinny,
+                   **measure(llm, spec, context, bsz, args, bandwidth)}
             row["host_gap_ms"] = host_gap_ms(llm, spec, bsz, args.host_gap_tokens,
                                              min(256, context // 2))
             if args.projections and cuda:

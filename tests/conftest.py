@@ -8,9 +8,13 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:  # vegas_spec loads triton, which must come after TRITON_INTERPRET below
+    from vegas_spec.config import SpecConfig
 
 # Without CUDA, Triton kernels run on CPU tensors under Triton's interpreter, which must be
 # chosen before triton is first imported.
@@ -36,6 +40,18 @@ SPEC_VARIANTS: list[dict] = [
 TINY_METHODS: list[dict | None] = [None] + [
     {**v, "chunk": 4} if v["method"] == "specextend" else v for v in SPEC_VARIANTS]
 TINY_IDS = ["vanilla"] + ["-".join(map(str, m.values())) for m in TINY_METHODS[1:]]  # type: ignore[union-attr]
+
+
+def tiny_spec(method: dict | None) -> SpecConfig:
+    """The tiny-model tests' setting of one of TINY_METHODS: None is plain decoding (named:
+    a bare SpecConfig() is vegas, and generate(speculative=None) keeps the engine's last
+    method); otherwise γ 3 and a budget of about 10% of those contexts, so that the drafts
+    really are sparse."""
+    from vegas_spec.config import SpecConfig
+
+    if method is None:
+        return SpecConfig(method="vanilla")
+    return SpecConfig(gamma=3, ratio=0.1, min_tokens=8, **method)
 
 
 def config_folder(tmp_path_factory: pytest.TempPathFactory, name: str, config: dict) -> Path:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SPEC_VARIANTS, TINY_IDS, TINY_METHODS, config_folder, random_prompts
+from conftest import SPEC_VARIANTS, TINY_IDS, TINY_METHODS, config_folder, random_prompts, tiny_spec
 
 from vegas_spec import SamplingParams, SpecConfig
 from vegas_spec.engine import LLM
@@ -25,10 +25,6 @@ ENGINE: dict[str, Any] = dict(load_format="dummy", kv_cache_bytes=1 << 22, dtype
                               exact=True)
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
 PLAIN = SpecConfig(method="vanilla")
-
-
-def spec_of(method: dict[str, Any]) -> SpecConfig:
-    return SpecConfig(gamma=3, ratio=0.1, min_tokens=8, **method)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +50,7 @@ def plain(torch_llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 @pytest.mark.parametrize("method", TINY_METHODS[1:], ids=TINY_IDS[1:])
 def test_every_method_gives_plain_tokens(torch_llm: LLM, prompts: list[list[int]],
                                          plain: list[list[int]], method: dict) -> None:
-    outs = torch_llm.generate(prompts, PARAMS, speculative=spec_of(method))
+    outs = torch_llm.generate(prompts, PARAMS, speculative=tiny_spec(method))
     assert [o.token_ids for o in outs] == plain
 
 
@@ -82,6 +78,6 @@ def test_triton_kernels_in_exact_mode(tmp_path: Path, prompts: list[list[int]]) 
     llm = LLM(str(folder), backend="triton", **ENGINE)
     short, params = [p[:18] for p in prompts[:2]], SamplingParams(max_tokens=6, ignore_eos=True)
     plain = [o.token_ids for o in llm.generate(short, params, speculative=PLAIN)]
-    outs = llm.generate(short, params, speculative=spec_of(SPEC_VARIANTS[0]))
+    outs = llm.generate(short, params, speculative=tiny_spec(SPEC_VARIANTS[0]))
     assert [o.token_ids for o in outs] == plain
     assert llm.generate(short[1:], params, speculative=PLAIN)[0].token_ids == plain[1]

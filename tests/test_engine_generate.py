@@ -96,6 +96,33 @@ def test_stop_string_truncates_text(llm, short_greedy) -> None:
     assert out.token_ids == full.token_ids[: len(out.token_ids)]
 
 
+def test_generate_makes_no_step_outputs_and_equals_the_step_loop(llm, short_greedy,
+                                                                 monkeypatch) -> None:
+    """generate steps without per-step outputs (texts decoded once, at the end); a loop over
+    step() that reads every delta ends with the same ids, text, finish reason and stats."""
+    engine, made = llm.engine, []
+    output = engine._output
+    monkeypatch.setattr(engine, "_output", lambda seq: made.append(seq) or output(seq))
+    stop = " " + short_greedy[2].text.split()[3]
+    params = [SamplingParams(max_tokens=24)] * 2 + [SamplingParams(max_tokens=24, stop=(stop,))]
+    outs = llm.generate(SHORT, params)
+    assert not made
+    assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in short_greedy[:2]]
+    rids = [engine.add_request(p, sp) for p, sp in zip(SHORT, params)]
+    final, texts = {}, dict.fromkeys(rids, "")
+    while engine.has_unfinished():
+        for o in engine.step():
+            final[o.request_id] = o
+            texts[o.request_id] += o.delta_text
+    assert made
+    for rid, out in zip(rids, outs, strict=True):
+        step = final[rid]
+        assert (step.token_ids, step.text, step.finish_reason, step.stats["sequence"]) == \
+            (out.token_ids, out.text, out.finish_reason, out.stats["sequence"])
+        assert texts[rid] == out.text and out.text
+    assert outs[2].finish_reason == "stop" and stop not in outs[2].text
+
+
 def test_max_tokens_respected(llm) -> None:
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (1, 5, 9)]
     outs = llm.generate(SHORT, params)

@@ -19,7 +19,7 @@ from models.test_families import (
 
 from vegas_spec import SamplingParams
 from vegas_spec.engine import LLM
-from vegas_spec.prefill_graphs import token_bucket
+from vegas_spec.prefill_graphs import ScoreKind, token_bucket
 
 # The Triton kernels run compiled on a GPU (the prefill graphs are then captured) and under
 # the interpreter on CPU tensors otherwise.
@@ -175,3 +175,47 @@ def test_mixed_prefix_hits_give_plain_tokens(static: bool, tmp_path: Path) -> No
     if not static:  # 12 new tokens of b's extension and 33 of c, in chunks of 32 (the
         # rows that completed decode between them: forwards of at most γ + 1 = 4 tokens)
         assert [c for c in calls if c[1] > 4][:2] == [(1, 32), (1, 13)]
+
+
+def test_warm_up_makes_every_prefill_shape_first(tmp_path: Path) -> None:
+    """`warm_up` makes the forward of every (token bucket, piece bucket) a chunk of the
+    method can fall in; a batch of ragged prompts then runs on those alone (none is made
+    later) and decodes plain decoding's tokens. Every token bucket of one piece count shares
+    its output tensors."""
+    folder = save(build_hf("qwen3"), tmp_path)
+    prompts = [random_ids(n, seed=n + 1) for n in (97, 6, 64)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    plain = engine(folder).generate(prompts, params)
+    llm = engine(folder, prefill_chunk=60, page_size=8, static_shapes=True,
+                 speculative={"method": "vegas", "gamma": 3, "min_tokens": 8})
+    graphs = llm.prefill_graphs
+    assert graphs is not None
+    graphs.pad_to = 16  # pad on CPU too, as the captured graphs do
+    # tokens 16, 24, 32, 48, 64 (the bucket of the 60-token budget); pieces 1, 2, 4
+    assert graphs.buckets(60, 3) == [(t, s) for t in (16, 24, 32, 48, 64) for s in (1, 2, 4)]
+    assert llm.engine.warm_up(3) == 15
+    assert llm.engine.warm_up(3) == 0  # made once
+    made = set(graphs.entries)
+    assert {kind for _, _, kind in made} == {ScoreKind("weight", False)}
+    outs = llm.generate(prompts, params)
+    assert set(graphs.entries) == made
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    kind = ScoreKind("weight", False)
+    shared = {id(graphs.entries[t, 4, kind].buf.logits) for t in (16, 24, 32, 48, 64)}
+    assert len(shared) == 1
+
+
+def test_token_buckets_up_to_the_budget() -> None:
+    """The buckets `warm` makes at the default 512-token step: every rung of the ladder up to
+    the one that holds the budget."""
+    from vegas_spec.prefill_graphs import PrefillGraphs
+
+    graphs = PrefillGraphs.__new__(PrefillGraphs)
+    graphs.pad_to = 512
+    rungs = sorted({t for t, _ in graphs.buckets(32768, 1)})
+    assert rungs == [512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576,
+                     32768]
+    assert sorted({t for t, _ in graphs.buckets(5000, 1)})[-1] == 6144
+    assert {s for _, s in graphs.buckets(1024, 5)} == {1, 2, 4, 8}
+    graphs.pad_to = None
+    assert graphs.buckets(1024, 5) == []

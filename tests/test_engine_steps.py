@@ -5,13 +5,14 @@ buffers (whose rows move when sequences leave), and every page must come back.""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TINY_IDS, TINY_METHODS, config_folder, random_prompts
+from conftest import TINY_IDS, TINY_METHODS, config_folder, random_prompts, tiny_spec
 
-from vegas_spec import SamplingParams, SpecConfig
+from vegas_spec import SamplingParams
 from vegas_spec.engine import LLM, LLMEngine, RequestOutput
 from vegas_spec.scheduler import PrefillPacer
 
@@ -22,12 +23,6 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_si
           "bos_token_id": 1, "eos_token_id": 2}
 ENGINE: dict[str, Any] = dict(load_format="dummy", kv_cache_bytes=1 << 22)
 METHODS, IDS = TINY_METHODS, TINY_IDS
-
-
-def spec_of(method: dict[str, Any] | None) -> SpecConfig:
-    if method is None:
-        return SpecConfig()
-    return SpecConfig(gamma=3, ratio=0.1, min_tokens=8, **method)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +46,7 @@ MAX_TOKENS = (12, 5, 9, 16, 7)
 def alone(tiny: Path, prompts: list[list[int]]) -> dict[str, list[list[int]]]:
     """Each request run by itself, per method: the reference of every batch below."""
     llm = LLM(str(tiny), **ENGINE)
-    return {name: [llm.generate([p], params(n), speculative=spec_of(m))[0].token_ids
+    return {name: [llm.generate([p], params(n), speculative=tiny_spec(m))[0].token_ids
                    for p, n in zip(prompts, MAX_TOKENS, strict=True)]
             for name, m in zip(IDS, METHODS, strict=True)}
 
@@ -77,7 +72,7 @@ def test_requests_joining_and_leaving_give_their_alone_tokens(
         method: dict[str, Any] | None, static: bool) -> None:
     """Requests arrive while others decode and leave at different steps: rows join with
     their own first plan, survivors keep theirs; no output changes."""
-    engine = LLMEngine(str(tiny), speculative=spec_of(method), static_shapes=static,
+    engine = LLMEngine(str(tiny), speculative=tiny_spec(method), static_shapes=static,
                        max_num_seqs=4, **ENGINE)
     engine.runner.reserve(4)
     free = len(engine.runner.cache.free_pages)
@@ -87,6 +82,12 @@ def test_requests_joining_and_leaving_give_their_alone_tokens(
     for steps in outs.values():  # deltas add up to the output, finished once at the end
         assert sum((o.delta_token_ids for o in steps), []) == steps[-1].token_ids
         assert [o.finished for o in steps] == [False] * (len(steps) - 1) + [True]
+        # ids and stats read only now are the ones each output's step gave
+        deltas = [o.delta_token_ids for o in steps]
+        assert [o.token_ids for o in steps] == list(itertools.accumulate(deltas))
+        iterations = [o.stats["sequence"]["iterations"] for o in steps]
+        assert iterations == list(range(iterations[0], iterations[-1] + 1))
+    assert any(len(steps) > 2 for steps in outs.values())  # running outputs were read late
     assert len(engine.runner.cache.free_pages) == free and not engine.seqs
     assert engine.runner.batch is None
 
@@ -97,13 +98,13 @@ def test_more_prompts_than_rows_queue_and_equal_alone(tiny: Path, prompts: list[
     seen: list[int] = []
     step = llm.engine.step
 
-    def counting() -> list[RequestOutput]:
+    def counting(collect: bool = True) -> list[RequestOutput]:
         seen.append(llm.engine.num_running)
-        return step()
+        return step(collect)
 
     llm.engine.step = counting  # type: ignore[method-assign]
     outs = llm.generate(prompts, [params(n) for n in MAX_TOKENS],
-                        speculative=spec_of({"method": "vegas"}))
+                        speculative=tiny_spec({"method": "vegas"}))
     assert [o.token_ids for o in outs] == alone["vegas"]
     assert max(seen) <= 2 and llm.graphs is not None and llm.graphs.capacity == 2
 
@@ -112,7 +113,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(
         tiny: Path, prompts: list[list[int]], alone: dict[str, list[list[int]]]) -> None:
     """prefill_chunk 32: the 90-token prompt takes three steps, and the running request gets
     tokens in each of them."""
-    engine = LLMEngine(str(tiny), speculative=spec_of({"method": "vegas"}), prefill_chunk=32,
+    engine = LLMEngine(str(tiny), speculative=tiny_spec({"method": "vegas"}), prefill_chunk=32,
                        **ENGINE)
     first = engine.add_request(prompts[3], params(MAX_TOKENS[3]))
     engine.step()  # 33 tokens: 32, then 1 and the first token, in two steps
@@ -140,7 +141,7 @@ def test_paced_prefill_takes_the_pacers_budget_while_others_decode(
         def budget(self, decoding: bool) -> int:
             return 30 if decoding else self.ceiling
 
-    engine = LLMEngine(str(tiny), speculative=spec_of({"method": "vegas"}), prefill_pacing=1.0,
+    engine = LLMEngine(str(tiny), speculative=tiny_spec({"method": "vegas"}), prefill_pacing=1.0,
                        **ENGINE)
     assert engine.pacer is not None
     first = engine.add_request(prompts[3], params(MAX_TOKENS[3]))
@@ -166,7 +167,7 @@ def test_abort_frees_the_row_and_pages_before_the_next_step(
     """One request is aborted while it decodes, one while it waits for a row: both give their
     pages back at once, the decoding one's row leaves before the next iteration (the others
     keep the plans already made for them) and neither gives another output."""
-    engine = LLMEngine(str(tiny), speculative=spec_of({"method": method}),
+    engine = LLMEngine(str(tiny), speculative=tiny_spec({"method": method}),
                        static_shapes=static, max_num_seqs=3, **ENGINE)
     cache = engine.runner.cache
     free = len(cache.free_pages)
@@ -209,7 +210,7 @@ def test_offline_buffers_are_sized_for_the_largest_batch_the_prompts_form(
     """A long prompt first takes most of the pool, so the first admission is two rows; once it
     finishes, the four short ones run together. The buffers are made once, before the first
     step, for the four (not the first admission's two), and every output is its alone one."""
-    spec = spec_of({"method": "vegas"})
+    spec = tiny_spec({"method": "vegas"})
     probe = LLM(str(tiny), static_shapes=True, **ENGINE)
     page_bytes = probe.cache.bytes_per_page
     long_prompt = [3 + i % (VOCAB - 3) for i in range(400)]
@@ -224,9 +225,9 @@ def test_offline_buffers_are_sized_for_the_largest_batch_the_prompts_form(
     runners, running = [], []
     step = llm.engine.step
 
-    def counting() -> list[RequestOutput]:
+    def counting(collect: bool = True) -> list[RequestOutput]:
         running.append(llm.engine.num_running)
-        out = step()
+        out = step(collect)
         runners.append(llm.graphs)
         return out
 

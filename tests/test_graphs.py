@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import TINY_IDS, TINY_METHODS, config_folder
+from conftest import TINY_IDS, TINY_METHODS, config_folder, tiny_spec
 
 from vegas_spec import SamplingParams, SpecConfig
 from vegas_spec.cli import _engine_kwargs, _parser
@@ -35,11 +35,6 @@ ENGINE = dict(load_format="dummy", kv_cache_bytes=1 << 22)
 LENGTHS = (20, 45, 70)
 METHODS, IDS = TINY_METHODS, TINY_IDS
 SYNCS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy")
-
-
-def spec_of(method: dict[str, Any] | None) -> SpecConfig | None:
-    # A budget of about 10% of these contexts: the drafts really are sparse.
-    return None if method is None else SpecConfig(gamma=3, ratio=0.1, min_tokens=8, **method)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +81,7 @@ def buckets(monkeypatch: pytest.MonkeyPatch) -> set[tuple[int, int]]:
 
 def same_tokens(a: LLM, b: LLM, prompts: list[list[int]], params: Any,
                 method: dict[str, Any] | None) -> list[list[int]]:
-    spec = spec_of(method)
+    spec = tiny_spec(method)
     ours = b.generate(prompts, params, speculative=spec)
     ref = a.generate(prompts, params, speculative=spec)
     for o, r in zip(ours, ref, strict=True):
@@ -141,7 +136,7 @@ def test_runner_is_reused_then_rebuilt_for_a_larger_batch(tiny: Path, eager: LLM
                                                           prompts: list[list[int]]) -> None:
     llm = LLM(str(tiny), static_shapes=True, **ENGINE)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    spec = spec_of({"method": "stream"})
+    spec = tiny_spec({"method": "stream"})
     for batch, capacity in (([prompts[0]], 1), ([prompts[1]], 1), (prompts, 4), (prompts[:2], 4)):
         outs = llm.generate(batch, params, speculative=spec)
         assert [o.token_ids for o in outs] == \
@@ -150,7 +145,7 @@ def test_runner_is_reused_then_rebuilt_for_a_larger_batch(tiny: Path, eager: LLM
     runner = llm.graphs
     llm.generate(prompts[:2], params, speculative=spec)
     assert llm.graphs is runner
-    llm.generate(prompts[:2], params, speculative=spec_of({"method": "vegas"}))
+    llm.generate(prompts[:2], params, speculative=tiny_spec({"method": "vegas"}))
     assert llm.graphs is not runner  # other shapes: a new runner
 
 
@@ -169,7 +164,7 @@ def test_padding_rows_write_only_the_scratch_page(tiny: Path,
                                                   prompts: list[list[int]]) -> None:
     llm = LLM(str(tiny), static_shapes=True, **ENGINE)
     llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True),
-                 speculative=spec_of({"method": "vegas"}))
+                 speculative=tiny_spec({"method": "vegas"}))
     assert llm.cache.num_pages - len(llm.cache.free_pages) == 1  # the scratch page stays taken
     size = llm.config.page_size
     written = {p for p in range(llm.cache.num_pages)
@@ -268,7 +263,7 @@ def test_static_iteration_reads_the_device_once(static: LLM, eager: LLM, prompts
     Tensor methods disabled; the first selection after prefill too."""
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 4, 13)]
     expected = [o.token_ids for o in eager.generate(prompts, params,
-                                                    speculative=spec_of(method))]
+                                                    speculative=tiny_spec(method))]
     guard = SyncGuard(monkeypatch)
     calls: list[str] = []
     commit = guard.wrap(static.runner._commit, armed=False)
@@ -278,7 +273,7 @@ def test_static_iteration_reads_the_device_once(static: LLM, eager: LLM, prompts
                         lambda *a: calls.append("it") or iteration(*a))
     for name in ("select", "join"):  # the selections after an iteration and after prefill
         monkeypatch.setattr(static.runner, name, guard.wrap(getattr(static.runner, name), True))
-    outs = static.generate(prompts, params, speculative=spec_of(method))
+    outs = static.generate(prompts, params, speculative=tiny_spec(method))
     assert [o.token_ids for o in outs] == expected
     assert calls.count("read") == calls.count("it") >= 3
 
@@ -298,13 +293,13 @@ def test_prefill_chunks_read_nothing_back(static: LLM, eager: LLM, prompts: list
     scores) runs with the reading Tensor methods disabled."""
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     expected = [o.token_ids for o in eager.generate(prompts, params,
-                                                    speculative=spec_of(method))]
+                                                    speculative=tiny_spec(method))]
     guard = SyncGuard(monkeypatch)
     chunks: list[int] = []
     chunk = guard.wrap(static.runner._prefill_chunk, armed=True)
     monkeypatch.setattr(static.runner, "_prefill_chunk",
                         lambda *a: chunks.append(1) or chunk(*a))
-    outs = static.generate(prompts, params, speculative=spec_of(method))
+    outs = static.generate(prompts, params, speculative=tiny_spec(method))
     assert [o.token_ids for o in outs] == expected and chunks == [1]
 
 
@@ -335,12 +330,12 @@ def test_the_guard_catches_the_eager_path(eager: LLM, prompts: list[list[int]],
     monkeypatch.setattr(runner, "select", guard.wrap(runner.select, armed=True))
     with pytest.raises(AssertionError, match=r"host sync inside an iteration: Tensor.__int__"):
         eager.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True),
-                       speculative=spec_of({"method": "vegas"}))
+                       speculative=tiny_spec({"method": "vegas"}))
 
 
 def test_eager_path_is_untouched_by_static_buffers(eager: LLM, prompts: list[list[int]]) -> None:
     eager.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True),
-                   speculative=spec_of({"method": "vegas"}))
+                   speculative=tiny_spec({"method": "vegas"}))
     assert eager.graphs is None and eager.scratch_page == -1
 
 
@@ -366,7 +361,7 @@ def test_graph_settings() -> None:
 def test_max_model_len_bounds_the_static_shapes(tiny: Path, prompts: list[list[int]]) -> None:
     llm = LLM(str(tiny), static_shapes=True, max_model_len=96, **ENGINE)
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True),
-                        speculative=spec_of({"method": "vegas"}))
+                        speculative=tiny_spec({"method": "vegas"}))
     assert [len(o.token_ids) for o in outs] == [40, 40, 96 - LENGTHS[2]]
     assert llm.graphs is not None and llm.graphs.kv_len == llm.cache.pages_for(96 + 4) * 16
     with pytest.raises(ConfigError, match="exceeds the model's 256 positions"):

@@ -47,6 +47,20 @@ def test_an_unreachable_target_gives_the_whole_budget() -> None:
     assert measured(ratio=1.0, fixed=0.0, marginal=1e-4).budget(decoding=True) == 32768
 
 
+def test_an_unreachable_target_can_give_the_smallest_chunk() -> None:
+    """out_of_reach "floor": the shortest stall instead of the fewest forwards; a reachable
+    target is paced as before."""
+    pacer = measured(ratio=0.1)
+    pacer.out_of_reach = "floor"
+    assert pacer.budget(decoding=True) == 512
+    assert pacer.budget(decoding=False) == 32768
+    reachable = measured(ratio=1.0)
+    reachable.out_of_reach = "floor"
+    assert reachable.budget(decoding=True) == pytest.approx(8000, abs=2)
+    with pytest.raises(ValueError, match="out_of_reach"):
+        PrefillPacer(ceiling=4096, out_of_reach="half")
+
+
 def test_budget_never_exceeds_the_ceiling() -> None:
     assert measured(marginal=1e-9, ceiling=8192).budget(decoding=True) == 8192
     assert measured(ceiling=100, floor=512).budget(decoding=True) == 100

@@ -1,7 +1,8 @@
 """The incremental detokenizer and stop checker on SmolLM2's tokenizer: the deltas join to the
 decode of the whole output, each token costs a decode of a few tokens (never the whole output
-again), stop strings that span tokens end the text before them, and a stream never hands out
-the start of a stop string."""
+again), ids added without decoding give, when read, the text their pushes give, stop strings
+that span tokens end the text before them, and a stream never hands out the start of a stop
+string."""
 
 from __future__ import annotations
 
@@ -139,3 +140,101 @@ def test_running_statistics_summarize_as_the_whole_lists() -> None:
         "tokens_per_iteration_histogram": [1, 0, 2, 0, 0, 0, 1],
         "acceptance_rate_per_position": [0.75, 0.75, 0.25, 0.25, 0.25, 0.25],
         "budget_mean": 20.0}
+
+
+@pytest.fixture(scope="module")
+def partial_ids(tokenizer: Any) -> list[int]:
+    """Ids whose text alone is an incomplete UTF-8 character (byte tokens)."""
+    fast = text_decoder(tokenizer)
+    return [i for i in range(len(tokenizer)) if "\ufffd" in fast([i])]
+
+
+def random_ids(tokenizer: Any, partial: list[int], rng: random.Random, n: int) -> list[int]:
+    """Runs of TEXT's ids (multi-byte characters split across tokens), byte tokens that
+    leave characters incomplete (or invalid), any ids, special ids."""
+    text = tokenizer(TEXT[:400], add_special_tokens=False)["input_ids"]
+    ids: list[int] = []
+    while len(ids) < n:
+        r = rng.random()
+        if r < 0.3:
+            ids += [rng.choice(partial) for _ in range(rng.randint(1, 4))]
+        elif r < 0.5:
+            ids.append(rng.randrange(len(tokenizer)))
+        elif r < 0.55:
+            ids.append(rng.choice(tokenizer.all_special_ids))
+        else:
+            at = rng.randrange(len(text))
+            ids += text[at : at + rng.randint(1, 8)]
+    return ids
+
+
+@pytest.mark.parametrize("reads", [0.0, 0.3, 1.0])
+def test_added_ids_read_later_give_the_pushed_text(tokenizer: Any, partial_ids: list[int],
+                                                   reads: float) -> None:
+    """Ids added without decoding (1..γ+1 at a time) and read at random points, or only at
+    the end, give exactly the text of pushing them as they came, with fewer decodes."""
+    fast = text_decoder(tokenizer)
+    for seed in range(40):
+        rng = random.Random(seed)
+        ids = random_ids(tokenizer, partial_ids, rng, 150)
+        counting = Counting(tokenizer)
+        pushed, added = Detokenizer(tokenizer, fast), Detokenizer(counting)
+        i = 0
+        while i < len(ids):
+            group = ids[i : i + rng.randint(1, 7)]
+            i += len(group)
+            final = i >= len(ids)
+            pushed.push(group, final=final)
+            added.add(group, final=final)
+            if rng.random() < reads:
+                assert added.text == pushed.text, seed
+        decoded = counting.decoded
+        assert added.text == pushed.text == full(tokenizer, ids), seed
+        if reads == 0.0:
+            assert decoded == 0 and counting.decoded <= 2 * len(ids)  # one window, once
+
+
+def test_a_sequence_without_stops_decodes_only_when_read(tokenizer: Any) -> None:
+    """Appends decode nothing; the text, once read, is the one of pushing every step's
+    kept ids."""
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"][:200]
+    counting = Counting(tokenizer)
+    seq = Sequence("r", [1], [1], SamplingParams(max_tokens=150), 151, eos=frozenset({EOS}),
+                   detok=Detokenizer(counting))
+    pushed = Detokenizer(tokenizer)
+    rng, i = random.Random(3), 0
+    while not seq.finished:
+        group = ids[i : i + rng.randint(1, 7)]
+        kept = seq.append(group)
+        pushed.push(group[:kept], final=seq.finished)
+        i += kept
+    assert counting.decoded == 0 and seq.finish_reason == "length"
+    assert seq.output == ids[:150]
+    assert seq.text == pushed.text == full(tokenizer, ids[:150])
+    assert counting.decoded > 0
+    assert seq.delta() == (seq.text, ids[:150])
+
+
+def test_with_stops_each_token_is_decoded_and_the_output_ends_at_the_stop(
+        tokenizer: Any) -> None:
+    """All ids at once: the output still ends at the token that completes the stop."""
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    counting = Counting(tokenizer)
+    seq = Sequence("r", [1], [1], SamplingParams(max_tokens=500, stop=("brown fox",)), 501,
+                   eos=frozenset({EOS}), detok=Detokenizer(counting))
+    kept = seq.append(ids[:120])
+    assert counting.decoded > 0 and seq.finish_reason == "stop"
+    assert seq.output == ids[:kept] and kept < 120
+    assert "brown fox" in full(tokenizer, ids[:kept])
+    assert "brown fox" not in full(tokenizer, ids[: kept - 1])
+    assert seq.text == TEXT[: TEXT.index("brown fox")]
+
+
+def test_a_summary_up_to_an_iteration_is_the_one_taken_then() -> None:
+    rng = random.Random(4)
+    stats, taken = SeqStats(gamma=6), []
+    for _ in range(40):
+        stats.record(rng.randint(1, 7), rng.choice([None, rng.randint(8, 400)]))
+        taken.append((stats.iterations, len(stats.budget), stats.summary()))
+    assert all(stats.summary_upto(n, b) == s for n, b, s in taken)
+    assert taken[0][2] != taken[-1][2]

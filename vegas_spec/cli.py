@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -369,7 +370,10 @@ def serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(args.model, speculative=_spec(args, args.method),
                        max_num_seqs=args.max_num_seqs, prefill_pacing=pacing,
                        **_engine_kwargs(args))
-    engine.runner.reserve(args.max_num_seqs)  # every bucket's graphs, before the first request
+    started = time.perf_counter()
+    made = engine.warm_up(args.max_num_seqs)  # every bucket's graphs, before the first request
+    print(f"vegas: graphs ready in {time.perf_counter() - started:.1f} s "
+          f"({made} prefill shapes)", file=sys.stderr)
     name = args.served_model_name or engine.source.path.name
     run(engine, name, args.host, args.port, args.max_queue, args.api_key)
     return 0

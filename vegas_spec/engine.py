@@ -6,11 +6,15 @@ tokens), the prompts that complete give their first token and join the input bat
 decode iteration runs over every row (one token each, or a draft-verify-accept round of 1 to
 γ+1 tokens). Each request that got tokens gets a `RequestOutput` with its text delta;
 finished requests give their pages back. The offline `LLM.generate` and the server are loops
-over `step()`; offline, more prompts than fit at once simply queue."""
+over `step()`; offline, more prompts than fit at once simply queue, and no step makes outputs
+(each request's text is decoded once, when it is read at the end)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
+import operator
 import time
 import warnings
 from collections.abc import Callable
@@ -53,19 +57,48 @@ class StepInfo:
     emitted: list[int] = field(default_factory=list)
     gamma: int = 0
     seconds: float = 0.0
+    prefill_seconds: float = 0.0  # of which admission and prefill (the rest: the iteration)
+
+
+class _Later:
+    """A field value made only if it is read (see `_Deferred`)."""
+
+    __slots__ = ("make",)
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make = make
+
+
+class _Deferred:
+    """A dataclass field that may be given a `_Later`: made, once, when first read."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            raise AttributeError(self.slot)  # no default: the field stays required
+        value = obj.__dict__[self.slot]
+        if isinstance(value, _Later):
+            value = obj.__dict__[self.slot] = value.make()
+        return value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.slot] = value
 
 
 @dataclass
 class RequestOutput:
     """A request's output so far: text and token_ids in full, delta_text and
-    delta_token_ids what this step added; finish_reason None while it runs."""
+    delta_token_ids what this step added; finish_reason None while it runs. A running
+    request's token_ids and stats are made when first read (as they stood at its step)."""
 
     prompt: str | list[int]
     prompt_token_ids: list[int]
     text: str
-    token_ids: list[int]
+    token_ids: list[int] = _Deferred()  # type: ignore[assignment]
     finish_reason: str | None
-    stats: dict[str, Any]
+    stats: dict[str, Any] = _Deferred()  # type: ignore[assignment]
     request_id: str = ""
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
@@ -73,6 +106,10 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def _sequence_stats(stats: SeqStats, iterations: int, budgets: int) -> dict[str, Any]:
+    return {"sequence": stats.summary_upto(iterations, budgets)}
 
 
 class LLMEngine:
@@ -127,7 +164,14 @@ class LLMEngine:
         self.spec = spec
         self.runner.set_spec(spec)
         if self.pacer is not None:  # another method's steps take other times
-            self.pacer = PrefillPacer(self.pacer.ceiling, self.pacer.ratio)
+            self.pacer = dataclasses.replace(self.pacer)  # the settings, no estimates
+
+    def warm_up(self, rows: int) -> int:
+        """Before serving: the decode buffers and graphs of every batch bucket up to `rows`,
+        and every prefill bucket's forward, so that no request waits for a capture -> the
+        prefill forwards made."""
+        self.runner.reserve(rows)
+        return self.runner.warm_prefill(rows)
 
     # --- requests -----------------------------------------------------------------------
 
@@ -222,9 +266,10 @@ class LLMEngine:
 
     # --- the step -----------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, collect: bool = True) -> list[RequestOutput]:
         """Admit, prefill a budget of prompt tokens, decode one iteration -> an output for
-        every request that got tokens or finished in this step."""
+        every request that got tokens or finished in this step (collect False: none are made,
+        [] is returned; for a caller that reads the sequences once they finish)."""
         touched: dict[str, Sequence] = {}
         self.last_step = info = StepInfo(gamma=self.spec.gamma if self.spec.speculative else 0)
         t0 = time.perf_counter()
@@ -235,10 +280,10 @@ class LLMEngine:
         t2 = time.perf_counter()
         self.wall["prefill"] += t1 - t0
         self.wall["decode"] += t2 - t1
-        info.seconds = t2 - t0
+        info.seconds, info.prefill_seconds = t2 - t0, t1 - t0
         if self.pacer is not None:
             self.pacer.observe(info.prefill_tokens, bool(info.emitted), info.seconds)
-        outs = [self._output(s) for s in touched.values()]
+        outs = [self._output(s) for s in touched.values()] if collect else []
         for seq in touched.values():
             if seq.finished:  # its row, if it had one, left in `select`
                 self._release(seq)
@@ -280,10 +325,20 @@ class LLMEngine:
         self.runner.select()
 
     def _output(self, seq: Sequence) -> RequestOutput:
+        """The step's output of seq: a finished one's ids are its output list (it no longer
+        grows), a running one's ids and stats are made if read."""
         text, ids = seq.delta()
-        return RequestOutput(seq.prompt, seq.prompt_ids, seq.text, list(seq.output),
-                             seq.finish_reason, {"sequence": seq.stats.summary()},
-                             seq.request_id, text, ids)
+        if seq.finished:
+            return RequestOutput(seq.prompt, seq.prompt_ids, seq.text, seq.output,
+                                 seq.finish_reason, {"sequence": seq.stats.summary()},
+                                 seq.request_id, text, ids)
+        n, stats = len(seq.output), seq.stats
+        return RequestOutput(
+            seq.prompt, seq.prompt_ids, seq.text,
+            _Later(functools.partial(operator.getitem, seq.output, slice(n))), None,
+            _Later(functools.partial(_sequence_stats, stats, stats.iterations,
+                                     len(stats.budget))),
+            seq.request_id, text, ids)
 
 
 class LLM:
@@ -347,7 +402,7 @@ class LLM:
             for seq in seqs:
                 engine.add_request(seq)
             while engine.has_unfinished():
-                engine.step()
+                engine.step(collect=False)  # the outputs are made once, at the end
         except BaseException:
             engine.abort_all()
             raise

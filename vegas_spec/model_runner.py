@@ -211,6 +211,18 @@ class ModelRunner:
         if self.config.static and self.batch is None and rows > 0:
             self.graphs = self._graph_runner(self.spec, self.policy, rows)
 
+    def warm_prefill(self, max_pieces: int) -> int:
+        """Capture every prefill bucket this method's chunks can meet (up to the prefill
+        budget's tokens in up to max_pieces pieces) now rather than at their first chunk ->
+        how many forwards were made (0 without prefill graphs)."""
+        graphs, policy = self.prefill_graphs, self.policy
+        if graphs is None:
+            return 0
+        kind = ScoreKind(policy.score_mode, policy.per_kv_head) \
+            if policy is not None and policy.wants_scores else None
+        with torch.inference_mode():
+            return graphs.warm(self.config.prefill_tokens(self.model_config), max_pieces, kind)
+
     def _graph_runner(self, spec: SpecConfig, policy: Policy | None, bsz: int,
                       greedy: bool = True) -> GraphRunner:
         """The runner of this method's shapes, rebuilt when they or the batch outgrow it."""
@@ -519,48 +531,50 @@ class ModelRunner:
         return out
 
     def _iteration(self, batch: Batch) -> StepOutput:
-        scores, budget, planned = None, None, False
-        if self.policy is None:
+        if self.policy is None:  # one token a row: nothing to accept, no plan to make
             with self.timer.phase("decode"):
-                emitted = self._plain_step(batch)[:, None]
-            accepted = torch.zeros_like(batch.lengths)
-        else:
-            accepted, emitted, scores, budget, planned = self._speculate(batch, self.policy)
+                tokens = self._plain_step(batch)
+            batch.lengths = batch.lengths + 1
+            batch.last = tokens
+            return self._commit(batch, None, tokens, None)
+        accepted, emitted, scores, budget, planned = self._speculate(batch, self.policy)
         row = batch.lengths  # verify row 0 sat at the old length
         batch.lengths = batch.lengths + accepted + 1
         batch.last = emitted.gather(1, accepted[:, None])[:, 0]
         self._round = _Round(scores, row, accepted, planned)
         return self._commit(batch, accepted, emitted, budget)
 
-    def _commit(self, batch: Batch, accepted: torch.Tensor, emitted: torch.Tensor,
+    def _commit(self, batch: Batch, accepted: torch.Tensor | None, emitted: torch.Tensor,
                 budget: torch.Tensor | None) -> StepOutput:
         """The iteration's one host read: accepted [B], emitted [B, n] and the budgets [B]
-        the drafts read come back in one transfer."""
-        n = emitted.shape[1]
+        the drafts read come back in one transfer (accepted None: plain decoding, emitted
+        [B] one token a row)."""
+        seqs = list(batch.seqs)
+        if accepted is None:
+            return StepOutput(seqs, [[t] for t in emitted.tolist()], [None] * len(seqs))
         cols = [accepted[:, None], emitted] + ([] if budget is None else [budget[:, None]])
-        tokens, budgets = [], []
-        for row in torch.cat(cols, 1).tolist():
-            a = row[0]  # vanilla: one token per step (a = 0)
-            tokens.append(row[1 : a + 2])
-            budgets.append(None if budget is None else row[1 + n])
-        return StepOutput(list(batch.seqs), tokens, budgets)
+        rows = torch.cat(cols, 1).tolist()
+        tokens = [row[1 : row[0] + 2] for row in rows]
+        budgets = [None] * len(rows) if budget is None else [row[-1] for row in rows]
+        return StepOutput(seqs, tokens, budgets)
 
     @torch.inference_mode()
     def select(self) -> None:
         """After the tokens of an iteration are appended: drop the finished rows (the
         survivors move down, keeping their plans), then choose the next draft round's KV
-        positions unless the round's graph already did (`planned`)."""
+        positions unless the round's graph already did (`planned`); plain decoding has no
+        round and makes no plan."""
         batch, rnd = self.batch, self._round
-        assert batch is not None and rnd is not None
+        assert batch is not None
         self._round = None
         alive = [i for i, s in enumerate(batch.seqs) if not s.finished]
         if len(alive) < len(batch.seqs):
             idx = self._keep_rows(alive)
-            if idx is None:
+            if idx is None or rnd is None:
                 return
             rnd = _Round(None if rnd.scores is None else rnd.scores[:, idx], rnd.row[idx],
                          rnd.accepted[idx], rnd.planned)
-        if rnd.planned:
+        if rnd is None or rnd.planned:  # plain decoding, or a round that planned
             return
         assert self.batch is not None
         self.batch.plan = self._plan(self.batch, rnd.scores, rnd.row, rnd.accepted, 0)

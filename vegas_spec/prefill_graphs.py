@@ -8,15 +8,16 @@ flat buffers, copied to the device in two transfers, and the whole forward (ever
 logits of the prompts' last rows, their selection scores and queries) is one graph replay.
 
 A graph is fixed by (token bucket, piece bucket, score kind): tokens are padded to the next
-bucket of the 1, 1.5, 2, 3, 4, 6, ... x 512 ladder (padding
-rows write only the scratch page and are in no query tile, so they cost only their share of the
-matrix products), pieces to the
-next power of two (padding pieces are empty, their tiles do nothing, their last rows read
+bucket of the 1, 1.5, 2, 3, 4, 6, ... x 512 ladder (padding rows write only the scratch page
+and are in no query tile, so they cost only their share of the matrix products), pieces to
+the next power of two (padding pieces are empty, their tiles do nothing, their last rows read
 the scratch page). The key axis of the last rows' scores is the static page-table width, as
-in the decode graphs. On CPU, or with a backend that needs the host lengths of the pieces
-(the torch backend), the same buffers run eagerly at the chunk's exact sizes (`pad_to` None;
-a test sets it to run the padding on CPU), so both paths share every line of the buffer
-logic."""
+in the decode graphs. A graph is captured at the first chunk of its shape, or for every shape
+at once by `warm` (a server, before its first request: a capture takes far longer than a
+step, and every running sequence would wait for it). On CPU, or with a backend that needs
+the host lengths of the pieces (the torch backend), the same buffers run eagerly at the
+chunk's exact sizes (`pad_to` None; a test sets it to run the padding on CPU), so both paths
+share every line of the buffer logic."""
 
 from __future__ import annotations
 
@@ -73,15 +74,35 @@ class Chunk:
     ends: list[int]
 
 
+class PrefillOutputs:
+    """What a forward of S pieces gives: the last rows' queries q_out [layers, S, H, D],
+    logits [S, V] and scores (a ScoreRequest of out [layers, S, 1, G, W], or None). The
+    buckets of one piece count and score kind share one set: a run's outputs are copied out
+    before the next forward starts, and the largest of them (the scores, S x W floats per
+    layer) would otherwise be held once per token bucket."""
+
+    def __init__(self, pieces: int, pages: int, model: Decoder, device: torch.device,
+                 dtype: torch.dtype, score: ScoreKind | None, page_size: int) -> None:
+        cfg, s = model.cfg, pieces
+        self.q_out = torch.zeros(cfg.num_layers, s, cfg.num_heads, cfg.head_dim, device=device,
+                                 dtype=dtype)
+        self.logits = torch.zeros(s, cfg.vocab_size, device=device)
+        self.scores = None
+        if score is not None:
+            groups = cfg.num_kv_heads if score.per_kv_head else 1
+            out = torch.zeros(cfg.num_layers, s, 1, groups, pages * page_size, device=device)
+            self.scores = ScoreRequest(torch.zeros(1, dtype=torch.long, device=device), out,
+                                       score.mode, score.per_kv_head)
+
+
 class PrefillBuffers:
     """Every tensor one bucket's forward reads or writes. ints (int64): tokens, positions,
     slots [T]; last_index, last_pos, last_slots [S]. small (int32): cu_q [S + 2], start
-    [S + 1], table [S + 1, P], tiles [2, NT], last_table [S, P]. Piece S is always empty."""
+    [S + 1], table [S + 1, P], tiles [2, NT], last_table [S, P]. Piece S is always empty.
+    The outputs (q_out, logits, scores) are `outputs`' tensors."""
 
-    def __init__(self, tokens: int, pieces: int, pages: int, tiles: int, model: Decoder,
-                 device: torch.device, dtype: torch.dtype, score: ScoreKind | None,
-                 page_size: int) -> None:
-        cfg = model.cfg
+    def __init__(self, tokens: int, pieces: int, pages: int, tiles: int,
+                 outputs: PrefillOutputs, device: torch.device) -> None:
         t, s, p = tokens, pieces, pages
         self.tokens_cap, self.pieces_cap, self.pages, self.tiles_cap = t, s, p, tiles
         self.ints = torch.zeros(3 * t + 3 * s, dtype=torch.long, device=device)
@@ -98,15 +119,7 @@ class PrefillBuffers:
         self.table, o = m[o : o + (s + 1) * p].view(s + 1, p), o + (s + 1) * p
         self.tiles, o = m[o : o + 2 * tiles].view(2, tiles), o + 2 * tiles
         self.last_table = m[o:].view(s, p)
-        self.q_out = torch.zeros(cfg.num_layers, s, cfg.num_heads, cfg.head_dim, device=device,
-                                 dtype=dtype)
-        self.logits = torch.zeros(s, cfg.vocab_size, device=device)
-        self.scores = None
-        if score is not None:
-            groups = cfg.num_kv_heads if score.per_kv_head else 1
-            out = torch.zeros(cfg.num_layers, s, 1, groups, p * page_size, device=device)
-            self.scores = ScoreRequest(torch.zeros(1, dtype=torch.long, device=device), out,
-                                       score.mode, score.per_kv_head)
+        self.q_out, self.logits, self.scores = outputs.q_out, outputs.logits, outputs.scores
 
 
 @dataclass
@@ -135,7 +148,31 @@ class PrefillGraphs:
         # then have the shapes of the dynamic path's and round as they do.
         self.pad_to: int | None = 512 if self.capture else None
         self.entries: dict[tuple[int, int, ScoreKind | None], _Entry] = {}
+        self.outputs: dict[tuple[int, ScoreKind | None], PrefillOutputs] = {}
         self.pool: tuple[int, int] | None = None
+
+    def buckets(self, max_tokens: int, max_pieces: int) -> list[tuple[int, int]]:
+        """Every (token bucket, piece bucket) a chunk of at most max_tokens tokens in at most
+        max_pieces pieces can fall in (none without padding: eager runs have no buckets)."""
+        if self.pad_to is None:
+            return []
+        tokens, top = [self.pad_to], token_bucket(max_tokens, self.pad_to)
+        while tokens[-1] < top:
+            tokens.append(token_bucket(tokens[-1] + 1, self.pad_to))
+        pieces, cap = [1], piece_bucket(max(1, max_pieces))
+        while pieces[-1] < cap:
+            pieces.append(pieces[-1] * 2)
+        return [(t, s) for t in tokens for s in pieces if s <= t]
+
+    def warm(self, max_tokens: int, max_pieces: int, score: ScoreKind | None) -> int:
+        """Make (and capture) every bucket's forward now, so that no chunk a server meets
+        waits for a capture -> how many were made."""
+        made = 0
+        for tokens, pieces in self.buckets(max_tokens, max_pieces):
+            if (tokens, pieces, score) not in self.entries:
+                self.entries[tokens, pieces, score] = self._entry(tokens, pieces, score)
+                made += 1
+        return made
 
     def run(self, chunk: Chunk, score: ScoreKind | None,
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -162,13 +199,24 @@ class PrefillGraphs:
 
     def _entry(self, tokens: int, pieces: int, score: ScoreKind | None) -> _Entry:
         tiles = 0 if self.block_m is None else -(-tokens // self.block_m) + pieces
-        buf = PrefillBuffers(tokens, pieces, self.pages, max(tiles, 1), self.model,
-                             self.device, self.dtype, score, self.page_size)
+        buf = PrefillBuffers(tokens, pieces, self.pages, max(tiles, 1),
+                             self._outputs(pieces, score), self.device)
         entry = _Entry(buf)
         self._fill(buf, Chunk([], [], [], []))  # all padding: touches only the scratch page
         if self.capture:
             entry.graph = self._capture(buf)
         return entry
+
+    def _outputs(self, pieces: int, score: ScoreKind | None) -> PrefillOutputs:
+        """The output tensors of forwards of `pieces` pieces: shared by every token bucket
+        (kept only where buckets are kept: eager runs make their own)."""
+        out = self.outputs.get((pieces, score))
+        if out is None:
+            out = PrefillOutputs(pieces, self.pages, self.model, self.device, self.dtype, score,
+                                 self.page_size)
+            if self.pad_to is not None:
+                self.outputs[pieces, score] = out
+        return out
 
     def _fill(self, buf: PrefillBuffers, chunk: Chunk) -> tuple[tuple[int, ...], ...]:
         """Pack the chunk (padded to the buffers' shapes) on the host, copy it over in two

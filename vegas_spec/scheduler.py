@@ -80,18 +80,22 @@ class PrefillPacer:
     average), the prefill's cost from the excess of those that did (a line, fixed +
     marginal per token: a forward costs something whatever its size). Where even the
     smallest chunk would exceed the target (the fixed cost of a forward is more than `ratio`
-    decode iterations), pacing cannot help, and a step takes the whole `ceiling`: fewer,
-    larger forwards keep the most throughput. So it does before the first estimates, and
-    whenever nothing decodes."""
+    decode iterations), pacing cannot reach it: with `out_of_reach` "whole" a step then takes
+    the whole `ceiling` (fewer, larger forwards keep the most throughput), with "floor" the
+    smallest chunk (the shortest stall). A step takes the whole ceiling before the first
+    estimates, and whenever nothing decodes."""
 
     ceiling: int
     ratio: float = 1.0
     floor: int = 512
     smoothing: float = 0.2  # weight of the newest step in the running estimates
+    out_of_reach: str = "whole"  # or "floor"
     decode_s: float | None = field(default=None, init=False)
     cost: _CostFit = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.out_of_reach not in ("whole", "floor"):
+            raise ValueError(f"out_of_reach must be 'whole' or 'floor', got {self.out_of_reach!r}")
         self.cost = _CostFit(self.smoothing)
 
     def budget(self, decoding: bool) -> int:
@@ -101,7 +105,9 @@ class PrefillPacer:
         fixed, marginal = line
         tokens = int((self.ratio * self.decode_s - fixed) / marginal)
         floor = min(self.floor, self.ceiling)
-        return self.ceiling if tokens < floor else min(self.ceiling, tokens)
+        if tokens < floor:
+            return self.ceiling if self.out_of_reach == "whole" else floor
+        return min(self.ceiling, tokens)
 
     def observe(self, prefill_tokens: int, decoded: bool, seconds: float) -> None:
         """One finished step: prompt tokens it prefilled, whether rows decoded, its seconds."""

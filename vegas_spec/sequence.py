@@ -1,6 +1,7 @@
 """One request's state: its ids, sampling settings, output so far and KV pages, with an
 incremental detokenizer and stop checker, so that each step's new tokens become a text delta
-without decoding the whole output again.
+without decoding the whole output again (and, without stop strings, are decoded only when the
+text is read).
 
 A sequence goes WAITING (queued) -> RUNNING (pages held: prefilling while `prefilled` is
 short of the prompt, then decoding) -> FINISHED (pages released). Imports `config`, `stats`."""
@@ -24,6 +25,7 @@ class Tokenizer(Protocol):
 
 # ids -> their text, special tokens skipped, spaces left as they are
 Decode = Callable[[list[int]], str]
+_NO_IDS: frozenset[int] = frozenset()
 
 
 class Status(enum.Enum):
@@ -36,8 +38,10 @@ class Detokenizer:
     """Incremental decoding (vLLM's offsets): each push decodes only a window that starts
     at the previous delta's first token, and returns the text it adds. A window whose text
     ends in U+FFFD (an incomplete UTF-8 character of byte-level BPE) waits for more tokens.
-    The deltas join to the decode of the whole output. decode: the tokenizer's decode with
-    its settings bound (`tokenizer.text_decoder`), else its `decode` is called."""
+    The deltas join to the decode of the whole output. Ids may also be added without
+    decoding them (`add`): they are decoded together, as one push, when `text` is next read,
+    which gives the text their pushes would. decode: the tokenizer's decode with its
+    settings bound (`tokenizer.text_decoder`), else its `decode` is called."""
 
     def __init__(self, tokenizer: Tokenizer, decode: Decode | None = None) -> None:
         self.tokenizer = tokenizer
@@ -46,22 +50,42 @@ class Detokenizer:
         self.ids: list[int] = []
         self.prefix = 0  # the window's first token
         self.read = 0  # tokens whose text is in self.text
-        self.text = ""
+        self._text = ""
         self._before: str | None = None  # text of ids[prefix:read]
+        self._pushed = 0  # ids already decoded: those after them were added, not pushed
+        self._final = False  # the added ids end the output
+
+    @property
+    def text(self) -> str:
+        """The text so far (the ids added since the last read decoded first)."""
+        if self._pushed < len(self.ids) or self._final:
+            self._flush()
+        return self._text
+
+    def add(self, ids: list[int], final: bool = False) -> None:
+        """Append ids without decoding them yet; final: they end the output (see push)."""
+        self.ids.extend(ids)
+        self._final = self._final or final
 
     def push(self, ids: list[int], final: bool = False) -> str:
-        """Append ids -> the text they complete ("" while a character is incomplete);
-        final: flush whatever is pending, complete or not. Several ids at once give the text
-        that pushing them one by one would: up to the last of them that completes a
-        character."""
-        start, pushed = len(self.text), len(self.ids)
-        self.ids.extend(ids)
+        """Append ids -> the text they (and the ids added before them) complete ("" while a
+        character is incomplete); final: flush whatever is pending, complete or not. Several
+        ids at once give the text that pushing them one by one would: up to the last of them
+        that completes a character."""
+        start = len(self._text)
+        self.add(ids, final)
+        self._flush()
+        return self._text[start:]
+
+    def _flush(self) -> None:
+        """Decode the ids added since the last push, as one group."""
+        pushed, final = self._pushed, self._final
+        self._pushed, self._final = len(self.ids), False
         if not self._advance(len(self.ids), final):
             # the last id leaves a character incomplete: the text of those before it
             for end in range(len(self.ids) - 1, pushed, -1):
                 if self._advance(end, False):
                     break
-        return self.text[start:]
 
     def _advance(self, end: int, final: bool) -> bool:
         """Take the text of ids up to `end` if it grows (and, unless final, ends in a whole
@@ -71,7 +95,7 @@ class Detokenizer:
         before, after = self._before, self._decode(self.ids[self.prefix : end])
         if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
             return False
-        self.text += after[len(before) :]
+        self._text += after[len(before) :]
         self.prefix, self.read, self._before = self.read, end, None
         return True
 
@@ -145,22 +169,27 @@ class Sequence:
 
     def append(self, tokens: list[int]) -> int:
         """Append emitted tokens, stopping at max_tokens, EOS or a stop string; -> how many
-        were kept. Without stop strings the kept tokens are detokenized together."""
+        were kept. Without stop strings nothing needs the text yet: the kept tokens are
+        detokenized, together with any before them, when the text is next read."""
         if self.first_token_time is None and tokens:
             self.first_token_time = time.perf_counter()
         if self.detok is not None and self._stop is not None and self._stop.stops:
             return self._append_each(tokens)  # a stop string ends the output at its token
         kept = self._kept(tokens)
-        self.output.extend(tokens[:kept])
+        if kept < len(tokens):
+            tokens = tokens[:kept]
+        self.output.extend(tokens)
         if self.detok is not None and kept:
-            self.detok.push(tokens[:kept], final=self.finished)
+            self.detok.add(tokens, final=self.finished)
         return kept
 
     def _kept(self, tokens: list[int]) -> int:
         """How many of tokens to keep before EOS or the length limit ends the sequence (its
         finish_reason then set)."""
-        eos = frozenset() if self.params.ignore_eos else self.eos
+        eos = _NO_IDS if self.params.ignore_eos else self.eos
         room = self.limit - len(self.prompt_ids) - len(self.output)
+        if len(tokens) < room and eos.isdisjoint(tokens):  # the common case: all of them
+            return len(tokens)
         for n, tok in enumerate(tokens, 1):
             if tok in eos:
                 self.finish_reason = "stop"
@@ -190,7 +219,7 @@ class Sequence:
         if self.finish_reason is None:
             self.finish_reason = reason
         if self.detok is not None:
-            self.detok.push([], final=True)
+            self.detok.add([], final=True)
 
     def delta(self) -> tuple[str, list[int]]:
         """The text and token ids not yet handed out; while running, the characters that may

@@ -68,6 +68,12 @@ class SeqStats:
     def summary(self) -> dict[str, Any]:
         return summarize_counts(self.counts, self.gamma, self.budget_total, len(self.budget))
 
+    def summary_upto(self, iterations: int, budgets: int) -> dict[str, Any]:
+        """The summary as it stood after the first `iterations` records, `budgets` of them
+        with a budget (the lists only grow): O(iterations)."""
+        return summarize(self.tokens_per_iteration[:iterations], self.gamma,
+                         self.budget[:budgets])
+
 
 def summarize(tpi: list[int], gamma: int, budget: list[int]) -> dict[str, Any]:
     """tokens per iteration (mean, histogram), acceptance rate per draft position, budget;

@@ -116,6 +116,12 @@ def test_serve_load_reports_throughput_and_latency_per_method(tmp_path: Path) ->
         assert r["steps"] > r["prefill_steps"] >= 2
         assert 0 < r["prefill_step_p50_s"] <= r["prefill_step_max_s"]
         assert 0 < r["decode_step_p50_s"] <= r["decode_step_p99_s"]
+        assert 0 <= r["paced_steps"] <= r["prefill_steps"]
+        if r["paced_steps"]:
+            assert 0 < r["paced_tokens_p50"] <= r["paced_tokens_max"]
+            assert r["paced_prefill_part_p50_s"] > 0 and r["paced_decode_part_p50_s"] > 0
+        assert set(r["pacer"]) == {"decode_s", "fixed_s", "per_token_s", "budget"}
+        assert r["pacer"]["budget"] > 0 and 0 <= r["paced_whole"] <= r["paced_steps"]
     assert rows[0]["vs_vanilla"] == 1.0
     assert rows[1]["vs_vanilla"] == rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"]
 
@@ -130,3 +136,28 @@ def test_host_loop_splits_the_host_work_by_phase(tmp_path: Path) -> None:
     assert vanilla["iterations"] >= 20 and vanilla["host_ms"] > 0 and vanilla["graph"] > 0
     assert vanilla["host_ms"] == pytest.approx(sum(vanilla[p] for p in (
         "schedule", "inputs", "commit", "rows", "select", "outputs")))
+
+
+def test_skinny_gemm_checks_and_times_each_setting(tmp_path: Path) -> None:
+    """Tiny shapes under Triton's interpreter: cuBLAS at every M, and at M <= 64 the kernel's
+    default tiles and the staged search, each setting checked against cuBLAS first."""
+    out = tmp_path / "skinny.json"
+    run("skinny_gemm.py", "--device", "cpu", "--projections", "o_proj", "--rows", "1", "16",
+        "112", "--out", str(out))
+    data = json.loads(out.read_text())
+    timed = [r for r in data["rows"] if not r["status"].startswith("pruned")]
+    assert all(r["status"] == "ok" and r["us"] > 0 and r["pct_copy"] > 0 for r in timed)
+    assert {(r["m"], r["impl"]) for r in timed} == {
+        (1, "cublas"), (1, "skinny"), (16, "cublas"), (16, "skinny"), (112, "cublas")}
+    assert {r["stage"] for r in timed if r["impl"] == "skinny"} == {"default", "tiles", "split"}
+    assert all(r["rel_err"] < 2e-2 for r in timed)
+    assert [(c["m"], "speedup" in c) for c in data["best"]] == [(1, True), (16, True),
+                                                                (112, False)]
+
+
+def test_host_loop_streams_every_steps_outputs(tmp_path: Path) -> None:
+    out = tmp_path / "stream.json"
+    run("host_loop.py", "--batch", "2", "--prompt-tokens", "8", "--max-tokens", "24",
+        "--repeats", "1", "--methods", "vanilla", "--stream", "--out", str(out))
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["method"] == "vanilla" and row["iterations"] >= 20 and row["outputs"] > 0

@@ -4,6 +4,8 @@ KV store, SiLU * up). Runs on CUDA, or on CPU under Triton's interpreter (slow: 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -21,13 +23,30 @@ from vegas_spec.kernels.quest_scores import quest_page_scores
 from vegas_spec.kernels.rms_norm import rms_norm
 from vegas_spec.kernels.rope_store import rope_store
 from vegas_spec.kernels.silu_mul import silu_mul
+from vegas_spec.kernels.skinny_matmul import MAX_ROWS, skinny_linear
 from vegas_spec.kernels.sparse_attention import sparse_attention
 from vegas_spec.kernels.store_kv import store_kv
 from vegas_spec.kernels.topk import topk_positions_triton
 
+# Projections of at most this many rows (0: none, at most MAX_ROWS) run `skinny_linear` in
+# the default mode instead of cuBLAS. Off until GPU timings show where it is faster.
+SKINNY_MAX_ROWS: int = 0
+# Weights of fewer elements stay on cuBLAS (a tiny model's are read from L2 anyway).
+SKINNY_MIN_WEIGHT: int = 1 << 22
+
+
+def uses_skinny(rows: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a default-mode projection of `rows` rows (x flattened) runs `skinny_linear`:
+    on CUDA, half precision (the kernel streams 16-bit weights), a large row-major weight,
+    and 1..SKINNY_MAX_ROWS rows."""
+    return (0 < rows <= min(SKINNY_MAX_ROWS, MAX_ROWS) and x.is_cuda
+            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and weight.numel() >= SKINNY_MIN_WEIGHT and weight.stride(-1) == 1)
+
 
 class TritonBackend(AttentionBackend):
-    """In exact mode the projections and the LM head run `exact_linear` and full attention
+    """In the default mode a projection of few rows may run `skinny_linear` (`uses_skinny`).
+    In exact mode the projections and the LM head run `exact_linear` and full attention
     one tiling for every step (`paged_attention(exact=True)`). The prefill kernel needs no
     mode: its tiles depend on the head dim only, and a row walks its keys in blocks at fixed
     offsets from key 0 (whichever chunk, tile or piece it falls in), the blocks past its
@@ -56,6 +75,8 @@ class TritonBackend(AttentionBackend):
                bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.exact:
             return exact_linear(x, weight, bias)
+        if uses_skinny(math.prod(x.shape[:-1]), x, weight):
+            return skinny_linear(x, weight, bias)
         return super().linear(x, weight, bias)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -11,12 +11,13 @@
   topk              top-k positions per (layer, sequence, group) by radix select (selection)
   quest_scores      quest's page scores for a draft row, from the pages' min/max keys
   exact_matmul      a projection whose rows do not depend on the number of rows (exact mode)
+  skinny_matmul     a projection of 1..64 rows that streams its weights once (decode steps)
 
 Every kernel has a plain-PyTorch reference that is its test oracle:
 `vegas_spec.attention.torch_backend` (attention, KV store, quest's page scores),
 `vegas_spec.ops` (`rms_norm`, `add_rms_norm`, `silu_mul`, `apply_rope`),
 `vegas_spec.speculative.policies.topk_positions` and `torch.nn.functional.linear`
-(exact_matmul). On a machine without CUDA the kernels run on CPU
+(exact_matmul, skinny_matmul). On a machine without CUDA the kernels run on CPU
 tensors under Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is first
 imported), patched below where it departs from compiled Triton."""
 

@@ -1,0 +1,93 @@
+"""The few-row projection against a float64 `F.linear`: every row count of a step up to 64,
+column blocks that N leaves partial, K steps that K leaves partial, bias, and K split over
+programs (one split left empty); more than 64 rows are refused. On a GPU also the 8B models'
+projection shapes in bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import CUDA, DEVICE, generator, nan_empty, randn
+
+from vegas_spec.kernels.skinny_matmul import (
+    GPU_SMS,
+    MAX_ROWS,
+    SkinnyTiles,
+    skinny_linear,
+    skinny_linear_ref,
+    skinny_tiles,
+)
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+# Relative error bounds (Frobenius norms): an fp32 sum of products rounded once to the dtype.
+REL_TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+N = 96  # one full and one half column block of 64
+# (rows, K, bias, split_k): K = 200 leaves a partial K step of 64; three splits of K = 256
+# in steps of 64 are two of 128 and an empty one.
+CASES = [(1, 256, False, 1), (7, 200, True, 2), (16, 256, True, 3), (64, 200, False, 1)]
+
+
+def rel_error(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+              b: torch.Tensor | None) -> float:
+    want = skinny_linear_ref(x.double(), w.double(), None if b is None else b.double())
+    return float((got.double() - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,k,bias,split_k", CASES)
+def test_matches_float64_reference(m: int, k: int, bias: bool, split_k: int,
+                                   dtype: torch.dtype) -> None:
+    gen = generator(m + k)
+    x = randn(m, k, gen=gen, dtype=dtype)
+    w = randn(N, k, gen=gen, dtype=dtype) / k ** 0.5
+    b = randn(N, gen=gen, dtype=dtype) if bias else None
+    with nan_empty():  # outputs and partials start as NaN: an unwritten element fails
+        got = skinny_linear(x, w, b, tiles=SkinnyTiles(64, 64, 4, 2, split_k))
+    assert got.shape == (m, N) and got.dtype == dtype
+    assert rel_error(got, x, w, b) < REL_TOL[dtype]
+
+
+def test_default_tiles_and_leading_dims() -> None:
+    """A [B, n, K] step (B·n rows) with the tiles chosen from the shape."""
+    gen = generator(5)
+    x = randn(3, 5, 128, gen=gen, dtype=torch.float16)
+    w = randn(80, 128, gen=gen, dtype=torch.float16) / 128 ** 0.5
+    with nan_empty():
+        got = skinny_linear(x, w)
+    assert got.shape == (3, 5, 80)
+    assert rel_error(got, x, w, None) < REL_TOL[torch.float16]
+
+
+def test_more_than_64_rows_are_refused() -> None:
+    w = torch.ones(32, 16, device=DEVICE)
+    for shape in ((MAX_ROWS + 1, 16), (5, 13, 16)):
+        with pytest.raises(ValueError, match="at most 64 rows"):
+            skinny_linear(torch.ones(*shape, device=DEVICE), w)
+
+
+# (N, K) of Llama-3.1-8B and Qwen3-8B: qkv, o_proj, gate_up, down, LM head (the first two
+# are the same in both).
+SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
+             (24576, 4096), (4096, 12288), (151936, 4096)]
+
+
+def test_default_tiles_fill_the_gpu_at_8b_shapes() -> None:
+    for n, k in SHAPES_8B:
+        for m in (1, 16, 64):
+            t = skinny_tiles(m, n, k)
+            assert -(-n // t.block_n) * t.split_k >= GPU_SMS, (m, n, k, t)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,k", SHAPES_8B)
+def test_8b_shapes_in_bfloat16_match_cublas(n: int, k: int) -> None:
+    """The default tiles and two others (one splitting K in four), against F.linear."""
+    gen = torch.Generator(device=DEVICE).manual_seed(n + k)  # an LM head's 0.6 G values
+    w = (torch.randn(n, k, generator=gen, device=DEVICE) / k ** 0.5).to(torch.bfloat16)
+    for m in (1, 4, 16, 33, 64):
+        x = torch.randn(m, k, generator=gen, device=DEVICE).to(torch.bfloat16)
+        want = skinny_linear_ref(x, w).float()
+        for tiles in (None, SkinnyTiles(32, 128, 4, 4, 1), SkinnyTiles(64, 256, 4, 3, 4)):
+            got = skinny_linear(x, w, tiles=tiles).float()
+            err = float((got - want).norm() / want.norm())
+            assert err < 1e-2, (m, tiles, err)

@@ -1,0 +1,161 @@
+"""A projection of few rows (a decode, draft or verify step: M = 1..64) that streams its
+weights at the copy bandwidth: y = x W^T (+ b), x [M, K] and W [N, K] row-major (nn.Linear's
+layout), float32 accumulation, y in x's dtype.
+
+Oracle: `skinny_linear_ref` (`torch.nn.functional.linear`), to rounding.
+
+Bytes: at M <= 64 the product is 2·M flops per weight element, far below what the tensor
+cores do per byte, so the time floor is the weight bytes over the copy bandwidth
+(N·K·itemsize / bandwidth: 50 MB of Llama-3.1-8B's qkv take 10.5 µs at 4.8 TB/s); x (M·K)
+and y (M·N) are a few percent of that. Every weight byte is read once: program j owns
+columns j·BLOCK_N.. for all M rows (BLOCK_M, the rows padded to a power of two >= 16, is the
+whole step) and walks K in BLOCK_K steps, the W tile [BLOCK_N, BLOCK_K] (a contiguous run of
+BLOCK_K elements per weight row) transposed into one `tl.dot` with the x tile, the loads
+software-pipelined over `num_stages` buffers (asynchronous copies into shared memory) so that
+enough bytes are in flight per SM. Every program also reads all of x, from L2: M/BLOCK_N
+bytes per weight byte.
+
+The grid is cdiv(N, BLOCK_N) programs. Where that is few against the SMs (N = 4096: 128
+programs of 32 columns on an H200's 132 SMs), `split_k` programs share a column block, each
+walking 1/split_k of K, and write float32 partials [split_k, M, N] that a second small kernel
+sums in a fixed order (plus bias, cast): 2·split_k·M·N·4 more bytes, mostly in L2."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# Rows the kernel takes at most (one row block); callers fall back to F.linear beyond.
+MAX_ROWS = 64
+# Streaming multiprocessors of an H200, for the default tiles' occupancy guess.
+GPU_SMS = 132
+# Column blocks the default tiles aim for (about two programs per SM).
+COLUMN_PROGRAMS = 256
+# Elements per program of the split-K sum.
+SUM_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class SkinnyTiles:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+
+    def __post_init__(self) -> None:
+        for size in (self.block_n, self.block_k):
+            assert size >= 16 and size & (size - 1) == 0, "blocks: powers of two >= 16"
+        assert self.num_warps > 0 and self.num_stages > 0 and self.split_k > 0
+
+
+def block_rows(m: int) -> int:
+    """BLOCK_M: the rows padded to a power of two, at least 16 (the smallest dot tile); more
+    than MAX_ROWS rows are a ValueError."""
+    if m > MAX_ROWS:
+        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, not {m}")
+    return max(16, triton.next_power_of_2(m))
+
+
+def skinny_tiles(m: int, n: int, k: int) -> SkinnyTiles:
+    """Default tiles for M rows of an [N, K] weight (guesses, to be replaced by measured ones):
+    64 columns a program where N still gives COLUMN_PROGRAMS programs, else 32; 256-element
+    K steps up to 32 rows, 128 at 64 (the shared memory of 4 stages of x and W tiles stays
+    under 200 KB); two splits of K where the column blocks are fewer than the SMs."""
+    block_n = 64 if triton.cdiv(n, 64) >= COLUMN_PROGRAMS else 32
+    block_k = 256 if block_rows(m) <= 32 else 128
+    split_k = 2 if triton.cdiv(n, block_n) < GPU_SMS and k >= 4 * block_k else 1
+    return SkinnyTiles(block_n, block_k, num_warps=4, num_stages=4, split_k=split_k)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_wn,
+                   stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (j, s): rows 0..M-1 x columns j*BLOCK_N.. over K range s*k_split.. (all of K
+    when SPLIT_K is 1). With SPLIT_K > 1, y is the float32 partials [SPLIT_K, M, N] and the
+    bias waits for the sum."""
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < M, rn < N
+    x_row = x_ptr + rm[:, None] * stride_xm
+    w_row = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    k_lo = tl.program_id(1) * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + rk
+        if EVEN_K:
+            x = tl.load(x_row + k[None, :], mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_row + k[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = k < k_hi
+            x = tl.load(x_row + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS and SPLIT_K == 1:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y_block = y_ptr + tl.program_id(1).to(tl.int64) * M * stride_ym
+    tl.store(y_block + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(p_ptr, b_ptr, y_ptr, MN, N, HAS_BIAS: tl.constexpr,
+                       SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """y [M, N] = sum over s of partials [s, M, N] in order s = 0, 1, .. (+ bias), x's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.load(p_ptr + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(p_ptr + s * MN + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  tiles: SkinnyTiles | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, for at most
+    MAX_ROWS rows in all (a ValueError beyond: callers take F.linear there). `tiles`: by
+    default `skinny_tiles` of the shape."""
+    assert weight.dim() == 2 and x.shape[-1] == weight.shape[1]
+    assert weight.stride(-1) == 1 and x.dtype == weight.dtype and x.device == weight.device
+    assert bias is None or (bias.shape == (weight.shape[0],) and bias.is_contiguous())
+    rows = x.reshape(-1, x.shape[-1])
+    (m, k), n = rows.shape, weight.shape[0]
+    block_m = block_rows(m)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.view(*x.shape[:-1], n)
+    cfg = tiles or skinny_tiles(m, n, k)
+    # K per split, a whole number of K steps; trailing splits may be empty (they write zeros).
+    k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    partials = out if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32,
+                                                        device=x.device)
+    b = weight if bias is None else bias
+    _skinny_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
+        rows, weight, b, partials, m, n, k, k_split, rows.stride(0), weight.stride(0), n,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT_K=cfg.split_k, EVEN_K=k % cfg.block_k == 0,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.split_k > 1:
+        _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
+            partials, b, out, m * n, n, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
+            BLOCK=SUM_BLOCK, num_warps=4)
+    return out.view(*x.shape[:-1], n)
+
+
+def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The oracle: `F.linear`."""
+    return F.linear(x, weight, bias)
