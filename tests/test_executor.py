@@ -123,24 +123,43 @@ def refused(model: str) -> str:
     return "accepted"
 
 
+def engine_runs(model: str, three_heads: str, prompts: list[list[int]],
+                abort_prompts: list[list[int]]) -> dict[str, Any]:
+    """Everything the engine tests check, in one rank 0 (one launch, one start-up)."""
+    return {"greedy": greedy_tokens(model, prompts),
+            "abort": engine_with_abort(model, abort_prompts), "refused": refused(three_heads)}
+
+
+PROMPTS, ABORT_PROMPTS = random_prompts(5, (60, 23), VOCAB), random_prompts(8, (30, 40, 17), VOCAB)
+
+
+@pytest.fixture(scope="module")
+def three_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return config_folder(tmp_path_factory, "tiny-llama-3-heads",
+                         {**CONFIG, "hidden_size": 48, "num_attention_heads": 3,
+                          "num_key_value_heads": 3})
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny: Path, three_heads: Path) -> dict[str, Any]:
+    got = run_rank0(2, engine_runs, str(tiny), str(three_heads), PROMPTS, ABORT_PROMPTS)
+    assert not isinstance(got, BaseException), got
+    return got
+
+
 # --- through the engine ---------------------------------------------------------------
 
 
-def test_two_ranks_one_scheduler_give_one_ranks_greedy_tokens(tiny: Path) -> None:
-    prompts = random_prompts(5, (60, 23), VOCAB)
-    one = greedy_tokens(str(tiny), prompts)
-    two = run_rank0(2, greedy_tokens, str(tiny), prompts)
-    assert not isinstance(two, BaseException), two
+def test_two_ranks_one_scheduler_give_one_ranks_greedy_tokens(tiny: Path,
+                                                              two_ranks: dict) -> None:
+    one, two = greedy_tokens(str(tiny), PROMPTS), two_ranks["greedy"]
     assert one["vegas"] == one["plain"]
     assert all(two[name] == one["plain"] for name in METHODS), two
     assert [len(t) for t in two["plain"]] == [10, 4]
 
 
-def test_an_abort_is_mirrored(tiny: Path) -> None:
-    prompts = random_prompts(8, (30, 40, 17), VOCAB)
-    one = engine_with_abort(str(tiny), prompts)
-    two = run_rank0(2, engine_with_abort, str(tiny), prompts)
-    assert not isinstance(two, BaseException), two
+def test_an_abort_is_mirrored(tiny: Path, two_ranks: dict) -> None:
+    one, two = engine_with_abort(str(tiny), ABORT_PROMPTS), two_ranks["abort"]
     assert list(two.values()) == list(one.values())
     assert [len(t) for t in two.values()][::2] == [8, 8]
 
@@ -153,12 +172,8 @@ def test_a_killed_worker_is_a_clear_error_within_seconds(tiny: Path) -> None:
     assert seconds < 10
 
 
-def test_heads_that_do_not_divide_are_refused(tmp_path_factory: pytest.TempPathFactory,
-                                              ) -> None:
-    folder = config_folder(tmp_path_factory, "tiny-llama-3-heads",
-                           {**CONFIG, "hidden_size": 48, "num_attention_heads": 3,
-                            "num_key_value_heads": 3})
-    message = run_rank0(2, refused, str(folder))
+def test_heads_that_do_not_divide_are_refused(two_ranks: dict) -> None:
+    message = two_ranks["refused"]
     assert "query heads (num_attention_heads) = 3, KV heads (num_key_value_heads) = 3 " \
            "divisible by 2" in message
 
@@ -197,7 +212,8 @@ def vegas(*args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess
 
 def test_cli_tensor_parallel_prints_one_ranks_text(model: Path) -> None:
     common = ["generate", "--model", str(model), "--device", "cpu", "--prompt", "w5 w9 w3 w7",
-              "--prompt", "w1 w2", "--max-tokens", "8", "--ignore-eos", "--exact"]
+              "--prompt", "w1 w2", "--max-tokens", "8", "--ignore-eos", "--exact",
+              "--kv-cache-gb", "0.01"]
     one = vegas(*common, "--method", "vanilla")
     two = vegas(*common, "--method", "vegas", "--gamma", "2", "--tensor-parallel", "2")
     assert one.returncode == 0, one.stderr
@@ -206,7 +222,8 @@ def test_cli_tensor_parallel_prints_one_ranks_text(model: Path) -> None:
 
 
 def test_cli_refuses_heads_that_do_not_divide(model: Path) -> None:
-    run = vegas("generate", "--model", str(model), "--prompt", "w1", "--tensor-parallel", "3")
+    run = vegas("generate", "--model", str(model), "--prompt", "w1", "--tensor-parallel", "3",
+                "--kv-cache-gb", "0.01")
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1] == (
         "vegas: error: tensor parallelism over 3 ranks needs the model's query heads "

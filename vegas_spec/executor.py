@@ -134,6 +134,8 @@ def init_group(rank: int, world_size: int, device: str) -> Channel:
 
     os.environ.update(parallel.NO_MULTICAST)
     backend = "gloo"
+    if device == "cpu":  # the ranks share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if device == "cuda":
         backend = "nccl"
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
