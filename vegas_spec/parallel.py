@@ -28,12 +28,15 @@ do not split along every dim), then sliced (`shard_tensor`).
 Dummy weights are generated whole from one seed, then sliced, so they are the same model
 at every world size.
 
-How the engine runs under TP (not built yet): the scheduler and the engine stay in rank 0;
-ranks 1..N-1 are workers that mirror each `ModelRunner` call rank 0 makes (prefill pieces,
-join, decode, select, drop), sent as small host messages before the call, so every rank runs
-the same forwards on the same shapes (one CUDA graph per rank, the collectives captured
-inside). Greedy and sampled tokens come from logits that are identical on every rank, with
-generators seeded alike, so all ranks accept the same drafts. Selection reads each rank's
+How the engine runs under TP (`vegas_spec.executor`): the scheduler and the engine stay in
+rank 0; ranks 1..N-1 are workers that mirror each `ModelRunner` call rank 0 makes (reserve,
+start, prefill pieces, join, decode, select, drop, clear), sent as small host messages over
+a gloo group before the call, so every rank runs the same forwards on the same shapes (one
+CUDA graph per rank, the collectives captured inside). Greedy and sampled tokens come from
+logits that are identical on every rank, with generators seeded alike (rank 0 seeds unseeded
+requests), so all ranks accept the same drafts and workers take their tokens from their own
+outputs; which rows finish (EOS, stop strings, aborts) rank 0 decides and sends. Selection
+reads each rank's
 own heads' scores: per-KV-head selection (`granularity="kv_head"`) is local by nature;
 head-aggregated scores are all_reduced (`TPGroup.sum_scores`: summed over the ranks' heads,
 one all_reduce of [layers, B, R, 1, W] float32 a round, W the scored KV length) before the
@@ -47,9 +50,9 @@ then N - 1 adds) at more than 2 ranks: a ring all_reduce adds an element's parti
 order set by its place in the flattened tensor, which moves with the batch's shape. At 2
 ranks a + b = b + a, so the all_reduce is row-invariant as it is.
 
-Done so far on CPU (gloo): every rank runs the whole engine on the same requests (SPMD),
-which the identical logits keep in step; the one-scheduler layout above replaces that for
-the CLI and the server.
+Without a launch (`join` called directly, as the tests of this module do) every rank runs the
+whole engine on the same requests (SPMD), which the identical logits keep in step; the CLI
+and the server use the one-scheduler layout above.
 """
 
 from __future__ import annotations
