@@ -269,7 +269,7 @@ def launch(world_size: int, device: str) -> Executor | None:
         rank = int(os.environ["RANK"])
         channel = init_group(rank, world_size, device)
         if rank != 0:
-            serve(channel)
+            _serve_torchrun(channel, rank)
             return None
         _active = Executor(world_size, [], channel)
         return _active
@@ -290,6 +290,20 @@ def launch(world_size: int, device: str) -> Executor | None:
         raise
     _active = Executor(world_size, procs, channel)
     return _active
+
+
+def _serve_torchrun(channel: Channel, rank: int) -> None:
+    """A torchrun rank other than 0: the worker loop, then leave the group; rank 0 gone is
+    an ExecutorError."""
+    import torch.distributed as dist
+
+    try:
+        serve(channel)
+    except RuntimeError as err:
+        raise ExecutorError(f"tensor-parallel rank {rank}: rank 0 went away ({err})") from err
+    finally:
+        parallel.leave()
+    dist.destroy_process_group()
 
 
 def _init_watched(world_size: int, device: str, procs: list[subprocess.Popen]) -> Channel:
