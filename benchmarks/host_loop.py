@@ -69,10 +69,12 @@ TIMED: list[tuple[Any, str, str]] = [
 
 
 class PhaseClock:
-    """Exclusive wall time per phase of the current step, kept only for decode-only steps."""
+    """Exclusive wall time per phase of the current step, kept only for decode-only steps;
+    `sync`, if given, runs at every timed method's entry and exit (a device drain)."""
 
-    def __init__(self, rows: int) -> None:
+    def __init__(self, rows: int, sync: Callable[[], None] | None = None) -> None:
         self.rows = rows  # steps with fewer decoding rows are not kept
+        self.sync: Callable[[], None] = sync or (lambda: None)
         self.step: dict[str, float] = defaultdict(float)
         self.totals: dict[str, float] = defaultdict(float)
         self.iterations = 0
@@ -80,10 +82,12 @@ class PhaseClock:
 
     def wrap(self, fn: Callable, phase: str) -> Callable:
         def timed(*args: Any, **kwargs: Any) -> Any:
+            self.sync()
             self._stack.append([time.perf_counter(), 0.0])
             try:
                 return fn(*args, **kwargs)
             finally:
+                self.sync()
                 start, inner = self._stack.pop()
                 elapsed = time.perf_counter() - start
                 self.step[phase] += elapsed - inner
@@ -106,10 +110,12 @@ class PhaseClock:
         return {p: 1e3 * self.totals.get(p, 0.0) / n for p in HOST + DEVICE}
 
 
-def install(clock: PhaseClock) -> Callable[[], None]:
-    """Wrap the timed methods -> a function that puts the originals back."""
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in TIMED]
-    for owner, name, phase in TIMED:
+def install(clock: PhaseClock, timed: list[tuple[Any, str, str]] | None = None,
+            ) -> Callable[[], None]:
+    """Wrap the timed methods (default TIMED) -> a function that puts the originals back."""
+    timed = TIMED if timed is None else timed
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in timed]
+    for owner, name, phase in timed:
         setattr(owner, name, clock.wrap(getattr(owner, name), phase))
 
     def restore() -> None:

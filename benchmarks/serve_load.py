@@ -1,7 +1,8 @@
 """A bounded load generator for `vegas serve`, on loopback: throughput and latency per method,
 with one engine (the same model, KV pool and requests) serving each method in turn.
 
-Requests are essay prompts of --context tokens with output lengths drawn uniformly from
+Requests are prompts of --context tokens (windows of the essays, or with --text code of
+Python source code, each ending in a cue to summarise) with output lengths drawn uniformly from
 [--min-tokens, --max-tokens] (ignore_eos, greedy), sent by --concurrency streaming clients
 until --requests have completed, after an untimed warm-up (--warmup-requests, by default one
 per client; every decode and prefill graph is captured before it, as `vegas serve` does at
@@ -23,8 +24,8 @@ method:
 - the server's steps: how many, how many prefilled, and their durations; the prompt tokens
   of the steps that prefilled while rows decoded and the medians of their two parts, up to
   the end of the prefill and after it (`paced_*`), and the prefill pacer's
-  estimates after the last step (`pacer`: decode seconds, fixed and per-token prefill
-  seconds, the budget they give);
+  estimates after the last step (`pacer`: decode seconds, the prompt tokens a step can
+  take, the budget they give);
 - the share of decode time spent outside the device's work (`decode_host_share`): over the
   steps that prefilled nothing, 1 - the device time of their decode phases (CUDA events
   around the graph replays) over their wall time: the host work of the loop. On CPU the
@@ -34,7 +35,7 @@ method:
         --context 7500 --requests 256 --min-tokens 64 --max-tokens 512 --concurrency 64 \\
         --methods vanilla vegas stream --warmup-requests 256 --out serve_load.json
 
---prefill-chunk sets the engine's per-step prefill budget and --prefill-pacing (default 0.75, as
+--prefill-chunk sets the engine's per-step prefill budget and --prefill-pacing (default 2, as
 `vegas serve`) how much of it a step may use while requests decode: the ITL while admitting
 depends on both. The server half (torch, the engine, uvicorn) is imported in `main` only: the client
 process is spawned and imports this module again, and needs no more than httpx.
@@ -59,31 +60,33 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import essays
+from common import TEXTS
 
 MODEL = "model"
-CUE = "\n\nIn summary, the main point of the essay above is"
-STRIDE = 997  # tokens between the starts of consecutive requests' windows of the essays
+CUES = {"essays": "\n\nIn summary, the main point of the essay above is",
+        "code": "\n\n# In summary, the code above"}
+STRIDE = 997  # tokens between the starts of consecutive requests' windows of the text
 # The phases of a decode iteration (vegas_spec.stats), each timed on the device on CUDA.
 DECODE_PHASES = ("decode", "draft", "verify", "speculate", "select", "accept")
 
 # --- the requests ---------------------------------------------------------------------------
 
 
-def prompts(tokenizer: Any, count: int, tokens: int) -> list[list[int]]:
-    """count prompts of `tokens` ids: windows of the essays at different offsets, each ending
-    in a cue to summarise. The essays are tokenized once, only as far as needed."""
-    cue = tokenizer(CUE, add_special_tokens=False)["input_ids"]
+def prompts(tokenizer: Any, count: int, tokens: int, text: str = "essays") -> list[list[int]]:
+    """count prompts of `tokens` ids: windows of the essays (or the source code) at different
+    offsets, each ending in a cue to summarise. The text is tokenized once, only as far as
+    needed."""
+    cue = tokenizer(CUES[text], add_special_tokens=False)["input_ids"]
     body = tokens - len(cue)
     if body < 1:
         raise SystemExit(f"serve_load.py: --context must exceed the cue's {len(cue)} tokens")
     ids: list[int] = []
-    for text in essays():
-        ids += tokenizer(text + "\n\n", add_special_tokens=False)["input_ids"]
+    for doc in TEXTS[text]():
+        ids += tokenizer(doc + "\n\n", add_special_tokens=False)["input_ids"]
         if len(ids) >= body + STRIDE * (count - 1):
             break
     if len(ids) < body:
-        raise SystemExit(f"serve_load.py: --context {tokens} is longer than the essays "
+        raise SystemExit(f"serve_load.py: --context {tokens} is longer than the {text} "
                          f"({len(ids) + len(cue)} tokens)")
     starts = [(i * STRIDE) % (len(ids) - body + 1) for i in range(count)]
     return [ids[s : s + body] + cue for s in starts]
@@ -92,7 +95,7 @@ def prompts(tokenizer: Any, count: int, tokens: int) -> list[list[int]]:
 def workload(tokenizer: Any, args: argparse.Namespace) -> list[tuple[list[int], int]]:
     rng = random.Random(args.seed)
     return [(p, rng.randint(args.min_tokens, args.max_tokens))
-            for p in prompts(tokenizer, args.requests, args.context)]
+            for p in prompts(tokenizer, args.requests, args.context, args.text)]
 
 
 # --- the clients (in the child process) -----------------------------------------------------
@@ -161,7 +164,7 @@ class StepLog:
     decode_device: float = 0.0
     device_mark: float = 0.0  # decode_device_s after the last step
     # steps that prefilled while rows decoded: their prompt tokens, and the pacer's estimates
-    # after them (decode seconds, fixed and per-token prefill seconds; None before a fit)
+    # after the last step (decode seconds, tokens a step can take; None before one)
     paced_tokens: list[int] = field(default_factory=list)
     paced_parts: list[tuple[float, float]] = field(default_factory=list)  # prefill, decode s
     pacer: dict[str, float | None] = field(default_factory=dict)
@@ -216,9 +219,7 @@ def pacer_estimates(engine: Any) -> dict[str, float | None]:
     pacer = engine.pacer
     if pacer is None:
         return {}
-    line = pacer.cost.line()
-    return {"decode_s": pacer.decode_s, "fixed_s": None if line is None else line[0],
-            "per_token_s": None if line is None else line[1],
+    return {"decode_s": pacer.decode_s, "tokens": pacer.tokens,
             "budget": pacer.budget(decoding=True)}
 
 
@@ -252,7 +253,10 @@ def start(engine: Any, concurrency: int, log: StepLog) -> tuple[Any, threading.T
 def measure(engine: Any, spec: Any, args: argparse.Namespace,
             work: list[tuple[list[int], int]], clients: Executor) -> dict:
     engine.set_spec(spec)
+    from vegas_spec.cli import freeze_heap
+
     engine.warm_up(args.concurrency)  # every bucket's graphs, as `vegas serve` does
+    freeze_heap()  # as `vegas serve` does after its warm-up
     log = StepLog(ceiling=engine.scheduler.prefill_budget)
     http, thread, url = start(engine, args.concurrency, log)
     try:
@@ -335,6 +339,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
     p.add_argument("--context", type=int, default=1000, help="prompt tokens")
+    p.add_argument("--text", choices=sorted(CUES), default="essays",
+                   help="what the prompts are windows of: the essays or source code")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--min-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -344,7 +350,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=["vanilla", "vegas", "stream"])
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens prefilled per step (default: the engine's)")
-    p.add_argument("--prefill-pacing", type=float, default=0.75,
+    p.add_argument("--prefill-pacing", type=float, default=2.0,
                    help="the engine's prefill pacing, as `vegas serve --prefill-pacing` (0: off)")
     p.add_argument("--out-of-reach", choices=["whole", "floor"], default=None,
                    help="the pacer's step where its target is out of reach (PrefillPacer."

@@ -12,53 +12,63 @@ DECODE = 0.010  # seconds of a decode-only step in these cases
 
 
 def measured(ratio: float = 1.0, fixed: float = 0.002, marginal: float = 1e-6,
-             ceiling: int = 32768, floor: int = 512) -> PrefillPacer:
-    """A pacer that has seen decode-only steps of DECODE seconds and prefills costing
-    fixed + marginal x tokens on top, at several token counts."""
-    pacer = PrefillPacer(ceiling=ceiling, ratio=ratio, floor=floor, smoothing=0.5)
+             ceiling: int = 32768, floor: int = 512, steps: int = 60,
+             out_of_reach: str = "floor") -> PrefillPacer:
+    """A pacer that has seen decode-only steps of DECODE seconds, then `steps` steps that
+    prefilled the budget it gave while rows decoded, each costing fixed + marginal x tokens
+    on top."""
+    pacer = PrefillPacer(ceiling=ceiling, ratio=ratio, floor=floor, smoothing=0.5,
+                         out_of_reach=out_of_reach)
     pacer.observe(0, True, DECODE)
-    for tokens in (4096, 1024, 7500, 2048):
-        pacer.observe(tokens, True, DECODE + fixed + marginal * tokens)
+    for _ in range(steps):
+        tokens = pacer.budget(decoding=True)
+        pacer.observe(tokens, True, DECODE + fixed + marginal * tokens, tokens)
     return pacer
 
 
 def test_whole_budget_until_measured_and_when_nothing_decodes() -> None:
     pacer = PrefillPacer(ceiling=32768)
     assert pacer.budget(decoding=True) == 32768  # nothing measured yet
-    pacer.observe(0, True, DECODE)
     pacer.observe(4096, True, 0.030)
-    assert pacer.budget(decoding=True) == 32768  # one token count: no line yet
-    pacer.observe(1024, True, 0.020)
-    assert pacer.budget(decoding=True) < 32768
+    assert pacer.budget(decoding=True) == 32768  # no decode-only step yet
+    pacer.observe(0, True, DECODE)
+    pacer.observe(4096, True, 0.030)  # one step is enough: 4096 x 10 ms / 20 ms
+    assert pacer.budget(decoding=True) == 2048
     assert pacer.budget(decoding=False) == 32768
 
 
-def test_budget_adds_ratio_decode_steps_over_the_fixed_cost() -> None:
-    """(ratio x 10 ms - 2 ms fixed) / 1 µs per token."""
-    assert measured(ratio=1.0).budget(decoding=True) == pytest.approx(8000, abs=2)
-    assert measured(ratio=0.5).budget(decoding=True) == pytest.approx(3000, abs=2)
+@pytest.mark.parametrize("fixed", [0.0, 0.002, 0.006])
+def test_budget_settles_where_the_excess_is_the_target(fixed: float) -> None:
+    """(ratio x 10 ms - fixed) / 1 µs per token, whatever part of the cost is fixed, from
+    one chunk size (no second size is needed to tell the parts apart)."""
+    for ratio in (1.0, 0.75):
+        want = (ratio * DECODE - fixed) / 1e-6
+        assert measured(ratio=ratio, fixed=fixed).budget(decoding=True) == \
+            pytest.approx(want, rel=0.01)
 
 
-def test_an_unreachable_target_gives_the_whole_budget() -> None:
-    """A forward's fixed cost above ratio x the decode step: every prefill step stalls anyway,
-    so the fewest (largest) forwards keep the throughput."""
-    assert measured(ratio=0.1).budget(decoding=True) == 32768
-    # the smallest chunk (the floor) would already take too long
-    assert measured(ratio=1.0, fixed=0.0, marginal=1e-4).budget(decoding=True) == 32768
-
-
-def test_an_unreachable_target_can_give_the_smallest_chunk() -> None:
-    """out_of_reach "floor": the shortest stall instead of the fewest forwards; a reachable
-    target is paced as before."""
+def test_an_unreachable_target_gives_the_smallest_chunk() -> None:
+    """A forward's fixed cost above ratio x the decode step: the shortest stall, and the
+    estimate goes on from the smallest chunks; a reachable target is paced as before."""
     pacer = measured(ratio=0.1)
-    pacer.out_of_reach = "floor"
     assert pacer.budget(decoding=True) == 512
     assert pacer.budget(decoding=False) == 32768
-    reachable = measured(ratio=1.0)
-    reachable.out_of_reach = "floor"
-    assert reachable.budget(decoding=True) == pytest.approx(8000, abs=2)
+    # the smallest chunk (the floor) would already take too long
+    assert measured(ratio=1.0, fixed=0.0, marginal=1e-4).budget(decoding=True) == 512
     with pytest.raises(ValueError, match="out_of_reach"):
         PrefillPacer(ceiling=4096, out_of_reach="half")
+
+
+def test_an_unreachable_target_can_give_the_whole_budget() -> None:
+    """out_of_reach "whole": every prefill step stalls anyway, so the fewest (largest)
+    forwards; those steps leave the estimate where it was (no oscillation back to a paced
+    budget that is still out of reach)."""
+    for cost in ({"ratio": 0.1}, {"ratio": 1.0, "fixed": 0.0, "marginal": 1e-4}):
+        pacer = measured(**cost, out_of_reach="whole")
+        assert pacer.budget(decoding=True) == 32768
+        assert pacer.budget(decoding=True) == 32768
+    reachable = measured(ratio=1.0, out_of_reach="whole")
+    assert reachable.budget(decoding=True) == pytest.approx(8000, rel=0.01)
 
 
 def test_budget_never_exceeds_the_ceiling() -> None:
@@ -66,12 +76,23 @@ def test_budget_never_exceeds_the_ceiling() -> None:
     assert measured(ceiling=100, floor=512).budget(decoding=True) == 100
 
 
+def test_a_short_tail_does_not_pull_the_budget_down() -> None:
+    """A step that prefilled less than half its budget (a prompt's last piece) is dominated
+    by the fixed cost; it is not an estimate of what a full step can take."""
+    pacer = measured()
+    before = pacer.budget(decoding=True)
+    pacer.observe(300, True, DECODE + 0.002 + 300e-6, before)
+    assert pacer.budget(decoding=True) == before
+    pacer.observe(before, True, DECODE + 0.004 + before * 1e-6, before)  # a slow full step
+    assert pacer.budget(decoding=True) < before
+
+
 def test_prefill_only_steps_say_nothing() -> None:
     pacer = measured()
-    before = (pacer.decode_s, pacer.cost.line())
+    before = (pacer.decode_s, pacer.tokens)
     pacer.observe(0, False, 5.0)
     pacer.observe(4096, False, 5.0)
-    assert (pacer.decode_s, pacer.cost.line()) == before
+    assert (pacer.decode_s, pacer.tokens) == before
 
 
 def test_the_decode_estimate_moves_towards_new_steps() -> None:

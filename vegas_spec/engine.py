@@ -274,7 +274,8 @@ class LLMEngine:
         touched: dict[str, Sequence] = {}
         self.last_step = info = StepInfo(gamma=self.spec.gamma if self.spec.speculative else 0)
         t0 = time.perf_counter()
-        self._prefill_step(touched, info, self._prefill_budget())
+        budget = self._prefill_budget()
+        self._prefill_step(touched, info, budget)
         t1 = time.perf_counter()
         if self.runner.batch is not None:
             self._decode_step(touched, info)
@@ -283,7 +284,7 @@ class LLMEngine:
         self.wall["decode"] += t2 - t1
         info.seconds, info.prefill_seconds = t2 - t0, t1 - t0
         if self.pacer is not None:
-            self.pacer.observe(info.prefill_tokens, bool(info.emitted), info.seconds)
+            self.pacer.observe(info.prefill_tokens, bool(info.emitted), info.seconds, budget)
         outs = [self._output(s) for s in touched.values()] if collect else []
         for seq in touched.values():
             if seq.finished:  # its row, if it had one, left in `select`
@@ -407,11 +408,12 @@ class LLM:
         except BaseException:
             engine.abort_all()
             raise
+        texts = [s.text for s in seqs]  # decoded here, once each: inside the run's total time
         self._finish_stats(stats, seqs, started, wall)
         summary = stats.summary()
-        return [RequestOutput(p, s.prompt_ids, s.text, s.output, s.finish_reason or "length",
+        return [RequestOutput(p, s.prompt_ids, text, s.output, s.finish_reason or "length",
                               {**summary, "sequence": s.stats.summary()}, s.request_id)
-                for p, s in zip(prompts, seqs)]
+                for p, s, text in zip(prompts, seqs, texts)]
 
     def _start_stats(self, spec: SpecConfig, seqs: list[Sequence],
                      ) -> tuple[RunStats, dict[str, float], int]:

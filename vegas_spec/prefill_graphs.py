@@ -167,12 +167,10 @@ class PrefillGraphs:
     def warm(self, max_tokens: int, max_pieces: int, score: ScoreKind | None) -> int:
         """Make (and capture) every bucket's forward now, so that no chunk a server meets
         waits for a capture -> how many were made."""
-        made = 0
+        before = len(self.entries)
         for tokens, pieces in self.buckets(max_tokens, max_pieces):
-            if (tokens, pieces, score) not in self.entries:
-                self.entries[tokens, pieces, score] = self._entry(tokens, pieces, score)
-                made += 1
-        return made
+            self._kept((tokens, pieces, score))
+        return len(self.entries) - before
 
     def run(self, chunk: Chunk, score: ScoreKind | None,
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -181,11 +179,7 @@ class PrefillGraphs:
             key = (total, len(chunk.pieces), score)
         else:
             key = (token_bucket(total, self.pad_to), piece_bucket(len(chunk.pieces)), score)
-        entry = self.entries.get(key)
-        if entry is None:
-            entry = self._entry(*key)
-            if self.pad_to is not None:
-                self.entries[key] = entry
+        entry = self._kept(key)
         lengths, starts = self._fill(entry.buf, chunk)
         if entry.graph is not None:
             entry.graph.replay()
@@ -196,6 +190,16 @@ class PrefillGraphs:
         return b.logits[:e], scores, b.q_out[:, :e]
 
     # --- buffers ----------------------------------------------------------------------------
+
+    def _kept(self, key: tuple[int, int, ScoreKind | None]) -> _Entry:
+        """The forward of bucket `key`, made at its first use (and kept where chunks are
+        padded to buckets; eager runs at exact sizes make one per chunk)."""
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self._entry(*key)
+            if self.pad_to is not None:
+                self.entries[key] = entry
+        return entry
 
     def _entry(self, tokens: int, pieces: int, score: ScoreKind | None) -> _Entry:
         tiles = 0 if self.block_m is None else -(-tokens // self.block_m) + pieces

@@ -11,6 +11,7 @@ while rows decode. Knows nothing of tensors. Imports `sequence`."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -38,37 +39,6 @@ class Piece:
 
 
 @dataclass
-class _CostFit:
-    """Exponentially weighted least squares of a prefill's cost over its tokens:
-    seconds ~ fixed + marginal x tokens (a forward has a cost of its own, launches and the
-    host's packing, besides its tokens')."""
-
-    decay: float
-    seen: int = 0
-    s0: float = 0.0
-    s1: float = 0.0
-    s2: float = 0.0
-    t0: float = 0.0
-    t1: float = 0.0
-
-    def add(self, tokens: int, seconds: float) -> None:
-        d = 1.0 - self.decay
-        self.seen += 1
-        self.s0, self.s1, self.s2 = d * self.s0 + 1, d * self.s1 + tokens, d * self.s2 + tokens ** 2
-        self.t0, self.t1 = d * self.t0 + seconds, d * self.t1 + tokens * seconds
-
-    def line(self) -> tuple[float, float] | None:
-        """(fixed, marginal) seconds, or None until two different token counts were seen."""
-        spread = self.s0 * self.s2 - self.s1 ** 2
-        if self.seen < 2 or spread <= 1e-6 * self.s0 * self.s2:
-            return None
-        marginal = (self.s0 * self.t1 - self.s1 * self.t0) / spread
-        if marginal <= 0:
-            return None
-        return max((self.t0 - marginal * self.s1) / self.s0, 0.0), marginal
-
-
-@dataclass
 class PrefillPacer:
     """The prompt tokens of a step while rows decode (stall-free chunked prefill): as many as
     add about `ratio` x one decode iteration's time to the step, so that a step which admits
@@ -77,47 +47,72 @@ class PrefillPacer:
 
     Estimated online from whole-step wall times, which end when the step's tokens reach the
     host: the decode iteration from the decoding steps that prefilled nothing (a running
-    average), the prefill's cost from the excess of those that did (a line, fixed +
-    marginal per token: a forward costs something whatever its size). Where even the
-    smallest chunk would exceed the target (the fixed cost of a forward is more than `ratio`
-    decode iterations), pacing cannot reach it: with `out_of_reach` "whole" a step then takes
-    the whole `ceiling` (fewer, larger forwards keep the most throughput), with "floor" the
-    smallest chunk (the shortest stall). A step takes the whole ceiling before the first
-    estimates, and whenever nothing decodes."""
+    average), and the tokens a step can take from the steps that prefilled while rows
+    decoded: each says tokens x target / excess, its excess being its time over the decode
+    estimate, and the budget is a running average of that (of its logarithm: a ratio). If a
+    forward costs F + m x tokens, this settles where F + m x tokens = target whatever F is
+    (from T the next is T x target / (F + m T), whose fixed point is stable while F <
+    target), so a forward's fixed cost (launches, the host's packing) needs no separate fit.
+    Steps that prefilled less than half their budget (a prompt's short tail) are left out:
+    their fixed cost would pull the budget down. Where the budget falls under `floor`
+    (the target is out of reach: a forward's fixed cost exceeds `ratio` decode iterations),
+    with `out_of_reach` "floor" a step takes the smallest chunk (the shortest stall, and the
+    estimate goes on from it), with "whole" the whole `ceiling` (fewer, larger forwards keep
+    more throughput; such steps say nothing of a paced step, so the estimate then stays out
+    of reach). A step takes the whole ceiling before the first estimates, and whenever
+    nothing decodes."""
 
     ceiling: int
     ratio: float = 1.0
     floor: int = 512
     smoothing: float = 0.2  # weight of the newest step in the running estimates
-    out_of_reach: str = "whole"  # or "floor"
+    out_of_reach: str = "floor"  # or "whole"
     decode_s: float | None = field(default=None, init=False)
-    cost: _CostFit = field(init=False)
+    log_tokens: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.out_of_reach not in ("whole", "floor"):
             raise ValueError(f"out_of_reach must be 'whole' or 'floor', got {self.out_of_reach!r}")
-        self.cost = _CostFit(self.smoothing)
+
+    @property
+    def tokens(self) -> float | None:
+        """The estimate of the tokens a step can take (None before one)."""
+        return None if self.log_tokens is None else math.exp(self.log_tokens)
 
     def budget(self, decoding: bool) -> int:
-        line = self.cost.line()
-        if not decoding or self.decode_s is None or line is None:
+        tokens = self.tokens
+        if not decoding or self.decode_s is None or tokens is None:
             return self.ceiling
-        fixed, marginal = line
-        tokens = int((self.ratio * self.decode_s - fixed) / marginal)
-        floor = min(self.floor, self.ceiling)
-        if tokens < floor:
-            return self.ceiling if self.out_of_reach == "whole" else floor
-        return min(self.ceiling, tokens)
+        if self._out_of_reach():
+            return self.ceiling if self.out_of_reach == "whole" else min(self.floor, self.ceiling)
+        return min(self.ceiling, int(tokens))
 
-    def observe(self, prefill_tokens: int, decoded: bool, seconds: float) -> None:
-        """One finished step: prompt tokens it prefilled, whether rows decoded, its seconds."""
+    def _out_of_reach(self) -> bool:
+        tokens = self.tokens
+        return tokens is not None and tokens < min(self.floor, self.ceiling)
+
+    def observe(self, prefill_tokens: int, decoded: bool, seconds: float,
+                asked: int | None = None) -> None:
+        """One finished step: prompt tokens it prefilled, whether rows decoded, its seconds,
+        the budget it was given (None: the ceiling)."""
         if not decoded:
             return
+        w = self.smoothing
         if prefill_tokens == 0:
-            old, w = self.decode_s, self.smoothing
+            old = self.decode_s
             self.decode_s = seconds if old is None else old + w * (seconds - old)
-        elif self.decode_s is not None:
-            self.cost.add(prefill_tokens, max(seconds - self.decode_s, 0.0))
+            return
+        asked = self.ceiling if asked is None else asked
+        if self.decode_s is None or (self.out_of_reach == "whole" and self._out_of_reach()):
+            return
+        enough = asked / 2 if asked < self.ceiling else min(self.floor, self.ceiling)
+        if prefill_tokens < enough:
+            return
+        target = self.ratio * self.decode_s
+        excess = max(seconds - self.decode_s, 0.05 * target)  # noise under a tiny excess
+        new = math.log(prefill_tokens * target / excess)
+        old_log = self.log_tokens
+        self.log_tokens = new if old_log is None else old_log + w * (new - old_log)
 
 
 class Scheduler:

@@ -120,7 +120,7 @@ def test_serve_load_reports_throughput_and_latency_per_method(tmp_path: Path) ->
         if r["paced_steps"]:
             assert 0 < r["paced_tokens_p50"] <= r["paced_tokens_max"]
             assert r["paced_prefill_part_p50_s"] > 0 and r["paced_decode_part_p50_s"] > 0
-        assert set(r["pacer"]) == {"decode_s", "fixed_s", "per_token_s", "budget"}
+        assert set(r["pacer"]) == {"decode_s", "tokens", "budget"}
         assert r["pacer"]["budget"] > 0 and 0 <= r["paced_whole"] <= r["paced_steps"]
     assert rows[0]["vs_vanilla"] == 1.0
     assert rows[1]["vs_vanilla"] == rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"]
@@ -161,3 +161,20 @@ def test_host_loop_streams_every_steps_outputs(tmp_path: Path) -> None:
         "--repeats", "1", "--methods", "vanilla", "--stream", "--out", str(out))
     (row,) = json.loads(out.read_text())["rows"]
     assert row["method"] == "vanilla" and row["iterations"] >= 20 and row["outputs"] > 0
+
+
+def test_step_parts_times_prefilling_steps_by_part(tmp_path: Path) -> None:
+    out = tmp_path / "parts.json"
+    run("step_parts.py", "--tiny", "--rows", "2", "--base-context", "60", "--context", "200",
+        "--chunks", "64", "256", "--arrivals", "1", "--gap", "1", "--kv-cache-gb", "0.05",
+        "--methods", "vanilla", "vegas", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["vanilla", "vegas"]
+    for row in rows:
+        for name in ("wall", "parts"):
+            s = row[name]
+            assert s["decode_step_s"] > 0 and s["decode_steps"] >= 1
+            assert set(s["per_chunk"]) == {"64", "256"}
+            assert s["per_chunk"]["64"]["steps"] >= 3  # 200 tokens in chunks of 64
+            assert s["per_chunk"]["64"]["parts_s"]["forward"] > 0
+        assert row["parts"]["per_chunk"]["256"]["parts_s"]["join"] > 0

@@ -16,6 +16,7 @@ from vegas_spec.kernels.prefill_attention import (
     prefill_attention,
     prefill_config,
     prefill_flops,
+    prefill_splits,
     prefill_tiles,
 )
 
@@ -80,6 +81,28 @@ def test_small_tiles_cross_pages_and_the_diagonal() -> None:
     out = prefill_attention(q, cache.k, cache.v, cache.page_table, cu, starts, tiles,
                             case.page_size, case.dim ** -0.5, config=cfg)
     torch.testing.assert_close(out, _reference(case, cache, q), **tol(torch.float32))
+
+
+@pytest.mark.parametrize(("case", "splits"), [(CASES[1], 2), (CASES[2], 5), (CASES[4], 3)])
+def test_split_keys_match_reference(case: Case, splits: int) -> None:
+    """Each tile's keys cut into runs of whole blocks, one program each, merged: runs that
+    start past a row's diagonal (the row sees none of their keys) and runs past the tile's
+    last key (empty) leave the result as the reference's."""
+    cache, q, cu, starts = _inputs(case, torch.float32, seed=11 + splits)
+    cfg = PrefillConfig(16, 16, 1, 1)
+    tiles = prefill_tiles(list(case.lengths), list(case.starts), cfg.block_m, q.device)
+    out = poisoned(*q.shape, dtype=torch.float32)
+    prefill_attention(q, cache.k, cache.v, cache.page_table, cu, starts, tiles,
+                      case.page_size, case.dim ** -0.5, config=cfg, out=out, splits=splits)
+    torch.testing.assert_close(out, _reference(case, cache, q), **tol(torch.float32))
+
+
+def test_splits_fill_the_gpu_and_stay_bounded() -> None:
+    assert prefill_splits(9, 300, torch.device("cpu")) == 1  # the interpreter: asked for
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        assert prefill_splits(32, 512, dev) == 1  # a large chunk fills the GPU alone
+        assert 2 <= prefill_splits(9, 9, dev) <= 16  # 1K tokens of SmolLM2: 81 programs
 
 
 @pytest.mark.parametrize("case", CASES[:3])

@@ -321,3 +321,36 @@ def test_cli_serve_binds_loopback_unless_told(tmp_path: Any) -> None:
     argv = ["serve", "--config", str(config), "--gamma", "3"]
     args = _parser(_settings_file(argv)).parse_args(argv)
     assert _spec(args, args.method).gamma == 3
+
+
+def test_cli_serve_freezes_the_heap_after_its_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`vegas serve` warms every graph up, then moves what it made out of the garbage
+    collector's full collections (gc.freeze) before it takes requests."""
+    import gc
+
+    import vegas_spec.engine
+    import vegas_spec.serve.app
+    from vegas_spec import cli
+
+    calls: list[str] = []
+
+    class Engine:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.source = type("Source", (), {"path": cli.Path("model.gguf")})()
+
+        def warm_up(self, rows: int) -> int:
+            calls.append(f"warm_up {rows}")
+            return 0
+
+    def run(engine: Any, *args: Any) -> None:
+        calls.append(f"serve, frozen {gc.get_freeze_count() > 0}")
+
+    monkeypatch.setattr(vegas_spec.engine, "LLMEngine", Engine)
+    monkeypatch.setattr(vegas_spec.serve.app, "serve", run)
+    gc.unfreeze()
+    try:
+        args = cli._parser().parse_args(["serve", "--max-num-seqs", "4"])
+        assert cli.serve(args) == 0
+    finally:
+        gc.unfreeze()
+    assert calls == ["warm_up 4", "serve, frozen True"]

@@ -16,6 +16,7 @@ from vegas_spec.kernels.paged_attention import paged_attention
 from vegas_spec.kernels.prefill_attention import (
     prefill_attention,
     prefill_config,
+    prefill_splits,
     prefill_tiles,
     tile_list,
 )
@@ -47,10 +48,11 @@ def uses_skinny(rows: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
 class TritonBackend(AttentionBackend):
     """In the default mode a projection of few rows may run `skinny_linear` (`uses_skinny`).
     In exact mode the projections and the LM head run `exact_linear` and full attention
-    one tiling for every step (`paged_attention(exact=True)`). The prefill kernel needs no
-    mode: its tiles depend on the head dim only, and a row walks its keys in blocks at fixed
-    offsets from key 0 (whichever chunk, tile or piece it falls in), the blocks past its
-    position adding exact zeros; the per-token kernels work one row (or element) at a time."""
+    one tiling for every step (`paged_attention(exact=True)`). The prefill kernel then keeps
+    one program per tile along the keys: its tiles depend on the head dim only, and a row
+    walks its keys in blocks at fixed offsets from key 0 (whichever chunk, tile or piece it
+    falls in), the blocks past its position adding exact zeros; the per-token kernels work
+    one row (or element) at a time."""
 
     name = "triton"
 
@@ -103,7 +105,9 @@ class TritonBackend(AttentionBackend):
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:
-        """The tile list is built once per step (ctx.prefill.memo) and read by every layer."""
+        """The tile list is built once per step (ctx.prefill.memo) and read by every layer.
+        Key splits where the launch has too few programs to fill the GPU (a small chunk), in
+        the default mode only (they make a row's rounding depend on its chunk)."""
         plan = ctx.prefill
         assert plan is not None
         cfg = prefill_config(q.shape[-1], q.is_cuda)
@@ -111,9 +115,11 @@ class TritonBackend(AttentionBackend):
         if key not in plan.memo:
             plan.memo[key] = prefill_tiles(list(plan.lengths), list(plan.starts), cfg.block_m,
                                            q.device)
+        tiles = plan.memo[key]
+        splits = 1 if self.exact else prefill_splits(q.shape[1], tiles.shape[1], q.device)
         return prefill_attention(q, k_cache, v_cache, ctx.page_table, plan.cu_q, plan.start,
-                                 plan.memo[key], ctx.page_size, q.shape[-1] ** -0.5,
-                                 config=cfg)
+                                 tiles, ctx.page_size, q.shape[-1] ** -0.5, config=cfg,
+                                 splits=splits)
 
     def prefill_block_rows(self, head_dim: int, device: torch.device) -> int | None:
         return prefill_config(head_dim, device.type == "cuda").block_m

@@ -18,11 +18,21 @@ mask, then the few blocks on the diagonal with the causal mask. Scores stay in r
 (online softmax in base 2, float32 accumulator): memory grows with T, never with T x keys.
 
 A row's result does not depend on how its prompt is cut into chunks or packed with others
-(exact mode relies on it): the tiles depend on the head dim only, and every row walks its
-keys in BLOCK_N blocks at fixed offsets from key 0, the same blocks with the same values
-whichever tile, chunk or piece it falls in. Whether a block runs in the unmasked loop or the
-masked one changes nothing for a key the row sees (the mask only replaces what it cannot see
-by -inf), and the blocks past the row's position add exact zeros (p = 0, alpha = 1).
+(exact mode relies on it) as long as the key axis is not split: the tiles depend on the head
+dim only, and every row walks its keys in BLOCK_N blocks at fixed offsets from key 0, the
+same blocks with the same values whichever tile, chunk or piece it falls in. Whether a block
+runs in the unmasked loop or the masked one changes nothing for a key the row sees (the mask
+only replaces what it cannot see by -inf), and the blocks past the row's position add exact
+zeros (p = 0, alpha = 1).
+
+Split keys (`splits` > 1, flash-decoding for prefill). A small chunk late in a long prompt
+has few query tiles, each with a long key range: at 1K tokens after 6.5K cached ones SmolLM2
+makes 8 tiles x 9 heads = 72 programs, each walking 7.5K keys, and the H200's 132 SMs sit
+half idle while the kernel's time is one program's walk. With `splits` = S each tile's key
+range is cut into S equal runs of whole key blocks, one program each (grid heads x tiles x
+S), which write their partial softmax state (`split_merge.Partials`) for `merge_splits`.
+The split points depend on the tile's key range, so a row's rounding then depends on its
+chunk: exact mode keeps one split. `prefill_splits` picks S from the launch's programs.
 
 Bytes and FLOPs of a piece of n queries after c cached tokens, per layer: Q and O once
 (2·n·H·D·itemsize), K and V once per tile and kv head from L2 or HBM, and
@@ -31,6 +41,7 @@ hundred."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,7 +49,10 @@ import torch
 import triton
 import triton.language as tl
 
+from vegas_spec.kernels.split_merge import Partials, merge_splits, sm_count
+
 LOG2E = 1.4426950408889634
+MAX_SPLITS = 16
 
 
 @dataclass(frozen=True)
@@ -59,6 +73,17 @@ def prefill_config(dim: int, gpu: bool) -> PrefillConfig:
     if dim > 128:
         return PrefillConfig(64, 64, 4, 2)
     return PrefillConfig(128, 64, 8 if dim <= 64 else 4, 3)
+
+
+def prefill_splits(heads: int, num_tiles: int, device: torch.device) -> int:
+    """Key splits per tile for a launch of heads x num_tiles programs: enough for about two
+    programs per SM, at most MAX_SPLITS (1 off CUDA: the interpreter's tests ask for splits
+    themselves)."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    wanted = math.ceil(2 * sm_count(index) / max(heads * num_tiles, 1))
+    return max(1, min(wanted, MAX_SPLITS))
 
 
 def tile_list(lengths: list[int], starts: list[int], block_m: int) -> np.ndarray:
@@ -119,13 +144,26 @@ def _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step_safe(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """`_softmax_step` for a split, where a row may see no key of a block (nor of any block
+    before it in the split): such a row keeps m = -inf, l = 0, acc = 0."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, cu_ptr, start_ptr, tiles_ptr,
-                    num_tiles, qk_scale,
+                    acc_ptr, m_ptr, l_ptr, num_tiles, num_tokens, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch,
                     stride_tb,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
-                    PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLITS: tl.constexpr):
     h = tl.program_id(0)
     tile = tl.program_id(1)
     kvh = h // GROUP
@@ -149,24 +187,53 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, cu_ptr, start_ptr, 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, full, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        k, v = _load_kv(k_ptr, v_ptr, table, kpos, kpos >= 0, kvh, d, d_ok, stride_cs,
-                        stride_ch, PAGE, False, EVEN_D)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
-    for start in range(full, last, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        k_ok = kpos < last
-        k, v = _load_kv(k_ptr, v_ptr, table, kpos, k_ok, kvh, d, d_ok, stride_cs,
-                        stride_ch, PAGE, True, EVEN_D)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        visible = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    if SPLITS == 1:
+        for start in range(0, full, BLOCK_N):
+            kpos = start + tl.arange(0, BLOCK_N)
+            k, v = _load_kv(k_ptr, v_ptr, table, kpos, kpos >= 0, kvh, d, d_ok, stride_cs,
+                            stride_ch, PAGE, False, EVEN_D)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+        for start in range(full, last, BLOCK_N):
+            kpos = start + tl.arange(0, BLOCK_N)
+            k_ok = kpos < last
+            k, v = _load_kv(k_ptr, v_ptr, table, kpos, k_ok, kvh, d, d_ok, stride_cs,
+                            stride_ch, PAGE, True, EVEN_D)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            visible = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    else:
+        # this program's run of whole key blocks: split tl.program_id(2) of SPLITS
+        split = tl.program_id(2)
+        per = tl.cdiv(tl.cdiv(last, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * per
+        hi = tl.minimum(lo + per, last)
+        for start in range(lo, tl.minimum(full, hi), BLOCK_N):
+            kpos = start + tl.arange(0, BLOCK_N)
+            k, v = _load_kv(k_ptr, v_ptr, table, kpos, kpos >= 0, kvh, d, d_ok, stride_cs,
+                            stride_ch, PAGE, False, EVEN_D)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+        for start in range(tl.maximum(full, lo), hi, BLOCK_N):
+            kpos = start + tl.arange(0, BLOCK_N)
+            k_ok = kpos < last
+            k, v = _load_kv(k_ptr, v_ptr, table, kpos, k_ok, kvh, d, d_ok, stride_cs,
+                            stride_ch, PAGE, True, EVEN_D)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            visible = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            m_i, l_i, acc = _softmax_step_safe(s, v, m_i, l_i, acc, DOT_PRECISION)
+        # partials in split_merge's natural-log units: m x ln 2 (acc and l are relative to it)
+        base = (split * num_tokens + tok) * tl.num_programs(0) + h  # [S, T, H] row
+        tl.store(m_ptr + base, m_i * 0.6931471805599453, mask=m_ok)
+        tl.store(l_ptr + base, l_i, mask=m_ok)
+        live = m_ok & (l_i > 0)
+        tl.store(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc,
+                 mask=live[:, None] & d_ok[None, :])
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -187,7 +254,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       page_table: torch.Tensor, cu_q: torch.Tensor, starts: torch.Tensor,
                       tiles: torch.Tensor, page_size: int, scale: float, *,
                       config: PrefillConfig | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, splits: int = 1) -> torch.Tensor:
     """Causal attention of packed prompt pieces over their pages.
 
     q [T, H, D] (RoPE applied); k_cache, v_cache [num_slots, Hkv, D], every key of every
@@ -195,7 +262,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     cu_q [S + 1] int32: piece s is q[cu_q[s]:cu_q[s + 1]]; starts [S] int32: the position of
     its first query (the keys before it are cached context); tiles: `prefill_tiles` of the
     same pieces for `config.block_m`. Query i of piece s (position starts[s] + i) sees keys
-    0 .. starts[s] + i. Returns [T, H, D] in q's dtype (into `out` if given)."""
+    0 .. starts[s] + i. splits: programs per tile along its keys (> 1: float32 partials and
+    a merge). Returns [T, H, D] in q's dtype (into `out` if given)."""
     _check(q, k_cache, v_cache, page_table, cu_q, starts)
     tokens, heads, dim = q.shape
     cfg = config or prefill_config(dim, q.is_cuda)
@@ -205,16 +273,24 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_tiles = tiles.shape[1]
     if tokens == 0 or num_tiles == 0:
         return out
+    assert 1 <= splits <= MAX_SPLITS
+    parts = Partials.empty(splits, tokens, heads, dim, q.device) if splits > 1 else None
+    if parts is not None:
+        assert out.is_contiguous(), "a split prefill merges into a contiguous out"
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_d = max(triton.next_power_of_2(dim), 16)
-    _prefill_kernel[(heads, num_tiles)](
-        q, k_cache, v_cache, out, page_table, cu_q, starts, tiles, num_tiles,
-        scale * LOG2E,
+    _prefill_kernel[(heads, num_tiles, splits)](
+        q, k_cache, v_cache, out, page_table, cu_q, starts, tiles,
+        *((parts.acc, parts.m, parts.l) if parts is not None else (out, out, out)),
+        num_tiles, tokens, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
         GROUP=heads // k_cache.shape[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, HEAD_DIM=dim, EVEN_D=block_d == dim, PAGE=page_size,
-        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DOT_PRECISION=precision, SPLITS=splits, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    if parts is not None:
+        merge_splits(parts, out.view(1, tokens, heads, dim), None)
     return out
 
 

@@ -66,7 +66,7 @@ def tile_config(q: torch.Tensor, hkv: int, block_k: int | None = None,
 
 
 @lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
+def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -81,7 +81,7 @@ def split_size_for(length: int, programs: int, block_k: int, device: torch.devic
     if device.type != "cuda":
         return 4 * block_k  # the interpreter: several splits even on short test contexts
     index = device.index if device.index is not None else torch.cuda.current_device()
-    wanted = math.ceil(2 * _sm_count(index) / max(programs, 1))
+    wanted = math.ceil(2 * sm_count(index) / max(programs, 1))
     splits = max(1, min(wanted, math.ceil(blocks / 4)))
     return math.ceil(blocks / splits) * block_k
 
