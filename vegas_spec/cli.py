@@ -166,6 +166,10 @@ def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
                         "options given here still win")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the model runs")
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split attention heads and MLP columns over N ranks, one process "
+                        "each (started here; under torchrun, its ranks); on cuda one GPU "
+                        "each")
     g.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="type of the weights, activations and KV cache")
     g.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
@@ -449,6 +453,7 @@ def _main(argv: list[str] | None) -> int:
     import torch
 
     from vegas_spec.config import ConfigError, LengthCapWarning, PromptError
+    from vegas_spec.executor import ExecutorError
     from vegas_spec.models.loader import WeightError
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -468,12 +473,10 @@ def _main(argv: list[str] | None) -> int:
     with warnings.catch_warnings():
         default_show, warnings.showwarning = warnings.showwarning, show
         try:
-            code = _COMMANDS[args.command](args, argv)
-            sys.stdout.flush()  # a closed pipe shows here, not at exit
-            return code
+            return _run_command(args, argv)
         except PromptError as err:
             return _fail(f"{_prompt_name(args, err.index)} {err.problem}")
-        except (ConfigError, WeightError) as err:
+        except (ConfigError, WeightError, ExecutorError) as err:
             return _fail(str(err))
         except BrokenPipeError:  # the reader of stdout left (`vegas ... | head`)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -481,6 +484,24 @@ def _main(argv: list[str] | None) -> int:
         except torch.cuda.OutOfMemoryError as err:
             return _fail(f"out of GPU memory ({str(err).splitlines()[0]}); lower "
                          "--kv-cache-gb, the batch, --max-tokens or --max-model-len")
+
+
+def _run_command(args: argparse.Namespace, argv: list[str]) -> int:
+    """The command, on rank 0 of --tensor-parallel ranks (their workers started here, or
+    torchrun's); a torchrun rank other than 0 mirrors rank 0's model calls instead."""
+    from vegas_spec.executor import launch, under_torchrun
+
+    tp = getattr(args, "tensor_parallel", 1)
+    executor = launch(tp, args.device) if tp != 1 or under_torchrun() else None
+    if executor is None and under_torchrun() and os.environ["RANK"] != "0":
+        return 0  # a torchrun worker rank: its loop has ended
+    try:
+        code = _COMMANDS[args.command](args, argv)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return code
+    finally:
+        if executor is not None:
+            executor.shutdown()
 
 
 def _bench(args: argparse.Namespace, argv: list[str]) -> int:

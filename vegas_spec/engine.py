@@ -36,8 +36,8 @@ from vegas_spec.config import (
     sampling_list,
     spec_config,
 )
+from vegas_spec.executor import make_runner
 from vegas_spec.graphs import GraphRunner, StaticShapes
-from vegas_spec.model_runner import ModelRunner
 from vegas_spec.models.loader import resolve
 from vegas_spec.prefill_graphs import bucket_floor
 from vegas_spec.scheduler import PrefillPacer, Scheduler
@@ -126,7 +126,8 @@ class LLMEngine:
         if self.config.kv_cache_bytes is not None:  # before loading anything
             check_memory(self.config.kv_cache_bytes, torch.device(self.config.device))
         self.source = resolve(model)
-        self.runner = ModelRunner(self.config, self.source, self.spec)
+        # under tensor parallelism (a `launch`), a proxy mirroring each call to the workers
+        self.runner = make_runner(self.config, self.source, self.spec)
         budget = self.config.prefill_tokens(self.runner.model_config)
         self.scheduler = Scheduler(self.runner.cache, max_num_seqs, budget)
         pacing = self.config.prefill_pacing

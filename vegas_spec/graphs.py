@@ -320,7 +320,8 @@ class GraphRunner:
         """The policy's selection from this round's verify pass (row 0 at `lengths`) into the
         plan buffers, with the host bounds of the static shapes."""
         assert self.policy is not None
-        inp = SelectionInput(self.scores_of(rows), lengths, accepted, lengths + accepted + 1,
+        scores = self.backend.tp.sum_scores(self.scores_of(rows), self.policy.per_kv_head)
+        inp = SelectionInput(scores, lengths, accepted, lengths + accepted + 1,
                              self.shapes.verify_rows - 1, self.kv_caches,
                              self.buf.page_table[:rows], self.page_size)
         self._write_plan(self.policy.plan(self.bound(inp)), rows)

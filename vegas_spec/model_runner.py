@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vegas_spec import parallel
 from vegas_spec.attention.backend import make_backend
 from vegas_spec.attention.context import (
     LastRows,
@@ -139,14 +140,19 @@ class ModelRunner:
         if (config.max_model_len or 0) > cfg.max_position_embeddings:
             raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's "
                               f"{cfg.max_position_embeddings} positions")
+        # Under tensor parallelism this rank's share: its heads, its slices of the weights,
+        # its KV heads in the cache; model_config stays the whole model's.
+        self.tp = parallel.current()
+        self.local_config = local = parallel.shard_config(cfg, self.tp.world_size)
         if config.load_format == "dummy":
-            weights = dummy_weights(cfg, config.torch_dtype, self.device)
+            weights = dummy_weights(cfg, config.torch_dtype, self.device, tp=self.tp)
         else:
-            weights = load_weights(source, cfg)
-        self.model = build_model(cfg, weights, config.torch_dtype, self.device)
+            weights = load_weights(source, cfg, self.tp)
+        self.model = build_model(local, weights, config.torch_dtype, self.device)
         del weights
         self.backend = make_backend(config.resolved_backend, config.exact)
-        self.cache = PagedKVCache.from_budget(cfg, self._kv_budget(), config.page_size,
+        self.backend.tp = self.tp
+        self.cache = PagedKVCache.from_budget(local, self._kv_budget(), config.page_size,
                                               config.torch_dtype, self.device)
         # Static shapes: padding rows of a batch bucket write into this page only.
         self.scratch_page = self.cache.allocate(1)[0] if config.static else -1
@@ -234,7 +240,7 @@ class ModelRunner:
         separate draft and verify steps: one engine serves both)."""
         if policy is None:
             return StaticShapes(("plain",), 0, self.cache.pages_for(self.max_model_len))
-        gamma, hkv = spec.gamma, self.model_config.num_kv_heads
+        gamma, hkv = spec.gamma, self.local_config.num_kv_heads
         kmax = max_budget(spec, self.max_model_len)
         width = policy.index_width(kmax)
         dynamic = policy.selects_in_step
@@ -452,7 +458,7 @@ class ModelRunner:
                    ) -> tuple[LastRows, ScoreRequest | None]:
         """The LastRows of prompts `rows` (their last tokens at packed rows `index`) and the
         step's own ScoreRequest for them."""
-        cfg = self.model_config
+        cfg = self.local_config
         q_out = None if sink.q_last is None else torch.empty(
             cfg.num_layers, len(rows), cfg.num_heads, cfg.head_dim, device=self.device,
             dtype=self.config.torch_dtype)
@@ -608,6 +614,7 @@ class ModelRunner:
         if self.policy is None:
             return None
         with self.timer.phase("select"):
+            scores = self.tp.sum_scores(scores, self.policy.per_kv_head)
             inp = SelectionInput(scores, row, accepted, batch.lengths, self.spec.gamma,
                                  self.cache.layers, batch.page_table, self.config.page_size)
             if self.graphs is None:
@@ -729,7 +736,7 @@ class ModelRunner:
         if policy is None or not policy.wants_scores:
             return None
         rows = policy.score_rows(n, prefill)
-        groups = self.model_config.num_kv_heads if policy.per_kv_head else 1
+        groups = self.local_config.num_kv_heads if policy.per_kv_head else 1
         out = torch.empty(self.model_config.num_layers, bsz, len(rows), groups, width,
                           device=self.device)
         return ScoreRequest(torch.tensor(rows, device=self.device), out, policy.score_mode,

@@ -18,6 +18,7 @@ from vegas_spec.ops import (
     rms_norm,
     silu_mul,
 )
+from vegas_spec.parallel import SINGLE, TPGroup
 
 
 class AttentionBackend(ABC):
@@ -39,12 +40,18 @@ class AttentionBackend(ABC):
     (its rsqrt and RoPE's products are correctly rounded on every path) and SiLU * up is
     elementwise, here through `exact_silu_mul`, whose exp takes one path for every element.
     Drafts never reach the output, so the sparse attention keeps its fastest tiling.
+
+    Tensor parallelism (`tp`, see `vegas_spec.parallel`) is the seam's too: the decoder
+    calls `row_linear` for o_proj and down (the partial products all_reduced), `embed` for
+    the vocabulary-parallel embeddings and `head_linear` for the LM head (the logit slices
+    all_gathered); at world size 1 they are `linear` and a plain lookup.
     """
 
     name = "abstract"
 
-    def __init__(self, exact: bool = False) -> None:
+    def __init__(self, exact: bool = False, tp: TPGroup = SINGLE) -> None:
         self.exact = exact
+        self.tp = tp
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
@@ -107,6 +114,26 @@ class AttentionBackend(ABC):
         if self.exact:
             return exact_linear(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def row_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Row-parallel `linear`: x [..., K/N] @ weight [N_out, K/N]^T summed over the ranks
+        (in exact mode in rank order, the same for every shape), + bias [N_out] once after
+        the sum."""
+        if self.tp.world_size == 1:
+            return self.linear(x, weight, bias)
+        part = self.linear(x, weight)
+        out = self.tp.sum_in_order(part) if self.exact else self.tp.all_reduce(part)
+        return out if bias is None else out + bias
+
+    def head_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel LM head: x [..., hidden] @ weight [V/N, hidden]^T, the ranks'
+        slices gathered -> [..., V]."""
+        return self.tp.gather_last(self.linear(x, weight))
+
+    def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> rows of the (vocabulary-parallel) embedding table [..., hidden]."""
+        return self.tp.embed(ids, weight)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [..., N] -> RMSNorm(x) * weight."""

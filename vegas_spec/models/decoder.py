@@ -2,7 +2,9 @@
 
 `forward(input_ids, positions, ctx)` is the only forward: prefill, plain decode, draft and
 verify differ only in the StepContext the attention backend reads. Every projection and the
-LM head go through the backend's `linear` (in exact mode a row-invariant product). Weights
+LM head go through the backend's `linear` (in exact mode a row-invariant product); under
+tensor parallelism `cfg` holds one rank's heads and intermediate size, the weights its
+slices, and the backend's `row_linear`, `embed` and `head_linear` do the collectives. Weights
 keep their HF names at load time; q/k/v and gate/up are fused into one matmul each. The
 residual stream runs beside the hidden states (as vLLM's): each norm also adds the residual
 before it, so the backend can fuse add + norm, RoPE + KV store and SiLU * up into one kernel
@@ -53,12 +55,12 @@ class Layer(nn.Module):
             q = backend.norm(q, self.q_norm, cfg.rms_norm_eps)
             k = backend.norm(k, self.k_norm, cfg.rms_norm_eps)
         out = backend.attend(self.index, q, k, v, cache[0], cache[1], ctx, rope)
-        return backend.linear(out.reshape(bsz, n, self.q_size), self.o_proj.weight,
-                              self.o_proj.bias)
+        return backend.row_linear(out.reshape(bsz, n, self.q_size), self.o_proj.weight,
+                                  self.o_proj.bias)
 
     def mlp(self, h: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         up = backend.silu_mul(backend.linear(h, self.gate_up.weight, self.gate_up.bias))
-        return backend.linear(up, self.down.weight, self.down.bias)
+        return backend.row_linear(up, self.down.weight, self.down.bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: torch.Tensor,
                 cache: tuple[torch.Tensor, ...], backend: AttentionBackend, ctx: StepContext,
@@ -89,7 +91,7 @@ class Decoder(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 backend: AttentionBackend) -> torch.Tensor:
         """input_ids [B, n] -> final hidden states [B, n, hidden] (normed)."""
-        x, residual = self.embed(input_ids), None
+        x, residual = backend.embed(input_ids, self.embed.weight), None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, self.rope, cache, backend, ctx)
         assert residual is not None, "a decoder has layers"
@@ -97,7 +99,7 @@ class Decoder(nn.Module):
 
     def head(self, hidden: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., V] in the model's dtype."""
-        return backend.linear(hidden, self.lm_head.weight)
+        return backend.head_linear(hidden, self.lm_head.weight)
 
     def logits(self, hidden: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., V] float32."""

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from vegas_spec.config import ConfigError, ModelConfig
+from vegas_spec.parallel import SINGLE, TPGroup, shard_shapes, shard_tensor, split_dim
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -101,9 +102,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], origin: str) -> None:
-    """Fail loudly on missing, unexpected or mis-shaped tensors."""
-    expected = expected_shapes(cfg)
+def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], origin: str,
+                  world_size: int = 1) -> None:
+    """Fail loudly on missing, unexpected or mis-shaped tensors (at world_size > 1: one
+    tensor-parallel rank's slices)."""
+    expected = shard_shapes(expected_shapes(cfg), world_size)
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
     for key in [k for k in weights if k.endswith("rotary_emb.inv_freq")]:
@@ -163,27 +166,36 @@ def _generation_eos(folder: Path) -> dict:
     return {} if eos is None else {"eos_token_id": eos}
 
 
-def load_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    weights = _gguf_weights(source, cfg) if source.is_gguf else _safetensors_weights(source.path)
-    check_weights(cfg, weights, str(source.path))
+def load_weights(source: ModelSource, cfg: ModelConfig,
+                 tp: TPGroup = SINGLE) -> dict[str, torch.Tensor]:
+    """HF-named tensors, checked; under tensor parallelism only rank tp.rank's slices, each
+    cut as soon as its tensor is read (see `vegas_spec.parallel`)."""
+    if source.is_gguf:
+        weights = _gguf_weights(source, cfg, tp)
+    else:
+        weights = _safetensors_weights(source.path, tp)
+    origin = str(source.path) if tp.world_size == 1 else \
+        f"{source.path} (tensor-parallel rank {tp.rank} of {tp.world_size})"
+    check_weights(cfg, weights, origin, tp.world_size)
     return weights
 
 
 def dummy_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                  seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights of the right shapes (timing runs without a checkpoint)."""
+                  seed: int = 0, tp: TPGroup = SINGLE) -> dict[str, torch.Tensor]:
+    """Random weights of the right shapes (timing runs without a checkpoint). Each tensor is
+    drawn whole, then rank tp.rank's slice kept: the same model at every world size."""
     gen = torch.Generator(device=device).manual_seed(seed)
     weights = {}
     for name, shape in expected_shapes(cfg).items():
         if len(shape) == 1:
-            weights[name] = torch.ones(shape, dtype=dtype, device=device)
+            w = torch.ones(shape, dtype=dtype, device=device)
         else:
-            w = torch.empty(shape, dtype=dtype, device=device)
-            weights[name] = w.normal_(0.0, 0.02, generator=gen)
+            w = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+        weights[name] = shard_tensor(name, w, tp)
     return weights
 
 
-def _safetensors_weights(folder: Path) -> dict[str, torch.Tensor]:
+def _safetensors_weights(folder: Path, tp: TPGroup) -> dict[str, torch.Tensor]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
         weight_map = _json_object(index, WeightError).get("weight_map")
@@ -199,20 +211,40 @@ def _safetensors_weights(folder: Path) -> dict[str, torch.Tensor]:
     for name in files:
         if not (folder / name).exists():
             raise WeightError(f"{folder}: shard {name} named by the index is missing")
-        weights.update(_safetensors_file(folder / name))
+        weights.update(_safetensors_file(folder / name, tp))
     return weights
 
 
-def _safetensors_file(path: Path) -> dict[str, torch.Tensor]:
+def _safetensors_file(path: Path, tp: TPGroup) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
-        return load_file(str(path))
+        return load_file(str(path)) if tp.world_size == 1 else _safetensors_slices(path, tp)
     except SafetensorError as err:
         raise WeightError(f"{path} is not a readable safetensors file: {err}") from None
     except OSError as err:
         raise WeightError(f"cannot read {path}: {err.strerror or err}") from None
+
+
+def _safetensors_slices(path: Path, tp: TPGroup) -> dict[str, torch.Tensor]:
+    """Only rank tp.rank's slice of each tensor, read from the memory-mapped file (the rest
+    of a split tensor is never read)."""
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():
+            dim = split_dim(key)
+            part = f.get_slice(key)
+            shape = part.get_shape()
+            if dim is None or dim >= len(shape):
+                out[key] = f.get_tensor(key)
+                continue
+            size = shape[dim] // tp.world_size
+            cut = slice(tp.rank * size, (tp.rank + 1) * size)
+            out[key] = part[cut] if dim == 0 else part[:, cut]
+    return out
 
 
 # --- GGUF -------------------------------------------------------------------------------------
@@ -313,7 +345,10 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def _gguf_weights(source: ModelSource, cfg: ModelConfig,
+                 tp: TPGroup) -> dict[str, torch.Tensor]:
+    """Every tensor dequantised whole (GGUF blocks cannot be sliced by rows in general), then
+    only rank tp.rank's slice kept."""
     import gguf
 
     reader = _gguf_reader(source.path)
@@ -332,5 +367,5 @@ def _gguf_weights(source: ModelSource, cfg: ModelConfig) -> dict[str, torch.Tens
             w = _unpermute(w, cfg.num_heads)
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _unpermute(w, cfg.num_kv_heads)
-        weights[name] = torch.from_numpy(np.ascontiguousarray(w))  # owns its memory
+        weights[name] = shard_tensor(name, torch.from_numpy(np.ascontiguousarray(w)), tp)
     return weights
