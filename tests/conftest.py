@@ -42,6 +42,25 @@ TINY_METHODS: list[dict | None] = [None] + [
 TINY_IDS = ["vanilla"] + ["-".join(map(str, m.values())) for m in TINY_METHODS[1:]]  # type: ignore[union-attr]
 
 
+# The tiny Llama of the engine-loop and tensor-parallel tests (dummy weights).
+TINY_VOCAB = 256
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": TINY_VOCAB,
+              "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "bos_token_id": 1,
+              "eos_token_id": 2}
+
+
+def randomize_norms_and_biases(model: torch.nn.Module) -> None:
+    """Norm weights uniform in [0.5, 1.5] and biases N(0, 0.2), where init leaves 1 and 0."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+
+
 def tiny_spec(method: dict | None) -> SpecConfig:
     """The tiny-model tests' setting of one of TINY_METHODS: None is plain decoding (named:
     a bare SpecConfig() is vegas, and generate(speculative=None) keeps the engine's last

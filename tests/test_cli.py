@@ -101,18 +101,23 @@ WORDS = 70  # the test model's context is 64 tokens, one token a word
 LONG = " ".join(["w5"] * WORDS)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny random checkpoint with a word-level tokenizer (one token per word)."""
+def word_checkpoint(folder: Path) -> Path:
+    """The tiny random checkpoint with a word-level tokenizer (one token per word, w1..w127)
+    in `folder`."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    folder = tiny_checkpoint(tmp_path_factory.mktemp("cli") / "model")
+    tiny_checkpoint(folder)
     words = Tokenizer(models.WordLevel({"[UNK]": 0, **{f"w{i}": i for i in range(1, 128)}},
                                        unk_token="[UNK]"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return word_checkpoint(tmp_path_factory.mktemp("cli") / "model")
 
 
 @pytest.fixture(scope="module")

@@ -10,17 +10,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TINY_IDS, TINY_METHODS, config_folder, random_prompts, tiny_spec
+from conftest import (
+    TINY_IDS,
+    TINY_LLAMA,
+    TINY_METHODS,
+    TINY_VOCAB,
+    config_folder,
+    random_prompts,
+    tiny_spec,
+)
 
 from vegas_spec import SamplingParams
 from vegas_spec.engine import LLM, LLMEngine, RequestOutput
 from vegas_spec.scheduler import PrefillPacer
 
-VOCAB = 256
-CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 64,
-          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
-          "bos_token_id": 1, "eos_token_id": 2}
+VOCAB, CONFIG = TINY_VOCAB, TINY_LLAMA
 ENGINE: dict[str, Any] = dict(load_format="dummy", kv_cache_bytes=1 << 22)
 METHODS, IDS = TINY_METHODS, TINY_IDS
 

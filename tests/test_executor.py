@@ -17,18 +17,14 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import config_folder, random_prompts
-from test_errors import tiny_checkpoint
+from conftest import TINY_LLAMA, TINY_VOCAB, config_folder, random_prompts
+from test_cli import word_checkpoint
 
 from vegas_spec import SamplingParams, SpecConfig, executor
 from vegas_spec.config import ConfigError
 from vegas_spec.engine import LLM, LLMEngine
 
-VOCAB = 256
-CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 64,
-          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
-          "bos_token_id": 1, "eos_token_id": 2}
+VOCAB, CONFIG = TINY_VOCAB, TINY_LLAMA
 ENGINE: dict[str, Any] = dict(load_format="dummy", kv_cache_bytes=1 << 22, exact=True)
 TIMEOUT_S = 120  # a rank 0 that gives no result by then fails the test
 METHODS = {"plain": SpecConfig(method="vanilla"),
@@ -192,16 +188,7 @@ def test_cuda_ranks_need_as_many_gpus() -> None:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random checkpoint with a word-level tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    folder = tiny_checkpoint(tmp_path_factory.mktemp("tp-cli") / "model")
-    words = Tokenizer(models.WordLevel({"[UNK]": 0, **{f"w{i}": i for i in range(1, 128)}},
-                                       unk_token="[UNK]"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(folder)
-    return folder
+    return word_checkpoint(tmp_path_factory.mktemp("tp-cli") / "model")
 
 
 def vegas(*args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:

@@ -13,7 +13,13 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import config_folder, random_prompts
+from conftest import (
+    TINY_LLAMA,
+    TINY_VOCAB,
+    config_folder,
+    random_prompts,
+    randomize_norms_and_biases,
+)
 
 from vegas_spec import SamplingParams, SpecConfig, parallel
 from vegas_spec.config import ConfigError, ModelConfig
@@ -27,11 +33,7 @@ from vegas_spec.models.loader import (
     resolve,
 )
 
-VOCAB = 256
-CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 64,
-          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
-          "bos_token_id": 1, "eos_token_id": 2}
+VOCAB, CONFIG = TINY_VOCAB, TINY_LLAMA
 ENGINE: dict[str, Any] = dict(load_format="dummy", kv_cache_bytes=1 << 22)
 RANK_TIMEOUT_S = 120  # a rank that dies or hangs fails the test after this, never hangs it
 # TP adds o_proj's and down's partial sums (one per rank) in another order than one rank's
@@ -242,12 +244,7 @@ def save_family(name: str, folder: Path) -> str:
                                      "num_key_value_heads", "max_position_embeddings")}
     config = getattr(transformers, config_cls)(**fields, **extra, initializer_range=0.1)
     model = getattr(transformers, model_cls)(config).float()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif pname.endswith("bias"):
-                p.normal_(0.0, 0.2)
+    randomize_norms_and_biases(model)
     model.save_pretrained(str(folder / name))
     return str(folder / name)
 

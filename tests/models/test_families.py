@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from conftest import randomize_norms_and_biases
 
 from vegas_spec.config import MAX_GAMMA, SamplingParams, SpecConfig
 from vegas_spec.engine import LLM
@@ -47,12 +48,7 @@ def build_hf(family: str, seed: int = 0, **overrides: Any) -> transformers.PreTr
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**{**TINY, **extra, **overrides})
     model = getattr(transformers, model_cls)(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.2)
+    randomize_norms_and_biases(model)
     return model
 
 
