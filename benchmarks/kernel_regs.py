@@ -101,8 +101,6 @@ def main() -> None:
     ap.add_argument("--block-k", type=int, default=pa.SCORE_BLOCK_K)
     ap.add_argument("--stages", type=int, default=pa.SCORE_STAGES)
     ap.add_argument("--warps", type=int, default=4)
-    ap.add_argument("--pdl", action="store_true",
-                    help="compile the kernel as launched with programmatic dependent launch")
     args = ap.parse_args()
     group = args.heads // args.kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -110,7 +108,7 @@ def main() -> None:
                   MIN_DOT // group_pad, 1)
     base = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_N=block_n, BLOCK_K=args.block_k,
                 BLOCK_D=max(triton.next_power_of_2(args.head_dim), 16),
-                HEAD_DIM=args.head_dim, SINGLE=False, DOT_PRECISION="tf32", PDL=args.pdl)
+                HEAD_DIM=args.head_dim, SINGLE=False, DOT_PRECISION="tf32")
     r_pad = pa._rows_pad(args.score_rows, group_pad, gpu=True)
     variants = [("no scores", None, dict(MODE=0, R_PAD=1, WRITE_LSE=False, USE_DESC=False))]
     variants += [(f"weight scores, {name}", half,

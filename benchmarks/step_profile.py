@@ -26,8 +26,6 @@ per second (τ · batch / (round + host work)) in exact mode against the default
 
 `--profile` adds a per-kernel table (torch.profiler) of one replay of each step (quest's
 draft step too);
-`--pdl no yes` every step with the decode kernels launched without and with programmatic
-dependent launch (`kernels.pdl`), each in graphs of its own;
 `--projections` the weight-streaming rate of every projection at the plain and the verify
 step's row counts. Also reported: the verify step without scores (stream's), quest's draft
 step, the host work between rounds of the engine's own loop and the projected speedup
@@ -49,7 +47,6 @@ from vegas_spec import LLM, SamplingParams, SpecConfig
 from vegas_spec.attention import triton_backend
 from vegas_spec.graphs import GraphRunner
 from vegas_spec.kernels import paged_attention as pa
-from vegas_spec.kernels import pdl
 from vegas_spec.speculative.policies import SelectionInput, make_policy
 
 
@@ -371,10 +368,6 @@ def main() -> None:
                     help="how scored attention passes run, BLOCK_K:STAGES[:STORE] (STORE one "
                          f"of {', '.join(pa.SCORE_STORES)}), each in graphs of its own; "
                          "default: the library's")
-    ap.add_argument("--pdl", nargs="+", choices=["no", "yes"],
-                    default=["yes" if pdl.ENABLED else "no"],
-                    help="the decode kernels launched with programmatic dependent launch "
-                         "(kernels.pdl.ENABLED), each in graphs of its own")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -392,16 +385,14 @@ def main() -> None:
         for k, v in llm.cache.layers:
             k.normal_()
             v.normal_()
-        for bsz, skinny, tiles, launch in (
-                (b, r, t, p) for b in args.batches for r in args.skinny_rows
-                for t in args.score_tiles for p in args.pdl):
-            # All of these are read when the graphs are captured.
+        for bsz, skinny, tiles in ((b, r, t) for b in args.batches
+                                   for r in args.skinny_rows for t in args.score_tiles):
+            # Both are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
             pa.SCORE_BLOCK_K, pa.SCORE_STAGES, pa.SCORE_STORE = tiles
-            pdl.ENABLED = launch == "yes"
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny, "score_tiles": ":".join(map(str, tiles)),
-                   "pdl": launch, **measure(llm, spec, context, bsz, args, bandwidth)}
+                   **measure(llm, spec, context, bsz, args, bandwidth)}
             row["host_gap_ms"] = host_gap_ms(llm, spec, bsz, args.host_gap_tokens,
                                              min(256, context // 2))
             if args.projections and cuda:

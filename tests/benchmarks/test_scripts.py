@@ -49,10 +49,9 @@ def test_step_profile_measures_exact_mode_against_the_default(tmp_path: Path) ->
     out = tmp_path / "exact.json"
     run("step_profile.py", "--config", str(tmp_path), "--contexts", "64", "--batches", "2",
         "--reps", "2", "--min-tokens", "16", "--modes", "default", "exact", "--brief",
-        "--host-gap-tokens", "8", "--pdl", "yes", "--out", str(out))
+        "--host-gap-tokens", "8", "--out", str(out))
     data = json.loads(out.read_text())
     assert [r["mode"] for r in data["rows"]] == ["default", "exact"]
-    assert [r["pdl"] for r in data["rows"]] == ["yes", "yes"]
     assert "quest_draft_ms" not in data["rows"][0]
     (cost,) = data["exact_cost"]
     assert (cost["context"], cost["batch"]) == (64, 2)

@@ -45,7 +45,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from vegas_spec.kernels import pdl
 from vegas_spec.kernels.split_merge import (
     MIN_DOT,
     Partials,
@@ -151,8 +150,7 @@ def _paged_split_kernel(
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
         MODE: tl.constexpr, R_PAD: tl.constexpr, USE_DESC: tl.constexpr, SINGLE: tl.constexpr,
-        WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+        WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0) // Hkv
     kvh = tl.program_id(0) % Hkv
     rb = tl.program_id(1)
@@ -203,12 +201,10 @@ def _scores_kernel(sc_ptr, lse_ptr, rows_ptr, pos_ptr, out_ptr,
                    n, H, Hkv, num_rows, width, sc_width, out_width, scale,
                    stride_pb, stride_pn, stride_ob, stride_or, stride_og,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, LANES: tl.constexpr,
-                   BLOCK_W: tl.constexpr, MODE: tl.constexpr, PER_KV: tl.constexpr,
-                   PDL: tl.constexpr):
+                   BLOCK_W: tl.constexpr, MODE: tl.constexpr, PER_KV: tl.constexpr):
     """One (sequence, score row, key block): scratch -> out [B, R, G, W] (R = num_rows).
     Weight scratch [B, Hkv, LANES, sc_width] (lane = r * GROUP_PAD + head in group), logit
     scratch [B, R, Hkv, sc_width]."""
-    pdl.wait(PDL)
     b = tl.program_id(0) // num_rows
     r = tl.program_id(0) % num_rows
     row = tl.load(rows_ptr + r).to(tl.int32)
@@ -323,7 +319,7 @@ def _finalise_scores(job: _ScoreJob, positions: torch.Tensor, scale: float, cfg:
         job.scratch.shape[-1], out.shape[3], scale,
         positions.stride(0), positions.stride(1), out.stride(0), out.stride(1), out.stride(2),
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, LANES=max(job.lanes, 1), BLOCK_W=block_w,
-        MODE=job.mode, PER_KV=out.shape[2] > 1, num_warps=4, **pdl.launch(out.device))
+        MODE=job.mode, PER_KV=out.shape[2] > 1, num_warps=4)
 
 
 # The exact-mode copy of the split kernel: its row counts stay runtime values (Triton would
@@ -401,7 +397,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, MODE=0 if job is None else job.mode,
         R_PAD=1 if job is None else job.r_pad, USE_DESC=use_desc, SINGLE=parts is None,
         WRITE_LSE=lse is not None, DOT_PRECISION=cfg.dot_precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(q.device))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if parts is not None:
         merge_splits(parts, out, lse)
     if job is not None:

@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels import pdl
-
 # Pages per program and warps on a GPU, by head dim (other dims: QUEST_TILE). Measured on an
 # H200 (benchmarks/tile_sweep.py --kernel quest, µs per layer): Llama-3.1-8B shape at
 # 16 x 32K 34.9 with 64 pages / 8 warps against 39.8 with 64 / 4; SmolLM2 at 64 x 7.5K 5.7
@@ -32,8 +30,7 @@ QUEST_TILE = (64, 4)
 def _quest_kernel(q_ptr, lo_ptr, hi_ptr, pages_ptr, out_ptr, Hkv, NP,
                   stride_qb, stride_qh, stride_lb, stride_lp, stride_lh, stride_ob, stride_oh,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+                  BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
     b = tl.program_id(0) // Hkv
     kvh = tl.program_id(0) % Hkv
     g = tl.arange(0, GROUP_PAD)
@@ -74,6 +71,5 @@ def quest_page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
         q.stride(0), q.stride(2), lo.stride(0), lo.stride(1), lo.stride(2),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_P=block_p,
-        BLOCK_D=max(triton.next_power_of_2(dim), 16), HEAD_DIM=dim, num_warps=warps,
-        **pdl.launch(q.device))
+        BLOCK_D=max(triton.next_power_of_2(dim), 16), HEAD_DIM=dim, num_warps=warps)
     return out

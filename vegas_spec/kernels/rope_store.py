@@ -17,8 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels import pdl
-
 
 @triton.jit
 def _rotate(x_ptrs, mask, cos, sin, HALF: tl.constexpr):
@@ -41,8 +39,7 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                        stride_vb, stride_vn, stride_vh, stride_pb, stride_pn,
                        stride_sb, stride_sn, stride_t, stride_cs, stride_ch,
                        HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                       BLOCK_T: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+                       BLOCK_T: tl.constexpr):
     j = tl.program_id(1)
     d = tl.arange(0, BLOCK_HALF)
     d_ok = d < HALF
@@ -119,5 +116,5 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch
         slot_mapping.stride(0), slot_mapping.stride(1), table.stride(0), k_cache.stride(0),
         k_cache.stride(1), HALF=dim // 2, BLOCK_H=block_h,
         BLOCK_HALF=triton.next_power_of_2(dim // 2), BLOCK_T=block_t, num_warps=4,
-        enable_fp_fusion=False, **pdl.launch(q.device))
+        enable_fp_fusion=False)
     return q_out

@@ -13,13 +13,12 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from vegas_spec.kernels import interpreting, pdl
+from vegas_spec.kernels import interpreting
 
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, LIBDEVICE_EXP: tl.constexpr,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+                     BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -45,5 +44,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(triton.next_power_of_2(inter), 2048)
     _silu_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
         rows, out, inter, rows.stride(0), LIBDEVICE_EXP=not interpreting(), BLOCK=block,
-        num_warps=4, **pdl.launch(gate_up.device))
+        num_warps=4)
     return out

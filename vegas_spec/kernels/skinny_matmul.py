@@ -29,8 +29,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels import pdl
-
 # Rows the kernel takes at most (one row block); callers fall back to F.linear beyond.
 MAX_ROWS = 64
 # Streaming multiprocessors of an H200, for the default tiles' occupancy guess.
@@ -78,11 +76,10 @@ def skinny_tiles(m: int, n: int, k: int) -> SkinnyTiles:
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_wn,
                    stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                   EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Program (j, s): rows 0..M-1 x columns j*BLOCK_N.. over K range s*k_split.. (all of K
     when SPLIT_K is 1). With SPLIT_K > 1, y is the float32 partials [SPLIT_K, M, N] and the
     bias waits for the sum."""
-    pdl.wait(PDL)
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -111,9 +108,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_split, stride_xm, stri
 
 @triton.jit
 def _sum_splits_kernel(p_ptr, b_ptr, y_ptr, MN, N, HAS_BIAS: tl.constexpr,
-                       SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                       SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     """y [M, N] = sum over s of partials [s, M, N] in order s = 0, 1, .. (+ bias), x's dtype."""
-    pdl.wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
     acc = tl.load(p_ptr + offs, mask=ok, other=0.0)
@@ -151,11 +147,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, EVEN_K=k % cfg.block_k == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(x.device))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             partials, b, out, m * n, n, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
-            BLOCK=SUM_BLOCK, num_warps=4, **pdl.launch(x.device))
+            BLOCK=SUM_BLOCK, num_warps=4)
     return out.view(*x.shape[:-1], n)
 
 

@@ -18,7 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels import pdl
 from vegas_spec.kernels.split_merge import (
     Partials,
     finish_split,
@@ -46,8 +45,7 @@ def _sparse_split_kernel(
         stride_ib, stride_ig,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-        SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+        SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0) // Hkv
     kvh = tl.program_id(0) % Hkv
     rb = tl.program_id(1)
@@ -146,8 +144,7 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         indices.stride(0), stride_ig,
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, SINGLE=parts is None,
-        DOT_PRECISION=cfg.dot_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl.launch(q.device))
+        DOT_PRECISION=cfg.dot_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if parts is not None:
         merge_splits(parts, out, None)
     return out

@@ -25,8 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels import pdl
-
 MIN_DOT = 16  # tl.dot's smallest tile side on GPUs
 MAX_LANES = 64  # query rows x padded heads per program: a 64 x D float32 accumulator
 
@@ -159,8 +157,7 @@ def finish_split(m_i, l_i, acc, flat_row, head, lane_ok, d, d_ok, split, rows_to
 @triton.jit
 def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, num_splits, rows_total, H,
                   HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                  WRITE_LSE: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+                  WRITE_LSE: tl.constexpr):
     flat_row = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -202,4 +199,4 @@ def merge_splits(parts: Partials, out: torch.Tensor, lse: torch.Tensor | None) -
     _merge_kernel[grid](parts.acc, parts.m, parts.l, out, out if lse is None else lse,
                         splits, rows, heads, HEAD_DIM=dim, BLOCK_H=block_h,
                         BLOCK_D=triton.next_power_of_2(dim), WRITE_LSE=lse is not None,
-                        num_warps=4, **pdl.launch(out.device))
+                        num_warps=4)

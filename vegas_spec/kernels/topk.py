@@ -34,8 +34,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels import pdl
-
 RADIX_BITS = 4
 # Rows of at most this many scores run `_topk_resident_kernel` (the row held in registers,
 # one read), wider ones `_topk_kernel` (the row re-read by every pass). The resident kernel
@@ -117,8 +115,7 @@ def _row_bounds(rankable_ptr, k_ptr, limit_ptr, b, width, HAS_LIMIT: tl.constexp
 @triton.jit
 def _topk_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B, G, width, out_width,
                  BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, PAGE: tl.constexpr,
-                 HAS_LIMIT: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+                 HAS_LIMIT: tl.constexpr):
     row = tl.program_id(0)
     b = (row // G) % B
     row_ptr = scores_ptr + row.to(tl.int64) * width
@@ -153,8 +150,7 @@ def _topk_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B, G, widt
 def _topk_resident_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B, G, width,
                           out_width, BLOCK_W: tl.constexpr, BLOCK: tl.constexpr,
                           RADIX_BITS: tl.constexpr, PAGE: tl.constexpr,
-                          HAS_LIMIT: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)
+                          HAS_LIMIT: tl.constexpr):
     row = tl.program_id(0)
     b = (row // G) % B
     length, want, limit = _row_bounds(rankable_ptr, k_ptr, limit_ptr, b, width, HAS_LIMIT)
@@ -215,8 +211,7 @@ def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch
     rankable = rankable.contiguous()
     args = (flat, rankable, k.contiguous(), rankable if limit is None else limit.contiguous(),
             out, bsz, groups, width, out_width)
-    common = dict(BLOCK=block, PAGE=page, HAS_LIMIT=limit is not None,
-                  **pdl.launch(scores.device))
+    common = dict(BLOCK=block, PAGE=page, HAS_LIMIT=limit is not None)
     if width <= RESIDENT_MAX_WIDTH:
         block_w = triton.next_power_of_2(width)
         warps = min(max(block_w // RESIDENT_KEYS_PER_WARP, 4), 16)
