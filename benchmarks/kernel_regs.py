@@ -5,7 +5,10 @@ Default: the Llama-3.1-8B verify step (H 32, Hkv 8, D 128, bf16, n = 7 rows, 2 w
 rows) with the score pass's tiles (SCORE_BLOCK_K keys, SCORE_STAGES stages, 4 warps). Prints
 one line per variant: no scores, and a weight-mode pass with each of `SCORE_STORES`.
 
-    python benchmarks/kernel_regs.py [--arch 90]
+    python benchmarks/kernel_regs.py [--arch 90] [--block-k 64 --stages 2 --maxnreg 128]
+
+`--maxnreg` compiles with that cap on the registers per thread (the kernel's SCORE_MAXNREG
+by default), to see which cap a tile fits without spills and how many programs an SM holds.
 """
 
 from __future__ import annotations
@@ -33,11 +36,11 @@ SCALARS = {"scale": "fp32"}
 
 
 def compile_split(constexprs: dict, arch: int, warps: int, stages: int,
-                  desc: str | None = None, scratch: str = "*fp32"):
+                  desc: str | None = None, scratch: str = "*fp32", maxnreg: int | None = None):
     """The split kernel compiled for sm_<arch> with these constexprs; every integer argument
     a runtime i32 (divisible by 16 where the JIT would see it so: strides, sizes). desc: the
     score scratch's descriptor type (e.g. "tensordesc<fp32[8, 128]>") when USE_DESC; scratch:
-    the score scratch's pointer type."""
+    the score scratch's pointer type; maxnreg: the registers per thread ptxas may use."""
     fn = pa._paged_split_kernel
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -55,7 +58,8 @@ def compile_split(constexprs: dict, arch: int, warps: int, stages: int,
     fixed = constexprs if desc is not None else {**constexprs, "sc_desc": None}
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=fixed, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 64),
-                          options={"num_warps": warps, "num_stages": stages})
+                          options={"num_warps": warps, "num_stages": stages,
+                                   **({} if maxnreg is None else {"maxnreg": maxnreg})})
 
 
 def resources(kern, arch: int) -> dict[str, int]:
@@ -101,6 +105,8 @@ def main() -> None:
     ap.add_argument("--block-k", type=int, default=pa.SCORE_BLOCK_K)
     ap.add_argument("--stages", type=int, default=pa.SCORE_STAGES)
     ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--maxnreg", type=int, default=pa.SCORE_MAXNREG,
+                    help="registers per thread ptxas may use (default: the library's)")
     args = ap.parse_args()
     group = args.heads // args.kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -119,13 +125,13 @@ def main() -> None:
         desc = (f"tensordesc<{'fp16' if half else 'fp32'}[{lanes}, {args.block_k}]>"
                 if extra["USE_DESC"] else None)
         kern = compile_split({**base, **extra}, args.arch, args.warps, args.stages, desc,
-                             "*fp16" if half else "*fp32")
+                             "*fp16" if half else "*fp32", args.maxnreg)
         found = resources(kern, args.arch)
         print(json.dumps({"variant": label, **found, "shared_bytes": kern.metadata.shared,
                           "programs_per_sm": programs_per_sm(found["registers"],
                                                              kern.metadata.shared, args.warps),
                           "block_k": args.block_k, "stages": args.stages,
-                          "warps": args.warps}), flush=True)
+                          "warps": args.warps, "maxnreg": args.maxnreg}), flush=True)
 
 
 if __name__ == "__main__":

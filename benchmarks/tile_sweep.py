@@ -2,8 +2,9 @@
 
 Times `paged_attention` for n = 7 query rows with and without selection scores (weight mode,
 rows 0 and 6) and for n = 1, over key blocks of 64 and 128, 2-3 pipeline stages, 4 warps
-(or `--warps`), two split sizes and how scored passes store their logits (`--stores`,
-`SCORE_STORES`), on random bf16 K/V behind a shuffled page table. Each
+(or `--warps`), two split sizes, how scored passes store their logits (`--stores`,
+`SCORE_STORES`), a cap on the registers per thread (`--maxnregs`) and on a scored pass's
+split (`--score-split-max`), on random bf16 K/V behind a shuffled page table. Each
 figure is the median per call of 20 replays of a CUDA graph of 30 calls (the kernel count of
 one step of a 30-layer model), with the registers, spills and shared memory of the kernel
 variants each setting compiled. What it decided: the `SCORE_*` tiles of `paged_attention`.
@@ -36,6 +37,8 @@ from vegas_spec.graphs import capture  # noqa: E402
 from vegas_spec.kernels.split_merge import tile_config  # noqa: E402
 
 SCORE_STAGES = pa.SCORE_STAGES
+PAGED_REGISTERS = (pa.MAXNREG, pa.SCORE_MAXNREG, pa.SCORE_SPLIT_MAX)
+SPARSE_MAXNREG = sa.SPARSE_MAXNREG
 
 
 def graph_us(fn: Callable[[], object], calls: int = 30, reps: int = 20) -> float:
@@ -98,18 +101,20 @@ def sparse_sweep(args: argparse.Namespace, recent: int = 64) -> list[dict]:
     moved = 2 * bsz * hkv * (budget + recent) * dim * k.element_size()
     rows = []
     splits = [None if x == "auto" else int(x) for x in args.splits]
-    for block_k, stages, warps, split in itertools.product(
-            args.block_k, args.stages, args.warps, splits):
+    for block_k, stages, warps, split, maxnreg in itertools.product(
+            args.block_k, args.stages, args.warps, splits, args.maxnregs):
         if split is not None and split % block_k:
             continue
+        sa.SPARSE_MAXNREG = maxnreg or None
         sa.tile_config = lambda q, hkv, block_k=None, s=stages, w=warps: (  # noqa: E731
             dataclasses.replace(tile_config(q, hkv, block_k), num_stages=s, num_warps=w))
         us = graph_us(lambda: sa.sparse_attention(  # noqa: B023
             q, k, v, table, pos, 16, idx, recent_start, recent, dim ** -0.5,
             block_k=block_k, split_size=split, out=out))  # noqa: B023
-        sa.tile_config = tile_config
+        sa.tile_config, sa.SPARSE_MAXNREG = tile_config, SPARSE_MAXNREG
         row = {"kernel": "sparse", "block_k": block_k, "stages": stages, "warps": warps,
-               "split": split, "budget": budget, "us": us, "tb_per_s": moved / us / 1e6}
+               "split": split, "maxnreg": maxnreg or None, "budget": budget, "us": us,
+               "tb_per_s": moved / us / 1e6}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -170,6 +175,14 @@ def main() -> None:
     ap.add_argument("--stores", nargs="+", choices=sorted(pa.SCORE_STORES),
                     default=[LIBRARY_STORE],
                     help="how weight-mode passes keep their logits (default: the library's)")
+    ap.add_argument("--maxnregs", type=int, nargs="+",
+                    default=[pa.SCORE_MAXNREG or 0],
+                    help="paged, sparse: registers per thread ptxas may use (0: its own "
+                         "choice; the kernel's MAXNREG / SCORE_MAXNREG / SPARSE_MAXNREG)")
+    ap.add_argument("--score-split-max", type=int, nargs="+",
+                    default=[pa.SCORE_SPLIT_MAX or 0],
+                    help="paged, weight scores: the largest split of an 'auto' split in keys "
+                         "(0: the occupancy split alone; the kernel's SCORE_SPLIT_MAX)")
     ap.add_argument("--kernel", choices=["paged", "sparse", "quest"], default="paged",
                     help="sparse: the draft step's attention over a 5%% budget plus 64 recent; "
                          "quest: quest's page scores and top-k of one layer")
@@ -204,9 +217,13 @@ def main() -> None:
         splits = [None if x == "auto" else int(x) for x in args.splits]
         for mode in modes:
             stores = args.stores if mode == "weight" else [LIBRARY_STORE]
-            for store, block_k, stages, warps, split in itertools.product(
-                    stores, args.block_k, args.stages, args.warps, splits):
+            caps = args.score_split_max if mode == "weight" else [pa.SCORE_SPLIT_MAX or 0]
+            for store, block_k, stages, warps, split, maxnreg, cap in itertools.product(
+                    stores, args.block_k, args.stages, args.warps, splits, args.maxnregs,
+                    caps):
                 pa.SCORE_STORE = store
+                pa.MAXNREG = pa.SCORE_MAXNREG = maxnreg or None
+                pa.SCORE_SPLIT_MAX = cap or None
                 extra = (score_rows, scores, "weight") if mode == "weight" else ()
                 before = compiled()
                 with_tiles(stages, warps)
@@ -214,8 +231,10 @@ def main() -> None:
                     q, k, v, table, pos, page, kv_len, scale, *extra,  # noqa: B023
                     block_k=block_k, split_size=split, out=out))  # noqa: B023
                 pa.tile_config, pa.SCORE_STAGES = tile_config, SCORE_STAGES
+                pa.MAXNREG, pa.SCORE_MAXNREG, pa.SCORE_SPLIT_MAX = PAGED_REGISTERS
                 row = {"n": n, "mode": mode, "store": store, "block_k": block_k,
-                       "stages": stages, "warps": warps, "split": split, "us": us}
+                       "stages": stages, "warps": warps, "split": split,
+                       "maxnreg": maxnreg or None, "score_split_max": cap or None, "us": us}
                 new = [kern for i, kern in compiled().items() if i not in before]
                 if new:  # the variants this setting compiled: registers per thread
                     row["compiled"] = [{"registers": kern.n_regs, "spills": kern.n_spills,

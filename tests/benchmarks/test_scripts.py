@@ -28,10 +28,13 @@ def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> No
     out = tmp_path / "steps.json"
     run("step_profile.py", "--config", str(tmp_path), "--contexts", "200", "--batches", "2",
         "--reps", "2", "--min-tokens", "16", "--score-tiles", "128:3",
-        "64:2:f32-pointers", "--out", str(out))
+        "64:2:f32-pointers:0:128", "--maxnregs", "128", "--out", str(out))
     row, other = json.loads(out.read_text())["rows"]
     assert (row["score_tiles"], other["score_tiles"]) == ("128:3:f32-descriptor",
                                                           "64:2:f32-pointers")
+    assert (row["score_split_max"], row["score_maxnreg"]) == (2048, None)
+    assert (other["score_split_max"], other["score_maxnreg"]) == (None, 128)
+    assert row["maxnreg"] == other["maxnreg"] == 128 and row["sparse_maxnreg"] is None
     assert other["verify_ms"] > 0
     assert (row["context"], row["batch"], row["budget"]) == (200, 2, 16)
     for kind in ("plain", "verify", "draft"):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
 import torch
 from kernel_cases import (
+    CUDA,
     DEVICE,
     DTYPES,
     generator,
@@ -161,3 +163,25 @@ def test_score_stores_give_the_same_scores(store: str,
                                                                            rtol=1e-5)
     torch.testing.assert_close(got[store], got["f32-pointers"], **tol)
     assert (got[store][:, :, :, 100:] == 0).all()
+
+
+@pytest.mark.skipif(not CUDA, reason="register caps and split caps apply on GPUs only")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_register_cap_and_occupancy_split(case: Case, dtype: torch.dtype,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """64-key blocks, 2 stages and 128 registers per thread for every pass, and scored passes
+    split by occupancy alone (no SCORE_SPLIT_MAX): the reference's output and scores."""
+    monkeypatch.setattr(pa, "SCORE_BLOCK_K", 64)
+    monkeypatch.setattr(pa, "SCORE_STAGES", 2)
+    monkeypatch.setattr(pa, "SCORE_MAXNREG", 128)
+    monkeypatch.setattr(pa, "MAXNREG", 128)
+    monkeypatch.setattr(pa, "SCORE_SPLIT_MAX", None)
+    run(case, dtype)
+
+
+def test_launch_options_name_a_register_cap_only_when_set() -> None:
+    cfg = pa.tile_config(torch.empty(1, 7, 8, 64), 2)
+    assert cfg.launch_options() == {"num_warps": 4, "num_stages": 1}
+    capped = dataclasses.replace(cfg, maxnreg=128)
+    assert capped.launch_options() == {"num_warps": 4, "num_stages": 1, "maxnreg": 128}

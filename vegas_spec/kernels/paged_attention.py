@@ -67,7 +67,15 @@ MODES = {"weight": 1, "logit": 2}
 # so results change only by the float summation order of the online softmax.
 SCORE_BLOCK_K = 128
 SCORE_STAGES = 3
-SCORE_SPLIT_MAX = 2048
+SCORE_SPLIT_MAX: int | None = 2048
+# Registers per thread ptxas may use in the split kernel on a GPU, scored (and exact-mode)
+# passes and the others; None: ptxas's own choice (199 / 205 registers at the 8B verify shape
+# with 128-key blocks and 3 stages, 152 / 192 with 64-key blocks and 2: two or three programs
+# per SM). Capped at 128 the 64-key, 2-stage kernel compiles for sm_90 without spills, scored
+# or not (benchmarks/kernel_regs.py --block-k 64 --stages 2 --maxnreg 128), and four programs
+# fit an SM. Off until timed; SCORE_SPLIT_MAX None gives scored passes the occupancy split.
+SCORE_MAXNREG: int | None = None
+MAXNREG: int | None = None
 # How the weight-mode logits are stored: float32 or float16 (16-bit models: half the scratch
 # bytes), through a tile of pointers or a tensor descriptor (one bulk copy of the
 # [lanes, block_k] tile per key block; steps with one row block, pointers otherwise).
@@ -86,11 +94,12 @@ SCORE_STORE = "f32-descriptor"
 # shape), a sibling program per attention program (1010), and score lanes gathered from the
 # attention tile's products (789 against 781 µs with the float32 descriptor).
 # Exact mode: one tiling for every full-attention step, plain or verify, scored or not, at any
-# batch size and context: the score pass's tiles and splits of exactly SCORE_SPLIT_MAX keys on
+# batch size and context: the score pass's tiles and splits of exactly EXACT_SPLIT keys on
 # a GPU (the interpreter: its own small blocks, splits of 4 blocks), and EXACT_ROWS query rows
 # per tile (`tile_config`). A row's keys are then walked in the same blocks, cut into the same
 # splits and merged in split order whatever else the step holds; blocks and splits past the
 # row's last visible key add exact zeros (p = 0, alpha = 1), so neither n nor kv_len matters.
+EXACT_SPLIT = 2048
 EXACT_SPLIT_CPU_BLOCKS = 4
 
 
@@ -338,15 +347,18 @@ def _tiling(q: torch.Tensor, hkv: int, scored: bool, block_k: int | None,
     if exact:
         cfg = tile_config(q, hkv, SCORE_BLOCK_K if q.is_cuda else None, exact=True)
         if q.is_cuda:
-            return dataclasses.replace(cfg, num_stages=SCORE_STAGES), SCORE_SPLIT_MAX
+            return (dataclasses.replace(cfg, num_stages=SCORE_STAGES, maxnreg=SCORE_MAXNREG),
+                    EXACT_SPLIT)
         return cfg, EXACT_SPLIT_CPU_BLOCKS * cfg.block_k
     scored_gpu = q.is_cuda and scored
     cfg = tile_config(q, hkv, block_k or (SCORE_BLOCK_K if scored_gpu else None))
     if scored_gpu:
-        cfg = dataclasses.replace(cfg, num_stages=SCORE_STAGES)
+        cfg = dataclasses.replace(cfg, num_stages=SCORE_STAGES, maxnreg=SCORE_MAXNREG)
+    elif q.is_cuda:
+        cfg = dataclasses.replace(cfg, maxnreg=MAXNREG)
     row_blocks = triton.cdiv(n, cfg.block_n)
     size = split_size_for(kv_len, bsz * hkv * row_blocks, cfg.block_k, q.device, split_size)
-    if scored_gpu and split_size is None:
+    if scored_gpu and split_size is None and SCORE_SPLIT_MAX:
         size = min(size, max(SCORE_SPLIT_MAX // cfg.block_k, 1) * cfg.block_k)
     return cfg, size
 
@@ -397,7 +409,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, MODE=0 if job is None else job.mode,
         R_PAD=1 if job is None else job.r_pad, USE_DESC=use_desc, SINGLE=parts is None,
         WRITE_LSE=lse is not None, DOT_PRECISION=cfg.dot_precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        **cfg.launch_options())
     if parts is not None:
         merge_splits(parts, out, lse)
     if job is not None:

@@ -14,6 +14,8 @@ query's position are never visited."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +36,9 @@ from vegas_spec.kernels.split_merge import (
 # copy bandwidth) against 57.8. Gathered rows arrive from scattered pages, so more keys in
 # flight per program hide more latency; 4 pipeline stages were slower (42.1 / 46.6 µs).
 SPARSE_BLOCK_K = 128
+# Registers per thread ptxas may use on a GPU (None: its own choice), as paged attention's
+# MAXNREG; off until timed.
+SPARSE_MAXNREG: int | None = None
 
 
 @triton.jit
@@ -128,6 +133,8 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if indices.shape[2] == 0:  # nothing listed: keep a valid pointer
         indices = torch.full((bsz, 1, 1), -1, dtype=torch.int64, device=q.device)
     cfg = tile_config(q, hkv, block_k or (SPARSE_BLOCK_K if q.is_cuda else None))
+    if q.is_cuda:
+        cfg = dataclasses.replace(cfg, maxnreg=SPARSE_MAXNREG)
     row_blocks = triton.cdiv(n, cfg.block_n)
     length = indices.shape[2] + recent_max
     size = split_size_for(length, bsz * hkv * row_blocks, cfg.block_k, q.device, split_size)
@@ -144,7 +151,7 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         indices.stride(0), stride_ig,
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, SINGLE=parts is None,
-        DOT_PRECISION=cfg.dot_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DOT_PRECISION=cfg.dot_precision, **cfg.launch_options())
     if parts is not None:
         merge_splits(parts, out, None)
     return out

@@ -39,6 +39,14 @@ class TileConfig:
     num_warps: int
     num_stages: int
     dot_precision: str
+    maxnreg: int | None = None  # registers per thread ptxas may use (None: its own choice)
+
+    def launch_options(self) -> dict[str, int]:
+        """The compile options of a kernel launched with these tiles."""
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.maxnreg is not None:
+            opts["maxnreg"] = self.maxnreg
+        return opts
 
 
 # Exact mode: query rows per tile whatever the step's n (a plain step's one row and a verify
