@@ -50,32 +50,38 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _rank(rank: int, world: int, init: str, fn: Callable[..., Any], args: tuple,
-          results: Any) -> None:
-    """One rank's process: join the gloo group, run fn(*args), put (rank, result)."""
+          results: Any, backend: str) -> None:
+    """One rank's process: join the group (gloo; nccl on GPU `rank`), run fn(*args), put
+    (rank, result)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+    if backend == "nccl":
+        os.environ.update(parallel.NO_MULTICAST)
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
     try:
         parallel.join(world, rank)
         out = fn(*args)
         # numpy, not a tensor: torch's queues share tensors through this process's memory,
         # which is gone once it exits
-        results.put((rank, out.numpy() if isinstance(out, torch.Tensor) else out))
+        results.put((rank, out.cpu().numpy() if isinstance(out, torch.Tensor) else out))
     except Exception as err:  # the parent reports it; a bare exit would say only "code 1"
         results.put((rank, err))
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, tmp: Path, fn: Callable[..., Any], *args: Any) -> list[Any]:
+def run_ranks(world: int, tmp: Path, fn: Callable[..., Any], *args: Any,
+              backend: str = "gloo") -> list[Any]:
     """fn(*args) on `world` ranks (spawned processes) -> each rank's result, rank 0 first;
     a rank that raises, dies or runs past RANK_TIMEOUT_S fails the test."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init = f"file://{tmp / 'rendezvous'}"
-    procs = [ctx.Process(target=_rank, args=(r, world, init, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_rank, args=(r, world, init, fn, args, results, backend),
+                         daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -100,15 +106,17 @@ def run_ranks(world: int, tmp: Path, fn: Callable[..., Any], *args: Any) -> list
             for r in range(world)]
 
 
-def prompt_logits(model: str, prompt: list[int]) -> torch.Tensor:
+def prompt_logits(model: str, prompt: list[int], device: str = "cpu") -> torch.Tensor:
     """Logits [n, V] of every prompt position, on this process's group."""
-    return LLM(model, **ENGINE).logits(prompt)
+    return LLM(model, **ENGINE, device=device, dtype="float32").logits(prompt).cpu()
 
 
-def greedy_tokens(model: str, prompts: list[list[int]], static: bool) -> dict[str, list]:
+def greedy_tokens(model: str, prompts: list[list[int]], static: bool,
+                  device: str = "cpu") -> dict[str, list]:
     """Greedy tokens of plain decoding and of vegas (head-aggregated and per-KV-head
     selection) in exact mode, where speculative output is plain output bit for bit."""
-    llm = LLM(model, **ENGINE, exact=True, static_shapes=static)
+    llm = LLM(model, **ENGINE, exact=True, static_shapes=static, device=device,
+              dtype="float32")
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     methods = {"plain": SpecConfig(method="vanilla"),
                "vegas": SpecConfig(method="vegas", gamma=3, ratio=0.1, min_tokens=8),
@@ -118,9 +126,9 @@ def greedy_tokens(model: str, prompts: list[list[int]], static: bool) -> dict[st
             for name, spec in methods.items()}
 
 
-def vegas_histogram(model: str, prompts: list[list[int]]) -> list:
+def vegas_histogram(model: str, prompts: list[list[int]], device: str = "cpu") -> list:
     """Tokens per iteration of greedy vegas (exact mode), a histogram per request."""
-    llm = LLM(model, **ENGINE, exact=True)
+    llm = LLM(model, **ENGINE, exact=True, device=device, dtype="float32")
     spec = SpecConfig(method="vegas", gamma=3, ratio=0.05, min_tokens=8)
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True),
                         speculative=spec)
@@ -322,3 +330,39 @@ def test_a_rank_that_dies_fails_the_others_instead_of_hanging(tiny: Path,
                                                               tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="(?i)connection|closed|peer"):
         run_ranks(2, tmp_path, logits_or_exit, str(tiny), [5, 6, 7])
+
+
+# --- NCCL on GPUs: the same checks, with the decode loop in CUDA graphs --------------------
+
+TWO_GPUS = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@TWO_GPUS
+def test_nccl_two_ranks_give_one_ranks_logits(tiny: Path, tmp_path: Path) -> None:
+    prompt = random_prompts(3, (40,), VOCAB)[0]
+    one = prompt_logits(str(tiny), prompt, "cuda")
+    ranks = run_ranks(2, tmp_path, prompt_logits, str(tiny), prompt, "cuda", backend="nccl")
+    assert torch.equal(ranks[0], ranks[1])
+    torch.testing.assert_close(ranks[0], one, **TOL)
+
+
+@TWO_GPUS
+def test_nccl_two_ranks_greedy_speculative_gives_plain_tokens(tiny: Path,
+                                                              tmp_path: Path) -> None:
+    """Static shapes: each rank's rounds replay CUDA graphs with the all_reduces inside."""
+    prompts = random_prompts(5, (60, 23), VOCAB)
+    ranks = run_ranks(2, tmp_path, greedy_tokens, str(tiny), prompts, True, "cuda",
+                      backend="nccl")
+    assert ranks[0] == ranks[1]
+    out = ranks[0]
+    assert out["vegas"] == out["plain"] and out["vegas-kv_head"] == out["plain"]
+
+
+@TWO_GPUS
+def test_nccl_two_ranks_select_what_one_rank_selects(tiny: Path, tmp_path: Path) -> None:
+    prompts = random_prompts(5, (120, 90), VOCAB)
+    one = vegas_histogram(str(tiny), prompts, "cuda")
+    ranks = run_ranks(2, tmp_path, vegas_histogram, str(tiny), prompts, "cuda",
+                      backend="nccl")
+    assert ranks[0] == ranks[1] == one
