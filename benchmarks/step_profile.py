@@ -161,7 +161,8 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         verify()
         inp = SelectionInput(runner.scores(), lengths, torch.zeros_like(lengths), lengths + 1,
                              gamma, llm.cache.layers, table, llm.config.page_size,
-                             runner.shapes.kmax, runner.shapes.recent_max, context + 1)
+                             runner.shapes.kmax, runner.shapes.recent_max, context + 1,
+                             topk=runner.backend.topk)
 
         def select() -> None:
             plan = policy.plan(inp)

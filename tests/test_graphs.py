@@ -18,10 +18,12 @@ import torch
 from conftest import TINY_IDS, TINY_METHODS, config_folder, tiny_spec
 
 from vegas_spec import SamplingParams, SpecConfig
+from vegas_spec.attention.triton_backend import TritonBackend
 from vegas_spec.cli import _engine_kwargs, _parser
 from vegas_spec.config import ConfigError, EngineConfig
 from vegas_spec.engine import LLM
 from vegas_spec.graphs import GraphRunner, bucket_for, buckets_upto
+from vegas_spec.kernels.topk import topk_positions_triton
 from vegas_spec.model_runner import Batch
 from vegas_spec.sampling import BatchSampling
 from vegas_spec.speculative.policies import QuestState, SelectionInput, make_policy, max_budget
@@ -310,6 +312,14 @@ def test_static_triton_equals_eager_triton(tiny: Path, prompts: list[list[int]],
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernels with the key axis at the page table's full width (Triton's interpreter on
     CPU), under the sync guard too."""
+    calls = []
+
+    def topk(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(args[0].shape)
+        return topk_positions_triton(*args, **kwargs)
+
+    # vegas ranks its verify scores, quest its pages, with the backend's own top-k
+    monkeypatch.setattr(TritonBackend, "topk", staticmethod(topk))
     engine = dict(ENGINE, backend="triton", max_model_len=128)
     plain, static = LLM(str(tiny), **engine), LLM(str(tiny), static_shapes=True, **engine)
     guard = SyncGuard(monkeypatch)
@@ -319,6 +329,7 @@ def test_static_triton_equals_eager_triton(tiny: Path, prompts: list[list[int]],
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (8, 3, 5)]
     short = [p[:n] for p, n in zip(prompts, (12, 20, 30))]  # the interpreter is slow
     same_tokens(plain, static, short, params, {"method": method})
+    assert calls
 
 
 def test_the_guard_catches_the_eager_path(eager: LLM, prompts: list[list[int]],

@@ -323,7 +323,8 @@ class GraphRunner:
         scores = self.backend.tp.sum_scores(self.scores_of(rows), self.policy.per_kv_head)
         inp = SelectionInput(scores, lengths, accepted, lengths + accepted + 1,
                              self.shapes.verify_rows - 1, self.kv_caches,
-                             self.buf.page_table[:rows], self.page_size)
+                             self.buf.page_table[:rows], self.page_size,
+                             topk=self.backend.topk)
         self._write_plan(self.policy.plan(self.bound(inp)), rows)
 
     def bound(self, inp: SelectionInput, start: int = 0) -> SelectionInput:

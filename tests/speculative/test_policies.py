@@ -223,6 +223,28 @@ def _attention_aggregate(case: Case, q: np.ndarray, layer: int, b: int, rows: li
     return agg
 
 
+@pytest.mark.parametrize("method,granularity", [("vegas", "layer"), ("vegas", "kv_head"),
+                                                ("lastq", "layer")])
+def test_the_backends_top_k_selects_what_the_reference_selects(method: str,
+                                                               granularity: str) -> None:
+    """A SelectionInput carrying the Triton top-k (the interpreter here) gives the plan of
+    the reference top-k on scores without ties."""
+    from vegas_spec.kernels.topk import topk_positions_triton
+
+    policy = make_policy(SpecConfig(method=method, granularity=granularity, **BASE))
+    case = make_case(3, False)
+    rows = policy.score_rows(GAMMA + 1, False)
+    groups = HKV if policy.per_kv_head else 1
+    scores = random_scores(4, len(rows), groups, case.width, case.row_pos)
+    want = policy.plan(case.selection_input(scores))
+    inp = case.selection_input(scores)
+    inp.topk = topk_positions_triton
+    got = policy.plan(inp)
+    assert want is not None and got is not None
+    assert torch.equal(got.indices, want.indices)
+    assert torch.equal(got.budget, want.budget)
+
+
 # --- lastq, specextend -------------------------------------------------------------------
 
 

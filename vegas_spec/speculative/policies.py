@@ -10,6 +10,7 @@ after it form the recent range."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,8 @@ class SelectionInput:
     kmax, recent_max, max_len: host bounds for fixed shapes (None: read from the tensors, a
                host sync). kmax >= every budget fixes the index width, recent_max >= every
                recent range (2γ+1), max_len >= every length sizes quest's page bounds.
+    topk:      the attention backend's top-k, with `topk_positions`' contract (None: that
+               reference): vegas and lastq rank their scores with it.
     """
 
     scores: torch.Tensor | None
@@ -46,6 +49,7 @@ class SelectionInput:
     recent_max: int | None = None
     max_len: int | None = None
     quest_state: QuestState | None = None
+    topk: Callable[..., torch.Tensor] | None = None
 
 
 @dataclass
@@ -231,7 +235,8 @@ class Vegas(Policy):
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
         assert inp.scores is not None
-        return topk_positions(inp.scores.sum(2), rankable, k, inp.kmax)
+        top = inp.topk or topk_positions
+        return top(inp.scores.sum(2), rankable, k, inp.kmax)
 
 
 @register
@@ -254,7 +259,8 @@ class LastQ(Vegas):
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
         assert inp.scores is not None
-        return topk_positions(_row(inp.scores, inp.accepted), rankable, k, inp.kmax)
+        top = inp.topk or topk_positions
+        return top(_row(inp.scores, inp.accepted), rankable, k, inp.kmax)
 
 
 def _row(scores: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
