@@ -10,7 +10,8 @@ random, so no token means anything).
 Every step is the engine's own CUDA graph (the GraphRunner of the method, batch bucket =
 batch), replayed `--reps` times after a warm-up; the figure is the median of CUDA-event times.
 The selection is the vegas policy turning the verify step's scores into the next plan,
-including the copy of the plan into the graph buffers. A round is what a greedy iteration
+including the copy of the plan into the graph buffers, with the backend's top-k
+(`select_reference_ms`: with the PyTorch reference's). A round is what a greedy iteration
 replays: the γ draft steps, the verify step, acceptance and the next selection captured as
 one graph (also timed without the selection: the difference is the selection's cost inside
 the graph, `select_in_round_ms`). Floors:
@@ -169,6 +170,10 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
             runner.set_plan(plan)
 
         out["select_ms"] = median_ms(select, args.reps)
+        # the same plan ranked by the PyTorch reference (torch.topk and a sort), side by side
+        reference = dataclasses.replace(inp, topk=None)
+        out["select_reference_ms"] = median_ms(
+            lambda: runner.set_plan(policy.plan(reference)), args.reps)
         select()
         budget = int(runner.buf.budget[:bsz].max())  # the plan select() left in the buffers
         draft = lambda: runner.run("draft", tokens[:, :1], positions[:, :1])  # noqa: E731

@@ -40,6 +40,7 @@ def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> No
     for kind in ("plain", "verify", "draft"):
         assert row[f"{kind}_ms"] > 0 and row[f"floor_{kind}_ms"] > 0
     assert row["round_ms"] > 0 and row["round_unplanned_ms"] > 0
+    assert row["select_ms"] > 0 and row["select_reference_ms"] > 0
     assert row["ideal_speedup_at_7_tokens_round"] > 0
     assert row["floor_draft_ms"] < row["floor_plain_ms"]
     assert row["verify_noscores_ms"] > 0 and row["quest_draft_ms"] > 0
