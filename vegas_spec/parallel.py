@@ -97,10 +97,7 @@ class TPGroup:
         place in the tensor, which moves with the batch's shape)."""
         if self.world_size <= 2:  # a + b = b + a: any order gives the same bits
             return self.all_reduce(x)
-        import torch.distributed as dist
-
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        parts = self._all_gather(x)
         out = parts[0]
         for part in parts[1:]:
             out = out + part
@@ -111,11 +108,20 @@ class TPGroup:
         first."""
         if self.world_size == 1:
             return x
+        return torch.cat(self._all_gather(x), dim=-1)
+
+    def _all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's x, rank 0 first."""
         import torch.distributed as dist
 
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        return parts
+
+    def rank_slice(self, length: int) -> slice:
+        """This rank's part of an axis of `length` split evenly over the ranks."""
+        size = length // self.world_size
+        return slice(self.rank * size, (self.rank + 1) * size)
 
     def sum_scores(self, scores: torch.Tensor | None, per_kv_head: bool) -> torch.Tensor | None:
         """Selection scores [layers, B, R, G, W] of this rank's heads -> what every rank
@@ -216,8 +222,8 @@ def shard_tensor(name: str, w: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     dim = split_dim(name)
     if tp.world_size == 1 or dim is None or w.dim() <= dim:
         return w
-    size = w.shape[dim] // tp.world_size
-    return w.narrow(dim, tp.rank * size, size).clone()
+    part = tp.rank_slice(w.shape[dim])
+    return w.narrow(dim, part.start, part.stop - part.start).clone()
 
 
 def sharder(tp: TPGroup) -> Callable[[str, torch.Tensor], torch.Tensor] | None:

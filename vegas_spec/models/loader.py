@@ -241,8 +241,7 @@ def _safetensors_slices(path: Path, tp: TPGroup) -> dict[str, torch.Tensor]:
             if dim is None or dim >= len(shape):
                 out[key] = f.get_tensor(key)
                 continue
-            size = shape[dim] // tp.world_size
-            cut = slice(tp.rank * size, (tp.rank + 1) * size)
+            cut = tp.rank_slice(shape[dim])
             out[key] = part[cut] if dim == 0 else part[:, cut]
     return out
 
