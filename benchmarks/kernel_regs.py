@@ -2,13 +2,14 @@
 target without a device (ptxas from the Triton wheel), at one verify shape.
 
 Default: the Llama-3.1-8B verify step (H 32, Hkv 8, D 128, bf16, n = 7 rows, 2 weight-score
-rows) with the score pass's tiles (SCORE_BLOCK_K keys, SCORE_STAGES stages, 4 warps). Prints
-one line per variant: no scores, and a weight-mode pass with each of `SCORE_STORES`.
+rows) with the score pass's tiles at that head dim (`paged_attention.score_tiles`: keys per
+block, stages, register cap; 4 warps). Prints one line per variant: no scores, and a
+weight-mode pass with each of `SCORE_STORES`.
 
     python benchmarks/kernel_regs.py [--arch 90] [--block-k 64 --stages 2 --maxnreg 128]
 
-`--maxnreg` compiles with that cap on the registers per thread (the kernel's SCORE_MAXNREG
-by default), to see which cap a tile fits without spills and how many programs an SM holds.
+`--maxnreg` compiles with that cap on the registers per thread (0: ptxas's choice), to see
+which cap a tile fits without spills and how many programs an SM holds.
 """
 
 from __future__ import annotations
@@ -102,12 +103,17 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--n", type=int, default=7)
     ap.add_argument("--score-rows", type=int, default=2)
-    ap.add_argument("--block-k", type=int, default=pa.SCORE_BLOCK_K)
-    ap.add_argument("--stages", type=int, default=pa.SCORE_STAGES)
+    ap.add_argument("--block-k", type=int, help="default: the library's at this head dim")
+    ap.add_argument("--stages", type=int, help="default: the library's at this head dim")
     ap.add_argument("--warps", type=int, default=4)
-    ap.add_argument("--maxnreg", type=int, default=pa.SCORE_MAXNREG,
-                    help="registers per thread ptxas may use (default: the library's)")
+    ap.add_argument("--maxnreg", type=int,
+                    help="registers per thread ptxas may use (0: its own choice; default: "
+                         "the library's at this head dim)")
     args = ap.parse_args()
+    library = pa.score_tiles(args.head_dim)
+    args.block_k = args.block_k or library.block_k
+    args.stages = args.stages or library.stages
+    args.maxnreg = library.maxnreg if args.maxnreg is None else args.maxnreg or None
     group = args.heads // args.kv_heads
     group_pad = triton.next_power_of_2(group)
     block_n = max(min(triton.next_power_of_2(args.n), max(1, MAX_LANES // group_pad)),

@@ -27,8 +27,8 @@ per second (τ · batch / (round + host work)) in exact mode against the default
 
 `--profile` adds a per-kernel table (torch.profiler) of one replay of each step (quest's
 draft step too);
-`--maxnregs` and `--sparse-maxnregs` cap the registers per thread of the unscored paged and
-the sparse attention (a scored pass's cap and split are fields of `--score-tiles`);
+`--score-tiles` times scored passes with other tiles than the library's for the model's head
+dim (`paged_attention.SCORE_TILES`), each in graphs of its own;
 `--projections` the weight-streaming rate of every projection at the plain and the verify
 step's row counts. Also reported: the verify step without scores (stream's), quest's draft
 step, the host work between rounds of the engine's own loop and the projected speedup
@@ -50,7 +50,6 @@ from vegas_spec import LLM, SamplingParams, SpecConfig
 from vegas_spec.attention import triton_backend
 from vegas_spec.graphs import GraphRunner
 from vegas_spec.kernels import paged_attention as pa
-from vegas_spec.kernels import sparse_attention
 from vegas_spec.speculative.policies import SelectionInput, make_policy
 
 
@@ -327,22 +326,37 @@ def cost_table(lines: list[dict]) -> str:
     return "\n".join([head, *body])
 
 
-ScoreTiles = tuple[int, int, str, int | None, int | None]
+def score_tiles_arg(text: str) -> str:
+    """Checks a `--score-tiles` entry: 'library' or BLOCK_K:STAGES[:STORE[:SPLIT_MAX[:MAXNREG]]]."""
+    if text != "library":
+        parse_score_tiles(text, pa.SCORE_TILES_OTHER)
+    return text
 
 
-def score_tiles(text: str) -> ScoreTiles:
-    """'64:2' -> (64, 2, the library's store, its split cap, its register cap),
-    '128:3:f32-pointers' -> (128, 3, "f32-pointers", ...), '64:2:f32-descriptor:0:128' ->
-    (64, 2, "f32-descriptor", None, 128): a scored pass's key block, stages, store of its
-    logits (`paged_attention.SCORE_STORES`), largest split (0: the occupancy split) and
-    registers per thread (0: ptxas's choice)."""
-    block_k, stages, *rest = text.split(":")
+def parse_score_tiles(text: str, library: pa.ScoreTiles) -> tuple[pa.ScoreTiles, str]:
+    """'library' -> the library's tiles and store; '64:2' -> 64-key blocks, 2 stages, the
+    library's store, split cap and register cap; '128:3:f32-pointers' also names the store
+    of the logits (`paged_attention.SCORE_STORES`); '64:2:f32-descriptor:2048:128' also the
+    largest split (0: the occupancy split alone) and the registers per thread (0: ptxas's)."""
+    if text == "library":
+        return library, pa.SCORE_STORE
+    try:
+        block_k, stages, *rest = text.split(":")
+        split_max = int(rest[1]) or None if len(rest) > 1 else library.split_max
+        maxnreg = int(rest[2]) or None if len(rest) > 2 else library.maxnreg
+        tiles = pa.ScoreTiles(int(block_k), int(stages), split_max, maxnreg)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"bad score tiles {text!r}: {err}") from None
     name = rest[0] if rest else pa.SCORE_STORE
     if name not in pa.SCORE_STORES or len(rest) > 3:
         raise argparse.ArgumentTypeError(f"unknown score store {':'.join(rest)!r}")
-    split_max = int(rest[1]) or None if len(rest) > 1 else pa.SCORE_SPLIT_MAX
-    maxnreg = int(rest[2]) or None if len(rest) > 2 else pa.SCORE_MAXNREG
-    return int(block_k), int(stages), name, split_max, maxnreg
+    return tiles, name
+
+
+def head_dim(folder: Path) -> int:
+    from vegas_spec.models.loader import load_config, resolve
+
+    return load_config(resolve(str(folder))).head_dim
 
 
 def kv_bytes_per_token(folder: Path, itemsize: int) -> int:
@@ -379,25 +393,18 @@ def main() -> None:
                     default=[triton_backend.SKINNY_MAX_ROWS],
                     help="the Triton backend's SKINNY_MAX_ROWS to time (0: cuBLAS for every "
                          "projection), each in graphs of its own; default: the library's")
-    ap.add_argument("--score-tiles", nargs="+", type=score_tiles,
-                    default=[score_tiles(f"{pa.SCORE_BLOCK_K}:{pa.SCORE_STAGES}")],
-                    help="how scored attention passes run, "
+    ap.add_argument("--score-tiles", nargs="+", type=score_tiles_arg, default=["library"],
+                    help="how scored attention passes run, 'library' or "
                          "BLOCK_K:STAGES[:STORE[:SPLIT_MAX[:MAXNREG]]] (STORE one of "
-                         f"{', '.join(pa.SCORE_STORES)}; 0: no split cap, ptxas's registers), "
-                         "each in graphs of its own; default: the library's")
-    ap.add_argument("--maxnregs", type=int, nargs="+", default=[pa.MAXNREG or 0],
-                    help="registers per thread of the unscored paged attention (plain and "
-                         "stream's verify steps; 0: ptxas's choice), each in graphs of its own; "
-                         "default: the library's MAXNREG")
-    ap.add_argument("--sparse-maxnregs", type=int, nargs="+",
-                    default=[sparse_attention.SPARSE_MAXNREG or 0],
-                    help="registers per thread of the sparse draft attention, each in graphs of "
-                         "its own; default: the library's SPARSE_MAXNREG")
+                         f"{', '.join(pa.SCORE_STORES)}; 0: no split cap, ptxas's registers; "
+                         "omitted parts: the library's), each in graphs of its own")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
                       min_tokens=args.min_tokens)
     cuda = torch.cuda.is_available()
+    dim = head_dim(args.config)
+    tilings = [parse_score_tiles(t, pa.score_tiles(dim)) for t in args.score_tiles]
     bandwidth = copy_bandwidth() if cuda else 1e10
     rows = []
     for context, mode in ((c, m) for c in args.contexts for m in args.modes):
@@ -410,20 +417,15 @@ def main() -> None:
         for k, v in llm.cache.layers:
             k.normal_()
             v.normal_()
-        for bsz, skinny, tiles, regs, sparse_regs in (
-                (b, r, t, m, s) for b in args.batches for r in args.skinny_rows
-                for t in args.score_tiles for m in args.maxnregs
-                for s in args.sparse_maxnregs):
+        for bsz, skinny, (tiles, store) in ((b, r, t) for b in args.batches
+                                            for r in args.skinny_rows for t in tilings):
             # All of these are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
-            (pa.SCORE_BLOCK_K, pa.SCORE_STAGES, pa.SCORE_STORE, pa.SCORE_SPLIT_MAX,
-             pa.SCORE_MAXNREG) = tiles
-            pa.MAXNREG, sparse_attention.SPARSE_MAXNREG = regs or None, sparse_regs or None
+            pa.SCORE_TILES, pa.SCORE_STORE = {dim: tiles}, store
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny,
-                   "score_tiles": ":".join(map(str, tiles[:3])), "score_split_max": tiles[3],
-                   "score_maxnreg": tiles[4], "maxnreg": regs or None,
-                   "sparse_maxnreg": sparse_regs or None,
+                   "score_tiles": f"{tiles.block_k}:{tiles.stages}:{store}",
+                   "score_split_max": tiles.split_max, "score_maxnreg": tiles.maxnreg,
                    **measure(llm, spec, context, bsz, args, bandwidth)}
             row["host_gap_ms"] = host_gap_ms(llm, spec, bsz, args.host_gap_tokens,
                                              min(256, context // 2))

@@ -3,11 +3,11 @@
 Times `paged_attention` for n = 7 query rows with and without selection scores (weight mode,
 rows 0 and 6) and for n = 1, over key blocks of 64 and 128, 2-3 pipeline stages, 4 warps
 (or `--warps`), two split sizes, how scored passes store their logits (`--stores`,
-`SCORE_STORES`), a cap on the registers per thread (`--maxnregs`) and on a scored pass's
+`SCORE_STORES`), a scored pass's cap on the registers per thread (`--maxnregs`) and on its
 split (`--score-split-max`), on random bf16 K/V behind a shuffled page table. Each
 figure is the median per call of 20 replays of a CUDA graph of 30 calls (the kernel count of
 one step of a 30-layer model), with the registers, spills and shared memory of the kernel
-variants each setting compiled. What it decided: the `SCORE_*` tiles of `paged_attention`.
+variants each setting compiled. What it decided: `paged_attention.SCORE_TILES`.
 `--kernel sparse` times the draft step's sparse attention instead, and `--kernel quest`
 quest's page scores (`quest_scores.QUEST_TILES`) and its top-k (`topk.RESIDENT_*`).
 
@@ -36,9 +36,7 @@ import vegas_spec.kernels.topk as tk  # noqa: E402
 from vegas_spec.graphs import capture  # noqa: E402
 from vegas_spec.kernels.split_merge import tile_config  # noqa: E402
 
-SCORE_STAGES = pa.SCORE_STAGES
-PAGED_REGISTERS = (pa.MAXNREG, pa.SCORE_MAXNREG, pa.SCORE_SPLIT_MAX)
-SPARSE_MAXNREG = sa.SPARSE_MAXNREG
+SCORE_TILES = pa.SCORE_TILES
 
 
 def graph_us(fn: Callable[[], object], calls: int = 30, reps: int = 20) -> float:
@@ -73,12 +71,14 @@ def paged_cache(bsz: int, hkv: int, dim: int, context: int, page: int = 16,
     return table, k, torch.randn_like(k), kv_len
 
 
-def with_tiles(stages: int, warps: int) -> None:
+def with_tiles(block_k: int, stages: int, warps: int, maxnreg: int | None,
+               split_max: int | None, head_dim: int) -> None:
     """Make the kernel wrapper build its tiles with `stages` pipeline stages and `warps`
-    warps per program."""
+    warps per program, and its scored passes with `block_k` keys per block, `maxnreg`
+    registers per thread and splits of at most `split_max` keys."""
     pa.tile_config = lambda q, hkv, block_k=None: dataclasses.replace(  # type: ignore[assignment]
         tile_config(q, hkv, block_k), num_stages=stages, num_warps=warps)
-    pa.SCORE_STAGES = stages
+    pa.SCORE_TILES = {head_dim: pa.ScoreTiles(block_k, stages, split_max, maxnreg)}
 
 
 LIBRARY_STORE = pa.SCORE_STORE
@@ -101,19 +101,18 @@ def sparse_sweep(args: argparse.Namespace, recent: int = 64) -> list[dict]:
     moved = 2 * bsz * hkv * (budget + recent) * dim * k.element_size()
     rows = []
     splits = [None if x == "auto" else int(x) for x in args.splits]
-    for block_k, stages, warps, split, maxnreg in itertools.product(
-            args.block_k, args.stages, args.warps, splits, args.maxnregs):
+    for block_k, stages, warps, split in itertools.product(
+            args.block_k, args.stages, args.warps, splits):
         if split is not None and split % block_k:
             continue
-        sa.SPARSE_MAXNREG = maxnreg or None
         sa.tile_config = lambda q, hkv, block_k=None, s=stages, w=warps: (  # noqa: E731
             dataclasses.replace(tile_config(q, hkv, block_k), num_stages=s, num_warps=w))
         us = graph_us(lambda: sa.sparse_attention(  # noqa: B023
             q, k, v, table, pos, 16, idx, recent_start, recent, dim ** -0.5,
             block_k=block_k, split_size=split, out=out))  # noqa: B023
-        sa.tile_config, sa.SPARSE_MAXNREG = tile_config, SPARSE_MAXNREG
+        sa.tile_config = tile_config
         row = {"kernel": "sparse", "block_k": block_k, "stages": stages, "warps": warps,
-               "split": split, "maxnreg": maxnreg or None, "budget": budget, "us": us,
+               "split": split, "budget": budget, "us": us,
                "tb_per_s": moved / us / 1e6}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -176,13 +175,12 @@ def main() -> None:
                     default=[LIBRARY_STORE],
                     help="how weight-mode passes keep their logits (default: the library's)")
     ap.add_argument("--maxnregs", type=int, nargs="+",
-                    default=[pa.SCORE_MAXNREG or 0],
-                    help="paged, sparse: registers per thread ptxas may use (0: its own "
-                         "choice; the kernel's MAXNREG / SCORE_MAXNREG / SPARSE_MAXNREG)")
+                    help="paged, weight scores: registers per thread ptxas may use (0: its "
+                         "own choice; default: the library's at this head dim)")
     ap.add_argument("--score-split-max", type=int, nargs="+",
-                    default=[pa.SCORE_SPLIT_MAX or 0],
                     help="paged, weight scores: the largest split of an 'auto' split in keys "
-                         "(0: the occupancy split alone; the kernel's SCORE_SPLIT_MAX)")
+                         "(0: the occupancy split alone; default: the library's at this head "
+                         "dim)")
     ap.add_argument("--kernel", choices=["paged", "sparse", "quest"], default="paged",
                     help="sparse: the draft step's attention over a 5%% budget plus 64 recent; "
                          "quest: quest's page scores and top-k of one layer")
@@ -206,6 +204,9 @@ def main() -> None:
     dev, page = "cuda", 16
     bsz, heads, hkv, dim, ctx = args.batch, args.heads, args.kv_heads, args.head_dim, args.context
     table, k, v, kv_len = paged_cache(bsz, hkv, dim, ctx, page)
+    library = pa.score_tiles(dim)
+    maxnregs = args.maxnregs or [library.maxnreg or 0]
+    split_maxes = args.score_split_max or [library.split_max or 0]
     scale = dim ** -0.5
     rows: list[dict] = []
     for n, modes in ((7, ("weight", "none")), (1, ("none",))):
@@ -217,21 +218,18 @@ def main() -> None:
         splits = [None if x == "auto" else int(x) for x in args.splits]
         for mode in modes:
             stores = args.stores if mode == "weight" else [LIBRARY_STORE]
-            caps = args.score_split_max if mode == "weight" else [pa.SCORE_SPLIT_MAX or 0]
+            # Register and split caps apply to scored passes only.
+            regs, caps = (maxnregs, split_maxes) if mode == "weight" else ([0], [0])
             for store, block_k, stages, warps, split, maxnreg, cap in itertools.product(
-                    stores, args.block_k, args.stages, args.warps, splits, args.maxnregs,
-                    caps):
+                    stores, args.block_k, args.stages, args.warps, splits, regs, caps):
                 pa.SCORE_STORE = store
-                pa.MAXNREG = pa.SCORE_MAXNREG = maxnreg or None
-                pa.SCORE_SPLIT_MAX = cap or None
                 extra = (score_rows, scores, "weight") if mode == "weight" else ()
                 before = compiled()
-                with_tiles(stages, warps)
+                with_tiles(block_k, stages, warps, maxnreg or None, cap or None, dim)
                 us = graph_us(lambda: pa.paged_attention(  # noqa: B023
                     q, k, v, table, pos, page, kv_len, scale, *extra,  # noqa: B023
                     block_k=block_k, split_size=split, out=out))  # noqa: B023
-                pa.tile_config, pa.SCORE_STAGES = tile_config, SCORE_STAGES
-                pa.MAXNREG, pa.SCORE_MAXNREG, pa.SCORE_SPLIT_MAX = PAGED_REGISTERS
+                pa.tile_config, pa.SCORE_TILES = tile_config, SCORE_TILES
                 row = {"n": n, "mode": mode, "store": store, "block_k": block_k,
                        "stages": stages, "warps": warps, "split": split,
                        "maxnreg": maxnreg or None, "score_split_max": cap or None, "us": us}

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from vegas_spec.kernels import paged_attention as pa
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 32,
         "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -27,14 +29,15 @@ def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> No
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     out = tmp_path / "steps.json"
     run("step_profile.py", "--config", str(tmp_path), "--contexts", "200", "--batches", "2",
-        "--reps", "2", "--min-tokens", "16", "--score-tiles", "128:3",
-        "64:2:f32-pointers:0:128", "--maxnregs", "128", "--out", str(out))
+        "--reps", "2", "--min-tokens", "16", "--score-tiles", "library",
+        "64:2:f32-pointers:0:128", "--out", str(out))
     row, other = json.loads(out.read_text())["rows"]
+    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+    assert head_dim not in pa.SCORE_TILES  # the library's tiles of other head dims
     assert (row["score_tiles"], other["score_tiles"]) == ("128:3:f32-descriptor",
                                                           "64:2:f32-pointers")
     assert (row["score_split_max"], row["score_maxnreg"]) == (2048, None)
     assert (other["score_split_max"], other["score_maxnreg"]) == (None, 128)
-    assert row["maxnreg"] == other["maxnreg"] == 128 and row["sparse_maxnreg"] is None
     assert other["verify_ms"] > 0
     assert (row["context"], row["batch"], row["budget"]) == (200, 2, 16)
     for kind in ("plain", "verify", "draft"):

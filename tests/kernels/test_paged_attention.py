@@ -165,19 +165,16 @@ def test_score_stores_give_the_same_scores(store: str,
     assert (got[store][:, :, :, 100:] == 0).all()
 
 
-@pytest.mark.skipif(not CUDA, reason="register caps and split caps apply on GPUs only")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.skipif(not CUDA, reason="score tiles apply on GPUs only")
+@pytest.mark.parametrize("tiles", [*pa.SCORE_TILES.values(), pa.SCORE_TILES_OTHER], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_register_cap_and_occupancy_split(case: Case, dtype: torch.dtype,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """64-key blocks, 2 stages and 128 registers per thread for every pass, and scored passes
-    split by occupancy alone (no SCORE_SPLIT_MAX): the reference's output and scores."""
-    monkeypatch.setattr(pa, "SCORE_BLOCK_K", 64)
-    monkeypatch.setattr(pa, "SCORE_STAGES", 2)
-    monkeypatch.setattr(pa, "SCORE_MAXNREG", 128)
-    monkeypatch.setattr(pa, "MAXNREG", 128)
-    monkeypatch.setattr(pa, "SCORE_SPLIT_MAX", None)
-    run(case, dtype)
+def test_every_score_tiling(case: Case, tiles: pa.ScoreTiles,
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every head dim's score-pass tiles (register caps, the occupancy split) at each case's
+    shape: the reference's output and scores."""
+    monkeypatch.setattr(pa, "score_tiles", lambda head_dim: tiles)
+    for dtype in DTYPES:
+        run(case, dtype)
 
 
 def test_launch_options_name_a_register_cap_only_when_set() -> None:

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import pytest
 import torch
 from kernel_cases import (
-    CUDA,
     DEVICE,
     DTYPES,
     generator,
@@ -18,7 +17,6 @@ from kernel_cases import (
     tol,
 )
 
-import vegas_spec.kernels.sparse_attention as sparse_module
 from vegas_spec.attention.torch_backend import sparse_attention_ref
 from vegas_spec.kernels.sparse_attention import sparse_attention
 
@@ -103,12 +101,3 @@ def run(case: Case, dtype: torch.dtype, seed: int = 0) -> None:
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_matches_reference(case: Case, dtype: torch.dtype) -> None:
     run(case, dtype)
-
-
-@pytest.mark.skipif(not CUDA, reason="register caps apply on GPUs only")
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_register_cap(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sparse kernel compiled for 128 registers per thread: the reference's output."""
-    monkeypatch.setattr(sparse_module, "SPARSE_MAXNREG", 128)
-    for dtype in DTYPES:
-        run(case, dtype)

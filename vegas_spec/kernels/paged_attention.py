@@ -58,24 +58,43 @@ from vegas_spec.kernels.split_merge import (
 )
 
 MODES = {"weight": 1, "logit": 2}
-# Tiles of a score-emitting pass on a GPU: 128-key blocks, 3 pipeline stages and splits of at
-# most 2048 keys. Two programs per SM (shared memory caps the 3-stage 128-key tile at two);
-# many short splits keep the SMs fed all the same. On an H200
-# (benchmarks/tile_sweep.py, n = 7, weight scores of 2 rows): Llama-3.1-8B shape at 16 x 32K
-# 693 against 1003 µs per layer with 64-key blocks, 2 stages and the occupancy-based split;
-# SmolLM2 at 64 x 7.5K 176 against 180 µs. The keys are read in the same order either way,
-# so results change only by the float summation order of the online softmax.
-SCORE_BLOCK_K = 128
-SCORE_STAGES = 3
-SCORE_SPLIT_MAX: int | None = 2048
-# Registers per thread ptxas may use in the split kernel on a GPU, scored (and exact-mode)
-# passes and the others; None: ptxas's own choice (199 / 205 registers at the 8B verify shape
-# with 128-key blocks and 3 stages, 152 / 192 with 64-key blocks and 2: two or three programs
-# per SM). Capped at 128 the 64-key, 2-stage kernel compiles for sm_90 without spills, scored
-# or not (benchmarks/kernel_regs.py --block-k 64 --stages 2 --maxnreg 128), and four programs
-# fit an SM. Off until timed; SCORE_SPLIT_MAX None gives scored passes the occupancy split.
-SCORE_MAXNREG: int | None = None
-MAXNREG: int | None = None
+
+
+@dataclass(frozen=True)
+class ScoreTiles:
+    """How a score-emitting pass runs on a GPU: keys per block, pipeline stages, the largest
+    split of an occupancy split in keys (None: the occupancy split alone) and the registers
+    per thread ptxas may use (None: its own choice)."""
+
+    block_k: int
+    stages: int
+    split_max: int | None
+    maxnreg: int | None
+
+
+# Score-pass tiles by head dim, from benchmarks/tile_sweep.py (n = 7, weight scores of rows 0
+# and 6, µs per layer) on an H200, checked as whole verify steps (benchmarks/step_profile.py):
+# * 64 (SmolLM2 at 64 x 7.5K): 128-key blocks, 3 stages, capped at 168 registers (none
+#   spilled), occupancy split: 150.7 against 181.2 µs with ptxas's 185 registers and splits
+#   of at most 2048 keys, whose two programs per SM left the SMs short of warps; the whole
+#   verify step 5.69 against 6.54 ms.
+# * 128 (Llama-3.1-8B at 16 x 32K): 64-key blocks, 2 stages, capped at 128 registers (none
+#   spilled: four programs per SM instead of two), splits of at most 2048 keys: 667.7 against
+#   703.8 µs for 128/3 with ptxas's 205. The occupancy split was slower there (705.1), and a
+#   cap of 128 spills at 128-key blocks (924.7).
+# * any other head dim: 128-key blocks, 3 stages, ptxas's registers, splits of at most 2048.
+# The keys are read in the same order whichever tiles run, so results change only by the
+# float summation order of the online softmax.
+SCORE_TILES: dict[int, ScoreTiles] = {64: ScoreTiles(128, 3, None, 168),
+                                      128: ScoreTiles(64, 2, 2048, 128)}
+SCORE_TILES_OTHER = ScoreTiles(128, 3, 2048, None)
+
+
+def score_tiles(head_dim: int) -> ScoreTiles:
+    """The tiles of a score-emitting pass at this head dim."""
+    return SCORE_TILES.get(head_dim, SCORE_TILES_OTHER)
+
+
 # How the weight-mode logits are stored: float32 or float16 (16-bit models: half the scratch
 # bytes), through a tile of pointers or a tensor descriptor (one bulk copy of the
 # [lanes, block_k] tile per key block; steps with one row block, pointers otherwise).
@@ -94,11 +113,13 @@ SCORE_STORE = "f32-descriptor"
 # shape), a sibling program per attention program (1010), and score lanes gathered from the
 # attention tile's products (789 against 781 µs with the float32 descriptor).
 # Exact mode: one tiling for every full-attention step, plain or verify, scored or not, at any
-# batch size and context: the score pass's tiles and splits of exactly EXACT_SPLIT keys on
-# a GPU (the interpreter: its own small blocks, splits of 4 blocks), and EXACT_ROWS query rows
-# per tile (`tile_config`). A row's keys are then walked in the same blocks, cut into the same
-# splits and merged in split order whatever else the step holds; blocks and splits past the
-# row's last visible key add exact zeros (p = 0, alpha = 1), so neither n nor kv_len matters.
+# batch size and context: EXACT_TILES (ptxas's registers) and splits of exactly EXACT_SPLIT
+# keys on a GPU (the interpreter: its own small blocks, splits of 4 blocks), and EXACT_ROWS
+# query rows per tile (`tile_config`). A row's keys are then walked in the same blocks, cut
+# into the same splits and merged in split order whatever else the step holds; blocks and
+# splits past the row's last visible key add exact zeros (p = 0, alpha = 1), so neither n
+# nor kv_len matters.
+EXACT_TILES = ScoreTiles(128, 3, None, None)
 EXACT_SPLIT = 2048
 EXACT_SPLIT_CPU_BLOCKS = 4
 
@@ -345,21 +366,18 @@ def _tiling(q: torch.Tensor, hkv: int, scored: bool, block_k: int | None,
     """The tile configuration and the keys per split of one call."""
     bsz, n = q.shape[:2]
     if exact:
-        cfg = tile_config(q, hkv, SCORE_BLOCK_K if q.is_cuda else None, exact=True)
+        cfg = tile_config(q, hkv, EXACT_TILES.block_k if q.is_cuda else None, exact=True)
         if q.is_cuda:
-            return (dataclasses.replace(cfg, num_stages=SCORE_STAGES, maxnreg=SCORE_MAXNREG),
-                    EXACT_SPLIT)
+            return dataclasses.replace(cfg, num_stages=EXACT_TILES.stages), EXACT_SPLIT
         return cfg, EXACT_SPLIT_CPU_BLOCKS * cfg.block_k
-    scored_gpu = q.is_cuda and scored
-    cfg = tile_config(q, hkv, block_k or (SCORE_BLOCK_K if scored_gpu else None))
-    if scored_gpu:
-        cfg = dataclasses.replace(cfg, num_stages=SCORE_STAGES, maxnreg=SCORE_MAXNREG)
-    elif q.is_cuda:
-        cfg = dataclasses.replace(cfg, maxnreg=MAXNREG)
+    tiles = score_tiles(q.shape[3]) if q.is_cuda and scored else None
+    cfg = tile_config(q, hkv, block_k or (tiles.block_k if tiles else None))
+    if tiles:
+        cfg = dataclasses.replace(cfg, num_stages=tiles.stages, maxnreg=tiles.maxnreg)
     row_blocks = triton.cdiv(n, cfg.block_n)
     size = split_size_for(kv_len, bsz * hkv * row_blocks, cfg.block_k, q.device, split_size)
-    if scored_gpu and split_size is None and SCORE_SPLIT_MAX:
-        size = min(size, max(SCORE_SPLIT_MAX // cfg.block_k, 1) * cfg.block_k)
+    if tiles and split_size is None and tiles.split_max:
+        size = min(size, max(tiles.split_max // cfg.block_k, 1) * cfg.block_k)
     return cfg, size
 
 

@@ -14,8 +14,6 @@ query's position are never visited."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
@@ -36,9 +34,6 @@ from vegas_spec.kernels.split_merge import (
 # copy bandwidth) against 57.8. Gathered rows arrive from scattered pages, so more keys in
 # flight per program hide more latency; 4 pipeline stages were slower (42.1 / 46.6 µs).
 SPARSE_BLOCK_K = 128
-# Registers per thread ptxas may use on a GPU (None: its own choice), as paged attention's
-# MAXNREG; off until timed.
-SPARSE_MAXNREG: int | None = None
 
 
 @triton.jit
@@ -133,8 +128,6 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if indices.shape[2] == 0:  # nothing listed: keep a valid pointer
         indices = torch.full((bsz, 1, 1), -1, dtype=torch.int64, device=q.device)
     cfg = tile_config(q, hkv, block_k or (SPARSE_BLOCK_K if q.is_cuda else None))
-    if q.is_cuda:
-        cfg = dataclasses.replace(cfg, maxnreg=SPARSE_MAXNREG)
     row_blocks = triton.cdiv(n, cfg.block_n)
     length = indices.shape[2] + recent_max
     size = split_size_for(length, bsz * hkv * row_blocks, cfg.block_k, q.device, split_size)
