@@ -1,9 +1,12 @@
 """Plain-PyTorch references of the per-token steps around attention: RMSNorm (with the
-residual add before it), SiLU * up, RoPE, and the row-invariant projection of exact mode.
+residual add before it), SiLU * up, RoPE, and the row-invariant projection of exact mode;
+and of the selection's top-k (`topk_positions`, with quest's pages expanded to their tokens
+by `expand_pages`).
 
 They are the model's and the attention seam's default implementations and the oracles of
-the fused kernels; kept apart from both so that `models` and `attention` need not import
-each other. Imports only `torch`."""
+the fused kernels; kept apart from both so that `models`, `attention` and `speculative` need
+not import each other (the Triton backend's top-k falls back on `topk_positions` for rows
+too wide for its kernel). Imports only `torch`."""
 
 from __future__ import annotations
 
@@ -79,3 +82,41 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor,
         flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
     out = torch.cat([F.linear(block, weight, bias) for block in flat.split(EXACT_ROWS)])
     return out[:m].view(*x.shape[:-1], n)
+
+
+def topk_positions(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
+                   kmax: int | None = None, page: int = 1,
+                   limit: torch.Tensor | None = None) -> torch.Tensor:
+    """scores [..., B, G, W] -> the k[b] best positions < rankable[b], ascending, -1 padded:
+    [..., B, G, min(kmax, W)]; kmax (a host bound on k) defaults to max(k), a host sync.
+    With page > 1 or a limit [B], the positions are units of `page` tokens, expanded by
+    `expand_pages`: [..., B, G, min(kmax, W) * page]."""
+    width = scores.shape[-1]
+    kmax = max(int(k.max()), 1) if kmax is None else kmax
+    pos = torch.arange(width, device=scores.device)
+    visible = pos < rankable[:, None, None]
+    masked = scores.masked_fill(~visible, float("-inf"))
+    # topk's output is in descending order: its first k[b] are row b's k[b] best.
+    idx = masked.topk(min(kmax, width), dim=-1).indices
+    keep = torch.arange(idx.shape[-1], device=idx.device) < k[:, None, None]
+    best = _sorted(torch.where(keep, idx, -1))
+    return best if page == 1 and limit is None else expand_pages(best, page, limit)
+
+
+def expand_pages(best: torch.Tensor, page: int, limit: torch.Tensor | None) -> torch.Tensor:
+    """Units best [..., B, G, n] (-1: none) -> their tokens [..., B, G, n * page]: unit u at
+    slot i gives u * page + j at i * page + j (j < page), -1 for a -1 unit and for tokens >=
+    limit[b] (None: no bound), so the -1s of a partial last page stay inside its slot."""
+    pos = best[..., None] * page + torch.arange(page, device=best.device)
+    keep = best[..., None] >= 0
+    if limit is not None:
+        keep = keep & (pos < limit[:, None, None, None])
+    return torch.where(keep, pos, -1).flatten(-2)
+
+
+def _sorted(idx: torch.Tensor) -> torch.Tensor:
+    """Ascending valid positions first, -1 padding last (sorted as int32: positions are far
+    below 2^31, and the radix sort needs half the passes of int64)."""
+    big = torch.iinfo(torch.int32).max
+    s = torch.sort(torch.where(idx < 0, big, idx).int(), dim=-1).values
+    return torch.where(s == big, -1, s).long()

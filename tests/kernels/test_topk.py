@@ -1,6 +1,9 @@
-"""Radix-select top-k against `vegas_spec.speculative.policies.topk_positions`."""
+"""Radix-select top-k against `vegas_spec.ops.topk_positions`, and against the kernel's tie
+rule (the lowest positions at the threshold) written in plain PyTorch."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -8,7 +11,7 @@ from kernel_cases import DEVICE, generator
 
 from vegas_spec.kernels import topk
 from vegas_spec.kernels.topk import topk_positions_triton
-from vegas_spec.speculative.policies import expand_pages, topk_positions
+from vegas_spec.ops import expand_pages, topk_positions
 
 # (leading dims, B, G, W, rankable per sequence, k per sequence)
 CASES = [
@@ -108,12 +111,30 @@ def test_pages_with_ties_expand_the_unit_selection(case: tuple) -> None:
     assert torch.equal(whole, expand_pages(units, page, None))
 
 
+def lowest_on_ties(scores: torch.Tensor, rankable: torch.Tensor,
+                   k: torch.Tensor) -> torch.Tensor:
+    """The kernel's choice in plain PyTorch: the k[b] largest 32-bit keys < rankable[b] (the
+    float order, -0.0 below +0.0), the lowest positions first among equal keys, ascending,
+    -1 padded to max(k) (at least 1, at most W)."""
+    bits = scores.view(torch.int32)
+    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()  # signed, in float order
+    width = scores.shape[-1]
+    visible = torch.arange(width, device=scores.device) < rankable[:, None, None]
+    key = key.masked_fill(~visible, torch.iinfo(torch.int64).min)
+    # a stable descending sort keeps equal keys in position order
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    out_width = min(max(int(k.max()), 1), width)
+    keep = torch.arange(out_width, device=scores.device) < k[:, None, None]
+    chosen = torch.where(keep, order[..., :out_width], width).sort(dim=-1).values
+    return torch.where(chosen == width, -1, chosen)
+
+
 # (leading dims, B, G, W, rankable per sequence, k per sequence, page)
 PATH_CASES = [
     ((), 1, 1, 40, [40], [7], 1),
     ((2,), 3, 1, 300, [300, 170, 9], [30, 170, 0], 1),
     ((), 2, 2, 1500, [1500, 1023], [103, 1023], 16),  # quest's shape, scaled down
-    ((), 1, 2, 2048, [2048], [2000], 16),  # most of a row, every block of the old path
+    ((), 1, 2, 2048, [2048], [2000], 16),  # most of a row
     ((), 2, 1, 50, [50, 49], [10, 49], 3),
 ]
 
@@ -121,11 +142,11 @@ PATH_CASES = [
 @pytest.mark.parametrize("bits", [4, 8], ids=lambda b: f"radix{b}")
 @pytest.mark.parametrize("kind", ["continuous", "ties", "few_values"])
 @pytest.mark.parametrize("case", PATH_CASES, ids=lambda c: f"{c[1]}x{c[2]}x{c[3]}_page{c[6]}")
-def test_resident_rows_select_as_the_chunked_kernel(case: tuple, kind: str, bits: int,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows of at most RESIDENT_MAX_WIDTH scores (the row held in registers, one histogram per
-    radix pass of 4 or 8 bits) choose exactly what the chunked kernel chooses, ties at the
-    threshold to the lowest positions included."""
+def test_selection_takes_the_lowest_positions_on_ties(case: tuple, kind: str, bits: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """With radix passes of 4 or 8 bits, the kernel chooses the k largest keys and, among
+    keys equal to the threshold, the lowest positions (`lowest_on_ties`), then expands the
+    chosen pages as `expand_pages` does."""
     monkeypatch.setattr(topk, "RESIDENT_RADIX_BITS", bits)
     lead, bsz, groups, width, rankable, k, page = case
     gen = generator(width + len(kind))
@@ -141,15 +162,31 @@ def test_resident_rows_select_as_the_chunked_kernel(case: tuple, kind: str, bits
     rank = torch.tensor(rankable, device=DEVICE)
     budget = torch.minimum(torch.tensor(k, device=DEVICE), rank)
     limit = rank * page - 1
-    assert width <= topk.RESIDENT_MAX_WIDTH
-    resident = topk_positions_triton(scores, rank, budget, None, page, limit)
-    monkeypatch.setattr(topk, "RESIDENT_MAX_WIDTH", 0)
-    chunked = topk_positions_triton(scores, rank, budget, None, page, limit)
-    assert torch.equal(resident, chunked)
+    units = lowest_on_ties(scores, rank, budget)
+    assert (units >= 0).sum() == budget.sum() * math.prod(lead) * groups  # k[b] chosen a row
+    got = topk_positions_triton(scores, rank, budget, None, page, limit)
+    assert torch.equal(got, expand_pages(units, page, limit))
 
 
-def test_rows_wider_than_the_resident_bound_match_the_reference() -> None:
-    width = topk.RESIDENT_MAX_WIDTH + 5
-    scores = scores_for((1, 1, width), generator(11), True)
-    rank, k = torch.tensor([width - 2], device=DEVICE), torch.tensor([300], device=DEVICE)
+def test_rows_of_the_resident_bound_match_the_reference() -> None:
+    """The widest row the kernel takes (16 keys a thread on a GPU)."""
+    width = topk.RESIDENT_MAX_WIDTH
+    scores = scores_for((2, 1, width), generator(11), True)
+    rank, k = torch.tensor([width, width - 2], device=DEVICE), torch.tensor([300, 2047],
+                                                                            device=DEVICE)
     assert torch.equal(topk_positions_triton(scores, rank, k), topk_positions(scores, rank, k))
+
+
+def test_rows_wider_than_the_resident_bound_are_refused(monkeypatch: pytest.MonkeyPatch,
+                                                        ) -> None:
+    """Wider rows are the reference's (through the backend's `topk`); the bound is read at
+    each call."""
+    rank, k = torch.tensor([10], device=DEVICE), torch.tensor([3], device=DEVICE)
+    wide = torch.zeros(1, 1, topk.RESIDENT_MAX_WIDTH + 1, device=DEVICE)
+    with pytest.raises(ValueError, match="RESIDENT_MAX_WIDTH"):
+        topk_positions_triton(wide, rank, k)
+    monkeypatch.setattr(topk, "RESIDENT_MAX_WIDTH", 16)
+    with pytest.raises(ValueError, match="17 scores"):
+        topk_positions_triton(torch.zeros(1, 1, 17, device=DEVICE), rank, k)
+    scores = torch.arange(16.0, device=DEVICE)[None, None]
+    assert topk_positions_triton(scores, rank, k).tolist() == [[[7, 8, 9]]]

@@ -1,7 +1,8 @@
 """TritonBackend against TorchBackend on a tiny random Llama and Qwen3 (q/k norm): prefill
 with scores, a batch of sparse draft steps planned from them, and a verify step with a
 ScoreRequest, as the engine drives them; logits, scores and caches must agree. Also which
-projections the default mode routes to the few-row kernel."""
+projections the default mode routes to the few-row kernel, and which rows its top-k hands to
+the Triton kernel."""
 
 from __future__ import annotations
 
@@ -9,15 +10,17 @@ import pytest
 import torch
 from kernel_cases import DEVICE, generator
 
+from vegas_spec import ops
 from vegas_spec.attention import triton_backend
 from vegas_spec.attention.backend import AttentionBackend, make_backend
 from vegas_spec.attention.context import ScoreRequest, SparsePlan, StepContext
 from vegas_spec.cache import slots_of
 from vegas_spec.config import ModelConfig
+from vegas_spec.kernels import topk
 from vegas_spec.kernels.skinny_matmul import skinny_linear
 from vegas_spec.models.decoder import Decoder, build_model
 from vegas_spec.models.loader import expected_shapes
-from vegas_spec.speculative.policies import topk_positions
+from vegas_spec.ops import topk_positions  # bound here: `TopkCalls` spies on ops' name
 
 PAGE = 16
 GAMMA = 3
@@ -177,3 +180,58 @@ def test_linear_takes_the_skinny_kernel_where_routed(monkeypatch: pytest.MonkeyP
     close(got, torch.nn.functional.linear(x, w, b))
     make_backend("triton", exact=True).linear(x, w, b)
     assert len(calls) == 1
+
+
+class TopkCalls:
+    """Spies on the Triton top-k and the reference: the row widths each was called with."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.kernel: list[int] = []
+        self.reference: list[int] = []
+        kernel, reference = topk.topk_positions_triton, ops.topk_positions
+
+        def spy_kernel(scores: torch.Tensor, *args: object) -> torch.Tensor:
+            self.kernel.append(scores.shape[-1])
+            return kernel(scores, *args)
+
+        def spy_reference(scores: torch.Tensor, *args: object) -> torch.Tensor:
+            self.reference.append(scores.shape[-1])
+            return reference(scores, *args)
+
+        monkeypatch.setattr(topk, "topk_positions_triton", spy_kernel)
+        monkeypatch.setattr(ops, "topk_positions", spy_reference)
+
+
+def test_topk_runs_the_kernel_up_to_the_resident_width(monkeypatch: pytest.MonkeyPatch,
+                                                       ) -> None:
+    """The backend's top-k (the bound made small, read at each call): a row of at most
+    RESIDENT_MAX_WIDTH scores goes to the Triton kernel, a wider one to the reference, whose
+    positions it returns as they are (quest's pages, a bound kmax and a limit passed on)."""
+    calls = TopkCalls(monkeypatch)
+    monkeypatch.setattr(topk, "RESIDENT_MAX_WIDTH", 64)
+    top = make_backend("triton").topk
+    assert top is not None
+    gen = generator(3)
+    rank, k = torch.tensor([64, 33], device=DEVICE), torch.tensor([9, 33], device=DEVICE)
+    narrow = torch.randn(2, 2, 1, 64, generator=gen).to(DEVICE)
+    got = top(narrow, rank, k)
+    assert calls.kernel == [64] and calls.reference == []
+    assert torch.equal(got, topk_positions(narrow, rank, k))
+    wide = torch.randn(2, 2, 1, 65, generator=gen).to(DEVICE)
+    ranked, limit = torch.tensor([65, 40], device=DEVICE), torch.tensor([259, 160], device=DEVICE)
+    got = top(wide, ranked, k, 40, 4, limit)
+    assert calls.kernel == [64] and calls.reference == [65]
+    assert got.shape == (2, 2, 1, 40 * 4)
+    assert torch.equal(got, topk_positions(wide, ranked, k, 40, 4, limit))
+
+
+def test_topk_of_rows_wider_than_the_kernel_is_the_reference(monkeypatch: pytest.MonkeyPatch,
+                                                             ) -> None:
+    """At the real bound: vegas's token scores of a context past RESIDENT_MAX_WIDTH."""
+    calls = TopkCalls(monkeypatch)
+    width = topk.RESIDENT_MAX_WIDTH + 1
+    scores = torch.randn(1, 2, 1, width, generator=generator(4)).to(DEVICE)
+    rank, k = torch.tensor([width - 3, 5000], device=DEVICE), torch.tensor([700, 9], device=DEVICE)
+    got = make_backend("triton").topk(scores, rank, k)
+    assert calls.kernel == [] and calls.reference == [width]
+    assert torch.equal(got, topk_positions(scores, rank, k))

@@ -173,7 +173,7 @@ class AttentionBackend(ABC):
         D] the pages' min and max keys, pages [B] ranked pages -> [B, Hkv, NP] float32
         (-inf past pages[b])."""
 
-    # The backend's own top-k (the contract of speculative.policies.topk_positions), or None.
+    # The backend's own top-k (the contract of ops.topk_positions), or None.
     topk: Callable[..., torch.Tensor] | None = None
 
 

@@ -16,11 +16,10 @@
 
 Every kernel has a plain-PyTorch reference that is its test oracle:
 `vegas_spec.attention.torch_backend` (attention, KV store, quest's page scores),
-`vegas_spec.ops` (`rms_norm`, `add_rms_norm`, `silu_mul`, `apply_rope`),
-`vegas_spec.speculative.policies.topk_positions` and `torch.nn.functional.linear`
-(exact_matmul, skinny_matmul). On a machine without CUDA the kernels run on CPU
-tensors under Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is first
-imported), patched below where it departs from compiled Triton."""
+`vegas_spec.ops` (`rms_norm`, `add_rms_norm`, `silu_mul`, `apply_rope`, `topk_positions`)
+and `torch.nn.functional.linear` (exact_matmul, skinny_matmul). On a machine without CUDA
+the kernels run on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`, set
+before triton is first imported), patched below where it departs from compiled Triton."""
 
 from __future__ import annotations
 

@@ -1,30 +1,32 @@
-"""Top-k positions per (layer, sequence, group) by radix select: quest's choice of pages inside
-every draft step (the Triton backend's `topk`).
+"""Top-k positions per (layer, sequence, group) by radix select, for rows of at most
+RESIDENT_MAX_WIDTH scores: quest's choice of pages inside every draft step, and vegas's and
+lastq's ranking of their verify scores up to that width (the Triton backend's `topk`).
 
-Oracle: `vegas_spec.speculative.policies.topk_positions` (same signature and output: the k[b]
-best positions < rankable[b] in ascending order, -1 padding, width max(k) or kmax).
+Oracle: `vegas_spec.ops.topk_positions` (same signature and output: the k[b] best positions
+< rankable[b] in ascending order, -1 padding, width max(k) or kmax).
 
-One program per score row of W floats. Each float maps to a 32-bit key whose unsigned order
-is the float order. The k-th largest key T is found most significant digit first, 4 bits per
-pass, keeping in each pass the largest digit for which at least k keys are >= the prefix so
-far with that digit. A final pass compacts, in position order, every key > T and the first
-(k - #keys > T) keys == T, so the output is already sorted ascending. Ties at the threshold
-go to the lowest positions, where torch.topk may pick others. T is the k-th largest key
-whichever way the digits are counted, so both kernels below select the same positions:
+`_topk_resident_kernel` runs one program per score row of W <= RESIDENT_MAX_WIDTH floats
+(quest's 2048 pages of a 32K context), loaded once into registers (BLOCK_W = W rounded up
+to a power of two, keys as uint32). Each float maps to a 32-bit key whose unsigned order is
+the float order. The k-th largest key T is found most significant digit first,
+RESIDENT_RADIX_BITS bits per pass: each pass is a histogram of the digit of the keys that
+still match the prefix so far, the count for digit d is the keys already above the prefix
+plus the bins >= d, and the pass keeps the largest digit whose count is at least k. A final
+pass compacts, in position order, every key > T and the first (k - #keys > T) keys == T, so
+the output is already sorted ascending. Ties at the threshold go to the lowest positions,
+where torch.topk may pick others. Global reads: the row's 4 W bytes, once.
 
-* `_topk_resident_kernel`, for rows of at most RESIDENT_MAX_WIDTH scores (quest's 2048 pages
-  of a 32K context): the row is loaded once into registers (BLOCK_W = W rounded up to a power
-  of two, keys as uint32) and each pass is a 16-bin histogram of the digit of the keys that
-  still match the prefix; the count for digit d is the keys already above the prefix plus
-  the bins >= d. Global reads: the row's 4 W bytes, once.
-* `_topk_kernel`, for wider rows (vegas's token scores of long contexts): each pass reloads
-  the row in BLOCK chunks and counts, for the 16 candidate digits at once, the keys >= each
-  candidate prefix ([BLOCK, 16] comparisons); 9 reads of the row (8 passes and the count
-  above T), then the compaction's, all from cache for a row of L floats.
+Wider rows (vegas's and lastq's token scores of contexts past 8K) are refused here: the
+backend's `topk` hands them to the reference (torch.topk and a sort). A streaming kernel
+that re-read the row in each radix pass ran them and lost to the reference, on an H200
+(benchmarks/step_profile.py --brief, select_ms against select_reference_ms): a round's whole
+selection at the Llama-3.1-8B shape, 16 rows x 32K, took 1.52-1.77 ms with it against
+0.68-1.01 ms with the reference, while at SmolLM2's 64 x 7.5K (resident rows) this kernel
+takes 0.47 ms against the reference's 0.68 ms.
 
 Pages (quest): with `page` > 1 a score is a page's and the kernel writes, for the i-th chosen
 page u, the token positions u * page + j (j < page) at i * page + j, -1 where they reach
-`limit[b]` (the rankable tokens), as `policies.expand_pages` does: the row a quest selector
+`limit[b]` (the rankable tokens), as `ops.expand_pages` does: the row a quest selector
 hands to sparse attention, with no elementwise kernels after the top-k. Each chosen page
 costs page * 8 bytes of output instead of 8."""
 
@@ -34,11 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-RADIX_BITS = 4
-# Rows of at most this many scores run `_topk_resident_kernel` (the row held in registers,
-# one read), wider ones `_topk_kernel` (the row re-read by every pass). The resident kernel
-# runs BLOCK_W / 256 warps within [4, 16]: 8 uint32 keys a thread up to 4096 scores, 16 at
-# 8192, which ptxas fits in 128 registers for sm_90 without spilling.
+# The widest row `topk_positions_triton` takes (wider rows: the reference, through the
+# backend's `topk`; see above). The kernel runs BLOCK_W / 256 warps within [4, 16]: 8 uint32
+# keys a thread up to 4096 scores, 16 at 8192, which ptxas fits in 128 registers for sm_90
+# without spilling.
 RESIDENT_MAX_WIDTH = 8192
 # Warps of the resident top-k: one per RESIDENT_KEYS_PER_WARP scores, 4 to 16
 # (benchmarks/tile_sweep.py --kernel quest).
@@ -48,34 +49,11 @@ RESIDENT_RADIX_BITS = 4
 
 
 @triton.jit
-def _keys(x):
-    """float32 -> int64 in [0, 2^32) with the same order (the sign-magnitude flip)."""
-    bits = x.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    return ordered.to(tl.int64) + 2147483648
-
-
-@triton.jit
 def _keys32(x):
-    """float32 -> uint32 with the same order: `_keys` in 32 bits (a register per key)."""
+    """float32 -> uint32 whose unsigned order is the float order (the sign-magnitude flip)."""
     bits = x.to(tl.int32, bitcast=True)
     flip = (bits >> 31) | -2147483648  # all bits for a negative float, else the sign bit
     return (bits ^ flip).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _count_at_least(row_ptr, length, prefix, shift, BLOCK: tl.constexpr, RADIX: tl.constexpr):
-    """[RADIX] counts of keys >= prefix + digit << shift over the first `length` scores."""
-    digits = tl.arange(0, RADIX).to(tl.int64)
-    cand = prefix + (digits << shift)
-    counts = tl.zeros([RADIX], tl.int32)
-    for start in range(0, length, BLOCK):
-        w = start + tl.arange(0, BLOCK)
-        ok = w < length
-        key = _keys(tl.load(row_ptr + w, mask=ok, other=0.0))
-        hit = ok[:, None] & (key[:, None] >= cand[None, :])
-        counts += tl.sum(hit.to(tl.int32), axis=0)
-    return counts
 
 
 @triton.jit
@@ -110,40 +88,6 @@ def _row_bounds(rankable_ptr, k_ptr, limit_ptr, b, width, HAS_LIMIT: tl.constexp
     else:
         limit = tl.full([], 9223372036854775807, tl.int64)
     return length, want, limit
-
-
-@triton.jit
-def _topk_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B, G, width, out_width,
-                 BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, PAGE: tl.constexpr,
-                 HAS_LIMIT: tl.constexpr):
-    row = tl.program_id(0)
-    b = (row // G) % B
-    row_ptr = scores_ptr + row.to(tl.int64) * width
-    length, want, limit = _row_bounds(rankable_ptr, k_ptr, limit_ptr, b, width, HAS_LIMIT)
-    # Invariant: at least `want` keys are >= prefix (digit 0 always qualifies).
-    prefix = tl.zeros([], tl.int64)
-    for p in tl.static_range(32 // RADIX_BITS):
-        shift = 32 - RADIX_BITS * (p + 1)
-        counts = _count_at_least(row_ptr, length, prefix, shift, BLOCK, 1 << RADIX_BITS)
-        best = tl.sum((counts >= want).to(tl.int32), axis=0) - 1
-        prefix += best.to(tl.int64) << shift
-    above = tl.sum(_count_at_least(row_ptr, length, prefix + 1, 0, BLOCK, 1), axis=0)
-    ties = want - above  # keys == prefix to take, lowest positions first
-    out_row = out_ptr + row.to(tl.int64) * (out_width * PAGE)
-    taken = tl.zeros([], tl.int32)
-    tied = tl.zeros([], tl.int32)
-    for start in range(0, length, BLOCK):
-        w = start + tl.arange(0, BLOCK)
-        ok = w < length
-        key = _keys(tl.load(row_ptr + w, mask=ok, other=0.0))
-        is_tie = ok & (key == prefix)
-        tie_rank = tied + tl.cumsum(is_tie.to(tl.int32), axis=0)  # 1-based
-        take = ok & ((key > prefix) | (is_tie & (tie_rank <= ties))) & (want > 0)
-        slot = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        _store_units(out_row, slot, w, take, limit, PAGE)
-        taken += tl.sum(take.to(tl.int32), axis=0)
-        tied += tl.sum(is_tie.to(tl.int32), axis=0)
-    _pad_from(out_row, want * PAGE, out_width * PAGE, BLOCK)
 
 
 @triton.jit
@@ -190,9 +134,14 @@ def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch
     given kmax, a host bound on k (no host sync: capturable). rankable [B], k [B].
     k[b] is capped at rankable[b]; scores must not be NaN. With page > 1 or a limit [B]
     (tokens), each chosen unit u becomes u * page + j for j < page, -1 from limit[b] on:
-    [..., B, G, width * page], as `policies.expand_pages` gives."""
+    [..., B, G, width * page], as `ops.expand_pages` gives. W must be at most
+    RESIDENT_MAX_WIDTH (wider rows: `ops.topk_positions`, as the Triton backend's `topk`)."""
     assert scores.dim() >= 3 and scores.dtype == torch.float32 and page >= 1
     bsz, groups, width = scores.shape[-3:]
+    if width > RESIDENT_MAX_WIDTH:
+        raise ValueError(f"top-k rows of {width} scores: the kernel takes at most "
+                         f"RESIDENT_MAX_WIDTH = {RESIDENT_MAX_WIDTH} (wider rows: the "
+                         "reference, vegas_spec.ops.topk_positions)")
     assert rankable.shape == (bsz,) and k.shape == (bsz,)
     assert not rankable.is_floating_point() and not k.is_floating_point()
     assert scores.device == rankable.device == k.device
@@ -211,13 +160,9 @@ def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch
     rankable = rankable.contiguous()
     args = (flat, rankable, k.contiguous(), rankable if limit is None else limit.contiguous(),
             out, bsz, groups, width, out_width)
-    common = dict(BLOCK=block, PAGE=page, HAS_LIMIT=limit is not None)
-    if width <= RESIDENT_MAX_WIDTH:
-        block_w = triton.next_power_of_2(width)
-        warps = min(max(block_w // RESIDENT_KEYS_PER_WARP, 4), 16)
-        _topk_resident_kernel[(flat.shape[0],)](*args, BLOCK_W=block_w,
-                                                RADIX_BITS=RESIDENT_RADIX_BITS, **common,
-                                                num_warps=warps)
-    else:
-        _topk_kernel[(flat.shape[0],)](*args, RADIX_BITS=RADIX_BITS, **common, num_warps=4)
+    block_w = triton.next_power_of_2(width)
+    warps = min(max(block_w // RESIDENT_KEYS_PER_WARP, 4), 16)
+    _topk_resident_kernel[(flat.shape[0],)](*args, BLOCK_W=block_w, BLOCK=block,
+                                            RADIX_BITS=RESIDENT_RADIX_BITS, PAGE=page,
+                                            HAS_LIMIT=limit is not None, num_warps=warps)
     return out.view(*scores.shape[:-1], out_width * page)

@@ -20,6 +20,8 @@ from vegas_spec.attention.context import SparsePlan, StepContext
 from vegas_spec.attention.torch_backend import quest_page_scores_ref
 from vegas_spec.cache import slots_of
 from vegas_spec.config import SpecConfig
+from vegas_spec.ops import _sorted, topk_positions
+from vegas_spec.ops import expand_pages as expand_pages  # re-exported, as topk_positions
 
 
 @dataclass
@@ -93,44 +95,6 @@ def budget(cfg: SpecConfig, lengths: torch.Tensor, rankable: torch.Tensor) -> to
     # ratio is a decimal in binary: 0.07 * 100 = 7.000000000000001 must still give 7
     k = torch.ceil(lengths.double() * cfg.ratio - 1e-9).long().clamp(min=cfg.min_tokens)
     return torch.minimum(k, rankable.long())
-
-
-def topk_positions(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
-                   kmax: int | None = None, page: int = 1,
-                   limit: torch.Tensor | None = None) -> torch.Tensor:
-    """scores [..., B, G, W] -> the k[b] best positions < rankable[b], ascending, -1 padded:
-    [..., B, G, min(kmax, W)]; kmax (a host bound on k) defaults to max(k), a host sync.
-    With page > 1 or a limit [B], the positions are units of `page` tokens, expanded by
-    `expand_pages`: [..., B, G, min(kmax, W) * page]."""
-    width = scores.shape[-1]
-    kmax = max(int(k.max()), 1) if kmax is None else kmax
-    pos = torch.arange(width, device=scores.device)
-    visible = pos < rankable[:, None, None]
-    masked = scores.masked_fill(~visible, float("-inf"))
-    # topk's output is in descending order: its first k[b] are row b's k[b] best.
-    idx = masked.topk(min(kmax, width), dim=-1).indices
-    keep = torch.arange(idx.shape[-1], device=idx.device) < k[:, None, None]
-    best = _sorted(torch.where(keep, idx, -1))
-    return best if page == 1 and limit is None else expand_pages(best, page, limit)
-
-
-def expand_pages(best: torch.Tensor, page: int, limit: torch.Tensor | None) -> torch.Tensor:
-    """Units best [..., B, G, n] (-1: none) -> their tokens [..., B, G, n * page]: unit u at
-    slot i gives u * page + j at i * page + j (j < page), -1 for a -1 unit and for tokens >=
-    limit[b] (None: no bound), so the -1s of a partial last page stay inside its slot."""
-    pos = best[..., None] * page + torch.arange(page, device=best.device)
-    keep = best[..., None] >= 0
-    if limit is not None:
-        keep = keep & (pos < limit[:, None, None, None])
-    return torch.where(keep, pos, -1).flatten(-2)
-
-
-def _sorted(idx: torch.Tensor) -> torch.Tensor:
-    """Ascending valid positions first, -1 padding last (sorted as int32: positions are far
-    below 2^31, and the radix sort needs half the passes of int64)."""
-    big = torch.iinfo(torch.int32).max
-    s = torch.sort(torch.where(idx < 0, big, idx).int(), dim=-1).values
-    return torch.where(s == big, -1, s).long()
 
 
 def pages_of(rankable: torch.Tensor, size: int) -> torch.Tensor:
