@@ -5,7 +5,7 @@ one to profile, e.g. with Nsight Compute:
     ncu --clock-control none -k regex:_paged_split_kernel --launch-skip 2 --launch-count 2 \
         --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
-        python benchmarks/verify_kernel_once.py --score-block-k 128
+        python benchmarks/verify_kernel_once.py --score-tiles 128:3:2048:0
 
 (launches in order: without scores, with scores, without, with; skip the first two).
 Shape (default; see the options): SmolLM2 (9 query heads, 3 kv heads, head dim 64), batch 64,
@@ -28,8 +28,10 @@ import vegas_spec.kernels.paged_attention as pa  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--score-block-k", type=int, default=None,
-                    help="key block of the score-emitting call (default: the library's)")
+    ap.add_argument("--score-tiles", default=None,
+                    help="BLOCK_K:STAGES:SPLIT_MAX:MAXNREG of the score-emitting call (0: the "
+                         "occupancy split, ptxas's registers; default: the library's at this "
+                         "head dim)")
     ap.add_argument("--store", choices=sorted(pa.SCORE_STORES), default=pa.SCORE_STORE,
                     help="how the scored pass keeps its logits (tile_sweep.py)")
     ap.add_argument("--batch", type=int, default=64)
@@ -41,6 +43,10 @@ def main() -> None:
     assert torch.cuda.is_available(), "this script runs CUDA kernels"
     pa.SCORE_STORE = args.store
     bsz, heads, hkv, dim = args.batch, args.heads, args.kv_heads, args.head_dim
+    if args.score_tiles:
+        block_k, stages, split_max, maxnreg = map(int, args.score_tiles.split(":"))
+        pa.SCORE_TILES = {dim: pa.ScoreTiles(block_k, stages, split_max or None,
+                                             maxnreg or None)}
     page, ctx, n = 16, args.context, 7
     table, k, v, kv_len = paged_cache(bsz, hkv, dim, ctx, page)
     q = torch.randn(bsz, n, heads, dim, device="cuda", dtype=torch.bfloat16)
@@ -50,7 +56,7 @@ def main() -> None:
     for _ in range(2):
         pa.paged_attention(q, k, v, table, pos, page, kv_len, dim ** -0.5)
         pa.paged_attention(q, k, v, table, pos, page, kv_len, dim ** -0.5, rows, scores,
-                           "weight", block_k=args.score_block_k)
+                           "weight")
     torch.cuda.synchronize()
 
 
