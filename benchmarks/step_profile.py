@@ -48,8 +48,10 @@ import torch
 
 from vegas_spec import LLM, SamplingParams, SpecConfig
 from vegas_spec.attention import triton_backend
+from vegas_spec.config import ModelConfig
 from vegas_spec.graphs import GraphRunner
 from vegas_spec.kernels import paged_attention as pa
+from vegas_spec.models.loader import load_config, resolve
 from vegas_spec.speculative.policies import SelectionInput, make_policy
 
 
@@ -353,17 +355,8 @@ def parse_score_tiles(text: str, library: pa.ScoreTiles) -> tuple[pa.ScoreTiles,
     return tiles, name
 
 
-def head_dim(folder: Path) -> int:
-    from vegas_spec.models.loader import load_config, resolve
-
-    return load_config(resolve(str(folder))).head_dim
-
-
-def kv_bytes_per_token(folder: Path, itemsize: int) -> int:
+def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
     """K and V of one position over all layers."""
-    from vegas_spec.models.loader import load_config, resolve
-
-    cfg = load_config(resolve(str(folder)))
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
@@ -403,14 +396,15 @@ def main() -> None:
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
                       min_tokens=args.min_tokens)
     cuda = torch.cuda.is_available()
-    dim = head_dim(args.config)
+    model = load_config(resolve(str(args.config)))
+    dim = model.head_dim
     tilings = [parse_score_tiles(t, pa.score_tiles(dim)) for t in args.score_tiles]
     bandwidth = copy_bandwidth() if cuda else 1e10
     rows = []
     for context, mode in ((c, m) for c in args.contexts for m in args.modes):
         # One engine per context and mode, its static key axis sized for this context.
         slots = max(args.batches) * (context + 128) + 4096
-        kv = slots * kv_bytes_per_token(args.config, 2 if cuda else 4)
+        kv = slots * kv_bytes_per_token(model, 2 if cuda else 4)
         llm = LLM(str(args.config), load_format="dummy", device="cuda" if cuda else "cpu",
                   dtype="bfloat16" if cuda else "float32", kv_cache_bytes=kv,
                   max_model_len=context + args.gamma + 64, exact=mode == "exact")

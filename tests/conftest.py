@@ -8,7 +8,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -51,6 +51,8 @@ TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": TINY_VOCAB,
               "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "bos_token_id": 1,
               "eos_token_id": 2}
+# Engine options of the tiny model: dummy weights, a 4 MiB KV cache.
+TINY_ENGINE: dict[str, Any] = dict(load_format="dummy", kv_cache_bytes=1 << 22)
 
 
 def randomize_norms_and_biases(model: torch.nn.Module) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from conftest import (
+    TINY_ENGINE,
     TINY_IDS,
     TINY_LLAMA,
     TINY_METHODS,
@@ -24,8 +25,7 @@ from vegas_spec import SamplingParams
 from vegas_spec.engine import LLM, LLMEngine, RequestOutput
 from vegas_spec.scheduler import PrefillPacer
 
-VOCAB, CONFIG = TINY_VOCAB, TINY_LLAMA
-ENGINE: dict[str, Any] = dict(load_format="dummy", kv_cache_bytes=1 << 22)
+VOCAB, CONFIG, ENGINE = TINY_VOCAB, TINY_LLAMA, TINY_ENGINE
 METHODS, IDS = TINY_METHODS, TINY_IDS
 
 

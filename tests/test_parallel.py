@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import (
+    TINY_ENGINE,
     TINY_LLAMA,
     TINY_VOCAB,
     config_folder,
@@ -33,8 +34,7 @@ from vegas_spec.models.loader import (
     resolve,
 )
 
-VOCAB, CONFIG = TINY_VOCAB, TINY_LLAMA
-ENGINE: dict[str, Any] = dict(load_format="dummy", kv_cache_bytes=1 << 22)
+VOCAB, CONFIG, ENGINE = TINY_VOCAB, TINY_LLAMA, TINY_ENGINE
 RANK_TIMEOUT_S = 120  # a rank that dies or hangs fails the test after this, never hangs it
 # TP adds o_proj's and down's partial sums (one per rank) in another order than one rank's
 # matmul does, so float32 logits differ by rounding that grows with depth: measured, 1.5e-7

@@ -99,7 +99,7 @@ def topk_positions(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor
     # topk's output is in descending order: its first k[b] are row b's k[b] best.
     idx = masked.topk(min(kmax, width), dim=-1).indices
     keep = torch.arange(idx.shape[-1], device=idx.device) < k[:, None, None]
-    best = _sorted(torch.where(keep, idx, -1))
+    best = sorted_positions(torch.where(keep, idx, -1))
     return best if page == 1 and limit is None else expand_pages(best, page, limit)
 
 
@@ -114,7 +114,7 @@ def expand_pages(best: torch.Tensor, page: int, limit: torch.Tensor | None) -> t
     return torch.where(keep, pos, -1).flatten(-2)
 
 
-def _sorted(idx: torch.Tensor) -> torch.Tensor:
+def sorted_positions(idx: torch.Tensor) -> torch.Tensor:
     """Ascending valid positions first, -1 padding last (sorted as int32: positions are far
     below 2^31, and the radix sort needs half the passes of int64)."""
     big = torch.iinfo(torch.int32).max

@@ -20,8 +20,7 @@ from vegas_spec.attention.context import SparsePlan, StepContext
 from vegas_spec.attention.torch_backend import quest_page_scores_ref
 from vegas_spec.cache import slots_of
 from vegas_spec.config import SpecConfig
-from vegas_spec.ops import _sorted, topk_positions
-from vegas_spec.ops import expand_pages as expand_pages  # re-exported, as topk_positions
+from vegas_spec.ops import sorted_positions, topk_positions
 
 
 @dataclass
@@ -255,7 +254,7 @@ class SpecExtend(LastQ):
         most = None if inp.kmax is None else math.ceil(inp.kmax / c)
         pos = topk_positions(chunk_scores[:, None], pages_of(rankable, c), n_chunks, most, c,
                              rankable)  # [B, 1, n * c]
-        pos = _sorted(pos)
+        pos = sorted_positions(pos)
         return pos.unsqueeze(0).expand(len(inp.kv_caches), -1, -1, -1)
 
 
