@@ -9,8 +9,10 @@ run: setup
 	.venv/bin/vegas generate --chat --method vegas --max-tokens 64 --stats \
 		--prompt "Explain in two sentences why decoding long contexts is memory-bound."
 
+# Two workers, one per core of a 2-core CI machine; each test file stays on one worker, so
+# a file's model fixtures load once.
 test: setup
-	.venv/bin/python -m pytest -q --durations=15
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 lint: setup
 	.venv/bin/ruff check vegas_spec tests benchmarks

@@ -21,7 +21,9 @@ if TYPE_CHECKING:  # vegas_spec loads triton, which must come after TRITON_INTER
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(max(1, os.cpu_count() or 1))
+# The cores are shared among pytest-xdist's workers (one each on CI's two cores).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 # Every speculative method and vegas variant, for the tests that run them all.
 SPEC_VARIANTS: list[dict] = [
