@@ -335,24 +335,23 @@ def score_tiles_arg(text: str) -> str:
     return text
 
 
-def parse_score_tiles(text: str, library: pa.ScoreTiles) -> tuple[pa.ScoreTiles, str]:
-    """'library' -> the library's tiles and store; '64:2' -> 64-key blocks, 2 stages, the
-    library's store, split cap and register cap; '128:3:f32-pointers' also names the store
-    of the logits (`paged_attention.SCORE_STORES`); '64:2:f32-descriptor:2048:128' also the
-    largest split (0: the occupancy split alone) and the registers per thread (0: ptxas's)."""
+def parse_score_tiles(text: str, library: pa.ScoreTiles) -> pa.ScoreTiles:
+    """'library' -> the library's tiles; '64:2' -> 64-key blocks, 2 stages, the library's
+    store, split cap and register cap; '128:3:f32-pointers' also names the store of the
+    logits (`paged_attention.SCORE_STORES`); '64:2:f32-descriptor:2048:128' also the largest
+    split (0: the occupancy split alone) and the registers per thread (0: ptxas's)."""
     if text == "library":
-        return library, pa.SCORE_STORE
+        return library
     try:
         block_k, stages, *rest = text.split(":")
+        if len(rest) > 3:
+            raise ValueError("more parts than BLOCK_K:STAGES:STORE:SPLIT_MAX:MAXNREG")
+        store = rest[0] if rest else library.store
         split_max = int(rest[1]) or None if len(rest) > 1 else library.split_max
         maxnreg = int(rest[2]) or None if len(rest) > 2 else library.maxnreg
-        tiles = pa.ScoreTiles(int(block_k), int(stages), split_max, maxnreg)
+        return pa.ScoreTiles(int(block_k), int(stages), split_max, maxnreg, store)
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"bad score tiles {text!r}: {err}") from None
-    name = rest[0] if rest else pa.SCORE_STORE
-    if name not in pa.SCORE_STORES or len(rest) > 3:
-        raise argparse.ArgumentTypeError(f"unknown score store {':'.join(rest)!r}")
-    return tiles, name
 
 
 def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
@@ -411,14 +410,14 @@ def main() -> None:
         for k, v in llm.cache.layers:
             k.normal_()
             v.normal_()
-        for bsz, skinny, (tiles, store) in ((b, r, t) for b in args.batches
-                                            for r in args.skinny_rows for t in tilings):
+        for bsz, skinny, tiles in ((b, r, t) for b in args.batches
+                                   for r in args.skinny_rows for t in tilings):
             # All of these are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
-            pa.SCORE_TILES, pa.SCORE_STORE = {dim: tiles}, store
+            pa.SCORE_TILES = {dim: tiles}
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny,
-                   "score_tiles": f"{tiles.block_k}:{tiles.stages}:{store}",
+                   "score_tiles": f"{tiles.block_k}:{tiles.stages}:{tiles.store}",
                    "score_split_max": tiles.split_max, "score_maxnreg": tiles.maxnreg,
                    **measure(llm, spec, context, bsz, args, bandwidth)}
             row["host_gap_ms"] = host_gap_ms(llm, spec, bsz, args.host_gap_tokens,

@@ -72,16 +72,14 @@ def paged_cache(bsz: int, hkv: int, dim: int, context: int, page: int = 16,
 
 
 def with_tiles(block_k: int, stages: int, warps: int, maxnreg: int | None,
-               split_max: int | None, head_dim: int) -> None:
+               split_max: int | None, store: str, head_dim: int) -> None:
     """Make the kernel wrapper build its tiles with `stages` pipeline stages and `warps`
     warps per program, and its scored passes with `block_k` keys per block, `maxnreg`
-    registers per thread and splits of at most `split_max` keys."""
+    registers per thread, splits of at most `split_max` keys and their weight-mode logits
+    stored with `store`."""
     pa.tile_config = lambda q, hkv, block_k=None: dataclasses.replace(  # type: ignore[assignment]
         tile_config(q, hkv, block_k), num_stages=stages, num_warps=warps)
-    pa.SCORE_TILES = {head_dim: pa.ScoreTiles(block_k, stages, split_max, maxnreg)}
-
-
-LIBRARY_STORE = pa.SCORE_STORE
+    pa.SCORE_TILES = {head_dim: pa.ScoreTiles(block_k, stages, split_max, maxnreg, store)}
 
 
 def sparse_sweep(args: argparse.Namespace, recent: int = 64) -> list[dict]:
@@ -172,8 +170,8 @@ def main() -> None:
     ap.add_argument("--splits", nargs="+", default=["auto", "2048"],
                     help="split sizes in keys, or 'auto' (the occupancy heuristic)")
     ap.add_argument("--stores", nargs="+", choices=sorted(pa.SCORE_STORES),
-                    default=[LIBRARY_STORE],
-                    help="how weight-mode passes keep their logits (default: the library's)")
+                    help="how weight-mode passes keep their logits (default: the library's "
+                         "at this head dim)")
     ap.add_argument("--maxnregs", type=int, nargs="+",
                     help="paged, weight scores: registers per thread ptxas may use (0: its "
                          "own choice; default: the library's at this head dim)")
@@ -207,6 +205,7 @@ def main() -> None:
     library = pa.score_tiles(dim)
     maxnregs = args.maxnregs or [library.maxnreg or 0]
     split_maxes = args.score_split_max or [library.split_max or 0]
+    stores_weight = args.stores or [library.store]
     scale = dim ** -0.5
     rows: list[dict] = []
     for n, modes in ((7, ("weight", "none")), (1, ("none",))):
@@ -217,15 +216,14 @@ def main() -> None:
         out = torch.empty_like(q)
         splits = [None if x == "auto" else int(x) for x in args.splits]
         for mode in modes:
-            stores = args.stores if mode == "weight" else [LIBRARY_STORE]
+            stores = stores_weight if mode == "weight" else [library.store]
             # Register and split caps apply to scored passes only.
             regs, caps = (maxnregs, split_maxes) if mode == "weight" else ([0], [0])
             for store, block_k, stages, warps, split, maxnreg, cap in itertools.product(
                     stores, args.block_k, args.stages, args.warps, splits, regs, caps):
-                pa.SCORE_STORE = store
                 extra = (score_rows, scores, "weight") if mode == "weight" else ()
                 before = compiled()
-                with_tiles(block_k, stages, warps, maxnreg or None, cap or None, dim)
+                with_tiles(block_k, stages, warps, maxnreg or None, cap or None, store, dim)
                 us = graph_us(lambda: pa.paged_attention(  # noqa: B023
                     q, k, v, table, pos, page, kv_len, scale, *extra,  # noqa: B023
                     block_k=block_k, split_size=split, out=out))  # noqa: B023

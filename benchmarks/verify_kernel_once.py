@@ -16,6 +16,7 @@ weight scores of rows 0 and 6, random bf16 K/V behind a shuffled page table (as 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -32,8 +33,9 @@ def main() -> None:
                     help="BLOCK_K:STAGES:SPLIT_MAX:MAXNREG of the score-emitting call (0: the "
                          "occupancy split, ptxas's registers; default: the library's at this "
                          "head dim)")
-    ap.add_argument("--store", choices=sorted(pa.SCORE_STORES), default=pa.SCORE_STORE,
-                    help="how the scored pass keeps its logits (tile_sweep.py)")
+    ap.add_argument("--store", choices=sorted(pa.SCORE_STORES),
+                    help="how the scored pass keeps its logits (tile_sweep.py; default: the "
+                         "library's at this head dim)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=7500)
     ap.add_argument("--heads", type=int, default=9)
@@ -41,12 +43,13 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this script runs CUDA kernels"
-    pa.SCORE_STORE = args.store
     bsz, heads, hkv, dim = args.batch, args.heads, args.kv_heads, args.head_dim
+    tiles = pa.score_tiles(dim)
+    store = args.store or tiles.store
     if args.score_tiles:
         block_k, stages, split_max, maxnreg = map(int, args.score_tiles.split(":"))
-        pa.SCORE_TILES = {dim: pa.ScoreTiles(block_k, stages, split_max or None,
-                                             maxnreg or None)}
+        tiles = pa.ScoreTiles(block_k, stages, split_max or None, maxnreg or None, store)
+    pa.SCORE_TILES = {dim: dataclasses.replace(tiles, store=store)}
     page, ctx, n = 16, args.context, 7
     table, k, v, kv_len = paged_cache(bsz, hkv, dim, ctx, page)
     q = torch.randn(bsz, n, heads, dim, device="cuda", dtype=torch.bfloat16)

@@ -122,13 +122,22 @@ def test_scores_sum_to_heads() -> None:
     assert (scores[1, :, :, 41:] == 0).all()
 
 
+def use_store(monkeypatch: pytest.MonkeyPatch, store: str) -> None:
+    """Every head dim's score tiles (SCORE_TILES_OTHER too, whose store the interpreter
+    uses) store their weight-mode logits with `store`."""
+    monkeypatch.setattr(pa, "SCORE_TILES", {dim: dataclasses.replace(tiles, store=store)
+                                            for dim, tiles in pa.SCORE_TILES.items()})
+    monkeypatch.setattr(pa, "SCORE_TILES_OTHER",
+                        dataclasses.replace(pa.SCORE_TILES_OTHER, store=store))
+
+
 @pytest.mark.parametrize("descriptor", [True, False], ids=["descriptor", "pointers"])
 @pytest.mark.parametrize("case", [CASES[2], CASES[7], CASES[10]], ids=case_id)
 def test_half_score_scratch(case: Case, descriptor: bool,
                             monkeypatch: pytest.MonkeyPatch) -> None:
     """16-bit models keep weight-mode logits in float16, stored through the tensor descriptor
     (one row block) or through pointers (several row blocks, or when switched off)."""
-    monkeypatch.setattr(pa, "SCORE_STORE", "f16-descriptor" if descriptor else "f16-pointers")
+    use_store(monkeypatch, "f16-descriptor" if descriptor else "f16-pointers")
     run(case, torch.float16)
 
 
@@ -139,7 +148,7 @@ SCORED = [case for case in CASES if case.rows is not None]
 def test_score_store_through_pointers(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     """Float32 logits stored through a tile of pointers instead of the tensor descriptor give
     the reference's scores (and the same attention output)."""
-    monkeypatch.setattr(pa, "SCORE_STORE", "f32-pointers")
+    use_store(monkeypatch, "f32-pointers")
     run(case, torch.float32)
 
 
@@ -147,7 +156,22 @@ def test_score_store_through_pointers(case: Case, monkeypatch: pytest.MonkeyPatc
 def test_score_stores_give_the_same_scores(store: str,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Every store of the weight-mode logits gives the scores of float32 pointers, to the
-    float16 rounding of the logits where the scratch is float16."""
+    float16 rounding of the logits where the scratch is float16; the store the tiles name is
+    the one that runs (its scratch dtype, a descriptor or none)."""
+    jobs, descriptors = [], []
+
+    def score_job(*args, **kwargs):  # type: ignore[no-untyped-def]
+        job = score_job_of(*args, **kwargs)
+        jobs.append(job)
+        return job
+
+    def descriptor(*args, **kwargs):  # type: ignore[no-untyped-def]
+        descriptors.append(args[0])
+        return descriptor_of(*args, **kwargs)
+
+    score_job_of, descriptor_of = pa._score_job, pa._descriptor
+    monkeypatch.setattr(pa, "_score_job", score_job)
+    monkeypatch.setattr(pa, "_descriptor", descriptor)
     gen = generator(2)
     cache = paged_cache(2, 100, 2, 64, 8, torch.float16, gen)
     q = randn(2, 7, 8, 64, gen=gen, dtype=torch.float16)
@@ -155,10 +179,15 @@ def test_score_stores_give_the_same_scores(store: str,
     rows = torch.tensor([0, 6], device=DEVICE)
     got = {}
     for name in ("f32-pointers", store):
-        monkeypatch.setattr(pa, "SCORE_STORE", name)
+        use_store(monkeypatch, name)
+        jobs.clear()
+        descriptors.clear()
         got[name] = poisoned(2, 2, 2, 104)
         paged_attention(q, cache.k, cache.v, cache.page_table, positions, 8, 100, 0.125,
                         rows, got[name], "weight")
+        half, use_desc = pa.SCORE_STORES[name]
+        assert [job.scratch.dtype for job in jobs] == [torch.float16 if half else torch.float32]
+        assert len(descriptors) == use_desc  # one row block: the descriptor where named
     tol = dict(atol=2e-3, rtol=2e-3) if pa.SCORE_STORES[store][0] else dict(atol=1e-6,
                                                                            rtol=1e-5)
     torch.testing.assert_close(got[store], got["f32-pointers"], **tol)
@@ -175,6 +204,30 @@ def test_every_score_tiling(case: Case, tiles: pa.ScoreTiles,
     monkeypatch.setattr(pa, "score_tiles", lambda head_dim: tiles)
     for dtype in DTYPES:
         run(case, dtype)
+
+
+def test_score_tiles_refuse_an_unknown_store() -> None:
+    with pytest.raises(ValueError, match="unknown score store"):
+        pa.ScoreTiles(128, 3, None, None, "bf16-pointers")
+    assert pa.ScoreTiles(128, 3, None, None, "f16-pointers").store == "f16-pointers"
+
+
+class _GpuQuery:
+    """What the store choice reads of q [B, n, H, D] on a GPU, without one."""
+
+    def __init__(self, dim: int) -> None:
+        self.shape, self.is_cuda = (16, 7, 32, dim), True
+
+
+def test_store_follows_the_tiles_of_the_call() -> None:
+    """On a GPU a scored pass stores its logits as its head dim's tiles say, exact mode as
+    EXACT_TILES; the interpreter as SCORE_TILES_OTHER whatever the head dim."""
+    for dim in (*pa.SCORE_TILES, 96):
+        gpu: torch.Tensor = _GpuQuery(dim)  # type: ignore[assignment]
+        assert pa._score_store(gpu, False) == pa.score_tiles(dim).store
+        assert pa._score_store(gpu, True) == pa.EXACT_TILES.store
+        cpu = torch.empty(1, 1, 1, dim)
+        assert pa._score_store(cpu, False) == pa.SCORE_TILES_OTHER.store
 
 
 def test_launch_options_name_a_register_cap_only_when_set() -> None:

@@ -60,16 +60,37 @@ from vegas_spec.kernels.split_merge import (
 MODES = {"weight": 1, "logit": 2}
 
 
+# How the weight-mode logits are stored (a score pass's `ScoreTiles.store`): float32 or float16
+# (16-bit models: half the scratch bytes), through a tile of pointers or a tensor descriptor
+# (one bulk copy of the [lanes, block_k] tile per key block; steps with one row block,
+# pointers otherwise). name -> (float16 scratch, descriptor store). Compiled for sm_90 at the
+# Llama-3.1-8B verify shape (benchmarks/kernel_regs.py, 128 / 3): float32 descriptor 205
+# registers, no spills; float32 pointers 255 with 76 B of spill stores (no scores: 199). The
+# whole verify step on an H200 (benchmarks/step_profile.py --score-tiles 128:3
+# 128:3:f32-pointers, one engine): 8B shape 16 x 32K 27.98 against 28.24 ms, SmolLM2 64 x 7.5K
+# 6.57 against 6.50: level within a percent; the float16 stores were slower (BENCHMARKS.md
+# §2.6, §2.10). Which store a head dim uses: SCORE_TILES below.
+SCORE_STORES = {"f32-pointers": (False, False), "f16-pointers": (True, False),
+                "f16-descriptor": (True, True), "f32-descriptor": (False, True)}
+
+
 @dataclass(frozen=True)
 class ScoreTiles:
     """How a score-emitting pass runs on a GPU: keys per block, pipeline stages, the largest
-    split of an occupancy split in keys (None: the occupancy split alone) and the registers
-    per thread ptxas may use (None: its own choice)."""
+    split of an occupancy split in keys (None: the occupancy split alone), the registers
+    per thread ptxas may use (None: its own choice) and how its weight-mode logits are
+    stored (a name of `SCORE_STORES`)."""
 
     block_k: int
     stages: int
     split_max: int | None
     maxnreg: int | None
+    store: str
+
+    def __post_init__(self) -> None:
+        if self.store not in SCORE_STORES:
+            raise ValueError(f"unknown score store {self.store!r}; one of "
+                             f"{', '.join(SCORE_STORES)}")
 
 
 # Score-pass tiles by head dim, from benchmarks/tile_sweep.py (n = 7, weight scores of rows 0
@@ -83,11 +104,15 @@ class ScoreTiles:
 #   703.8 µs for 128/3 with ptxas's 205. The occupancy split was slower there (705.1), and a
 #   cap of 128 spills at 128-key blocks (924.7).
 # * any other head dim: 128-key blocks, 3 stages, ptxas's registers, splits of at most 2048.
+# The logit store, swept again at these tiles (BENCHMARKS.md §2.13, µs per layer): at 64
+# float32 through pointers, 143.9 against 151.3 for the float32 descriptor; at 128 (and any
+# other head dim) the float32 descriptor, 666.0 against 683.7 for pointers. The float16
+# stores lost at both.
 # The keys are read in the same order whichever tiles run, so results change only by the
 # float summation order of the online softmax.
-SCORE_TILES: dict[int, ScoreTiles] = {64: ScoreTiles(128, 3, None, 168),
-                                      128: ScoreTiles(64, 2, 2048, 128)}
-SCORE_TILES_OTHER = ScoreTiles(128, 3, 2048, None)
+SCORE_TILES: dict[int, ScoreTiles] = {64: ScoreTiles(128, 3, None, 168, "f32-pointers"),
+                                      128: ScoreTiles(64, 2, 2048, 128, "f32-descriptor")}
+SCORE_TILES_OTHER = ScoreTiles(128, 3, 2048, None, "f32-descriptor")
 
 
 def score_tiles(head_dim: int) -> ScoreTiles:
@@ -95,31 +120,19 @@ def score_tiles(head_dim: int) -> ScoreTiles:
     return SCORE_TILES.get(head_dim, SCORE_TILES_OTHER)
 
 
-# How the weight-mode logits are stored: float32 or float16 (16-bit models: half the scratch
-# bytes), through a tile of pointers or a tensor descriptor (one bulk copy of the
-# [lanes, block_k] tile per key block; steps with one row block, pointers otherwise).
-# name -> (float16 scratch, descriptor store). Compiled for sm_90 at the Llama-3.1-8B verify shape
-# (benchmarks/kernel_regs.py, 128 / 3): float32 descriptor 205 registers, no spills; float32
-# pointers 255 with 76 B of spill stores (no scores: 199). The whole verify step on an H200
-# (benchmarks/step_profile.py --score-tiles 128:3 128:3:f32-pointers, one engine): 8B shape
-# 16 x 32K 27.98 against 28.24 ms, SmolLM2 64 x 7.5K 6.57 against 6.50: level within a
-# percent; the float16 stores were slower (BENCHMARKS.md §2.6, §2.10).
-SCORE_STORES = {"f32-pointers": (False, False), "f16-pointers": (True, False),
-                "f16-descriptor": (True, True), "f32-descriptor": (False, True)}
-SCORE_STORE = "f32-descriptor"
 # The logits are computed in the attention loop, on the key block it has just loaded, so K is
 # read once. Measured slower and dropped (BENCHMARKS.md §2.9, §2.10): a second loop over the
 # split's K blocks after the partials are stored (1062 against 708 µs per layer at the 8B
 # shape), a sibling program per attention program (1010), and score lanes gathered from the
 # attention tile's products (789 against 781 µs with the float32 descriptor).
 # Exact mode: one tiling for every full-attention step, plain or verify, scored or not, at any
-# batch size and context: EXACT_TILES (ptxas's registers) and splits of exactly EXACT_SPLIT
-# keys on a GPU (the interpreter: its own small blocks, splits of 4 blocks), and EXACT_ROWS
-# query rows per tile (`tile_config`). A row's keys are then walked in the same blocks, cut
-# into the same splits and merged in split order whatever else the step holds; blocks and
-# splits past the row's last visible key add exact zeros (p = 0, alpha = 1), so neither n
-# nor kv_len matters.
-EXACT_TILES = ScoreTiles(128, 3, None, None)
+# batch size and context: EXACT_TILES (ptxas's registers, logits through the float32
+# descriptor) and splits of exactly EXACT_SPLIT keys on a GPU (the interpreter: its own small
+# blocks, splits of 4 blocks), and EXACT_ROWS query rows per tile (`tile_config`). A row's
+# keys are then walked in the same blocks, cut into the same splits and merged in split order
+# whatever else the step holds; blocks and splits past the row's last visible key add exact
+# zeros (p = 0, alpha = 1), so neither n nor kv_len matters.
+EXACT_TILES = ScoreTiles(128, 3, None, None, "f32-descriptor")
 EXACT_SPLIT = 2048
 EXACT_SPLIT_CPU_BLOCKS = 4
 
@@ -305,7 +318,8 @@ class _ScoreJob:
 
 
 def _score_job(rows: torch.Tensor | None, out: torch.Tensor | None, mode_name: str,
-               q: torch.Tensor, cfg: TileConfig, hkv: int, kv_len: int) -> _ScoreJob | None:
+               q: torch.Tensor, cfg: TileConfig, hkv: int, kv_len: int,
+               store: str) -> _ScoreJob | None:
     if rows is None or rows.numel() == 0:
         return None
     assert out is not None, "score_rows needs score_out"
@@ -315,7 +329,7 @@ def _score_job(rows: torch.Tensor | None, out: torch.Tensor | None, mode_name: s
     r_pad = _rows_pad(rows.shape[0], cfg.group_pad, q.is_cuda)
     f32 = dict(dtype=torch.float32, device=q.device)
     if mode == 1:
-        half = SCORE_STORES[SCORE_STORE][0] and q.dtype != torch.float32
+        half = SCORE_STORES[store][0] and q.dtype != torch.float32
         scratch = torch.empty(bsz, hkv, r_pad * cfg.group_pad, -(-kv_len // 16) * 16,
                               dtype=torch.float16 if half else torch.float32, device=q.device)
         lse = torch.empty(bsz, n, heads, **f32)
@@ -381,6 +395,16 @@ def _tiling(q: torch.Tensor, hkv: int, scored: bool, block_k: int | None,
     return cfg, size
 
 
+def _score_store(q: torch.Tensor, exact: bool) -> str:
+    """How this call stores weight-mode logits (a name of `SCORE_STORES`): the store of the
+    tiles it runs, EXACT_TILES in exact mode, its head dim's score tiles on a GPU. The
+    interpreter runs none of the GPU tiles; it keeps the store it has always used whatever
+    the head dim, that of the other head dims (SCORE_TILES_OTHER, the float32 descriptor)."""
+    if exact:
+        return EXACT_TILES.store
+    return (score_tiles(q.shape[3]) if q.is_cuda else SCORE_TILES_OTHER).store
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
                     kv_len: int, scale: float, score_rows: torch.Tensor | None = None,
@@ -406,8 +430,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cfg, size = _tiling(q, hkv, scored, block_k, split_size, kv_len, exact)
     row_blocks = triton.cdiv(n, cfg.block_n)
     splits = triton.cdiv(kv_len, size)
-    job = _score_job(score_rows, score_out, score_mode, q, cfg, hkv, kv_len)
-    use_desc = (SCORE_STORES[SCORE_STORE][1] and job is not None and job.mode == 1
+    store = _score_store(q, exact)
+    job = _score_job(score_rows, score_out, score_mode, q, cfg, hkv, kv_len, store)
+    use_desc = (SCORE_STORES[store][1] and job is not None and job.mode == 1
                 and row_blocks == 1)
     out = output_buffer(q, out)
     parts = Partials.empty(splits, bsz * n, heads, dim, q.device) if splits > 1 else None
