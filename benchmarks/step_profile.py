@@ -118,7 +118,7 @@ def weight_bytes(llm: LLM) -> int:
 
 
 def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.Namespace,
-            bandwidth: float) -> dict:
+            bandwidth: float, rank_width: str = "library") -> dict:
     cfg, dev = llm.model_config, llm.device
     gamma = spec.gamma
     pages = [llm.cache.allocate(context + gamma + 1) for _ in range(bsz)]
@@ -165,6 +165,8 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
                              gamma, llm.cache.layers, table, llm.config.page_size,
                              runner.shapes.kmax, runner.shapes.recent_max, context + 1,
                              topk=runner.backend.topk)
+        # library: the top-k ranks up to max_model_len; whole: the whole static key width
+        inp.rank_width = (runner.shapes.rank_width or None) if rank_width == "library" else None
 
         def select() -> None:
             plan = policy.plan(inp)
@@ -189,6 +191,8 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         # selection in one graph; and the same round without the selection.
         last = tokens[:, 0].contiguous()
         shapes = llm._static_shapes(spec, policy, greedy=True)
+        if rank_width == "whole":
+            shapes = dataclasses.replace(shapes, rank_width=0)
         for key, plans in (("round_ms", True), ("round_unplanned_ms", False)):
             llm.graphs = GraphRunner(llm.model, llm.cache.layers, llm.backend,
                                      dataclasses.replace(shapes, plans=plans), bsz,
@@ -302,11 +306,12 @@ def exact_cost(rows: list[dict]) -> list[dict]:
     tokens per second in each, and exact mode's slowdown (1 - exact / default)."""
     out = []
     for ex in (r for r in rows if r["mode"] == "exact"):
+        key = ("context", "batch", "rank_width")
         base = next((r for r in rows if r["mode"] == "default"
-                     and (r["context"], r["batch"]) == (ex["context"], ex["batch"])), None)
+                     and all(r.get(k) == ex.get(k) for k in key)), None)
         if base is None:
             continue
-        line = {"context": ex["context"], "batch": ex["batch"]}
+        line = {"context": ex["context"], "batch": ex["batch"], "rank_width": ex["rank_width"]}
         for name, row in (("default", base), ("exact", ex)):
             line[f"plain_tok_s_{name}"] = 1e3 * row["batch"] / row["plain_ms"]
             line[f"vegas_tok_s_{name}"] = 1e3 * row["batch"] * row["tokens_per_iteration"] / (
@@ -390,6 +395,13 @@ def main() -> None:
                          "BLOCK_K:STAGES[:STORE[:SPLIT_MAX[:MAXNREG]]] (STORE one of "
                          f"{', '.join(pa.SCORE_STORES)}; 0: no split cap, ptxas's registers; "
                          "omitted parts: the library's), each in graphs of its own")
+    ap.add_argument("--max-model-len", type=int, default=0,
+                    help="the engines' max_model_len, which sizes the static key width "
+                         "(0: context + gamma + 64)")
+    ap.add_argument("--rank-widths", nargs="+", default=["library"],
+                    choices=["library", "whole"],
+                    help="positions vegas's top-k ranks: up to max_model_len (library) or "
+                         "the whole static key width, side by side in one engine")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -406,12 +418,14 @@ def main() -> None:
         kv = slots * kv_bytes_per_token(model, 2 if cuda else 4)
         llm = LLM(str(args.config), load_format="dummy", device="cuda" if cuda else "cpu",
                   dtype="bfloat16" if cuda else "float32", kv_cache_bytes=kv,
-                  max_model_len=context + args.gamma + 64, exact=mode == "exact")
+                  max_model_len=args.max_model_len or context + args.gamma + 64,
+                  exact=mode == "exact")
         for k, v in llm.cache.layers:
             k.normal_()
             v.normal_()
-        for bsz, skinny, tiles in ((b, r, t) for b in args.batches
-                                   for r in args.skinny_rows for t in tilings):
+        for bsz, skinny, tiles, width in ((b, r, t, w) for b in args.batches
+                                          for r in args.skinny_rows for t in tilings
+                                          for w in args.rank_widths):
             # All of these are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
             pa.SCORE_TILES = {dim: tiles}
@@ -419,7 +433,8 @@ def main() -> None:
             row = {"mode": mode, "skinny_rows": skinny,
                    "score_tiles": f"{tiles.block_k}:{tiles.stages}:{tiles.store}",
                    "score_split_max": tiles.split_max, "score_maxnreg": tiles.maxnreg,
-                   **measure(llm, spec, context, bsz, args, bandwidth)}
+                   "max_model_len": llm.max_model_len, "rank_width": width,
+                   **measure(llm, spec, context, bsz, args, bandwidth, width)}
             row["host_gap_ms"] = host_gap_ms(llm, spec, bsz, args.host_gap_tokens,
                                              min(256, context // 2))
             if args.projections and cuda:

@@ -375,6 +375,8 @@ def test_max_model_len_bounds_the_static_shapes(tiny: Path, prompts: list[list[i
                         speculative=tiny_spec({"method": "vegas"}))
     assert [len(o.token_ids) for o in outs] == [40, 40, 96 - LENGTHS[2]]
     assert llm.graphs is not None and llm.graphs.kv_len == llm.cache.pages_for(96 + 4) * 16
+    # the selection ranks positions below max_model_len only (rows up to the end: above)
+    assert llm.graphs.shapes.rank_width == 96 < llm.graphs.kv_len
     with pytest.raises(ConfigError, match="exceeds the model's 256 positions"):
         LLM(str(tiny), max_model_len=512, **ENGINE)
 

@@ -70,6 +70,9 @@ class StaticShapes:
     verify_rows:  γ+1 (0 for plain decoding).
     pages:        page-table width P; kv_len_max = P * page_size.
     kmax:         host bound on every selection budget.
+    rank_width:   host bound on the positions a selection ranks (0: the whole key width);
+                  max_model_len, which every committed length stays below, where the key
+                  width is rounded up past it for the drafts and verify rows of a round.
     index_width:  K of the plan's indices [layers, B, G, K] (0: none).
     index_groups: G of those indices (1 or num_kv_heads).
     recent_max:   2γ+1, the widest recent range a draft step reads.
@@ -84,6 +87,7 @@ class StaticShapes:
     verify_rows: int
     pages: int
     kmax: int = 0
+    rank_width: int = 0
     index_width: int = 0
     index_groups: int = 1
     recent_max: int = 0
@@ -332,6 +336,7 @@ class GraphRunner:
         nothing back from the device, and quest's fixed-shape state to fill (from row
         `start`: the plan is for the rows that joined there)."""
         inp.kmax, inp.recent_max = self.shapes.kmax, self.shapes.recent_max
+        inp.rank_width = self.shapes.rank_width or None
         quest = self.buf.quest
         inp.quest_state = quest if quest is None or start == 0 else quest.from_row(start)
         return inp

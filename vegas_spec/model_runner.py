@@ -251,7 +251,7 @@ class ModelRunner:
         return StaticShapes(
             kinds=tuple(dict.fromkeys(kinds)), verify_rows=gamma + 1,
             draft_kind=draft or "draft", plans=spec_round and not policy.full_drafts,
-            pages=pages, kmax=kmax,
+            pages=pages, kmax=kmax, rank_width=self.max_model_len,
             index_width=width, index_groups=hkv if policy.per_kv_head else 1,
             recent_max=2 * gamma + 1,
             score_rows=tuple(policy.score_rows(gamma + 1, False)) if policy.wants_scores else (),

@@ -56,15 +56,20 @@ def test_step_profile_measures_exact_mode_against_the_default(tmp_path: Path) ->
     out = tmp_path / "exact.json"
     run("step_profile.py", "--config", str(tmp_path), "--contexts", "64", "--batches", "2",
         "--reps", "2", "--min-tokens", "16", "--modes", "default", "exact", "--brief",
-        "--host-gap-tokens", "8", "--out", str(out))
+        "--host-gap-tokens", "8", "--max-model-len", "100", "--rank-widths", "library",
+        "whole", "--out", str(out))
     data = json.loads(out.read_text())
-    assert [r["mode"] for r in data["rows"]] == ["default", "exact"]
+    assert [(r["mode"], r["rank_width"]) for r in data["rows"]] == [
+        ("default", "library"), ("default", "whole"), ("exact", "library"), ("exact", "whole")]
+    assert {r["max_model_len"] for r in data["rows"]} == {100}
     assert "quest_draft_ms" not in data["rows"][0]
-    (cost,) = data["exact_cost"]
-    assert (cost["context"], cost["batch"]) == (64, 2)
-    for kind in ("plain", "vegas"):
-        assert cost[f"{kind}_tok_s_default"] > 0 and cost[f"{kind}_tok_s_exact"] > 0
-        assert cost[f"{kind}_slowdown"] < 1
+    costs = data["exact_cost"]
+    assert [c["rank_width"] for c in costs] == ["library", "whole"]
+    for cost in costs:
+        assert (cost["context"], cost["batch"]) == (64, 2)
+        for kind in ("plain", "vegas"):
+            assert cost[f"{kind}_tok_s_default"] > 0 and cost[f"{kind}_tok_s_exact"] > 0
+            assert cost[f"{kind}_slowdown"] < 1
 
 
 def test_method_sweep_pairs_prompts_and_checks_losslessness(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import torch
 from vegas_spec.attention.context import SparsePlan, StepContext
 from vegas_spec.attention.torch_backend import paged_attention_ref
 from vegas_spec.config import METHODS, SpecConfig
+from vegas_spec.ops import topk_positions
 from vegas_spec.speculative.policies import POLICIES, SelectionInput, budget, make_policy
 
 LAYERS, HKV, GROUP, DIM, GAMMA, PAGE_SIZE = 3, 2, 2, 8, 4, 8
@@ -243,6 +244,34 @@ def test_the_backends_top_k_selects_what_the_reference_selects(method: str,
     assert want is not None and got is not None
     assert torch.equal(got.indices, want.indices)
     assert torch.equal(got.budget, want.budget)
+
+
+@pytest.mark.parametrize("method,prefill", [("vegas", False), ("vegas", True),
+                                            ("lastq", False), ("lastq", True)])
+def test_a_rank_width_narrows_the_top_k_rows_not_the_plan(method: str, prefill: bool) -> None:
+    """rank_width (a host bound >= every rankable position) hands the top-k rows of that
+    width, and the plan is the one ranked over the whole key width."""
+    policy = make_policy(SpecConfig(method=method, **BASE))
+    case = make_case(8, prefill)
+    rows = policy.score_rows(GAMMA + 1, prefill)
+    start = case.row_pos if method == "vegas" or prefill else \
+        [r + a for r, a in zip(case.row_pos, case.accepted)]
+    # a static key width past the keys, as the round graphs' (positions past rankable score
+    # highest, so ranking them would show)
+    scores = random_scores(9, len(rows), 1, case.width + PAGE_SIZE, start)
+    want = policy.plan(case.selection_input(scores))
+    widths: list[int] = []
+
+    def top(s: torch.Tensor, *args: object) -> torch.Tensor:
+        widths.append(s.shape[-1])
+        return topk_positions(s, *args)
+
+    inp = case.selection_input(scores)
+    inp.topk, inp.rank_width = top, max(start) + 1
+    got = policy.plan(inp)
+    assert widths == [max(start) + 1] and max(start) + 1 < scores.shape[-1]
+    assert want is not None and got is not None
+    assert torch.equal(got.indices, want.indices) and torch.equal(got.budget, want.budget)
 
 
 # --- lastq, specextend -------------------------------------------------------------------

@@ -34,6 +34,10 @@ class SelectionInput:
     kmax, recent_max, max_len: host bounds for fixed shapes (None: read from the tensors, a
                host sync). kmax >= every budget fixes the index width, recent_max >= every
                recent range (2γ+1), max_len >= every length sizes quest's page bounds.
+    rank_width: host bound on the rankable positions (None: the scores' width W): vegas and
+               lastq rank scores[..., :rank_width] only, so that a key width rounded up past
+               the context (W = max_model_len + γ + 1 in pages) does not widen the top-k's
+               rows (the Triton backend's kernel holds rows of up to 8,192 scores).
     topk:      the attention backend's top-k, with `topk_positions`' contract (None: that
                reference): vegas and lastq rank their scores with it.
     """
@@ -49,6 +53,7 @@ class SelectionInput:
     kmax: int | None = None
     recent_max: int | None = None
     max_len: int | None = None
+    rank_width: int | None = None
     quest_state: QuestState | None = None
     topk: Callable[..., torch.Tensor] | None = None
 
@@ -197,9 +202,8 @@ class Vegas(Policy):
 
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
-        assert inp.scores is not None
         top = inp.topk or topk_positions
-        return top(inp.scores.sum(2), rankable, k, inp.kmax)
+        return top(_ranked(inp).sum(2), rankable, k, inp.kmax)
 
 
 @register
@@ -221,9 +225,17 @@ class LastQ(Vegas):
 
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
-        assert inp.scores is not None
         top = inp.topk or topk_positions
-        return top(_row(inp.scores, inp.accepted), rankable, k, inp.kmax)
+        return top(_row(_ranked(inp), inp.accepted), rankable, k, inp.kmax)
+
+
+def _ranked(inp: SelectionInput) -> torch.Tensor:
+    """The scores [layers, B, R, G, W'] of the positions a selection may rank (W' = W, or
+    rank_width where that is less)."""
+    assert inp.scores is not None
+    width = inp.rank_width
+    return inp.scores if width is None or width >= inp.scores.shape[-1] \
+        else inp.scores[..., :width]
 
 
 def _row(scores: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
