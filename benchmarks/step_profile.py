@@ -386,11 +386,6 @@ def main() -> None:
                          "and the host work (not stream's verify nor quest's draft)")
     ap.add_argument("--host-gap-tokens", type=int, default=64,
                     help="new tokens per sequence of the run that measures the host work")
-    ap.add_argument("--fused-rows", type=int, nargs="+",
-                    default=[triton_backend.FUSED_MAX_ROWS],
-                    help="the Triton backend's FUSED_MAX_ROWS to time (0: every norm and SiLU "
-                         "* up a kernel of its own; 64: fused with their projections in steps "
-                         "of up to 64 rows), side by side in one engine")
     ap.add_argument("--skinny-rows", type=int, nargs="+",
                     default=[triton_backend.SKINNY_MAX_ROWS],
                     help="the Triton backend's SKINNY_MAX_ROWS to time (0: cuBLAS for every "
@@ -428,15 +423,14 @@ def main() -> None:
         for k, v in llm.cache.layers:
             k.normal_()
             v.normal_()
-        for bsz, fused, skinny, tiles, width in (
-                (b, f, r, t, w) for b in args.batches for f in args.fused_rows
-                for r in args.skinny_rows for t in tilings for w in args.rank_widths):
+        for bsz, skinny, tiles, width in ((b, r, t, w) for b in args.batches
+                                          for r in args.skinny_rows for t in tilings
+                                          for w in args.rank_widths):
             # All of these are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
-            triton_backend.FUSED_MAX_ROWS = fused
             pa.SCORE_TILES = {dim: tiles}
             llm.graphs = None
-            row = {"mode": mode, "fused_rows": fused, "skinny_rows": skinny,
+            row = {"mode": mode, "skinny_rows": skinny,
                    "score_tiles": f"{tiles.block_k}:{tiles.stages}:{tiles.store}",
                    "score_split_max": tiles.split_max, "score_maxnreg": tiles.maxnreg,
                    "max_model_len": llm.max_model_len, "rank_width": width,

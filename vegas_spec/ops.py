@@ -34,23 +34,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """h = x + residual (x without one) -> (F.linear(rms_norm(h)), h): a norm and the
-    projection after it."""
-    if residual is None:
-        return F.linear(rms_norm(x, norm_weight, eps), weight, bias), x
-    normed, h = add_rms_norm(x, residual, norm_weight, eps)
-    return F.linear(normed, weight, bias), h
-
-
-def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """gate_up [..., 2I] -> F.linear(silu(gate) * up): SiLU * up and the projection after it."""
-    return F.linear(silu_mul(gate_up), weight, bias)
-
-
 def exact_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu_mul` with each element's bits independent of the tensor's size (exact mode).
 

@@ -1,8 +1,7 @@
 """The few-row projection against a float64 `F.linear`: every row count of a step up to 64,
 column blocks that N leaves partial, K steps that K leaves partial, bias, and K split over
 programs (one split left empty); more than 64 rows are refused. On a GPU also the 8B models'
-projection shapes in bfloat16. The fused prologues (RMSNorm with and without the residual
-add, SiLU * up) against their float64 oracles in `ops`, the residual stream h to the bit."""
+projection shapes in bfloat16."""
 
 from __future__ import annotations
 
@@ -10,16 +9,12 @@ import pytest
 import torch
 from kernel_cases import CUDA, DEVICE, generator, nan_empty, randn
 
-from vegas_spec import ops
-from vegas_spec.kernels.silu_mul import silu_mul
 from vegas_spec.kernels.skinny_matmul import (
     GPU_SMS,
     MAX_ROWS,
     SkinnyTiles,
     skinny_linear,
     skinny_linear_ref,
-    skinny_norm_linear,
-    skinny_silu_linear,
     skinny_tiles,
 )
 
@@ -96,84 +91,3 @@ def test_8b_shapes_in_bfloat16_match_cublas(n: int, k: int) -> None:
             got = skinny_linear(x, w, tiles=tiles).float()
             err = float((got - want).norm() / want.norm())
             assert err < 1e-2, (m, tiles, err)
-
-
-# --- fused prologues ------------------------------------------------------------------------
-
-def rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want.double()).norm() / want.double().norm())
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m,k,bias,residual", [(1, 256, False, True), (7, 200, True, True),
-                                               (16, 256, True, False), (64, 200, False, True)])
-def test_norm_prologue_matches_its_oracle(m: int, k: int, bias: bool, residual: bool,
-                                          dtype: torch.dtype) -> None:
-    """rms_norm(x + residual) * g @ W^T (+ b) and h = x + residual, against `ops.norm_linear`
-    in float64 (rows far from unit scale: the 1/rms factor matters); h is the dtype's
-    rounded sum, as `ops.add_rms_norm` gives it."""
-    gen = generator(3 * m + k)
-    x = 4 * randn(m, k, gen=gen, dtype=dtype)
-    r = randn(m, k, gen=gen, dtype=dtype) if residual else None
-    g = (1 + randn(k, gen=gen, dtype=torch.float32) / 4).to(dtype)
-    w = randn(N, k, gen=gen, dtype=dtype) / k ** 0.5
-    b = randn(N, gen=gen, dtype=dtype) if bias else None
-    with nan_empty():
-        got, h = skinny_norm_linear(x, r, g, 1e-5, w, b, tiles=SkinnyTiles(64, 64, 4, 2))
-    want, _ = ops.norm_linear(*(None if t is None else t.double() for t in (x, r, g)), 1e-5,
-                              w.double(), None if b is None else b.double())
-    assert got.shape == (m, N) and got.dtype == dtype
-    assert rel(got, want) < REL_TOL[dtype]
-    assert torch.equal(h, x if r is None else ops.add_rms_norm(x, r, g, 1e-5)[1])
-
-
-def test_norm_prologue_never_splits_k() -> None:
-    """Tiles that split K are run unsplit (the 1/rms needs the whole row); leading dims."""
-    gen = generator(11)
-    x, r = randn(2, 3, 128, gen=gen), randn(2, 3, 128, gen=gen)
-    g, w = randn(128, gen=gen), randn(40, 128, gen=gen) / 128 ** 0.5
-    with nan_empty():
-        got, h = skinny_norm_linear(x, r, g, 1e-6, w, tiles=SkinnyTiles(32, 32, 4, 2, 4))
-    want, _ = ops.norm_linear(x.double(), r.double(), g.double(), 1e-6, w.double())
-    assert got.shape == (2, 3, 40) and h.shape == x.shape
-    assert rel(got, want) < REL_TOL[torch.float32] and torch.equal(h, x + r)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m,inter,bias,split_k", CASES)
-def test_silu_prologue_matches_its_oracle(m: int, inter: int, bias: bool, split_k: int,
-                                          dtype: torch.dtype) -> None:
-    """(silu(gate) * up) @ W^T (+ b) against F.linear of the SiLU * up kernel's own output in
-    float64: the operand is rounded as that kernel rounds it, so only the sum differs."""
-    gen = generator(5 * m + inter)
-    gate_up = 2 * randn(m, 2 * inter, gen=gen, dtype=dtype)
-    w = randn(N, inter, gen=gen, dtype=dtype) / inter ** 0.5
-    b = randn(N, gen=gen, dtype=dtype) if bias else None
-    with nan_empty():
-        got = skinny_silu_linear(gate_up, w, b, tiles=SkinnyTiles(64, 64, 4, 2, split_k))
-    want = skinny_linear_ref(silu_mul(gate_up).double(), w.double(),
-                             None if b is None else b.double())
-    assert got.shape == (m, N) and got.dtype == dtype
-    assert rel(got, want) < REL_TOL[dtype]
-    assert rel(got, ops.silu_linear(gate_up.double(), w.double(),
-                                    None if b is None else b.double())) < 2 * REL_TOL[dtype]
-
-
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n,k", [(6144, 4096), (28672, 4096), (4096, 14336), (960, 576),
-                                 (3072, 576), (576, 1536)])
-def test_fused_prologues_at_model_shapes_in_bfloat16(n: int, k: int) -> None:
-    """The 8B and SmolLM2 shapes a draft or plain step runs fused, default tiles, against
-    the two unfused kernels' path (`ops` oracle in float32)."""
-    gen = torch.Generator(device=DEVICE).manual_seed(n + k)
-    w = (torch.randn(n, k, generator=gen, device=DEVICE) / k ** 0.5).to(torch.bfloat16)
-    g = (1 + torch.randn(k, generator=gen, device=DEVICE) / 4).to(torch.bfloat16)
-    for m in (1, 16, 64):
-        x = (4 * torch.randn(m, k, generator=gen, device=DEVICE)).to(torch.bfloat16)
-        r = torch.randn(m, k, generator=gen, device=DEVICE).to(torch.bfloat16)
-        got, h = skinny_norm_linear(x, r, g, 1e-5, w)
-        want, _ = ops.norm_linear(x.float(), r.float(), g.float(), 1e-5, w.float())
-        assert rel(got, want) < 1e-2 and torch.equal(h, x + r), (m, n, k)
-        gate_up = (2 * torch.randn(m, 2 * k, generator=gen, device=DEVICE)).to(torch.bfloat16)
-        got = skinny_silu_linear(gate_up, w)
-        assert rel(got, skinny_linear_ref(silu_mul(gate_up).float(), w.float())) < 1e-2

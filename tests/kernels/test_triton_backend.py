@@ -79,15 +79,9 @@ def test_make_backend_registers_triton() -> None:
     assert make_backend("triton").name == "triton"
 
 
-@pytest.mark.parametrize("mode,per_kv_head,architecture,fused", [
-    ("weight", False, "LlamaForCausalLM", False), ("logit", True, "Qwen3ForCausalLM", False),
-    ("weight", False, "LlamaForCausalLM", True)])
-def test_same_logits_as_torch_backend(mode: str, per_kv_head: bool, architecture: str,
-                                      fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """fused: every step of at most 64 rows (all of them here: prompts of 45 and 29 tokens)
-    runs its norms and SiLU * up fused with their projections, as on a GPU."""
-    if fused:
-        monkeypatch.setattr(triton_backend, "fuses", lambda rows, x, w: 0 < rows <= 64)
+@pytest.mark.parametrize("mode,per_kv_head,architecture", [
+    ("weight", False, "LlamaForCausalLM"), ("logit", True, "Qwen3ForCausalLM")])
+def test_same_logits_as_torch_backend(mode: str, per_kv_head: bool, architecture: str) -> None:
     torch.manual_seed(0)
     model = tiny_model(architecture)
     assert model.cfg.qk_norm == (architecture == "Qwen3ForCausalLM")
@@ -138,55 +132,10 @@ def test_same_logits_as_torch_backend(mode: str, per_kv_head: bool, architecture
 
 
 class _CudaLike:
-    """What `uses_skinny` and `fuses` read of x on a GPU, without one."""
+    """What `uses_skinny` reads of x on a GPU, without one."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.is_cuda, self.dtype = True, dtype
-
-    def stride(self, dim: int) -> int:
-        return 1
-
-
-def test_fused_route_takes_steps_of_few_rows_in_half_precision(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    w = torch.empty(960, 576, dtype=torch.bfloat16, device="meta")
-    x = _CudaLike(torch.bfloat16)
-    assert triton_backend.FUSED_MAX_ROWS == 64
-    assert triton_backend.fuses(1, x, w) and triton_backend.fuses(64, x, w)
-    assert not triton_backend.fuses(65, x, w) and not triton_backend.fuses(0, x, w)
-    assert not triton_backend.fuses(4, x, w.T)  # not row-major
-    assert not triton_backend.fuses(4, _CudaLike(torch.float32), w.float())
-    assert not triton_backend.fuses(4, torch.ones(4, 576, dtype=torch.bfloat16), w)  # CPU
-    monkeypatch.setattr(triton_backend, "FUSED_MAX_ROWS", 0)
-    assert not triton_backend.fuses(1, x, w)
-
-
-@pytest.mark.parametrize("exact", [False, True])
-def test_norm_and_silu_reach_their_projections_fused_where_routed(
-        monkeypatch: pytest.MonkeyPatch, exact: bool) -> None:
-    """The seam's norm_linear and silu_row_linear: the fused kernels (the interpreter here)
-    where `fuses` routes, never in exact mode, and the same values as the separate steps."""
-    monkeypatch.setattr(triton_backend, "fuses", lambda rows, x, w: rows <= 8)
-    gen = generator(4)
-    x, r = torch.randn(2, 3, 64, generator=gen), torch.randn(2, 3, 64, generator=gen)
-    g = 1 + torch.randn(64, generator=gen) / 4
-    w, w_down = torch.randn(96, 64, generator=gen) / 8, torch.randn(64, 48, generator=gen) / 7
-    backend = make_backend("triton", exact=exact)
-    calls: list[str] = []
-    for name in ("skinny_norm_linear", "skinny_silu_linear"):
-        kernel = getattr(triton_backend, name)
-        monkeypatch.setattr(triton_backend, name,
-                            lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
-    for residual in (r, None):
-        got, h = backend.norm_linear(x, residual, g, 1e-6, w)
-        want, want_h = ops.norm_linear(x, residual, g, 1e-6, w)
-        close(got, want)
-        assert torch.equal(h, want_h)
-    gate_up = torch.randn(2, 3, 96, generator=gen)
-    close(backend.silu_row_linear(gate_up, w_down), ops.silu_linear(gate_up, w_down))
-    many = torch.randn(3, 4, 96, generator=gen)  # 12 rows: the separate steps
-    close(backend.silu_row_linear(many, w_down), ops.silu_linear(many, w_down))
-    assert calls == ([] if exact else ["skinny_norm_linear"] * 2 + ["skinny_silu_linear"])
 
 
 def test_skinny_route_is_off_by_default_and_takes_few_rows_of_large_weights(

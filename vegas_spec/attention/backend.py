@@ -27,9 +27,6 @@ class AttentionBackend(ABC):
     defaults are the plain-PyTorch references of `vegas_spec.ops`; a backend overrides them
     to fuse each into one kernel.
 
-    `norm_linear` and `silu_row_linear` are the norm before a projection and SiLU * up before
-    the down projection, each with its projection: by default the separate steps.
-
     Shapes: q [B, n, H, D] and k/v [B, n, Hkv, D] before RoPE, caches [num_slots, Hkv, D],
     rope [max_pos, D] float32 (cos | sin). `attend` returns [B, n, H, D]: it applies RoPE and
     writes k/v into their slots first, then attends: packed causal prefill attention when
@@ -150,23 +147,6 @@ class AttentionBackend(ABC):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [..., 2I] -> silu(gate) * up [..., I]."""
         return exact_silu_mul(gate_up) if self.exact else silu_mul(gate_up)
-
-    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
-                    norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The norm before a projection and the projection: h = x + residual (x itself
-        without one) -> (linear(norm(h)), h). Here `add_norm` (or `norm`) then `linear`; a
-        backend may fuse them."""
-        if residual is None:
-            return self.linear(self.norm(x, norm_weight, eps), weight, bias), x
-        normed, h = self.add_norm(x, residual, norm_weight, eps)
-        return self.linear(normed, weight, bias), h
-
-    def silu_row_linear(self, gate_up: torch.Tensor, weight: torch.Tensor,
-                        bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The MLP's down projection of silu(gate) * up: `silu_mul` then `row_linear`; a
-        backend may fuse them."""
-        return self.row_linear(self.silu_mul(gate_up), weight, bias)
 
     @abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -26,12 +26,7 @@ from vegas_spec.kernels.quest_scores import quest_page_scores
 from vegas_spec.kernels.rms_norm import rms_norm
 from vegas_spec.kernels.rope_store import rope_store
 from vegas_spec.kernels.silu_mul import silu_mul
-from vegas_spec.kernels.skinny_matmul import (
-    MAX_ROWS,
-    skinny_linear,
-    skinny_norm_linear,
-    skinny_silu_linear,
-)
+from vegas_spec.kernels.skinny_matmul import MAX_ROWS, skinny_linear
 from vegas_spec.kernels.sparse_attention import sparse_attention
 from vegas_spec.kernels.store_kv import store_kv
 
@@ -40,21 +35,6 @@ from vegas_spec.kernels.store_kv import store_kv
 SKINNY_MAX_ROWS: int = 0
 # Weights of fewer elements stay on cuBLAS (a tiny model's are read from L2 anyway).
 SKINNY_MIN_WEIGHT: int = 1 << 22
-
-
-# Steps of at most this many rows (0: none, at most MAX_ROWS) run each RMSNorm with the
-# projection after it, and SiLU * up with the down projection, as one kernel each in the
-# default mode (`skinny_norm_linear`, `skinny_silu_linear`): a draft or plain step launches
-# three kernels fewer per layer.
-FUSED_MAX_ROWS: int = 64
-
-
-def fuses(rows: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a default-mode norm or SiLU * up runs fused with its projection: on CUDA,
-    half precision, a row-major weight of x's dtype, and 1..FUSED_MAX_ROWS rows."""
-    return (0 < rows <= min(FUSED_MAX_ROWS, MAX_ROWS) and x.is_cuda
-            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and weight.stride(-1) == 1 and x.stride(-1) == 1)
 
 
 def uses_skinny(rows: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -81,9 +61,7 @@ def topk_by_width(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
 
 
 class TritonBackend(AttentionBackend):
-    """In the default mode a projection of few rows may run `skinny_linear` (`uses_skinny`),
-    and a step of few rows runs each norm and SiLU * up fused with the projection after it
-    (`fuses`).
+    """In the default mode a projection of few rows may run `skinny_linear` (`uses_skinny`).
     In exact mode the projections and the LM head run `exact_linear` and full attention
     one tiling for every step (`paged_attention(exact=True)`). The prefill kernel then keeps
     one program per tile along the keys: its tiles depend on the head dim only, and a row
@@ -120,22 +98,6 @@ class TritonBackend(AttentionBackend):
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
-
-    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
-                    norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.exact and fuses(math.prod(x.shape[:-1]), x, weight):
-            return skinny_norm_linear(x, residual, norm_weight, eps, weight, bias)
-        return super().norm_linear(x, residual, norm_weight, eps, weight, bias)
-
-    def silu_row_linear(self, gate_up: torch.Tensor, weight: torch.Tensor,
-                        bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.exact or not fuses(math.prod(gate_up.shape[:-1]), gate_up, weight):
-            return super().silu_row_linear(gate_up, weight, bias)
-        if self.tp.world_size == 1:
-            return skinny_silu_linear(gate_up, weight, bias)
-        out = self.tp.all_reduce(skinny_silu_linear(gate_up, weight))
-        return out if bias is None else out + bias
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:

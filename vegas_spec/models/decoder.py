@@ -8,8 +8,7 @@ slices, and the backend's `row_linear`, `embed` and `head_linear` do the collect
 keep their HF names at load time; q/k/v and gate/up are fused into one matmul each. The
 residual stream runs beside the hidden states (as vLLM's): each norm also adds the residual
 before it, so the backend can fuse add + norm, RoPE + KV store and SiLU * up into one kernel
-each, and each norm and SiLU * up reach the backend with the projection after them
-(`norm_linear`, `silu_row_linear`), which it may fuse as well.
+each.
 
 The plain-PyTorch references of those steps live in `vegas_spec.ops`."""
 
@@ -43,11 +42,11 @@ class Layer(nn.Module):
         self.q_norm = nn.Parameter(torch.ones(d)) if cfg.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(d)) if cfg.qk_norm else None
 
-    def attention(self, qkv: torch.Tensor, rope: torch.Tensor, cache: tuple[torch.Tensor, ...],
+    def attention(self, h: torch.Tensor, rope: torch.Tensor, cache: tuple[torch.Tensor, ...],
                   backend: AttentionBackend, ctx: StepContext) -> torch.Tensor:
-        """qkv [B, n, q + 2 kv] (the fused projection) -> the attention's o_proj."""
         cfg = self.cfg
-        bsz, n, _ = qkv.shape
+        bsz, n, _ = h.shape
+        qkv = backend.linear(h, self.qkv.weight, self.qkv.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(bsz, n, cfg.num_heads, cfg.head_dim)
         k = k.view(bsz, n, cfg.num_kv_heads, cfg.head_dim)
@@ -59,18 +58,23 @@ class Layer(nn.Module):
         return backend.row_linear(out.reshape(bsz, n, self.q_size), self.o_proj.weight,
                                   self.o_proj.bias)
 
+    def mlp(self, h: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        up = backend.silu_mul(backend.linear(h, self.gate_up.weight, self.gate_up.bias))
+        return backend.row_linear(up, self.down.weight, self.down.bias)
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: torch.Tensor,
                 cache: tuple[torch.Tensor, ...], backend: AttentionBackend, ctx: StepContext,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (the embeddings, residual None, for the first layer)
         -> (this layer's output, the residual stream before it)."""
         eps = self.cfg.rms_norm_eps
-        qkv, residual = backend.norm_linear(x, residual, self.input_norm, eps, self.qkv.weight,
-                                            self.qkv.bias)
-        gate_up, residual = backend.norm_linear(
-            self.attention(qkv, rope, cache, backend, ctx), residual, self.post_norm, eps,
-            self.gate_up.weight, self.gate_up.bias)
-        return backend.silu_row_linear(gate_up, self.down.weight, self.down.bias), residual
+        if residual is None:
+            h, residual = backend.norm(x, self.input_norm, eps), x
+        else:
+            h, residual = backend.add_norm(x, residual, self.input_norm, eps)
+        h, residual = backend.add_norm(self.attention(h, rope, cache, backend, ctx), residual,
+                                       self.post_norm, eps)
+        return self.mlp(h, backend), residual
 
 
 class Decoder(nn.Module):
