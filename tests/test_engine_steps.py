@@ -102,15 +102,39 @@ def test_more_prompts_than_rows_queue_and_equal_alone(tiny: Path, prompts: list[
     seen: list[int] = []
     step = llm.engine.step
 
-    def counting(collect: bool = True) -> list[RequestOutput]:
+    def counting(collect: bool = True, **kw: Any) -> list[RequestOutput]:
         seen.append(llm.engine.num_running)
-        return step(collect)
+        return step(collect, **kw)
 
     llm.engine.step = counting  # type: ignore[method-assign]
     outs = llm.generate(prompts, [params(n) for n in MAX_TOKENS],
                         speculative=tiny_spec({"method": "vegas"}))
     assert [o.token_ids for o in outs] == alone["vegas"]
     assert max(seen) <= 2 and llm.graphs is not None and llm.graphs.capacity == 2
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_offline_rows_decode_once_every_admitted_prompt_is_prefilled(
+        tiny: Path, prompts: list[list[int]], alone: dict[str, list[list[int]]],
+        static: bool) -> None:
+    """generate prefills first: in chunks of 32 tokens the five prompts (258 tokens) take
+    nine steps, none of which decodes while an admitted prompt is still being prefilled; every
+    request gets its tokens alone."""
+    llm = LLM(str(tiny), prefill_chunk=32, static_shapes=static, **ENGINE)
+    engine = llm.engine
+    decode = engine._decode_step
+    during: list[tuple[bool, int]] = []
+
+    def spy(touched: dict, info: Any) -> None:
+        during.append((engine.scheduler.prefilling(), engine.num_running))
+        decode(touched, info)
+
+    engine._decode_step = spy  # type: ignore[method-assign]
+    outs = llm.generate(prompts, [params(n) for n in MAX_TOKENS],
+                        speculative=tiny_spec({"method": "vegas"}))
+    assert [o.token_ids for o in outs] == alone["vegas"]
+    assert during and not any(busy for busy, _ in during)
+    assert during[0][1] == len(prompts)  # the first decode runs every row
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(
@@ -229,9 +253,9 @@ def test_offline_buffers_are_sized_for_the_largest_batch_the_prompts_form(
     runners, running = [], []
     step = llm.engine.step
 
-    def counting(collect: bool = True) -> list[RequestOutput]:
+    def counting(collect: bool = True, **kw: Any) -> list[RequestOutput]:
         running.append(llm.engine.num_running)
-        out = step(collect)
+        out = step(collect, **kw)
         runners.append(llm.graphs)
         return out
 

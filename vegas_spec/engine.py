@@ -6,8 +6,10 @@ tokens), the prompts that complete give their first token and join the input bat
 decode iteration runs over every row (one token each, or a draft-verify-accept round of 1 to
 γ+1 tokens). Each request that got tokens gets a `RequestOutput` with its text delta;
 finished requests give their pages back. The offline `LLM.generate` and the server are loops
-over `step()`; offline, more prompts than fit at once simply queue, and no step makes outputs
-(each request's text is decoded once, when it is read at the end)."""
+over `step()`; offline, more prompts than fit at once simply queue, the admitted prompts are
+all prefilled before their rows decode (`step(prefill_first=True)`: every decode iteration
+then runs the whole batch), and no step makes outputs (each request's text is decoded once,
+when it is read at the end)."""
 
 from __future__ import annotations
 
@@ -267,17 +269,23 @@ class LLMEngine:
 
     # --- the step -----------------------------------------------------------------------
 
-    def step(self, collect: bool = True) -> list[RequestOutput]:
+    def step(self, collect: bool = True, prefill_first: bool = False) -> list[RequestOutput]:
         """Admit, prefill a budget of prompt tokens, decode one iteration -> an output for
         every request that got tokens or finished in this step (collect False: none are made,
-        [] is returned; for a caller that reads the sequences once they finish)."""
+        [] is returned; for a caller that reads the sequences once they finish).
+
+        prefill_first: while an admitted prompt still has positions to prefill, the step only
+        prefills, so that the rows decode together once every admitted prompt is in (an
+        offline batch: its decode steps run at the batch's full width); else the running
+        rows decode one iteration in every step while prompts arrive (a server's)."""
         touched: dict[str, Sequence] = {}
         self.last_step = info = StepInfo(gamma=self.spec.gamma if self.spec.speculative else 0)
         t0 = time.perf_counter()
         budget = self._prefill_budget()
         self._prefill_step(touched, info, budget)
         t1 = time.perf_counter()
-        if self.runner.batch is not None:
+        if self.runner.batch is not None and not (prefill_first
+                                                  and self.scheduler.prefilling()):
             self._decode_step(touched, info)
         t2 = time.perf_counter()
         self.wall["prefill"] += t1 - t0
@@ -404,7 +412,8 @@ class LLM:
             for seq in seqs:
                 engine.add_request(seq)
             while engine.has_unfinished():
-                engine.step(collect=False)  # the outputs are made once, at the end
+                # the outputs are made once, at the end; the rows decode once all are in
+                engine.step(collect=False, prefill_first=True)
         except BaseException:
             engine.abort_all()
             raise

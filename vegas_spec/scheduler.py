@@ -161,6 +161,10 @@ class Scheduler:
             count += 1
         return count
 
+    def prefilling(self) -> bool:
+        """Whether a running sequence still has prompt positions to prefill."""
+        return any(seq.prefilled < len(seq.prompt_ids) for seq in self.running)
+
     def prefill_pieces(self, budget: int | None = None) -> list[Piece]:
         """The prompt positions to prefill in this step: at most `budget` (default
         prefill_budget) tokens, running sequences in admission order, a prompt cut where the
