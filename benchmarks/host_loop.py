@@ -143,13 +143,13 @@ def tiny_model(folder: Path) -> Path:
 def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams,
              spec: SpecConfig, clock: PhaseClock | None, stream: bool = False) -> None:
     """One generate() of every prompt; with a clock, each step's phases go to it; stream:
-    every step makes its RequestOutputs (text deltas included), as the server's loop does,
-    where generate makes none."""
+    every step makes its RequestOutputs (text deltas included) and decodes while prompts are
+    prefilled, as the server's loop does, where generate makes none and prefills first."""
     engine = llm.engine
     step = engine.step
 
-    def each_step(collect: bool = True) -> list:
-        outs = step(collect or stream)
+    def each_step(collect: bool = True, prefill_first: bool = False) -> list:
+        outs = step(collect or stream, prefill_first=prefill_first and not stream)
         if clock is not None:
             clock.end_step(engine)
         return outs
