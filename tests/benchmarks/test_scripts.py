@@ -194,3 +194,16 @@ def test_step_parts_times_prefilling_steps_by_part(tmp_path: Path) -> None:
             assert s["per_chunk"]["64"]["steps"] >= 3  # 200 tokens in chunks of 64
             assert s["per_chunk"]["64"]["parts_s"]["forward"] > 0
         assert row["parts"]["per_chunk"]["256"]["parts_s"]["join"] > 0
+
+
+def test_decode_profile_takes_the_prefill_out(tmp_path: Path) -> None:
+    """On CPU: the embedded model's operators of a decode, the prefill-only run subtracted."""
+    out = tmp_path / "decode.json"
+    run("decode_profile.py", "--context", "160", "--batch", "2", "--max-tokens", "12",
+        "--gamma", "3", "--out", str(out))
+    data = json.loads(out.read_text())
+    summary, kernels = data["summary"], data["kernels"]
+    assert summary["iterations"] > 0 and summary["tokens_per_iteration"] >= 1
+    assert summary["decode_kernel_ms"] > 0 and summary["decode_kernels"] > 0
+    assert kernels and all(k["calls"] >= 0 and k["ms"] >= -1e-6 for k in kernels)
+    assert summary["verify_passes"] == 0  # no Triton kernel on the CPU path
