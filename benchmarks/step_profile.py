@@ -161,12 +161,13 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         if args.profile:
             profiles["verify"] = kernel_table(verify)
         verify()
-        inp = SelectionInput(runner.scores(), lengths, torch.zeros_like(lengths), lengths + 1,
-                             gamma, llm.cache.layers, table, llm.config.page_size,
-                             runner.shapes.kmax, runner.shapes.recent_max, context + 1,
-                             topk=runner.backend.topk)
-        # library: the top-k ranks up to max_model_len; whole: the whole static key width
-        inp.rank_width = (runner.shapes.rank_width or None) if rank_width == "library" else None
+        # the host bounds of the runner's shapes, as the engine's selection has them
+        inp = runner.bound(SelectionInput(
+            runner.scores(), lengths, torch.zeros_like(lengths), lengths + 1, gamma,
+            llm.cache.layers, table, llm.config.page_size, max_len=context + 1,
+            topk=runner.backend.topk))
+        if rank_width == "whole":  # the top-k ranks the whole static key width
+            inp.rank_width = None
 
         def select() -> None:
             plan = policy.plan(inp)
