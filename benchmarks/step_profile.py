@@ -28,7 +28,8 @@ per second (τ · batch / (round + host work)) in exact mode against the default
 `--profile` adds a per-kernel table (torch.profiler) of one replay of each step (quest's
 draft step too);
 `--score-tiles` times scored passes with other tiles than the library's for the model's head
-dim (`paged_attention.SCORE_TILES`), each in graphs of its own;
+dim (`paged_attention.SCORE_TILES`), each in graphs of its own; `--sparse` the draft steps
+with other sparse-attention settings (`sparse_attention.SPARSE_*`), likewise;
 `--projections` the weight-streaming rate of every projection at the plain and the verify
 step's row counts. Also reported: the verify step without scores (stream's), quest's draft
 step, the host work between rounds of the engine's own loop and the projected speedup
@@ -51,6 +52,7 @@ from vegas_spec.attention import triton_backend
 from vegas_spec.config import ModelConfig
 from vegas_spec.graphs import GraphRunner
 from vegas_spec.kernels import paged_attention as pa
+from vegas_spec.kernels import sparse_attention as sa
 from vegas_spec.models.loader import load_config, resolve
 from vegas_spec.speculative.policies import SelectionInput, make_policy
 
@@ -360,6 +362,22 @@ def parse_score_tiles(text: str, library: pa.ScoreTiles) -> pa.ScoreTiles:
         raise argparse.ArgumentTypeError(f"bad score tiles {text!r}: {err}") from None
 
 
+SparseSetting = tuple[int | None, bool, int | None]
+
+
+def parse_sparse(text: str) -> SparseSetting:
+    """'library' -> the library's sparse-attention settings; 'SPLIT_KEYS:PREFETCH:STAGES'
+    (`sparse_attention.SPARSE_*`; 0 for SPLIT_KEYS or STAGES: the kernel's own choice)."""
+    if text == "library":
+        return sa.SPARSE_SPLIT_KEYS, sa.SPARSE_PREFETCH, sa.SPARSE_STAGES
+    try:
+        split_keys, prefetch, stages = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"bad sparse setting {text!r}: 'library' or SPLIT_KEYS:PREFETCH:STAGES") from None
+    return split_keys or None, bool(prefetch), stages or None
+
+
 def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
     """K and V of one position over all layers."""
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
@@ -403,6 +421,10 @@ def main() -> None:
                     choices=["library", "whole"],
                     help="positions vegas's top-k ranks: up to max_model_len (library) or "
                          "the whole static key width, side by side in one engine")
+    ap.add_argument("--sparse", nargs="+", type=parse_sparse, default=[parse_sparse("library")],
+                    help="the draft steps' sparse attention, 'library' or "
+                         "SPLIT_KEYS:PREFETCH:STAGES (sparse_attention.SPARSE_*; 0: the "
+                         "kernel's own split or stages), each in graphs of its own")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -424,14 +446,16 @@ def main() -> None:
         for k, v in llm.cache.layers:
             k.normal_()
             v.normal_()
-        for bsz, skinny, tiles, width in ((b, r, t, w) for b in args.batches
-                                          for r in args.skinny_rows for t in tilings
-                                          for w in args.rank_widths):
+        for bsz, skinny, tiles, width, sparse in (
+                (b, r, t, w, x) for b in args.batches for r in args.skinny_rows
+                for t in tilings for w in args.rank_widths for x in args.sparse):
             # All of these are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
             pa.SCORE_TILES = {dim: tiles}
+            sa.SPARSE_SPLIT_KEYS, sa.SPARSE_PREFETCH, sa.SPARSE_STAGES = sparse
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny,
+                   "sparse": f"{sparse[0] or 0}:{int(sparse[1])}:{sparse[2] or 0}",
                    "score_tiles": f"{tiles.block_k}:{tiles.stages}:{tiles.store}",
                    "score_split_max": tiles.split_max, "score_maxnreg": tiles.maxnreg,
                    "max_model_len": llm.max_model_len, "rank_width": width,

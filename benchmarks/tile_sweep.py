@@ -99,18 +99,20 @@ def sparse_sweep(args: argparse.Namespace, recent: int = 64) -> list[dict]:
     moved = 2 * bsz * hkv * (budget + recent) * dim * k.element_size()
     rows = []
     splits = [None if x == "auto" else int(x) for x in args.splits]
-    for block_k, stages, warps, split in itertools.product(
-            args.block_k, args.stages, args.warps, splits):
+    for block_k, stages, warps, split, prefetch in itertools.product(
+            args.block_k, args.stages, args.warps, splits, args.prefetch):
         if split is not None and split % block_k:
             continue
+        sa.SPARSE_PREFETCH = bool(prefetch)
         sa.tile_config = lambda q, hkv, block_k=None, s=stages, w=warps: (  # noqa: E731
             dataclasses.replace(tile_config(q, hkv, block_k), num_stages=s, num_warps=w))
         us = graph_us(lambda: sa.sparse_attention(  # noqa: B023
             q, k, v, table, pos, 16, idx, recent_start, recent, dim ** -0.5,
             block_k=block_k, split_size=split, out=out))  # noqa: B023
         sa.tile_config = tile_config
+        sa.SPARSE_PREFETCH = False
         row = {"kernel": "sparse", "block_k": block_k, "stages": stages, "warps": warps,
-               "split": split, "budget": budget, "us": us,
+               "split": split, "prefetch": prefetch, "budget": budget, "us": us,
                "tb_per_s": moved / us / 1e6}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -182,6 +184,9 @@ def main() -> None:
     ap.add_argument("--kernel", choices=["paged", "sparse", "quest"], default="paged",
                     help="sparse: the draft step's attention over a 5%% budget plus 64 recent; "
                          "quest: quest's page scores and top-k of one layer")
+    ap.add_argument("--prefetch", type=int, nargs="+", default=[0], choices=[0, 1],
+                    help="sparse: load each block's positions and slots a block ahead "
+                         "(sparse_attention.SPARSE_PREFETCH)")
     ap.add_argument("--quest-pages", type=int, nargs="+", default=[32, 64, 128, 256],
                     help="quest: pages per program of the page-score kernel")
     ap.add_argument("--topk-keys-per-warp", type=int, nargs="+", default=[128, 256, 512],

@@ -101,3 +101,25 @@ def run(case: Case, dtype: torch.dtype, seed: int = 0) -> None:
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_matches_reference(case: Case, dtype: torch.dtype) -> None:
     run(case, dtype)
+
+
+@pytest.mark.parametrize("split_keys,stages", [(None, None), (128, 3)])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_prefetched_blocks_match_reference(case: Case, split_keys: int | None,
+                                           stages: int | None,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each block's positions and slots loaded a block ahead, with and without a cap on the
+    keys per program and more pipeline stages (those two apply on a GPU only)."""
+    import vegas_spec.kernels.sparse_attention as sa
+    monkeypatch.setattr(sa, "SPARSE_PREFETCH", True)
+    monkeypatch.setattr(sa, "SPARSE_SPLIT_KEYS", split_keys)
+    monkeypatch.setattr(sa, "SPARSE_STAGES", stages)
+    run(case, DTYPES[-1], seed=1)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the key cap splits only GPU launches")
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_capped_splits_match_reference(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    import vegas_spec.kernels.sparse_attention as sa
+    monkeypatch.setattr(sa, "SPARSE_SPLIT_KEYS", 16)
+    run(case, DTYPES[0], seed=2)
