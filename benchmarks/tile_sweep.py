@@ -54,6 +54,12 @@ def graph_us(fn: Callable[[], object], calls: int = 30, reps: int = 20) -> float
     return sorted(times)[len(times) // 2]
 
 
+def cycling(items: list[tuple], fn: Callable[..., object]) -> Callable[[], object]:
+    """A call of fn on the next item's fields each time, starting over after the last."""
+    counter = itertools.count()
+    return lambda: fn(*items[next(counter) % len(items)])
+
+
 def compiled() -> dict[int, object]:
     """Every compiled variant of the paged kernel so far, by object id."""
     return {id(kern): kern for cache, *_ in pa._paged_split_kernel.device_caches.values()
@@ -84,19 +90,24 @@ def with_tiles(block_k: int, stages: int, warps: int, maxnreg: int | None,
 
 def sparse_sweep(args: argparse.Namespace, recent: int = 64) -> list[dict]:
     """The draft step's sparse attention (n = 1) over a sorted random 5% of each sequence's
-    positions plus `recent` trailing ones: µs per call and TB/s of the K/V rows it must read."""
+    positions plus `recent` trailing ones: µs per call and TB/s of the K/V rows it must read.
+    With `--layers` L > 1 the calls of a graph cycle through L caches and lists of their own,
+    as a model's layers do, so that the gathered rows come from HBM and not from L2."""
     torch.manual_seed(0)
     bsz, heads, hkv, dim, ctx = args.batch, args.heads, args.kv_heads, args.head_dim, args.context
-    table, k, v, _ = paged_cache(bsz, hkv, dim, ctx, 16)
     budget = int(0.05 * ctx)
     start = ctx - recent
-    idx = torch.stack([torch.randperm(start, device="cuda")[:budget].sort().values
-                       for _ in range(bsz)])[:, None, :].contiguous()
+    layers = []
+    for _ in range(args.layers):
+        table, k, v, _ = paged_cache(bsz, hkv, dim, ctx, 16)
+        idx = torch.stack([torch.randperm(start, device="cuda")[:budget].sort().values
+                           for _ in range(bsz)])[:, None, :].contiguous()
+        layers.append((table, k, v, idx))
     q = torch.randn(bsz, 1, heads, dim, device="cuda", dtype=torch.bfloat16)
     pos = torch.full((bsz, 1), ctx - 1, device="cuda")
     recent_start = torch.full((bsz,), start, dtype=torch.int64, device="cuda")
     out = torch.empty_like(q)
-    moved = 2 * bsz * hkv * (budget + recent) * dim * k.element_size()
+    moved = 2 * bsz * hkv * (budget + recent) * dim * 2
     rows = []
     splits = [None if x == "auto" else int(x) for x in args.splits]
     for block_k, stages, warps, split, prefetch in itertools.product(
@@ -106,14 +117,14 @@ def sparse_sweep(args: argparse.Namespace, recent: int = 64) -> list[dict]:
         sa.SPARSE_PREFETCH = bool(prefetch)
         sa.tile_config = lambda q, hkv, block_k=None, s=stages, w=warps: (  # noqa: E731
             dataclasses.replace(tile_config(q, hkv, block_k), num_stages=s, num_warps=w))
-        us = graph_us(lambda: sa.sparse_attention(  # noqa: B023
-            q, k, v, table, pos, 16, idx, recent_start, recent, dim ** -0.5,
-            block_k=block_k, split_size=split, out=out))  # noqa: B023
+        us = graph_us(cycling(layers, lambda table, k, v, idx, bk=block_k, sp=split: (
+            sa.sparse_attention(q, k, v, table, pos, 16, idx, recent_start, recent,
+                                dim ** -0.5, block_k=bk, split_size=sp, out=out))))
         sa.tile_config = tile_config
         sa.SPARSE_PREFETCH = False
         row = {"kernel": "sparse", "block_k": block_k, "stages": stages, "warps": warps,
-               "split": split, "prefetch": prefetch, "budget": budget, "us": us,
-               "tb_per_s": moved / us / 1e6}
+               "split": split, "prefetch": prefetch, "layers": args.layers,
+               "budget": budget, "us": us, "tb_per_s": moved / us / 1e6}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -187,6 +198,9 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, nargs="+", default=[0], choices=[0, 1],
                     help="sparse: load each block's positions and slots a block ahead "
                          "(sparse_attention.SPARSE_PREFETCH)")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="sparse: caches the calls of a graph cycle through (30: rows from "
+                         "HBM, as in a model's draft step)")
     ap.add_argument("--quest-pages", type=int, nargs="+", default=[32, 64, 128, 256],
                     help="quest: pages per program of the page-score kernel")
     ap.add_argument("--topk-keys-per-warp", type=int, nargs="+", default=[128, 256, 512],
