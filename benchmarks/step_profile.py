@@ -28,8 +28,8 @@ per second (τ · batch / (round + host work)) in exact mode against the default
 `--profile` adds a per-kernel table (torch.profiler) of one replay of each step (quest's
 draft step too);
 `--score-tiles` times scored passes with other tiles than the library's for the model's head
-dim (`paged_attention.SCORE_TILES`), each in graphs of its own; `--sparse` the draft steps
-with other sparse-attention settings (`sparse_attention.SPARSE_*`), likewise;
+dim (`paged_attention.SCORE_TILES`), each in graphs of its own; `--sparse-splits paged` the
+draft steps with the sparse attention split by the paged kernel's rule, likewise;
 `--projections` the weight-streaming rate of every projection at the plain and the verify
 step's row counts. Also reported: the verify step without scores (stream's), quest's draft
 step, the host work between rounds of the engine's own loop and the projected speedup
@@ -362,22 +362,6 @@ def parse_score_tiles(text: str, library: pa.ScoreTiles) -> pa.ScoreTiles:
         raise argparse.ArgumentTypeError(f"bad score tiles {text!r}: {err}") from None
 
 
-SparseSetting = tuple[int | None, bool, int | None]
-
-
-def parse_sparse(text: str) -> SparseSetting:
-    """'library' -> the library's sparse-attention settings; 'SPLIT_KEYS:PREFETCH:STAGES'
-    (`sparse_attention.SPARSE_*`; 0 for SPLIT_KEYS or STAGES: the kernel's own choice)."""
-    if text == "library":
-        return sa.SPARSE_SPLIT_KEYS, sa.SPARSE_PREFETCH, sa.SPARSE_STAGES
-    try:
-        split_keys, prefetch, stages = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"bad sparse setting {text!r}: 'library' or SPLIT_KEYS:PREFETCH:STAGES") from None
-    return split_keys or None, bool(prefetch), stages or None
-
-
 def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
     """K and V of one position over all layers."""
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
@@ -421,10 +405,11 @@ def main() -> None:
                     choices=["library", "whole"],
                     help="positions vegas's top-k ranks: up to max_model_len (library) or "
                          "the whole static key width, side by side in one engine")
-    ap.add_argument("--sparse", nargs="+", type=parse_sparse, default=[parse_sparse("library")],
-                    help="the draft steps' sparse attention, 'library' or "
-                         "SPLIT_KEYS:PREFETCH:STAGES (sparse_attention.SPARSE_*; 0: the "
-                         "kernel's own split or stages), each in graphs of its own")
+    ap.add_argument("--sparse-splits", nargs="+", default=["library"],
+                    choices=["library", "paged"],
+                    help="how the draft steps' sparse attention splits its keys: the "
+                         "library's rule (sparse_attention.SPARSE_PROGRAMS_PER_SM) or the "
+                         "paged kernel's occupancy split, each in graphs of its own")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -433,6 +418,7 @@ def main() -> None:
     model = load_config(resolve(str(args.config)))
     dim = model.head_dim
     tilings = [parse_score_tiles(t, pa.score_tiles(dim)) for t in args.score_tiles]
+    per_sm = sa.SPARSE_PROGRAMS_PER_SM
     bandwidth = copy_bandwidth() if cuda else 1e10
     rows = []
     for context, mode in ((c, m) for c in args.contexts for m in args.modes):
@@ -448,14 +434,14 @@ def main() -> None:
             v.normal_()
         for bsz, skinny, tiles, width, sparse in (
                 (b, r, t, w, x) for b in args.batches for r in args.skinny_rows
-                for t in tilings for w in args.rank_widths for x in args.sparse):
+                for t in tilings for w in args.rank_widths for x in args.sparse_splits):
             # All of these are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
             pa.SCORE_TILES = {dim: tiles}
-            sa.SPARSE_SPLIT_KEYS, sa.SPARSE_PREFETCH, sa.SPARSE_STAGES = sparse
+            sa.SPARSE_PROGRAMS_PER_SM = per_sm if sparse == "library" else None
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny,
-                   "sparse": f"{sparse[0] or 0}:{int(sparse[1])}:{sparse[2] or 0}",
+                   "sparse_splits": sparse,
                    "score_tiles": f"{tiles.block_k}:{tiles.stages}:{tiles.store}",
                    "score_split_max": tiles.split_max, "score_maxnreg": tiles.maxnreg,
                    "max_model_len": llm.max_model_len, "rank_width": width,

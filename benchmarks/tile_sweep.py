@@ -109,21 +109,24 @@ def sparse_sweep(args: argparse.Namespace, recent: int = 64) -> list[dict]:
     out = torch.empty_like(q)
     moved = 2 * bsz * hkv * (budget + recent) * dim * 2
     rows = []
-    splits = [None if x == "auto" else int(x) for x in args.splits]
-    for block_k, stages, warps, split, prefetch in itertools.product(
-            args.block_k, args.stages, args.warps, splits, args.prefetch):
-        if split is not None and split % block_k:
+    splits = [x if x in ("auto", "paged") else int(x) for x in args.splits]
+    per_sm = sa.SPARSE_PROGRAMS_PER_SM
+    for block_k, stages, warps, split in itertools.product(
+            args.block_k, args.stages, args.warps, splits):
+        if isinstance(split, int) and split % block_k:
             continue
-        sa.SPARSE_PREFETCH = bool(prefetch)
+        # paged: the paged kernel's occupancy split instead of the sparse kernel's own
+        sa.SPARSE_PROGRAMS_PER_SM = None if split == "paged" else per_sm
+        size = split if isinstance(split, int) else None
         sa.tile_config = lambda q, hkv, block_k=None, s=stages, w=warps: (  # noqa: E731
             dataclasses.replace(tile_config(q, hkv, block_k), num_stages=s, num_warps=w))
-        us = graph_us(cycling(layers, lambda table, k, v, idx, bk=block_k, sp=split: (
+        us = graph_us(cycling(layers, lambda table, k, v, idx, bk=block_k, sp=size: (
             sa.sparse_attention(q, k, v, table, pos, 16, idx, recent_start, recent,
                                 dim ** -0.5, block_k=bk, split_size=sp, out=out))))
         sa.tile_config = tile_config
-        sa.SPARSE_PREFETCH = False
+        sa.SPARSE_PROGRAMS_PER_SM = per_sm
         row = {"kernel": "sparse", "block_k": block_k, "stages": stages, "warps": warps,
-               "split": split, "prefetch": prefetch, "layers": args.layers,
+               "split": split, "layers": args.layers,
                "budget": budget, "us": us, "tb_per_s": moved / us / 1e6}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -181,7 +184,8 @@ def main() -> None:
     ap.add_argument("--block-k", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--splits", nargs="+", default=["auto", "2048"],
-                    help="split sizes in keys, or 'auto' (the occupancy heuristic)")
+                    help="split sizes in keys, or 'auto' (the kernel's rule; sparse: also "
+                         "'paged', the paged kernel's occupancy split)")
     ap.add_argument("--stores", nargs="+", choices=sorted(pa.SCORE_STORES),
                     help="how weight-mode passes keep their logits (default: the library's "
                          "at this head dim)")
@@ -195,9 +199,6 @@ def main() -> None:
     ap.add_argument("--kernel", choices=["paged", "sparse", "quest"], default="paged",
                     help="sparse: the draft step's attention over a 5%% budget plus 64 recent; "
                          "quest: quest's page scores and top-k of one layer")
-    ap.add_argument("--prefetch", type=int, nargs="+", default=[0], choices=[0, 1],
-                    help="sparse: load each block's positions and slots a block ahead "
-                         "(sparse_attention.SPARSE_PREFETCH)")
     ap.add_argument("--layers", type=int, default=1,
                     help="sparse: caches the calls of a graph cycle through (30: rows from "
                          "HBM, as in a model's draft step)")

@@ -103,23 +103,36 @@ def test_matches_reference(case: Case, dtype: torch.dtype) -> None:
     run(case, dtype)
 
 
-@pytest.mark.parametrize("split_keys,stages", [(None, None), (128, 3)])
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_prefetched_blocks_match_reference(case: Case, split_keys: int | None,
-                                           stages: int | None,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each block's positions and slots loaded a block ahead, with and without a cap on the
-    keys per program and more pipeline stages (those two apply on a GPU only)."""
-    import vegas_spec.kernels.sparse_attention as sa
-    monkeypatch.setattr(sa, "SPARSE_PREFETCH", True)
-    monkeypatch.setattr(sa, "SPARSE_SPLIT_KEYS", split_keys)
-    monkeypatch.setattr(sa, "SPARSE_STAGES", stages)
-    run(case, DTYPES[-1], seed=1)
 
-
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="the key cap splits only GPU launches")
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the split rules of GPU launches")
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_capped_splits_match_reference(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_occupancy_split_of_the_paged_kernel_matches_reference(
+        case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other split rule (`SPARSE_PROGRAMS_PER_SM = None`) computes the same attention."""
     import vegas_spec.kernels.sparse_attention as sa
-    monkeypatch.setattr(sa, "SPARSE_SPLIT_KEYS", 16)
+    monkeypatch.setattr(sa, "SPARSE_PROGRAMS_PER_SM", None)
     run(case, DTYPES[0], seed=2)
+
+
+@pytest.mark.parametrize("length,programs,head_dim,want", [
+    (439, 192, 64, 256),  # SmolLM2 64 x 7.5K: 4 blocks, 3 programs per SM -> 2 splits
+    (1702, 128, 128, 896),  # 8B shape 16 x 32K: 14 blocks, 2 per SM -> 2 splits
+    (6617, 32, 128, 896),  # 8B shape 4 x 128K: 52 blocks -> 8 splits of 7 blocks
+    (200, 8, 128, 256),  # at least two blocks per split: 2 blocks -> 1 split
+    (300, 8, 128, 384),  # 3 blocks -> 1 split
+    (6617, 32, 80, 768),  # an unlisted head dim: split_size_for's (9 splits, 2 waves)
+])
+def test_sparse_splits_fill_one_wave_of_program_slots(
+        length: int, programs: int, head_dim: int, want: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import vegas_spec.kernels.sparse_attention as sa
+    import vegas_spec.kernels.split_merge as sm
+    monkeypatch.setattr(sa, "sm_count", lambda index: 132)  # an H200
+    monkeypatch.setattr(sm, "sm_count", lambda index: 132)
+    size = sa.sparse_split_size(length, programs, 128, torch.device("cuda", 0), head_dim)
+    assert size == want
+    splits = -(-length // size)
+    if head_dim in (64, 128):
+        per_sm = sa.SPARSE_PROGRAMS_PER_SM[head_dim]
+        assert splits * programs <= per_sm * 132  # one wave
+    assert sa.sparse_split_size(length, programs, 128, torch.device("cpu"), head_dim) == 512

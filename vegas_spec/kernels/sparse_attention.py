@@ -14,8 +14,6 @@ query's position are never visited."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +23,7 @@ from vegas_spec.kernels.split_merge import (
     finish_split,
     merge_splits,
     output_buffer,
+    sm_count,
     softmax_block,
     split_size_for,
     tile_config,
@@ -36,31 +35,15 @@ from vegas_spec.kernels.split_merge import (
 # copy bandwidth) against 57.8. Gathered rows arrive from scattered pages, so more keys in
 # flight per program hide more latency; 4 pipeline stages were slower (42.1 / 46.6 µs).
 SPARSE_BLOCK_K = 128
-# The chain of dependent loads a program walks (list entry, page, K/V row) is latency-bound
-# at small budgets. Three settings, each None/False = the kernel as described above:
-# SPARSE_SPLIT_KEYS caps the keys one program walks on a GPU (more programs, merged splits);
-# SPARSE_PREFETCH loads each block's positions and slots one block ahead, so that the page
-# lookups overlap the previous block's K/V rows; SPARSE_STAGES sets the pipeline stages.
-SPARSE_SPLIT_KEYS: int | None = None
-SPARSE_PREFETCH = False
-SPARSE_STAGES: int | None = None
-
-
-@triton.jit
-def _block_keys(idx_row, table_row, start, hi, num_listed, recent0, max_pos, page_size,
-                BLOCK_K: tl.constexpr):
-    """Keys start .. start + BLOCK_K of the virtual list: their positions, whether each is
-    visible to some query (inside the split, listed or recent, 0 <= p <= max_pos) and its
-    cache slot (0 where not)."""
-    j = start + tl.arange(0, BLOCK_K)  # index into the virtual key list
-    listed = j < num_listed
-    chosen = tl.load(idx_row + j, mask=listed & (j < hi), other=-1).to(tl.int32)
-    kpos = tl.where(listed, chosen, recent0 + j - num_listed)
-    k_ok = (j < hi) & (kpos >= 0) & (kpos <= max_pos)
-    kpos = tl.where(k_ok, kpos, 0)
-    page = tl.load(table_row + kpos // page_size, mask=k_ok, other=0)
-    slot = page.to(tl.int64) * page_size + kpos % page_size
-    return kpos, k_ok, slot
+# A program walks its blocks as a chain of dependent loads (list entry, page, K/V rows), so
+# the launch is bound by latency unless every SM holds as many programs as it can. Programs
+# of 4 warps one SM holds, by head dim (146 and 209 registers per thread on sm_90): the list
+# is cut into as many splits as fill those slots in one wave, at least two key blocks each
+# (`sparse_split_size`). On an H200, draft step, rows gathered from HBM (tile_sweep.py
+# --kernel sparse --layers 30): SmolLM2 64 x 7.5K 15.5 -> 14.0 µs, Llama-3.1-8B shape
+# 16 x 32K 46.3 -> 40.4 µs, 4 x 128K 50.0 -> 44.2 µs against the occupancy split of the
+# paged kernel (`split_size_for`, which head dims not listed here keep, as does None).
+SPARSE_PROGRAMS_PER_SM: dict[int, int] | None = {64: 3, 128: 2}
 
 
 @triton.jit
@@ -72,7 +55,7 @@ def _sparse_split_kernel(
         stride_ib, stride_ig,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-        SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
+        SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0) // Hkv
     kvh = tl.program_id(0) % Hkv
     rb = tl.program_id(1)
@@ -97,33 +80,40 @@ def _sparse_split_kernel(
     m_i = tl.full([BLOCK_N * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_N * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_N * GROUP_PAD, BLOCK_D], tl.float32)
-    table_row = table_ptr + b * stride_tb
-    if PREFETCH:
-        kpos, k_ok, slot = _block_keys(idx_row, table_row, lo, hi, num_listed, recent0,
-                                       max_pos, page_size, BLOCK_K)
     for start in range(lo, hi, BLOCK_K):
-        if PREFETCH:  # this block's K/V rows, then the next block's positions and slots
-            kv_off = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-            kv_mask = k_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-            visible = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
-            kpos, k_ok, slot = _block_keys(idx_row, table_row, start + BLOCK_K, hi, num_listed,
-                                           recent0, max_pos, page_size, BLOCK_K)
-        else:
-            kpos, k_ok, slot = _block_keys(idx_row, table_row, start, hi, num_listed, recent0,
-                                           max_pos, page_size, BLOCK_K)
-            kv_off = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-            kv_mask = k_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-            visible = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
+        j = start + tl.arange(0, BLOCK_K)  # index into the virtual key list
+        listed = j < num_listed
+        chosen = tl.load(idx_row + j, mask=listed & (j < hi), other=-1).to(tl.int32)
+        kpos = tl.where(listed, chosen, recent0 + j - num_listed)
+        k_ok = (j < hi) & (kpos >= 0) & (kpos <= max_pos)
+        kpos = tl.where(k_ok, kpos, 0)
+        page = tl.load(table_ptr + b * stride_tb + kpos // page_size, mask=k_ok, other=0)
+        slot = page.to(tl.int64) * page_size + kpos % page_size
+        kv_off = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, K] float32
+        visible = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
         x = tl.where(visible, s * scale, float("-inf"))
-        if not PREFETCH:
-            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
     finish_split(m_i, l_i, acc, b * n + row, head, lane_ok, d, d_ok, split, rows_total, H,
                  out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, HEAD_DIM, SINGLE, False)
+
+
+def sparse_split_size(length: int, programs: int, block_k: int, device: torch.device,
+                      head_dim: int) -> int:
+    """Keys per split (a multiple of block_k) of a list of `length` keys walked by `programs`
+    programs per split: on a GPU, as many splits as fill the SMs' program slots
+    (`SPARSE_PROGRAMS_PER_SM`) in one wave, each at least two blocks long; elsewhere, or at
+    a head dim not listed there, `split_size_for`'s."""
+    per_sm = (SPARSE_PROGRAMS_PER_SM or {}).get(head_dim) if device.type == "cuda" else None
+    if per_sm is None:
+        return split_size_for(length, programs, block_k, device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    blocks = max(triton.cdiv(length, block_k), 1)
+    splits = max(1, min(per_sm * sm_count(index) // max(programs, 1), blocks // 2))
+    return triton.cdiv(blocks, splits) * block_k
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -163,13 +153,10 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if indices.shape[2] == 0:  # nothing listed: keep a valid pointer
         indices = torch.full((bsz, 1, 1), -1, dtype=torch.int64, device=q.device)
     cfg = tile_config(q, hkv, block_k or (SPARSE_BLOCK_K if q.is_cuda else None))
-    if SPARSE_STAGES is not None and q.is_cuda:
-        cfg = dataclasses.replace(cfg, num_stages=SPARSE_STAGES)
     row_blocks = triton.cdiv(n, cfg.block_n)
     length = indices.shape[2] + recent_max
-    size = split_size_for(length, bsz * hkv * row_blocks, cfg.block_k, q.device, split_size)
-    if split_size is None and SPARSE_SPLIT_KEYS is not None and q.is_cuda:
-        size = min(size, max(SPARSE_SPLIT_KEYS // cfg.block_k, 1) * cfg.block_k)
+    size = split_size or sparse_split_size(length, bsz * hkv * row_blocks, cfg.block_k,
+                                           q.device, dim)
     splits = triton.cdiv(length, size)
     out = output_buffer(q, out)
     parts = Partials.empty(splits, bsz * n, heads, dim, q.device) if splits > 1 else None
@@ -183,7 +170,7 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         indices.stride(0), stride_ig,
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, SINGLE=parts is None,
-        DOT_PRECISION=cfg.dot_precision, PREFETCH=SPARSE_PREFETCH, **cfg.launch_options())
+        DOT_PRECISION=cfg.dot_precision, **cfg.launch_options())
     if parts is not None:
         merge_splits(parts, out, None)
     return out
