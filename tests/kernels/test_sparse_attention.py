@@ -116,11 +116,11 @@ def test_occupancy_split_of_the_paged_kernel_matches_reference(
 
 @pytest.mark.parametrize("length,programs,head_dim,want", [
     (439, 192, 64, 256),  # SmolLM2 64 x 7.5K: 4 blocks, 3 programs per SM -> 2 splits
-    (1702, 128, 128, 896),  # 8B shape 16 x 32K: 14 blocks, 2 per SM -> 2 splits
-    (6617, 32, 128, 896),  # 8B shape 4 x 128K: 52 blocks -> 8 splits of 7 blocks
-    (200, 8, 128, 256),  # at least two blocks per split: 2 blocks -> 1 split
-    (300, 8, 128, 384),  # 3 blocks -> 1 split
-    (6617, 32, 80, 768),  # an unlisted head dim: split_size_for's (9 splits, 2 waves)
+    (6617, 32, 64, 640),  # 52 blocks, 396 slots -> 12 splits
+    (200, 8, 64, 256),  # at least two blocks per split: 2 blocks -> 1 split
+    (300, 8, 64, 384),  # 3 blocks -> 1 split
+    (1702, 128, 128, 640),  # an unlisted head dim: split_size_for's rule (3 splits)
+    (6617, 32, 128, 768),  # (9 splits)
 ])
 def test_sparse_splits_fill_one_wave_of_program_slots(
         length: int, programs: int, head_dim: int, want: int,
@@ -132,7 +132,7 @@ def test_sparse_splits_fill_one_wave_of_program_slots(
     size = sa.sparse_split_size(length, programs, 128, torch.device("cuda", 0), head_dim)
     assert size == want
     splits = -(-length // size)
-    if head_dim in (64, 128):
+    if head_dim in sa.SPARSE_PROGRAMS_PER_SM:
         per_sm = sa.SPARSE_PROGRAMS_PER_SM[head_dim]
         assert splits * programs <= per_sm * 132  # one wave
     assert sa.sparse_split_size(length, programs, 128, torch.device("cpu"), head_dim) == 512

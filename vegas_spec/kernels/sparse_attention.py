@@ -43,7 +43,7 @@ SPARSE_BLOCK_K = 128
 # --kernel sparse --layers 30): SmolLM2 64 x 7.5K 15.5 -> 14.0 µs, Llama-3.1-8B shape
 # 16 x 32K 46.3 -> 40.4 µs, 4 x 128K 50.0 -> 44.2 µs against the occupancy split of the
 # paged kernel (`split_size_for`, which head dims not listed here keep, as does None).
-SPARSE_PROGRAMS_PER_SM: dict[int, int] | None = {64: 3, 128: 2}
+SPARSE_PROGRAMS_PER_SM: dict[int, int] | None = {64: 3}
 
 
 @triton.jit
