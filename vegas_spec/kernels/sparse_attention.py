@@ -35,14 +35,15 @@ from vegas_spec.kernels.split_merge import (
 # copy bandwidth) against 57.8. Gathered rows arrive from scattered pages, so more keys in
 # flight per program hide more latency; 4 pipeline stages were slower (42.1 / 46.6 µs).
 SPARSE_BLOCK_K = 128
-# A program walks its blocks as a chain of dependent loads (list entry, page, K/V rows), so
-# the launch is bound by latency unless every SM holds as many programs as it can. Programs
-# of 4 warps one SM holds, by head dim (146 and 209 registers per thread on sm_90): the list
-# is cut into as many splits as fill those slots in one wave, at least two key blocks each
+# A program walks its blocks as a chain of dependent loads (list entry, page, K/V rows), so a
+# small budget is bound by latency unless the SMs hold many programs. Programs of 4 warps one
+# SM holds, by head dim (146 registers per thread at 64 on sm_90): the list is cut into as
+# many splits as fill those slots in one wave, at least two key blocks each
 # (`sparse_split_size`). On an H200, draft step, rows gathered from HBM (tile_sweep.py
-# --kernel sparse --layers 30): SmolLM2 64 x 7.5K 15.5 -> 14.0 µs, Llama-3.1-8B shape
-# 16 x 32K 46.3 -> 40.4 µs, 4 x 128K 50.0 -> 44.2 µs against the occupancy split of the
-# paged kernel (`split_size_for`, which head dims not listed here keep, as does None).
+# --kernel sparse --layers 30), SmolLM2 64 x 7.5K: 14.3 µs against 15.6 with the paged
+# kernel's occupancy split (`split_size_for`); the whole draft step 1.32 against 1.39 ms.
+# At head dim 128 (Llama-3.1-8B shape) that split measured faster, interleaved: 16 x 32K
+# 38.0 against 40.4 µs, 4 x 128K 42.3 against 44.2, so head dims not listed here keep it.
 SPARSE_PROGRAMS_PER_SM: dict[int, int] | None = {64: 3}
 
 
