@@ -80,17 +80,22 @@ def _fix_interpreter_bf16() -> None:
     builder.cast_impl = cast_impl
 
 
-def _fix_interpreter_bf16_dot() -> None:
-    """Triton <= 3.6's interpreter multiplies bfloat16 tiles in `tl.dot` as the integers of
-    their bits (NumPy has no bfloat16; the tiles are uint16 arrays). Widen them to float32
-    first, which is exact, as the tensor cores' bf16 products with a float32 sum are."""
+def _fix_interpreter_dot() -> None:
+    """Two repairs of Triton <= 3.6's interpreter `tl.dot` (NumPy's matmul):
+    - it multiplies bfloat16 tiles as the integers of their bits (NumPy has no bfloat16; the
+      tiles are uint16 arrays): they are widened to float32 first, which is exact, as the
+      tensor cores' bf16 products with a float32 sum are;
+    - a row's result depends on where the row sits in the tile on some CPUs (OpenBLAS's
+      AVX2 sgemm kernels), where a GPU's tensor cores compute every row alike, so exact mode's
+      row invariance could not be checked on such a CPU: floating-point tiles are multiplied
+      as products summed over K in order, the same arithmetic for every row."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
 
     builder = interpreter.InterpreterBuilder
     original = builder.create_dot
-    if getattr(original, "_exact_bf16", False):
+    if getattr(original, "_row_invariant", False):
         return
 
     def widen(handle):  # noqa: ANN001, ANN202
@@ -100,13 +105,21 @@ def _fix_interpreter_bf16_dot() -> None:
         return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202
-        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+        a, b = widen(a), widen(b)
+        acc = np.asarray(d.data)
+        if a.data.ndim == b.data.ndim == 2 and a.dtype.scalar.is_floating() \
+                and b.dtype.scalar.is_floating() and a.dtype.scalar.primitive_bitwidth > 8 \
+                and b.dtype.scalar.primitive_bitwidth > 8 and acc.dtype.kind == "f":
+            products = a.data.astype(acc.dtype)[:, :, None] * b.data.astype(acc.dtype)[None]
+            return interpreter.TensorHandle(products.sum(axis=1, dtype=acc.dtype) + acc,
+                                            d.dtype.scalar)
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
 
-    create_dot._exact_bf16 = True  # type: ignore[attr-defined]
+    create_dot._row_invariant = True  # type: ignore[attr-defined]
     builder.create_dot = create_dot
 
 
 if interpreting():
     _fix_interpreter_index()
     _fix_interpreter_bf16()
-    _fix_interpreter_bf16_dot()
+    _fix_interpreter_dot()

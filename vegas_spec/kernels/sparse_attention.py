@@ -156,8 +156,9 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cfg = tile_config(q, hkv, block_k or (SPARSE_BLOCK_K if q.is_cuda else None))
     row_blocks = triton.cdiv(n, cfg.block_n)
     length = indices.shape[2] + recent_max
-    size = split_size or sparse_split_size(length, bsz * hkv * row_blocks, cfg.block_k,
-                                           q.device, dim)
+    programs = bsz * hkv * row_blocks
+    size = (split_size_for(length, programs, cfg.block_k, q.device, split_size) if split_size
+            else sparse_split_size(length, programs, cfg.block_k, q.device, dim))
     splits = triton.cdiv(length, size)
     out = output_buffer(q, out)
     parts = Partials.empty(splits, bsz * n, heads, dim, q.device) if splits > 1 else None
