@@ -158,9 +158,9 @@ def quest_sweep(args: argparse.Namespace, page: int = 16) -> list[dict]:
     keep = max(int(args.ratio * ctx) // page, 1)
     k = torch.full((bsz,), keep, device="cuda")
     rankable = pages * page
-    settings = [(w, b, "radix") for w in args.topk_keys_per_warp for b in args.topk_radix_bits
-                if "radix" in args.topk_select]
-    settings += [(w, 0, "sort") for w in args.topk_keys_per_warp if "sort" in args.topk_select]
+    settings = [(w, b if select == "radix" else 0, select) for select in args.topk_select
+                for w in args.topk_keys_per_warp
+                for b in (args.topk_radix_bits if select == "radix" else [0])]
     for per_warp, bits, select in settings:
         tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_SELECT = per_warp, select
         tk.RESIDENT_RADIX_BITS = bits or TOPK_SETTING[1]
@@ -214,7 +214,7 @@ def main() -> None:
                     help="quest: bits per radix pass of the resident top-k")
     ap.add_argument("--topk-select", nargs="+", default=["radix"], choices=["radix", "sort"],
                     help="quest: how the resident top-k finds its threshold "
-                         "(topk.RESIDENT_SELECT)")
+                         "(topk.RESIDENT_SELECT), in this order (repeat to interleave)")
     ap.add_argument("--ratio", type=float, default=0.05, help="quest: tokens kept")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
