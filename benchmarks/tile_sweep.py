@@ -158,19 +158,23 @@ def quest_sweep(args: argparse.Namespace, page: int = 16) -> list[dict]:
     keep = max(int(args.ratio * ctx) // page, 1)
     k = torch.full((bsz,), keep, device="cuda")
     rankable = pages * page
-    for per_warp, bits in itertools.product(args.topk_keys_per_warp, args.topk_radix_bits):
-        tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS = per_warp, bits
+    settings = [(w, b if select == "radix" else 0, select) for select in args.topk_select
+                for w in args.topk_keys_per_warp
+                for b in (args.topk_radix_bits if select == "radix" else [0])]
+    for per_warp, bits, select in settings:
+        tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_SELECT = per_warp, select
+        tk.RESIDENT_RADIX_BITS = bits or TOPK_SETTING[1]
         us = graph_us(lambda: tk.topk_positions_triton(scores, pages, k, keep, page, rankable))
-        row = {"kernel": "quest_topk", "keys_per_warp": per_warp, "radix_bits": bits,
-               "width": num_pages, "keep_pages": keep, "us": us}
+        row = {"kernel": "quest_topk", "select": select, "keys_per_warp": per_warp,
+               "radix_bits": bits, "width": num_pages, "keep_pages": keep, "us": us}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS = TOPK_SETTING
+    tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS, tk.RESIDENT_SELECT = TOPK_SETTING
     return rows
 
 
 QUEST_SETTINGS = qs.QUEST_TILES
-TOPK_SETTING = (tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS)
+TOPK_SETTING = (tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS, tk.RESIDENT_SELECT)
 
 
 def main() -> None:
@@ -208,6 +212,9 @@ def main() -> None:
                     help="quest: scores per warp of the resident top-k")
     ap.add_argument("--topk-radix-bits", type=int, nargs="+", default=[4, 8],
                     help="quest: bits per radix pass of the resident top-k")
+    ap.add_argument("--topk-select", nargs="+", default=["radix"], choices=["radix", "sort"],
+                    help="quest: how the resident top-k finds its threshold "
+                         "(topk.RESIDENT_SELECT), in this order (repeat to interleave)")
     ap.add_argument("--ratio", type=float, default=0.05, help="quest: tokens kept")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
