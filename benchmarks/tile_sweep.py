@@ -37,6 +37,7 @@ from vegas_spec.graphs import capture  # noqa: E402
 from vegas_spec.kernels.split_merge import tile_config  # noqa: E402
 
 SCORE_TILES = pa.SCORE_TILES
+ROWS_MAXNREG = pa.ROWS_MAXNREG
 
 
 def graph_us(fn: Callable[[], object], calls: int = 30, reps: int = 20) -> float:
@@ -196,6 +197,9 @@ def main() -> None:
     ap.add_argument("--maxnregs", type=int, nargs="+",
                     help="paged, weight scores: registers per thread ptxas may use (0: its "
                          "own choice; default: the library's at this head dim)")
+    ap.add_argument("--rows-maxnregs", type=int, nargs="+", default=[0],
+                    help="paged, n = 7 without scores: registers per thread ptxas may use "
+                         "(0: its own choice; paged_attention.ROWS_MAXNREG)")
     ap.add_argument("--score-split-max", type=int, nargs="+",
                     help="paged, weight scores: the largest split of an 'auto' split in keys "
                          "(0: the occupancy split alone; default: the library's at this head "
@@ -244,17 +248,22 @@ def main() -> None:
         splits = [None if x == "auto" else int(x) for x in args.splits]
         for mode in modes:
             stores = stores_weight if mode == "weight" else [library.store]
-            # Register and split caps apply to scored passes only.
-            regs, caps = (maxnregs, split_maxes) if mode == "weight" else ([0], [0])
+            # Register and split caps apply to scored passes; an unscored pass of several
+            # rows takes --rows-maxnregs (paged_attention.ROWS_MAXNREG).
+            regs, caps = (maxnregs, split_maxes) if mode == "weight" else (
+                args.rows_maxnregs if n > 1 else [0], [0])
             for store, block_k, stages, warps, split, maxnreg, cap in itertools.product(
                     stores, args.block_k, args.stages, args.warps, splits, regs, caps):
                 extra = (score_rows, scores, "weight") if mode == "weight" else ()
                 before = compiled()
                 with_tiles(block_k, stages, warps, maxnreg or None, cap or None, store, dim)
+                if mode == "none":
+                    pa.ROWS_MAXNREG = {dim: maxnreg} if maxnreg else {}
                 us = graph_us(lambda: pa.paged_attention(  # noqa: B023
                     q, k, v, table, pos, page, kv_len, scale, *extra,  # noqa: B023
                     block_k=block_k, split_size=split, out=out))  # noqa: B023
                 pa.tile_config, pa.SCORE_TILES = tile_config, SCORE_TILES
+                pa.ROWS_MAXNREG = ROWS_MAXNREG
                 row = {"n": n, "mode": mode, "store": store, "block_k": block_k,
                        "stages": stages, "warps": warps, "split": split,
                        "maxnreg": maxnreg or None, "score_split_max": cap or None, "us": us}
