@@ -189,6 +189,7 @@ def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch
             out, bsz, groups, width, out_width)
     block_w = triton.next_power_of_2(width)
     warps = min(max(block_w // RESIDENT_KEYS_PER_WARP, 4), 16)
+    assert RESIDENT_SELECT in ("radix", "sort"), f"RESIDENT_SELECT {RESIDENT_SELECT!r}"
     _topk_resident_kernel[(flat.shape[0],)](*args, BLOCK_W=block_w, BLOCK=block,
                                             RADIX_BITS=RESIDENT_RADIX_BITS, PAGE=page,
                                             HAS_LIMIT=limit is not None,
