@@ -108,7 +108,7 @@ def sparse_sweep(args: argparse.Namespace, recent: int = 64) -> list[dict]:
     pos = torch.full((bsz, 1), ctx - 1, device="cuda")
     recent_start = torch.full((bsz,), start, dtype=torch.int64, device="cuda")
     out = torch.empty_like(q)
-    moved = 2 * bsz * hkv * (budget + recent) * dim * 2
+    moved = 2 * bsz * hkv * (budget + recent) * dim * layers[0][1].element_size()
     rows = []
     splits = [x if x in ("auto", "paged") else int(x) for x in args.splits]
     per_sm = sa.SPARSE_PROGRAMS_PER_SM

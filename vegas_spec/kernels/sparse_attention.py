@@ -20,10 +20,10 @@ import triton.language as tl
 
 from vegas_spec.kernels.split_merge import (
     Partials,
+    device_sms,
     finish_split,
     merge_splits,
     output_buffer,
-    sm_count,
     softmax_block,
     split_size_for,
     tile_config,
@@ -111,9 +111,8 @@ def sparse_split_size(length: int, programs: int, block_k: int, device: torch.de
     per_sm = (SPARSE_PROGRAMS_PER_SM or {}).get(head_dim) if device.type == "cuda" else None
     if per_sm is None:
         return split_size_for(length, programs, block_k, device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
     blocks = max(triton.cdiv(length, block_k), 1)
-    splits = max(1, min(per_sm * sm_count(index) // max(programs, 1), blocks // 2))
+    splits = max(1, min(per_sm * device_sms(device) // max(programs, 1), blocks // 2))
     return triton.cdiv(blocks, splits) * block_k
 
 

@@ -78,11 +78,15 @@ def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def device_sms(device: torch.device) -> int:
+    """The SMs of the CUDA `device` (the current one when it names no index)."""
+    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def splits_to_fill(programs: int, device: torch.device) -> int:
     """Splits that give a launch of `programs` programs per split about two programs per SM
     of the CUDA `device` (at least 1)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return max(1, math.ceil(2 * sm_count(index) / max(programs, 1)))
+    return max(1, math.ceil(2 * device_sms(device) / max(programs, 1)))
 
 
 def split_size_for(length: int, programs: int, block_k: int, device: torch.device,
