@@ -30,8 +30,6 @@ draft step too);
 `--score-tiles` times scored passes with other tiles than the library's for the model's head
 dim (`paged_attention.SCORE_TILES`), each in graphs of its own; `--sparse-splits paged` the
 draft steps with the sparse attention split by the paged kernel's rule, likewise;
-`--topk-selects radix sort` the resident top-k's two ways to its threshold, likewise;
-`--rows-maxnregs 0 128` the unscored verify step with ptxas's registers and with a cap;
 `--projections` the weight-streaming rate of every projection at the plain and the verify
 step's row counts. Also reported: the verify step without scores (stream's), quest's draft
 step, the host work between rounds of the engine's own loop and the projected speedup
@@ -55,7 +53,6 @@ from vegas_spec.config import ModelConfig
 from vegas_spec.graphs import GraphRunner
 from vegas_spec.kernels import paged_attention as pa
 from vegas_spec.kernels import sparse_attention as sa
-from vegas_spec.kernels import topk as tk
 from vegas_spec.models.loader import load_config, resolve
 from vegas_spec.speculative.policies import SelectionInput, make_policy
 
@@ -413,14 +410,6 @@ def main() -> None:
                     help="how the draft steps' sparse attention splits its keys: the "
                          "library's rule (sparse_attention.SPARSE_PROGRAMS_PER_SM) or the "
                          "paged kernel's occupancy split, each in graphs of its own")
-    ap.add_argument("--rows-maxnregs", type=int, nargs="+", default=[-1],
-                    help="registers per thread of unscored passes of several rows (the verify "
-                         "step without scores): -1 the library's (paged_attention."
-                         "ROWS_MAXNREG), 0 ptxas's, each in graphs of its own")
-    ap.add_argument("--topk-selects", nargs="+", default=["library"],
-                    choices=["library", "radix", "sort"],
-                    help="how the resident top-k (quest's pages, vegas's ranking) finds its "
-                         "threshold (topk.RESIDENT_SELECT), each in graphs of its own")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -429,8 +418,7 @@ def main() -> None:
     model = load_config(resolve(str(args.config)))
     dim = model.head_dim
     tilings = [parse_score_tiles(t, pa.score_tiles(dim)) for t in args.score_tiles]
-    per_sm, library_select = sa.SPARSE_PROGRAMS_PER_SM, tk.RESIDENT_SELECT
-    library_rows = pa.ROWS_MAXNREG
+    per_sm = sa.SPARSE_PROGRAMS_PER_SM
     bandwidth = copy_bandwidth() if cuda else 1e10
     rows = []
     for context, mode in ((c, m) for c in args.contexts for m in args.modes):
@@ -444,20 +432,16 @@ def main() -> None:
         for k, v in llm.cache.layers:
             k.normal_()
             v.normal_()
-        for bsz, skinny, tiles, width, sparse, select, regs in (
-                (b, r, t, w, x, s, g) for b in args.batches for r in args.skinny_rows
-                for t in tilings for w in args.rank_widths for x in args.sparse_splits
-                for s in args.topk_selects for g in args.rows_maxnregs):
+        for bsz, skinny, tiles, width, sparse in (
+                (b, r, t, w, x) for b in args.batches for r in args.skinny_rows
+                for t in tilings for w in args.rank_widths for x in args.sparse_splits):
             # All of these are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
             pa.SCORE_TILES = {dim: tiles}
             sa.SPARSE_PROGRAMS_PER_SM = per_sm if sparse == "library" else None
-            tk.RESIDENT_SELECT = library_select if select == "library" else select
-            pa.ROWS_MAXNREG = library_rows if regs < 0 else {dim: regs} if regs else {}
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny,
-                   "sparse_splits": sparse, "topk_select": tk.RESIDENT_SELECT,
-                   "rows_maxnreg": pa.ROWS_MAXNREG.get(dim),
+                   "sparse_splits": sparse,
                    "score_tiles": f"{tiles.block_k}:{tiles.stages}:{tiles.store}",
                    "score_split_max": tiles.split_max, "score_maxnreg": tiles.maxnreg,
                    "max_model_len": llm.max_model_len, "rank_width": width,

@@ -37,7 +37,6 @@ from vegas_spec.graphs import capture  # noqa: E402
 from vegas_spec.kernels.split_merge import tile_config  # noqa: E402
 
 SCORE_TILES = pa.SCORE_TILES
-ROWS_MAXNREG = pa.ROWS_MAXNREG
 
 
 def graph_us(fn: Callable[[], object], calls: int = 30, reps: int = 20) -> float:
@@ -159,23 +158,19 @@ def quest_sweep(args: argparse.Namespace, page: int = 16) -> list[dict]:
     keep = max(int(args.ratio * ctx) // page, 1)
     k = torch.full((bsz,), keep, device="cuda")
     rankable = pages * page
-    settings = [(w, b if select == "radix" else 0, select) for select in args.topk_select
-                for w in args.topk_keys_per_warp
-                for b in (args.topk_radix_bits if select == "radix" else [0])]
-    for per_warp, bits, select in settings:
-        tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_SELECT = per_warp, select
-        tk.RESIDENT_RADIX_BITS = bits or TOPK_SETTING[1]
+    for per_warp, bits in itertools.product(args.topk_keys_per_warp, args.topk_radix_bits):
+        tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS = per_warp, bits
         us = graph_us(lambda: tk.topk_positions_triton(scores, pages, k, keep, page, rankable))
-        row = {"kernel": "quest_topk", "select": select, "keys_per_warp": per_warp,
-               "radix_bits": bits, "width": num_pages, "keep_pages": keep, "us": us}
+        row = {"kernel": "quest_topk", "keys_per_warp": per_warp, "radix_bits": bits,
+               "width": num_pages, "keep_pages": keep, "us": us}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS, tk.RESIDENT_SELECT = TOPK_SETTING
+    tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS = TOPK_SETTING
     return rows
 
 
 QUEST_SETTINGS = qs.QUEST_TILES
-TOPK_SETTING = (tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS, tk.RESIDENT_SELECT)
+TOPK_SETTING = (tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS)
 
 
 def main() -> None:
@@ -197,9 +192,6 @@ def main() -> None:
     ap.add_argument("--maxnregs", type=int, nargs="+",
                     help="paged, weight scores: registers per thread ptxas may use (0: its "
                          "own choice; default: the library's at this head dim)")
-    ap.add_argument("--rows-maxnregs", type=int, nargs="+", default=[0],
-                    help="paged, n = 7 without scores: registers per thread ptxas may use "
-                         "(0: its own choice; paged_attention.ROWS_MAXNREG)")
     ap.add_argument("--score-split-max", type=int, nargs="+",
                     help="paged, weight scores: the largest split of an 'auto' split in keys "
                          "(0: the occupancy split alone; default: the library's at this head "
@@ -216,9 +208,6 @@ def main() -> None:
                     help="quest: scores per warp of the resident top-k")
     ap.add_argument("--topk-radix-bits", type=int, nargs="+", default=[4, 8],
                     help="quest: bits per radix pass of the resident top-k")
-    ap.add_argument("--topk-select", nargs="+", default=["radix"], choices=["radix", "sort"],
-                    help="quest: how the resident top-k finds its threshold "
-                         "(topk.RESIDENT_SELECT), in this order (repeat to interleave)")
     ap.add_argument("--ratio", type=float, default=0.05, help="quest: tokens kept")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -248,22 +237,17 @@ def main() -> None:
         splits = [None if x == "auto" else int(x) for x in args.splits]
         for mode in modes:
             stores = stores_weight if mode == "weight" else [library.store]
-            # Register and split caps apply to scored passes; an unscored pass of several
-            # rows takes --rows-maxnregs (paged_attention.ROWS_MAXNREG).
-            regs, caps = (maxnregs, split_maxes) if mode == "weight" else (
-                args.rows_maxnregs if n > 1 else [0], [0])
+            # Register and split caps apply to scored passes only.
+            regs, caps = (maxnregs, split_maxes) if mode == "weight" else ([0], [0])
             for store, block_k, stages, warps, split, maxnreg, cap in itertools.product(
                     stores, args.block_k, args.stages, args.warps, splits, regs, caps):
                 extra = (score_rows, scores, "weight") if mode == "weight" else ()
                 before = compiled()
                 with_tiles(block_k, stages, warps, maxnreg or None, cap or None, store, dim)
-                if mode == "none":
-                    pa.ROWS_MAXNREG = {dim: maxnreg} if maxnreg else {}
                 us = graph_us(lambda: pa.paged_attention(  # noqa: B023
                     q, k, v, table, pos, page, kv_len, scale, *extra,  # noqa: B023
                     block_k=block_k, split_size=split, out=out))  # noqa: B023
                 pa.tile_config, pa.SCORE_TILES = tile_config, SCORE_TILES
-                pa.ROWS_MAXNREG = ROWS_MAXNREG
                 row = {"n": n, "mode": mode, "store": store, "block_k": block_k,
                        "stages": stages, "warps": warps, "split": split,
                        "maxnreg": maxnreg or None, "score_split_max": cap or None, "us": us}

@@ -206,17 +206,6 @@ def test_every_score_tiling(case: Case, tiles: pa.ScoreTiles,
         run(case, dtype)
 
 
-@pytest.mark.skipif(not CUDA, reason="register caps apply on GPUs only")
-@pytest.mark.parametrize("case", [dataclasses.replace(c, rows=None) for c in CASES if c.n > 1],
-                         ids=case_id)
-def test_unscored_rows_under_a_register_cap(case: Case,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """An unscored pass of several rows with its registers capped (`ROWS_MAXNREG`)."""
-    monkeypatch.setattr(pa, "ROWS_MAXNREG", {case.dim: 128})
-    for dtype in DTYPES:
-        run(case, dtype)
-
-
 def test_score_tiles_refuse_an_unknown_store() -> None:
     with pytest.raises(ValueError, match="unknown score store"):
         pa.ScoreTiles(128, 3, None, None, "bf16-pointers")

@@ -190,35 +190,3 @@ def test_rows_wider_than_the_resident_bound_are_refused(monkeypatch: pytest.Monk
         topk_positions_triton(torch.zeros(1, 1, 17, device=DEVICE), rank, k)
     scores = torch.arange(16.0, device=DEVICE)[None, None]
     assert topk_positions_triton(scores, rank, k).tolist() == [[[7, 8, 9]]]
-
-
-# Rows the interpreter sorts quickly (a bitonic sort of 512 keys costs it seconds).
-SORT_CASES = [c for c in PATH_CASES if c[3] <= 300] + [((), 3, 2, 200, [200, 130, 7],
-                                                        [13, 130, 2], 16)]
-
-
-@pytest.mark.parametrize("kind", ["continuous", "ties", "few_values"])
-@pytest.mark.parametrize("case", SORT_CASES, ids=lambda c: f"{c[1]}x{c[2]}x{c[3]}_page{c[6]}")
-def test_sorted_row_selects_as_the_radix_passes(case: tuple, kind: str,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """`RESIDENT_SELECT = "sort"` (the threshold from one sort of the row's distinct 64-bit
-    keys) chooses what the radix passes choose: the k largest keys, the lowest positions on
-    ties, the pages expanded."""
-    lead, bsz, groups, width, rankable, k, page = case
-    gen = generator(width + 7 * len(kind))
-    shape = (*lead, bsz, groups, width)
-    if kind == "continuous":
-        scores = scores_for(shape, gen, True)
-    elif kind == "ties":
-        scores = torch.randint(0, 3, shape, generator=gen).float().to(DEVICE)
-    else:
-        values = torch.tensor([-0.0, 0.0, 1e-45, -1e-45, 1.0, float("inf"), float("-inf")])
-        scores = values[torch.randint(0, len(values), shape, generator=gen)].to(DEVICE)
-    rank = torch.tensor(rankable, device=DEVICE)
-    budget = torch.minimum(torch.tensor(k, device=DEVICE), rank)
-    limit = rank * page - 1
-    monkeypatch.setattr(topk, "RESIDENT_SELECT", "sort")
-    got = topk_positions_triton(scores, rank, budget, None, page, limit)
-    assert torch.equal(got, expand_pages(lowest_on_ties(scores, rank, budget), page, limit))
-    monkeypatch.setattr(topk, "RESIDENT_SELECT", "radix")
-    assert torch.equal(got, topk_positions_triton(scores, rank, budget, None, page, limit))

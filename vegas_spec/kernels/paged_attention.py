@@ -115,15 +115,6 @@ SCORE_TILES: dict[int, ScoreTiles] = {64: ScoreTiles(128, 3, None, 168, "f32-poi
 SCORE_TILES_OTHER = ScoreTiles(128, 3, 2048, None, "f32-descriptor")
 
 
-# Registers per thread of an unscored pass of several query rows (a verify step without
-# scores, stream's), by head dim; ptxas's choice where not listed. Compiled for sm_90 at n = 7
-# with the default tiles, ptxas takes 168 registers at head dim 64 (three programs per SM)
-# and 152 at 128 (64-key blocks, three), where a plain step's pass takes 119 and 114 (four);
-# 128 fits both without spilling (benchmarks/kernel_regs.py --n 7 --maxnreg 128). Empty until
-# measured (tile_sweep.py --rows-maxnregs, step_profile.py --rows-maxnregs).
-ROWS_MAXNREG: dict[int, int] = {}
-
-
 def score_tiles(head_dim: int) -> ScoreTiles:
     """The tiles of a score-emitting pass at this head dim."""
     return SCORE_TILES.get(head_dim, SCORE_TILES_OTHER)
@@ -397,8 +388,6 @@ def _tiling(q: torch.Tensor, hkv: int, scored: bool, block_k: int | None,
     cfg = tile_config(q, hkv, block_k or (tiles.block_k if tiles else None))
     if tiles:
         cfg = dataclasses.replace(cfg, num_stages=tiles.stages, maxnreg=tiles.maxnreg)
-    elif q.is_cuda and n > 1 and q.shape[3] in ROWS_MAXNREG:
-        cfg = dataclasses.replace(cfg, maxnreg=ROWS_MAXNREG[q.shape[3]])
     row_blocks = triton.cdiv(n, cfg.block_n)
     size = split_size_for(kv_len, bsz * hkv * row_blocks, cfg.block_k, q.device, split_size)
     if tiles and split_size is None and tiles.split_max:

@@ -46,11 +46,6 @@ RESIDENT_MAX_WIDTH = 8192
 RESIDENT_KEYS_PER_WARP = 256
 # Bits per radix pass of the resident top-k (32 / bits passes, one 2^bits-bin histogram each).
 RESIDENT_RADIX_BITS = 4
-# How the resident top-k finds its threshold: "radix" (the passes above) or "sort", one
-# bitonic sort of the row's 64-bit keys (the score's key, then the position reversed, so
-# that the keys are distinct and ties go to the lowest positions), the threshold read at
-# index k - 1. Same output.
-RESIDENT_SELECT = "radix"
 
 
 @triton.jit
@@ -99,39 +94,13 @@ def _row_bounds(rankable_ptr, k_ptr, limit_ptr, b, width, HAS_LIMIT: tl.constexp
 def _topk_resident_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B, G, width,
                           out_width, BLOCK_W: tl.constexpr, BLOCK: tl.constexpr,
                           RADIX_BITS: tl.constexpr, PAGE: tl.constexpr,
-                          HAS_LIMIT: tl.constexpr, SORT: tl.constexpr):
+                          HAS_LIMIT: tl.constexpr):
     row = tl.program_id(0)
     b = (row // G) % B
     length, want, limit = _row_bounds(rankable_ptr, k_ptr, limit_ptr, b, width, HAS_LIMIT)
     w = tl.arange(0, BLOCK_W)
     ok = w < length
     key = _keys32(tl.load(scores_ptr + row.to(tl.int64) * width + w, mask=ok, other=0.0))
-    if SORT:
-        take = _take_by_sort(key, ok, w, want, BLOCK_W)
-    else:
-        take = _take_by_radix(key, ok, want, RADIX_BITS)
-    slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
-    out_row = out_ptr + row.to(tl.int64) * (out_width * PAGE)
-    _store_units(out_row, slot, w, take, limit, PAGE)
-    _pad_from(out_row, want * PAGE, out_width * PAGE, BLOCK)
-
-
-@triton.jit
-def _take_by_sort(key, ok, w, want, BLOCK_W: tl.constexpr):
-    """The `want` largest of the row's keys where ok, ties to the lowest positions: the keys
-    made distinct as (key << 32) | (BLOCK_W - 1 - position), 0 where not ok (a valid key is
-    never 0: that would be a NaN), sorted once, the threshold read at index want - 1."""
-    wide = (key.to(tl.uint64) << 32) | (BLOCK_W - 1 - w).to(tl.uint64)
-    wide = tl.where(ok, wide, tl.zeros_like(wide))
-    ranked = tl.sort(wide, descending=True)
-    threshold = tl.max(tl.where(w == want - 1, ranked, tl.zeros_like(ranked)), axis=0)
-    return ok & (wide >= threshold) & (want > 0)
-
-
-@triton.jit
-def _take_by_radix(key, ok, want, RADIX_BITS: tl.constexpr):
-    """The `want` largest of the row's keys where ok, ties to the lowest positions, by radix
-    select (see the module's docstring)."""
     digits = tl.arange(0, 1 << RADIX_BITS)
     # Invariant: above (keys past the prefix's digits so far) + the keys that match them is
     # at least `want`, so digit 0 always qualifies.
@@ -150,7 +119,11 @@ def _take_by_radix(key, ok, want, RADIX_BITS: tl.constexpr):
         prefix += best.to(tl.uint32) << shift
     is_tie = ok & (key == prefix)
     tie_rank = tl.cumsum(is_tie.to(tl.int32), axis=0)  # 1-based
-    return ok & ((key > prefix) | (is_tie & (tie_rank <= want - above))) & (want > 0)
+    take = ok & ((key > prefix) | (is_tie & (tie_rank <= want - above))) & (want > 0)
+    slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    out_row = out_ptr + row.to(tl.int64) * (out_width * PAGE)
+    _store_units(out_row, slot, w, take, limit, PAGE)
+    _pad_from(out_row, want * PAGE, out_width * PAGE, BLOCK)
 
 
 def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
@@ -189,9 +162,7 @@ def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch
             out, bsz, groups, width, out_width)
     block_w = triton.next_power_of_2(width)
     warps = min(max(block_w // RESIDENT_KEYS_PER_WARP, 4), 16)
-    assert RESIDENT_SELECT in ("radix", "sort"), f"RESIDENT_SELECT {RESIDENT_SELECT!r}"
     _topk_resident_kernel[(flat.shape[0],)](*args, BLOCK_W=block_w, BLOCK=block,
                                             RADIX_BITS=RESIDENT_RADIX_BITS, PAGE=page,
-                                            HAS_LIMIT=limit is not None,
-                                            SORT=RESIDENT_SELECT == "sort", num_warps=warps)
+                                            HAS_LIMIT=limit is not None, num_warps=warps)
     return out.view(*scores.shape[:-1], out_width * page)
