@@ -148,3 +148,41 @@ def test_seeded_sampling_is_reproducible(llm) -> None:
     assert batch[1].token_ids == first
     greedy = llm.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True))[0]
     assert greedy.token_ids != first
+
+
+def test_no_garbage_collection_runs_between_steps(llm, monkeypatch) -> None:
+    """The collector is paused while `generate` steps (a full collection stops the loop for
+    tens of milliseconds), and its state is restored after."""
+    import gc
+
+    inside = []
+    collections = []
+    step = llm.engine.step
+
+    def timed_step(*args, **kwargs):
+        inside.append(True)
+        try:
+            return step(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    def on_collection(phase: str, info: dict) -> None:
+        if phase == "start" and inside:
+            collections.append(info["generation"])
+
+    monkeypatch.setattr(llm.engine, "step", timed_step)
+    threshold = gc.get_threshold()
+    gc.callbacks.append(on_collection)
+    gc.set_threshold(1)  # unpaused, every step would collect
+    try:
+        assert gc.isenabled()
+        llm.generate(SHORT[:2], SamplingParams(max_tokens=6))
+        assert gc.isenabled()
+        gc.disable()
+        llm.generate(SHORT[:1], SamplingParams(max_tokens=3))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(on_collection)
+    assert collections == []
