@@ -209,3 +209,14 @@ def test_decode_profile_takes_the_prefill_out(tmp_path: Path) -> None:
     assert summary["decode_kernel_ms"] > 0 and summary["decode_kernels"] > 0
     assert len(kernels) == 5 and kernels[0]["ms"] > 0 and kernels[0]["calls"] > 0
     assert summary["verify_passes"] == 0  # no Triton kernel on the CPU path
+
+
+def test_gc_probe_times_the_collections_of_a_command(tmp_path: Path) -> None:
+    out = tmp_path / "gc.json"
+    run("gc_probe.py", "--out", str(out), "--", "generate", "--prompt", "The capital of",
+        "--max-tokens", "2")
+    data = json.loads(out.read_text())
+    assert data["tracked_objects"] > 0 and data["seconds"] > 0
+    assert data["generations"], "a command this size still collects"
+    for row in data["generations"].values():
+        assert row["collections"] > 0 and row["longest_ms"] <= row["total_ms"]
