@@ -30,6 +30,8 @@ draft step too);
 `--score-tiles` times scored passes with other tiles than the library's for the model's head
 dim (`paged_attention.SCORE_TILES`), each in graphs of its own; `--sparse-splits paged` the
 draft steps with the sparse attention split by the paged kernel's rule, likewise;
+`--topk-min-warps 1 2 4` the resident top-k (quest's pages, vegas's ranking) with at least
+that many warps, likewise;
 `--projections` the weight-streaming rate of every projection at the plain and the verify
 step's row counts. Also reported: the verify step without scores (stream's), quest's draft
 step, the host work between rounds of the engine's own loop and the projected speedup
@@ -53,6 +55,7 @@ from vegas_spec.config import ModelConfig
 from vegas_spec.graphs import GraphRunner
 from vegas_spec.kernels import paged_attention as pa
 from vegas_spec.kernels import sparse_attention as sa
+from vegas_spec.kernels import topk as tk
 from vegas_spec.models.loader import load_config, resolve
 from vegas_spec.speculative.policies import SelectionInput, make_policy
 
@@ -410,6 +413,10 @@ def main() -> None:
                     help="how the draft steps' sparse attention splits its keys: the "
                          "library's rule (sparse_attention.SPARSE_PROGRAMS_PER_SM) or the "
                          "paged kernel's occupancy split, each in graphs of its own")
+    ap.add_argument("--topk-min-warps", type=int, nargs="+", default=[0],
+                    help="the fewest warps of the resident top-k (quest's pages, vegas's "
+                         "ranking; topk.RESIDENT_MIN_WARPS, 0: the library's), each in graphs "
+                         "of its own")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -418,7 +425,7 @@ def main() -> None:
     model = load_config(resolve(str(args.config)))
     dim = model.head_dim
     tilings = [parse_score_tiles(t, pa.score_tiles(dim)) for t in args.score_tiles]
-    per_sm = sa.SPARSE_PROGRAMS_PER_SM
+    per_sm, least_warps = sa.SPARSE_PROGRAMS_PER_SM, tk.RESIDENT_MIN_WARPS
     bandwidth = copy_bandwidth() if cuda else 1e10
     rows = []
     for context, mode in ((c, m) for c in args.contexts for m in args.modes):
@@ -432,16 +439,18 @@ def main() -> None:
         for k, v in llm.cache.layers:
             k.normal_()
             v.normal_()
-        for bsz, skinny, tiles, width, sparse in (
-                (b, r, t, w, x) for b in args.batches for r in args.skinny_rows
-                for t in tilings for w in args.rank_widths for x in args.sparse_splits):
+        for bsz, skinny, tiles, width, sparse, least in (
+                (b, r, t, w, x, m) for b in args.batches for r in args.skinny_rows
+                for t in tilings for w in args.rank_widths for x in args.sparse_splits
+                for m in args.topk_min_warps):
             # All of these are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
             pa.SCORE_TILES = {dim: tiles}
             sa.SPARSE_PROGRAMS_PER_SM = per_sm if sparse == "library" else None
+            tk.RESIDENT_MIN_WARPS = least or least_warps
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny,
-                   "sparse_splits": sparse,
+                   "sparse_splits": sparse, "topk_min_warps": tk.RESIDENT_MIN_WARPS,
                    "score_tiles": f"{tiles.block_k}:{tiles.stages}:{tiles.store}",
                    "score_split_max": tiles.split_max, "score_maxnreg": tiles.maxnreg,
                    "max_model_len": llm.max_model_len, "rank_width": width,

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vegas_spec.kernels.paged_attention as pa  # noqa: E402
@@ -158,19 +159,22 @@ def quest_sweep(args: argparse.Namespace, page: int = 16) -> list[dict]:
     keep = max(int(args.ratio * ctx) // page, 1)
     k = torch.full((bsz,), keep, device="cuda")
     rankable = pages * page
-    for per_warp, bits in itertools.product(args.topk_keys_per_warp, args.topk_radix_bits):
+    for per_warp, bits, least in itertools.product(
+            args.topk_keys_per_warp, args.topk_radix_bits, args.topk_min_warps):
         tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS = per_warp, bits
+        tk.RESIDENT_MIN_WARPS = least
         us = graph_us(lambda: tk.topk_positions_triton(scores, pages, k, keep, page, rankable))
         row = {"kernel": "quest_topk", "keys_per_warp": per_warp, "radix_bits": bits,
+               "min_warps": least, "warps": tk.resident_warps(triton.next_power_of_2(num_pages)),
                "width": num_pages, "keep_pages": keep, "us": us}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS = TOPK_SETTING
+    tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS, tk.RESIDENT_MIN_WARPS = TOPK_SETTING
     return rows
 
 
 QUEST_SETTINGS = qs.QUEST_TILES
-TOPK_SETTING = (tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS)
+TOPK_SETTING = (tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS, tk.RESIDENT_MIN_WARPS)
 
 
 def main() -> None:
@@ -208,6 +212,9 @@ def main() -> None:
                     help="quest: scores per warp of the resident top-k")
     ap.add_argument("--topk-radix-bits", type=int, nargs="+", default=[4, 8],
                     help="quest: bits per radix pass of the resident top-k")
+    ap.add_argument("--topk-min-warps", type=int, nargs="+", default=[tk.RESIDENT_MIN_WARPS],
+                    help="quest: the fewest warps of the resident top-k "
+                         "(topk.RESIDENT_MIN_WARPS; repeat to interleave)")
     ap.add_argument("--ratio", type=float, default=0.05, help="quest: tokens kept")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()

@@ -190,3 +190,13 @@ def test_rows_wider_than_the_resident_bound_are_refused(monkeypatch: pytest.Monk
         topk_positions_triton(torch.zeros(1, 1, 17, device=DEVICE), rank, k)
     scores = torch.arange(16.0, device=DEVICE)[None, None]
     assert topk_positions_triton(scores, rank, k).tolist() == [[[7, 8, 9]]]
+
+
+def test_warps_by_row_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One warp per RESIDENT_KEYS_PER_WARP scores, at least RESIDENT_MIN_WARPS, at most 16."""
+    monkeypatch.setattr(topk, "RESIDENT_KEYS_PER_WARP", 256)
+    assert [topk.resident_warps(w) for w in (64, 512, 2048, 8192)] == [4, 4, 8, 16]
+    monkeypatch.setattr(topk, "RESIDENT_MIN_WARPS", 1)
+    assert [topk.resident_warps(w) for w in (64, 512, 2048, 8192)] == [1, 2, 8, 16]
+    monkeypatch.setattr(topk, "RESIDENT_MIN_WARPS", 0)
+    assert topk.resident_warps(64) == 1

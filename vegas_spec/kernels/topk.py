@@ -41,9 +41,10 @@ import triton.language as tl
 # keys a thread up to 4096 scores, 16 at 8192, which ptxas fits in 128 registers for sm_90
 # without spilling.
 RESIDENT_MAX_WIDTH = 8192
-# Warps of the resident top-k: one per RESIDENT_KEYS_PER_WARP scores, 4 to 16
-# (benchmarks/tile_sweep.py --kernel quest).
+# Warps of the resident top-k: one per RESIDENT_KEYS_PER_WARP scores, RESIDENT_MIN_WARPS to
+# 16 (benchmarks/tile_sweep.py --kernel quest).
 RESIDENT_KEYS_PER_WARP = 256
+RESIDENT_MIN_WARPS = 4
 # Bits per radix pass of the resident top-k (32 / bits passes, one 2^bits-bin histogram each).
 RESIDENT_RADIX_BITS = 4
 
@@ -126,6 +127,11 @@ def _topk_resident_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B
     _pad_from(out_row, want * PAGE, out_width * PAGE, BLOCK)
 
 
+def resident_warps(block_w: int) -> int:
+    """Warps of the resident kernel for rows of BLOCK_W (a power of two) scores."""
+    return min(max(block_w // RESIDENT_KEYS_PER_WARP, RESIDENT_MIN_WARPS, 1), 16)
+
+
 def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
                           kmax: int | None = None, page: int = 1,
                           limit: torch.Tensor | None = None) -> torch.Tensor:
@@ -161,7 +167,7 @@ def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch
     args = (flat, rankable, k.contiguous(), rankable if limit is None else limit.contiguous(),
             out, bsz, groups, width, out_width)
     block_w = triton.next_power_of_2(width)
-    warps = min(max(block_w // RESIDENT_KEYS_PER_WARP, 4), 16)
+    warps = resident_warps(block_w)
     _topk_resident_kernel[(flat.shape[0],)](*args, BLOCK_W=block_w, BLOCK=block,
                                             RADIX_BITS=RESIDENT_RADIX_BITS, PAGE=page,
                                             HAS_LIMIT=limit is not None, num_warps=warps)
