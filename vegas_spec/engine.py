@@ -119,7 +119,6 @@ def _sequence_stats(stats: SeqStats, iterations: int, budgets: int) -> dict[str,
     return {"sequence": stats.summary_upto(iterations, budgets)}
 
 
-
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
     """No automatic cyclic garbage collection inside (reference counting still frees what
@@ -132,6 +131,7 @@ def collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
 
 class LLMEngine:
     """The serving engine: a scheduler and a model runner over one method, stepped by its
