@@ -4,6 +4,8 @@ behave as documented."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from conftest import essay_prompt
@@ -153,8 +155,6 @@ def test_seeded_sampling_is_reproducible(llm) -> None:
 def test_no_garbage_collection_runs_between_steps(llm, monkeypatch) -> None:
     """The collector is paused while `generate` steps (a full collection stops the loop for
     tens of milliseconds), and its state is restored after."""
-    import gc
-
     inside = []
     collections = []
     step = llm.engine.step
@@ -192,8 +192,6 @@ def test_generate_leaves_no_cyclic_garbage(llm) -> None:
     """What makes pausing the collector safe: a step makes no reference cycles, so a long
     `generate` leaves nothing for the collector (cycles would otherwise wait, with any
     device memory they hold, until the next collection)."""
-    import gc
-
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     for spec in (None, SpecConfig(method="vegas", min_tokens=8)):
         llm.generate(SHORT[:2], params, speculative=spec)  # what a first call makes once
