@@ -15,8 +15,11 @@ including the copy of the plan into the graph buffers, with the backend's top-k
 replays: the γ draft steps, the verify step, acceptance and the next selection captured as
 one graph (also timed without the selection: the difference is the selection's cost inside
 the graph, `select_in_round_ms`). Floors:
-bytes the step must read (weights once, K and V of every position it attends to) over the
-measured copy bandwidth.
+bytes the step must move (weights once, K and V of every position it attends to; for the
+verify step with scores also its score rows' logits, written and read back as
+`paged_attention.score_bytes_per_key` counts them) over the measured copy bandwidth;
+`floor_verify_over_plain` is that floor over the measured plain step: the least verify / plain
+any kernel of this design can reach.
 `--modes default exact` runs every (context, batch) in both modes, each in an engine of its
 own, and ends with exact mode's cost: plain steps per second and vegas's projected tokens
 per second (τ · batch / (round + host work)) in exact mode against the default mode
@@ -216,8 +219,14 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         out["budget"] = budget
         full_kv = bsz * context * kv_token
         sparse_kv = bsz * (budget + 2 * gamma + 1) * kv_token
+        scored = runner.shapes
+        score_bytes = bsz * context * cfg.num_layers * pa.score_bytes_per_key(
+            scored.score_mode, cfg.num_heads, cfg.num_kv_heads, len(scored.score_rows),
+            scored.score_groups) if scored.score_rows else 0
         out["floor_plain_ms"] = 1e3 * (wbytes + full_kv) / bandwidth
-        out["floor_verify_ms"] = out["floor_plain_ms"]
+        # the verify step with scores also writes and reads back its rows' logits
+        out["floor_verify_ms"] = 1e3 * (wbytes + full_kv + score_bytes) / bandwidth
+        out["score_bytes"] = score_bytes
         out["floor_draft_ms"] = 1e3 * (wbytes + sparse_kv) / bandwidth
         out["weight_bytes"], out["kv_bytes"] = wbytes, full_kv
         for k in ("plain", "verify", "draft"):
@@ -229,6 +238,8 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
             gamma * out["draft_ms"] + out["verify_ms"])
         out["ideal_speedup_at_7_tokens_round"] = (gamma + 1) * out["plain_ms"] / out["round_ms"]
         out["verify_over_plain"] = out["verify_ms"] / out["plain_ms"]
+        # the least verify / plain a kernel of this design can reach (at its byte floor)
+        out["floor_verify_over_plain"] = out["floor_verify_ms"] / out["plain_ms"]
         if not args.brief:
             out["verify_noscores_over_plain"] = out["verify_noscores_ms"] / out["plain_ms"]
             out["quest_draft_over_draft"] = out["quest_draft_ms"] / out["draft_ms"]

@@ -46,7 +46,14 @@ def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> No
     assert row["round_ms"] > 0 and row["round_unplanned_ms"] > 0
     assert row["select_ms"] > 0 and row["select_reference_ms"] > 0
     assert row["ideal_speedup_at_7_tokens_round"] > 0
-    assert row["floor_draft_ms"] < row["floor_plain_ms"]
+    assert row["floor_draft_ms"] < row["floor_plain_ms"] < row["floor_verify_ms"]
+    # vegas's two score rows' logits, one per query head, written and read back
+    layers, heads, kv_heads = (TINY[k] for k in ("num_hidden_layers", "num_attention_heads",
+                                                 "num_key_value_heads"))
+    per_key = pa.score_bytes_per_key("weight", heads, kv_heads, 2, 1)
+    assert row["score_bytes"] == 2 * 200 * layers * per_key
+    assert row["floor_verify_over_plain"] == pytest.approx(
+        row["floor_verify_ms"] / row["plain_ms"])
     assert row["verify_noscores_ms"] > 0 and row["quest_draft_ms"] > 0
     assert row["tokens_per_iteration"] == 6.3 and row["projected_speedup"] > 0
     assert row["byte_ideal_speedup"] > 0 and isinstance(row["host_gap_ms"], float)

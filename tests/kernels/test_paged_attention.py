@@ -122,6 +122,16 @@ def test_scores_sum_to_heads() -> None:
     assert (scores[1, :, :, 41:] == 0).all()
 
 
+def test_score_bytes_per_key_follow_the_table() -> None:
+    """Qwen3-8B (32 heads, 8 kv heads), Collect-2, one group: the module's table."""
+    assert pa.score_bytes_per_key("weight", 32, 8, 2, 1) == 520
+    assert pa.score_bytes_per_key("logit", 32, 8, 2, 1) == 136
+    # half-precision logits halve the round trip, not the float32 scores; per kv head, G = 8
+    assert pa.score_bytes_per_key("weight", 32, 8, 2, 1, itemsize=2) == 264
+    assert pa.score_bytes_per_key("weight", 32, 8, 2, 8) == 512 + 64
+    assert pa.score_bytes_per_key("logit", 32, 8, 2, 1, itemsize=2) == 136
+
+
 def use_store(monkeypatch: pytest.MonkeyPatch, store: str) -> None:
     """Every head dim's score tiles (SCORE_TILES_OTHER too, whose store the interpreter
     uses) store their weight-mode logits with `store`."""

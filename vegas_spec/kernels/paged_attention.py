@@ -60,6 +60,16 @@ from vegas_spec.kernels.split_merge import (
 MODES = {"weight": 1, "logit": 2}
 
 
+def score_bytes_per_key(mode: str, heads: int, kv_heads: int, rows: int, groups: int,
+                        itemsize: int = 4) -> int:
+    """Bytes a scored pass moves per key, sequence and layer beyond its K and V (the table
+    above, padding lanes left out): the R rows' logits written by the split kernel and read
+    back by the finalise kernel, one per query head ("weight", `itemsize` bytes each) or per
+    kv head ("logit", float32), plus the float32 scores [R, G] the finalise kernel writes."""
+    lanes, size = (heads, itemsize) if mode == "weight" else (kv_heads, 4)
+    return 2 * size * lanes * rows + 4 * groups * rows
+
+
 # How the weight-mode logits are stored (a score pass's `ScoreTiles.store`): float32 or float16
 # (16-bit models: half the scratch bytes), through a tile of pointers or a tensor descriptor
 # (one bulk copy of the [lanes, block_k] tile per key block; steps with one row block,
