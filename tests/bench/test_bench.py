@@ -105,6 +105,7 @@ def test_plots_are_png_files_embedded_in_the_report(bench_dir: Path) -> None:
 def test_speedups_are_ratios_of_measured_throughputs(bench_dir: Path) -> None:
     data = _results(bench_dir)
     speed = {c["key"]: c["decode_tokens_per_s"] for c in data["cells"]}
+    total = {c["key"]: c["total_s"] for c in data["cells"]}
     lines = {line["key"]: line for line in data["summary"]}
     report = (bench_dir / "report.md").read_text()
     checked = 0
@@ -113,7 +114,12 @@ def test_speedups_are_ratios_of_measured_throughputs(bench_dir: Path) -> None:
         assert lines[cell["key"]]["speedup"] == pytest.approx(speed[cell["key"]] / base,
                                                               rel=1e-12)
         ratio = f"{speed[cell['key']] / base:.2f}x"
-        assert f"| {speed[cell['key']]:.1f} | {ratio} |" in report
+        # the whole request, prefill included: vanilla's time over this cell's
+        whole = total[f"{cell['group']}|vanilla"] / total[cell["key"]]
+        assert lines[cell["key"]]["request_speedup"] == pytest.approx(whole, rel=1e-12)
+        assert total[cell["key"]] >= cell["prefill_s"] + cell["decode_s"] > 0
+        assert (f"| {speed[cell['key']]:.1f} | {ratio} | {total[cell['key']]:.3f} | "
+                f"{whole:.2f}x |") in report
         checked += cell["method"] != "vanilla"
     assert checked == 10
 

@@ -62,6 +62,9 @@ def test_lossless_verdicts() -> None:
     same = {**row, "token_ids": base["token_ids"], "partings": []}
     assert analysis.lossless(same, base, "float32")["verdict"] == "identical"
     assert analysis.speedup({"decode_tokens_per_s": 30.0}, {"decode_tokens_per_s": 20.0}) == 1.5
+    assert analysis.request_speedup({"total_s": 2.0}, {"total_s": 3.0}) == 1.5
+    assert analysis.request_speedup({"total_s": 2.0}, None) is None
+    assert analysis.request_speedup({"total_s": 2.0}, {}) is None
 
 
 @pytest.mark.parametrize(("text", "value"), [("7500", 7500), ("2k", 2000), ("7.5k", 7500)])

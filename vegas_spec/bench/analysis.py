@@ -30,6 +30,14 @@ def speedup(row: dict[str, Any], base: dict[str, Any] | None) -> float | None:
     return row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
 
 
+def request_speedup(row: dict[str, Any], base: dict[str, Any] | None) -> float | None:
+    """The whole request (prefill, first token and decode) in vanilla's time over this
+    cell's, on the same prompts (None: one is not measured)."""
+    if base is None or not row.get("total_s") or not base.get("total_s"):
+        return None
+    return base["total_s"] / row["total_s"]
+
+
 def near_tie(margin: float, dtype: str, exact: bool = False) -> bool:
     """Whether a greedy parting from vanilla where the plain run's top-2 logit margin is
     `margin` can be rounding: within NEAR_TIE of the dtype, and never in exact mode, where
@@ -110,7 +118,8 @@ def summary(rows: list[dict[str, Any]], dtype: str,
             "key": row["key"], "workload": row["workload"], "context": row["context"],
             "batch": row["batch"], "method": row["method"], "gamma": row["gamma"],
             "ratio": row["ratio"], "decode_tokens_per_s": row.get("decode_tokens_per_s"),
-            "speedup": speedup(row, base),
+            "speedup": speedup(row, base), "total_s": row.get("total_s"),
+            "request_speedup": request_speedup(row, base),
             "tokens_per_iteration": row.get("tokens_per_iteration"),
             "acceptance_first": acc[0] if acc else None,
             "acceptance_last": acc[-1] if acc else None,

@@ -32,13 +32,16 @@ def _decoding(s: dict[str, Any]) -> str:
     return (f"Decoding: {how}, every sequence to its full length (end of sequence ignored); "
             f"min_tokens {s['spec']['min_tokens']}, score {s['spec']['score']}, collect "
             f"{s['spec']['collect']}, granularity {s['spec']['granularity']}. Speedups are "
-            "decode throughputs over vanilla's on the same prompts in the same engine.")
+            "decode throughputs over vanilla's on the same prompts in the same engine; the "
+            "whole request (prefill, first token and decode) is timed too, and its speedup "
+            "is vanilla's time over the method's.")
 
 
 def cell_table(lines: list[dict[str, Any]]) -> list[str]:
     out = ["| workload | context | batch | method | γ | ratio | decode tok/s | speedup | "
-           "tokens/iter | accept@1 | accept@γ | budget | = vanilla |",
-           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "request s | request speedup | tokens/iter | accept@1 | accept@γ | budget | "
+           "= vanilla |",
+           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in lines:
         spec = r["method"] != "vanilla"
         same = f"{r['identical']}/{r['prompts']}" if r["identical"] is not None else "-"
@@ -47,6 +50,7 @@ def cell_table(lines: list[dict[str, Any]]) -> list[str]:
             f"| {r['workload']} | {_ctx(r['context'])} | {r['batch']} | {r['method']} | "
             f"{gamma} | {ratio} | "
             f"{_f(r['decode_tokens_per_s'], 1)} | {_f(r['speedup'], 2, 'x')} | "
+            f"{_f(r.get('total_s'), 3)} | {_f(r.get('request_speedup'), 2, 'x')} | "
             f"{_f(r['tokens_per_iteration'])} | {_f(r['acceptance_first'])} | "
             f"{_f(r['acceptance_last'])} | {_f(r['budget_mean'], 0)} | {same} "
             f"({r['verdict']}) |")
