@@ -1,6 +1,6 @@
 # `make run`: set up and generate with vegas on the embedded SmolLM2 model.
 # `make test`: set up and run the test suite (what CI runs).
-.PHONY: setup run test lint bench-cpu
+.PHONY: setup run test test-gpu lint bench-cpu
 
 setup:
 	@bash scripts/setup.sh
@@ -13,6 +13,21 @@ run: setup
 # a file's model fixtures load once.
 test: setup
 	.venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=15
+
+# The tests that need CUDA (CI has no GPU, where they skip): every kernel compiled, the real
+# model's lossless and exact checks, the engine's graphs, prefill and steps on the GPU, and
+# tensor parallelism over NCCL (skipped below two GPUs).
+# On a GPU machine whose Python already has torch, triton, transformers and pytest-xdist:
+# `make test-gpu PYTHON=python3` (no set-up: nothing is installed).
+PYTHON ?= .venv/bin/python
+test-gpu:
+	$(PYTHON) -m pytest -q -n 8 tests/kernels
+	$(PYTHON) -m pytest -q -n 4 --dist loadfile tests/speculative/test_exact_gpu.py \
+		tests/speculative/test_lossless_gpu.py
+	$(PYTHON) -m pytest -q -n 8 tests/test_graphs.py tests/test_engine_prefill.py \
+		tests/test_engine_steps.py tests/test_engine_generate.py tests/test_engine_exact.py \
+		-k "cuda or gpu or lossless or prefill or graph or exact"
+	$(PYTHON) -m pytest -q tests/test_parallel.py -k nccl
 
 lint: setup
 	.venv/bin/ruff check vegas_spec tests benchmarks
