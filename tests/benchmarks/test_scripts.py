@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from vegas_spec.kernels import paged_attention as pa
 
@@ -227,3 +228,13 @@ def test_gc_probe_times_the_collections_of_a_command(tmp_path: Path) -> None:
     assert data["generations"], "a command this size still collects"
     for row in data["generations"].values():
         assert row["collections"] > 0 and row["longest_ms"] <= row["total_ms"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
+def test_launch_floor_says_in_one_line_that_it_needs_cuda(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "launch_floor.py"), "--out",
+                           str(tmp_path / "floor.json")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and not (tmp_path / "floor.json").exists()
+    assert done.stderr.strip() == "launch_floor: needs a CUDA GPU (it times CUDA graphs)"
+
