@@ -1,8 +1,11 @@
-"""Long text for the benchmarks: the Paul Graham essays and, as a second kind that is not
-prose, the Python standard library's own source code; the same texts `vegas bench` reads
-(its essays and code workloads), loaded from there on first use."""
+"""What several benchmarks share: long text (the Paul Graham essays and, as a second kind
+that is not prose, the Python standard library's own source code; the same texts `vegas
+bench` reads, its essays and code workloads, loaded from there on first use) and the timer
+of calls captured in one CUDA graph."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 
 def essays() -> list[str]:
@@ -18,3 +21,24 @@ def source_code() -> list[str]:
 
 
 TEXTS = {"essays": essays, "code": source_code}
+
+
+def graph_us(fn: Callable[[], object], calls: int = 30, reps: int = 20) -> float:
+    """Median µs per call of `calls` calls captured in one CUDA graph (after a warm-up run
+    outside the capture), over `reps` replays."""
+    import torch
+
+    from vegas_spec.graphs import capture
+
+    graph, _ = capture(lambda: [fn() for _ in range(calls)], None)
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return sorted(times)[len(times) // 2]
+

@@ -19,6 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import graph_us  # noqa: E402
+
 
 @triton.jit
 def _bump_kernel(x_ptr):
@@ -30,24 +33,7 @@ def _bump_kernel(x_ptr):
 def launch_us(launches: int, programs: int, reps: int) -> float:
     """Median µs per launch over `reps` replays of a graph of `launches` dependent launches."""
     x = torch.zeros(programs, device="cuda")
-    for _ in range(2):  # compile, then warm the allocator outside the capture
-        _bump_kernel[(programs,)](x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            _bump_kernel[(programs,)](x)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / launches)
-    return sorted(times)[len(times) // 2]
+    return graph_us(lambda: _bump_kernel[(programs,)](x), calls=launches, reps=reps)
 
 
 def main() -> int:

@@ -30,29 +30,15 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import graph_us  # noqa: E402
+
 import vegas_spec.kernels.paged_attention as pa  # noqa: E402
 import vegas_spec.kernels.quest_scores as qs  # noqa: E402
 import vegas_spec.kernels.sparse_attention as sa  # noqa: E402
 import vegas_spec.kernels.topk as tk  # noqa: E402
-from vegas_spec.graphs import capture  # noqa: E402
 from vegas_spec.kernels.split_merge import tile_config  # noqa: E402
 
 SCORE_TILES = pa.SCORE_TILES
-
-
-def graph_us(fn: Callable[[], object], calls: int = 30, reps: int = 20) -> float:
-    """Median µs per call of `calls` calls captured in one CUDA graph."""
-    graph, _ = capture(lambda: [fn() for _ in range(calls)], None)
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def cycling(items: list[tuple], fn: Callable[..., object]) -> Callable[[], object]:
