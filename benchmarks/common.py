@@ -41,4 +41,3 @@ def graph_us(fn: Callable[[], object], calls: int = 30, reps: int = 20) -> float
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000 / calls)
     return sorted(times)[len(times) // 2]
-

@@ -237,4 +237,3 @@ def test_launch_floor_says_in_one_line_that_it_needs_cuda(tmp_path: Path) -> Non
                           timeout=120)
     assert done.returncode == 2 and not (tmp_path / "floor.json").exists()
     assert done.stderr.strip() == "launch_floor: needs a CUDA GPU (it times CUDA graphs)"
-
