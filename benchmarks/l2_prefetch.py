@@ -1,0 +1,151 @@
+"""Whether warming L2 with the head of the next projection's weights, from the small kernel
+before it, shortens a decode layer of few rows (`vegas_spec.kernels.l2_prefetch`).
+
+A layer here is the draft step's sequence without its attention: norm -> qkv -> small kernel
+-> o_proj -> norm -> gate_up -> small kernel -> down, at M rows, each small kernel an RMSNorm
+of M rows (the stand-in for the norm, the merge and SiLU · up). With `--row-bytes B` the small
+kernel before each projection gets extra programs that ask L2 for the first B bytes of every
+row of that projection's weight (`fused`), or a prefetch kernel of its own runs before it
+(`separate`). Several layers of weight copies rotate so that nothing stays in L2 between uses.
+
+    python benchmarks/l2_prefetch.py --config benchmarks/configs/llama-3.1-8b --rows 16 \
+        --row-bytes 0 1024 2048 4096 --out l2_prefetch.json
+
+µs per layer (median of CUDA-graph replays) for cuBLAS and the skinny kernel, beside the
+layer's byte floor at the measured copy bandwidth."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import graph_us  # noqa: E402
+
+from vegas_spec.kernels.l2_prefetch import prefetch_l2, prefetch_rows  # noqa: E402
+from vegas_spec.kernels.skinny_matmul import skinny_linear  # noqa: E402
+
+PREFETCH_PROGRAMS = 32
+
+
+@triton.jit
+def _norm_prefetch_kernel(x_ptr, w_ptr, out_ptr, N, eps, pf_ptr, pf_rows, pf_stride,
+                          pf_bytes, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                          PREFETCH: tl.constexpr):
+    """Programs 0..ROWS-1: RMSNorm of one row; the rest: L2 prefetch of pf's rows."""
+    p = tl.program_id(0)
+    if p < ROWS:
+        cols = tl.arange(0, BLOCK)
+        ok = cols < N
+        x = tl.load(x_ptr + p * N + cols, mask=ok, other=0.0).to(tl.float32)
+        r = tl.math.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + p * N + cols, (x * r * w).to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        prefetch_rows(pf_ptr, pf_rows, pf_stride, pf_bytes, p - ROWS,
+                      tl.num_programs(0) - ROWS, BLOCK=128, ENABLED=PREFETCH)
+
+
+def norm(x: torch.Tensor, w: torch.Tensor, weight: torch.Tensor | None,
+         row_bytes: int) -> torch.Tensor:
+    """RMSNorm of x [M, N]; with weight and row_bytes, extra programs prefetch it."""
+    m, n = x.shape
+    out = torch.empty_like(x)
+    pf = weight is not None and row_bytes > 0
+    target = weight if pf else x
+    _norm_prefetch_kernel[(m + (PREFETCH_PROGRAMS if pf else 0),)](
+        x, w, out, n, 1e-5, target, target.shape[0], target.stride(0),
+        min(row_bytes, target.shape[1] * target.element_size()) if pf else 16, ROWS=m,
+        BLOCK=triton.next_power_of_2(n), PREFETCH=pf, num_warps=4)
+    return out
+
+
+def layer_fn(ws: list[dict[str, torch.Tensor]], rows: int, hidden: int, inter: int,
+             linear: Callable, row_bytes: int, mode: str) -> Callable[[], None]:
+    dev = ws[0]["qkv"].device
+    x = torch.randn(rows, hidden, device=dev, dtype=torch.bfloat16)
+    xi = torch.randn(rows, inter, device=dev, dtype=torch.bfloat16)
+    nh, ni = torch.ones(hidden, device=dev, dtype=x.dtype), torch.ones(inter, device=dev,
+                                                                       dtype=x.dtype)
+
+    def small(a: torch.Tensor, nw: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if mode == "separate":
+            prefetch_l2(weight, row_bytes, PREFETCH_PROGRAMS)
+            return norm(a, nw, None, 0)
+        return norm(a, nw, weight, row_bytes)
+
+    def run() -> None:
+        for w in ws:
+            linear(small(x, nh, w["qkv"]), w["qkv"])
+            linear(small(x, nh, w["o"]), w["o"])
+            linear(small(x, nh, w["gate_up"]), w["gate_up"])
+            linear(small(xi, ni, w["down"]), w["down"])
+
+    return run
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    us = graph_us(lambda: b.copy_(a), calls=4, reps=10)
+    return 2 * a.numel() * a.element_size() / (us * 1e-6)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", type=Path, required=True, help="folder with a config.json")
+    ap.add_argument("--rows", type=int, nargs="+", default=[16])
+    ap.add_argument("--row-bytes", type=int, nargs="+", default=[0, 1024, 2048, 4096])
+    ap.add_argument("--modes", nargs="+", default=["fused", "separate"])
+    ap.add_argument("--layers", type=int, default=6, help="weight copies that rotate")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("l2_prefetch: needs a CUDA GPU (Hopper's bulk prefetch)", file=sys.stderr)
+        return 2
+    cfg = json.loads((args.config / "config.json").read_text())
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    qkv = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * d
+    o_in = cfg["num_attention_heads"] * d
+
+    def weight(n: int, k: int) -> torch.Tensor:
+        return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+
+    ws = [{"qkv": weight(qkv, h), "o": weight(h, o_in), "gate_up": weight(2 * inter, h),
+           "down": weight(h, inter)} for _ in range(args.layers)]
+    layer_bytes = sum(w.numel() * w.element_size() for w in ws[0].values())
+    bandwidth = copy_bandwidth()
+    linears = {"cublas": F.linear, "skinny": skinny_linear}
+    results = []
+    for rows in args.rows:
+        for name, linear in linears.items():
+            for mode in args.modes:
+                for row_bytes in args.row_bytes:
+                    if row_bytes == 0 and mode != args.modes[0]:
+                        continue
+                    fn = layer_fn(ws, rows, h, inter, linear, row_bytes, mode)
+                    us = graph_us(fn, calls=2, reps=args.reps) / args.layers
+                    row = {"rows": rows, "linear": name, "mode": mode, "row_bytes": row_bytes,
+                           "us_per_layer": us,
+                           "floor_us": layer_bytes / bandwidth * 1e6}
+                    print(json.dumps(row), flush=True)
+                    results.append(row)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "copy_bandwidth_bytes_per_s": bandwidth,
+            "config": str(args.config), "layer_bytes": layer_bytes}
+    args.out.write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
