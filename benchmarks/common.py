@@ -41,3 +41,20 @@ def graph_us(fn: Callable[[], object], calls: int = 30, reps: int = 20) -> float
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000 / calls)
     return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy, read + write."""
+    import torch
+
+    src = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * 2 / sorted(times)[len(times) // 2]

@@ -1,11 +1,14 @@
 """Whether warming L2 with the head of the next projection's weights, from the small kernel
-before it, shortens a decode layer of few rows (`vegas_spec.kernels.l2_prefetch`).
+before it, shortens a decode layer of few rows.
 
-A layer here is the draft step's sequence without its attention: norm -> qkv -> small kernel
--> o_proj -> norm -> gate_up -> small kernel -> down, at M rows, each small kernel an RMSNorm
-of M rows (the stand-in for the norm, the merge and SiLU · up). With `--row-bytes B` the small
-kernel before each projection gets extra programs that ask L2 for the first B bytes of every
-row of that projection's weight (`fused`), or a prefetch kernel of its own runs before it
+Hopper's bulk prefetch (`cp.async.bulk.prefetch.L2.global`, fire and forget) lets a program
+of a small kernel ask L2 for the first bytes of each weight row, the bytes every program of
+the next projection reads first, while the small kernel leaves the memory idle. A layer here
+is the draft step's sequence without its attention: norm -> qkv -> small kernel -> o_proj ->
+norm -> gate_up -> small kernel -> down, at M rows, each small kernel an RMSNorm of M rows
+(the stand-in for the norm, the merge and SiLU · up). With `--row-bytes B` the small kernel
+before each projection gets extra programs that ask L2 for the first B bytes of every row of
+that projection's weight (`fused`), or a prefetch kernel of its own runs before it
 (`separate`). Several layers of weight copies rotate so that nothing stays in L2 between uses.
 
     python benchmarks/l2_prefetch.py --config benchmarks/configs/llama-3.1-8b --rows 16 \
@@ -28,12 +31,46 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import graph_us  # noqa: E402
+from common import copy_bandwidth, graph_us  # noqa: E402
 
-from vegas_spec.kernels.l2_prefetch import prefetch_l2, prefetch_rows  # noqa: E402
 from vegas_spec.kernels.skinny_matmul import skinny_linear  # noqa: E402
 
 PREFETCH_PROGRAMS = 32
+
+
+@triton.jit
+def prefetch_rows(base_ptr, rows, row_stride, row_bytes, program, programs,
+                  BLOCK: tl.constexpr, ENABLED: tl.constexpr):
+    """Program `program` of `programs` asks L2 for bytes [0, row_bytes) of its share of the
+    `rows` rows starting at base_ptr (`row_stride` elements apart; row_bytes a multiple of 16,
+    rows 16-byte aligned)."""
+    if ENABLED:
+        per = tl.cdiv(rows, programs)
+        lo = program * per
+        hi = tl.minimum(lo + per, rows)
+        size = tl.full([BLOCK], row_bytes, tl.int32)
+        for r0 in range(lo, hi, BLOCK):
+            r = r0 + tl.arange(0, BLOCK)
+            ptrs = base_ptr + tl.minimum(r, hi - 1).to(tl.int64) * row_stride
+            tl.inline_asm_elementwise(
+                "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+                "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_kernel(w_ptr, rows, row_stride, row_bytes, BLOCK: tl.constexpr,
+                     ENABLED: tl.constexpr):
+    prefetch_rows(w_ptr, rows, row_stride, row_bytes, tl.program_id(0), tl.num_programs(0),
+                  BLOCK=BLOCK, ENABLED=ENABLED)
+
+
+def prefetch_l2(weight: torch.Tensor, row_bytes: int, programs: int = 32) -> None:
+    """Ask L2 for the first row_bytes of every row of weight [N, K] (row-major, on CUDA), as a
+    kernel of its own (`prefetch_rows` is the same inside another kernel)."""
+    assert weight.dim() == 2 and weight.stride(-1) == 1 and row_bytes % 16 == 0
+    row_bytes = min(row_bytes, weight.shape[1] * weight.element_size())
+    _prefetch_kernel[(programs,)](weight, weight.shape[0], weight.stride(0), row_bytes,
+                                  BLOCK=128, ENABLED=True, num_warps=4)
 
 
 @triton.jit
@@ -90,13 +127,6 @@ def layer_fn(ws: list[dict[str, torch.Tensor]], rows: int, hidden: int, inter: i
             linear(small(xi, ni, w["down"]), w["down"])
 
     return run
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    us = graph_us(lambda: b.copy_(a), calls=4, reps=10)
-    return 2 * a.numel() * a.element_size() / (us * 1e-6)
 
 
 def main() -> int:

@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import copy_bandwidth
 
 from vegas_spec import LLM, SamplingParams, SpecConfig
 from vegas_spec.attention import triton_backend
@@ -61,21 +62,6 @@ from vegas_spec.kernels import sparse_attention as sa
 from vegas_spec.kernels import topk as tk
 from vegas_spec.models.loader import load_config, resolve
 from vegas_spec.speculative.policies import SelectionInput, make_policy
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a 2 GiB device-to-device copy, read + write."""
-    src = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() * 2 / sorted(times)[len(times) // 2]
 
 
 def median_ms(fn, reps: int) -> float:  # noqa: ANN001
