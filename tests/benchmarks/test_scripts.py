@@ -239,10 +239,10 @@ def test_launch_floor_says_in_one_line_that_it_needs_cuda(tmp_path: Path) -> Non
     assert done.stderr.strip() == "launch_floor: needs a CUDA GPU (it times CUDA graphs)"
 
 
-def test_l2_prefetch_says_in_one_line_that_it_needs_cuda(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "l2_prefetch.py"),
+def test_layer_overlap_says_in_one_line_that_it_needs_cuda(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_overlap.py"),
                            "--config", str(ROOT / "benchmarks" / "configs" / "llama-3.1-8b"),
                            "--out", str(tmp_path / "l2.json")], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and not (tmp_path / "l2.json").exists()
-    assert done.stderr.strip() == "l2_prefetch: needs a CUDA GPU (Hopper's bulk prefetch)"
+    assert done.stderr.strip() == "layer_overlap: needs a CUDA GPU (sm_90 prefetch and launches)"
