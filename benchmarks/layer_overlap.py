@@ -10,7 +10,8 @@ memory idle. A layer here is the draft step's sequence without its attention: no
 kernel an RMSNorm of M rows (the stand-in for the norm, the merge and SiLU · up). With
 `--row-bytes B` the small kernel before each projection gets extra programs that ask L2 for
 the first B bytes of every row of that projection's weight (`fused`), or a prefetch kernel
-of its own runs before it (`separate`); the projections run cuBLAS and the skinny kernel (`--linears`).
+of its own runs before it (`separate`); the projections run cuBLAS and the skinny kernel
+(`--linears`).
 
 `pdl0`, `pdl1`, `pdl2`: every kernel of the layer is launched with programmatic dependent
 launch (sm_90): a kernel waits (`griddepcontrol.wait`) for the one before and then lets the
