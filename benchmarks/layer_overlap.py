@@ -154,11 +154,22 @@ def _pdl_linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr,
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+# pdl_linear's tiles: 32 columns a program, 256-element K steps, four stages (at most 32 rows
+# fit the shared memory).
+PDL_BLOCK_K, PDL_MAX_ROWS = 256, 32
+
+
+def pdl_fits(rows: int, ks: list[int]) -> bool:
+    """Whether pdl_linear takes `rows` rows of projections of these reduction sizes."""
+    return rows <= PDL_MAX_ROWS and all(k % PDL_BLOCK_K == 0 and k >= 2 * PDL_BLOCK_K
+                                        for k in ks)
+
+
 def pdl_linear(x: torch.Tensor, weight: torch.Tensor, preload: int, pdl: bool) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T, M <= 64, 32 columns a program, 256-element K steps."""
+    """x [M, K] @ weight [N, K]^T (`pdl_fits`)."""
     (m, k), n = x.shape, weight.shape[0]
-    block_k = 256
-    assert k % block_k == 0 and k >= preload * block_k and m <= 64
+    block_k = PDL_BLOCK_K
+    assert pdl_fits(m, [k])
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _pdl_linear_kernel[(triton.cdiv(n, 32),)](
         x, weight, y, m, n, k, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=32,
@@ -253,6 +264,10 @@ def main() -> int:
     results = []
     for rows in args.rows:
         for mode, name, row_bytes in cases(args.modes, args.linears, args.row_bytes):
+            if mode in PDL_MODES and not pdl_fits(rows, [h, o_in, inter]):
+                print(f"{mode} skipped at {rows} rows: pdl_linear takes at most "
+                      f"{PDL_MAX_ROWS} rows and K a multiple of {PDL_BLOCK_K}", flush=True)
+                continue
             fn = layer_fn(ws, rows, h, inter, mode, name, row_bytes)
             us = graph_us(fn, calls=2, reps=args.reps) / args.layers
             row = {"rows": rows, "linear": name, "mode": mode, "row_bytes": row_bytes,
