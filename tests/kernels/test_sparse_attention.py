@@ -17,8 +17,10 @@ from kernel_cases import (
     tol,
 )
 
-from vegas_spec.attention.torch_backend import sparse_attention_ref
-from vegas_spec.kernels.sparse_attention import sparse_attention
+from vegas_spec.attention.torch_backend import sparse_attention_ref, store_kv_ref
+from vegas_spec.kernels.rope_store import rope_store
+from vegas_spec.kernels.sparse_attention import NewKV, sparse_attention
+from vegas_spec.ops import apply_rope
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,75 @@ def run(case: Case, dtype: torch.dtype, seed: int = 0) -> None:
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_matches_reference(case: Case, dtype: torch.dtype) -> None:
     run(case, dtype)
+
+
+# The interpreter runs a grid's programs in order, so a store by a program after the one that
+# reads it shows there (the last case's trailing splits hold no keys: the step's position is in
+# an earlier one); on a GPU they run at once.
+ONE_ROW = [c for c in CASES if c.n == 1] + [
+    Case((90, 131), 1, 9, 3, 64, budget=0.3, recent_extra=6, block_k=16, split_size=32),
+    Case((90, 131), 1, 9, 3, 64, budget=0.3, recent_extra=6, recent_slack=70, block_k=16,
+         split_size=32),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ONE_ROW, ids=case_id)
+def test_rope_and_store_inside_match_rope_store_then_the_plain_kernel(
+        case: Case, dtype: torch.dtype) -> None:
+    """With `new`, q before RoPE and the step's own k and v not yet stored: the output and
+    both caches are the bits of `rope_store` followed by the plain kernel (the splits that do
+    not hold the step's position among them), and the oracle's to rounding. The second
+    sequence's row is padding (slot -1): nothing is stored for it."""
+    gen = generator(7)
+    bsz = len(case.lens)
+    cache = paged_cache(bsz, max(case.lens), case.hkv, case.dim, case.page_size, dtype, gen)
+    qkv = randn(bsz, 1, (case.heads + 2 * case.hkv) * case.dim, gen=gen, dtype=dtype)
+    q = qkv[..., : case.heads * case.dim].view(bsz, 1, case.heads, case.dim)
+    k = qkv[..., case.heads * case.dim: (case.heads + case.hkv) * case.dim].view(
+        bsz, 1, case.hkv, case.dim)
+    v = qkv[..., (case.heads + case.hkv) * case.dim:].view(bsz, 1, case.hkv, case.dim)
+    table = 2 * torch.rand(max(case.lens), case.dim, generator=gen).to(DEVICE) - 1
+    positions = query_positions(list(case.lens), 1)
+    page = cache.page_table.long().gather(1, positions // case.page_size)
+    slots = page * case.page_size + positions % case.page_size
+    if bsz > 1:
+        slots[1] = -1
+    starts = [max(length - 1 - case.recent_extra, 0) for length in case.lens]
+    indices = listed(case, starts, gen)
+    recent_start = torch.tensor(starts, device=DEVICE)
+    recent_max = max(ln - s for ln, s in zip(case.lens, starts, strict=True)) + case.recent_slack
+    args = (cache.page_table, positions, case.page_size, indices, recent_start, recent_max,
+            case.dim ** -0.5)
+    tiles = {"block_k": case.block_k, "split_size": case.split_size}
+    k_want, v_want = cache.k.clone(), cache.v.clone()
+    q_rot = rope_store(q, k, v, k_want, v_want, table, positions, slots)
+    want = sparse_attention(q_rot, k_want, v_want, *args, **tiles)
+    got = sparse_attention(q, cache.k, cache.v, *args, **tiles,
+                           out=poisoned(*q.shape, dtype=dtype), new=NewKV(k, v, table, slots))
+    assert torch.equal(cache.k, k_want) and torch.equal(cache.v, v_want)
+    assert torch.equal(got, want)
+    keep = slots >= 0
+    k_ref, v_ref = cache.k.clone(), cache.v.clone()
+    store_kv_ref(apply_rope(k, table, positions)[keep][None], v[keep][None], k_ref, v_ref,
+                 slots[keep][None])
+    assert torch.equal(k_ref, cache.k) and torch.equal(v_ref, cache.v)
+    oracle = sparse_attention_ref(apply_rope(q, table, positions), k_ref, v_ref, *args)
+    torch.testing.assert_close(got, oracle, **tol(dtype))
+
+
+def test_rope_inside_takes_one_row_steps_only() -> None:
+    gen = generator(1)
+    cache = paged_cache(1, 32, 2, 64, 16, DTYPES[0], gen)
+    q = randn(1, 2, 4, 64, gen=gen, dtype=DTYPES[0])
+    kv = randn(1, 2, 2, 64, gen=gen, dtype=DTYPES[0])
+    positions = query_positions([32], 2)
+    with pytest.raises(AssertionError, match="one-row steps only"):
+        sparse_attention(q, cache.k, cache.v, cache.page_table, positions, 16,
+                         torch.zeros(1, 1, 0, dtype=torch.long, device=DEVICE),
+                         torch.tensor([30], device=DEVICE), 2, 0.125,
+                         new=NewKV(kv, kv, torch.zeros(40, 64, device=DEVICE),
+                                   torch.zeros(1, 2, dtype=torch.long, device=DEVICE)))
 
 
 

@@ -27,7 +27,7 @@ from vegas_spec.kernels.rms_norm import rms_norm
 from vegas_spec.kernels.rope_store import rope_store
 from vegas_spec.kernels.silu_mul import silu_mul
 from vegas_spec.kernels.skinny_matmul import MAX_ROWS, skinny_linear
-from vegas_spec.kernels.sparse_attention import sparse_attention
+from vegas_spec.kernels.sparse_attention import NewKV, sparse_attention
 from vegas_spec.kernels.store_kv import store_kv
 
 # Projections of at most this many rows (0: none, at most MAX_ROWS) run `skinny_linear` in
@@ -35,6 +35,9 @@ from vegas_spec.kernels.store_kv import store_kv
 SKINNY_MAX_ROWS: int = 0
 # Weights of fewer elements stay on cuBLAS (a tiny model's are read from L2 anyway).
 SKINNY_MIN_WEIGHT: int = 1 << 22
+# A one-row draft step with a plan of positions does RoPE and the KV store inside its sparse
+# attention kernel (`sparse_attention(new=...)`): one kernel fewer per layer.
+SPARSE_ROPE: bool = True
 
 
 def uses_skinny(rows: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -77,6 +80,22 @@ class TritonBackend(AttentionBackend):
     def quest_page_scores(self, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                           pages: torch.Tensor) -> torch.Tensor:
         return quest_page_scores(q, lo, hi, pages)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
+               rope: torch.Tensor) -> torch.Tensor:
+        """The seam's `attend`; a one-row draft step that reads a plan of positions (not a
+        selector, which needs the rotated q first: quest) runs RoPE, the KV store and its
+        sparse attention as one kernel (`SPARSE_ROPE`)."""
+        plan = ctx.sparse
+        if not (SPARSE_ROPE and plan is not None and plan.selector is None
+                and ctx.prefill is None and q.shape[1] == 1):
+            return super().attend(layer, q, k, v, k_cache, v_cache, ctx, rope)
+        assert plan.indices is not None
+        return sparse_attention(q, k_cache, v_cache, ctx.page_table, ctx.positions,
+                                ctx.page_size, plan.indices[layer], plan.recent_start,
+                                plan.recent_max, q.shape[-1] ** -0.5,
+                                new=NewKV(k, v, rope, ctx.slot_mapping))
 
     def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,

@@ -33,6 +33,22 @@ def _rotate(x_ptrs, mask, cos, sin, HALF: tl.constexpr):
 
 
 @triton.jit
+def rotate_tile(x_ptrs, partner_ptrs, cos_ptrs, first_half, mask, HALF: tl.constexpr):
+    """Rotated elements of whole heads at once, with `_rotate`'s roundings (the same bits):
+    x_ptrs point at elements d of heads, partner_ptrs at their partners d ± HALF, cos_ptrs
+    at the table's cos entries of (position, d mod HALF), sin HALF further; first_half
+    marks d < HALF (x1 * cos - x2 * sin there, x2 * cos + x1 * sin beyond)."""
+    xa = tl.load(x_ptrs, mask=mask, other=0.0)
+    xb = tl.load(partner_ptrs, mask=mask, other=0.0)
+    dtype = xa.dtype
+    c = tl.load(cos_ptrs, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    s = tl.load(cos_ptrs + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    s = tl.where(first_half, -s, s)
+    a = (xa.to(tl.float32) * c).to(dtype).to(tl.float32)
+    return (a + (xb.to(tl.float32) * s).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, table_ptr,
                        pos_ptr, slot_ptr, n, total, H, Hkv, q_blocks,
                        stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,

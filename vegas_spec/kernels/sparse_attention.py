@@ -10,14 +10,24 @@ Like the reference, a position listed twice (or listed and recent) counts twice.
 walked in blocks of keys gathered through the page table and cut into splits for large
 budgets (merged by `split_merge.merge_splits`); the query tile packs all query heads of the
 kv head, so each selected K/V row is read once per kv head. Recent positions past the last
-query's position are never visited."""
+query's position are never visited.
+
+With `new` (a one-row draft step), the kernel also does `rope_store`'s work, so the step
+launches one kernel fewer per layer: q arrives before RoPE and is rotated as it is loaded
+(`rope_store.rotate_tile`, the same bits), and the program whose split holds the step's own
+position, the only one that reads it, first writes that token's rotated k and its v into
+their cache slot, then waits for its threads (a CTA barrier) before walking its keys. Oracle:
+`models.rope.apply_rope` and `store_kv_ref`, then the plain path."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from vegas_spec.kernels.rope_store import rotate_tile
 from vegas_spec.kernels.split_merge import (
     Partials,
     device_sms,
@@ -50,13 +60,14 @@ SPARSE_PROGRAMS_PER_SM: dict[int, int] | None = {64: 3}
 @triton.jit
 def _sparse_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, idx_ptr, start_ptr,
-        out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr,
+        out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr, rope_ptr, slot_ptr,
         n, H, Hkv, page_size, split_size, scale, rows_total, num_listed, recent_max,
         stride_qb, stride_qn, stride_qh, stride_cs, stride_ch, stride_tb, stride_pb, stride_pn,
-        stride_ib, stride_ig,
+        stride_ib, stride_ig, stride_kb, stride_kh, stride_vb, stride_vh, stride_rope,
+        stride_sb,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-        SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr):
     b = tl.program_id(0) // Hkv
     kvh = tl.program_id(0) % Hkv
     rb = tl.program_id(1)
@@ -69,10 +80,33 @@ def _sparse_split_kernel(
     d_ok = d < HEAD_DIM
     pos = tl.load(pos_ptr + b * stride_pb + row * stride_pn, mask=row < n, other=-1)
     pos = pos.to(tl.int32)
-    q = tl.load(q_ptr + b * stride_qb + row[:, None] * stride_qn + head[:, None] * stride_qh
-                + d[None, :], mask=lane_ok[:, None] & d_ok[None, :], other=0.0)
+    q_rows = q_ptr + b * stride_qb + row[:, None] * stride_qn + head[:, None] * stride_qh
+    q_mask = lane_ok[:, None] & d_ok[None, :]
     max_pos = tl.max(pos, axis=0)
     recent0 = tl.load(start_ptr + b).to(tl.int32)
+    if ROPE:  # n = 1: q rotated as it is loaded; the step's own k and v stored first
+        half = HEAD_DIM // 2
+        first = d < half
+        partner = tl.where(first, d + half, d - half)
+        q = rotate_tile(q_rows + d[None, :], q_rows + partner[None, :],
+                        rope_ptr + pos.to(tl.int64)[:, None] * stride_rope
+                        + (d % half)[None, :], first[None, :], q_mask, half)
+        own = num_listed + max_pos - recent0  # the step's position in the virtual list
+        owner = tl.where((own >= 0) & (own < num_listed + recent_max), own // split_size, 0)
+        if split == owner:
+            slot = tl.load(slot_ptr + b * stride_sb).to(tl.int64)
+            kv_ok = d_ok & (slot >= 0)
+            k_row = kn_ptr + b * stride_kb + kvh * stride_kh
+            k_new = rotate_tile(k_row + d, k_row + partner,
+                                rope_ptr + max_pos.to(tl.int64) * stride_rope + d % half,
+                                first, kv_ok, half)
+            v_new = tl.load(vn_ptr + b * stride_vb + kvh * stride_vh + d, mask=kv_ok)
+            cache_row = slot * stride_cs + kvh * stride_ch + d
+            tl.store(k_ptr + cache_row, k_new.to(k_ptr.dtype.element_ty), mask=kv_ok)
+            tl.store(v_ptr + cache_row, v_new.to(v_ptr.dtype.element_ty), mask=kv_ok)
+        tl.debug_barrier()  # the stores above are seen by every thread's loads below
+    else:
+        q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)
     recent = tl.minimum(recent_max, tl.maximum(max_pos - recent0 + 1, 0))  # visible ones only
     lo = split * split_size
     hi = tl.minimum(lo + split_size, num_listed + recent)
@@ -134,20 +168,45 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     assert q.device == k_cache.device == indices.device == recent_start.device
 
 
+@dataclass
+class NewKV:
+    """A one-row step's own k and v before RoPE ([B, 1, Hkv, D], any strides with the last
+    contiguous), the RoPE table [max_pos, D] float32 (cos | sin) and their slots [B, 1]
+    (negative: not stored): `sparse_attention` then does `rope_store`'s work itself."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    rope: torch.Tensor
+    slots: torch.Tensor
+
+
+def _check_new(new: NewKV, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    bsz, n, _, dim = q.shape
+    assert n == 1, "the step's own k and v are stored by one-row steps only"
+    assert new.k.shape == new.v.shape == (bsz, 1, k_cache.shape[1], dim) and dim % 2 == 0
+    assert new.k.stride(-1) == 1 and new.v.stride(-1) == 1 and new.k.dtype == q.dtype
+    assert new.rope.dtype == torch.float32 and new.rope.shape[1] == dim
+    assert new.rope.stride(-1) == 1 and new.slots.shape == (bsz, 1)
+    assert not new.slots.is_floating_point() and new.slots.device == q.device
+
+
 def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
                      indices: torch.Tensor, recent_start: torch.Tensor, recent_max: int,
                      scale: float, *, block_k: int | None = None,
                      split_size: int | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, new: NewKV | None = None) -> torch.Tensor:
     """Attention over listed positions plus a contiguous recent range.
 
     q [B, n, H, D]; k_cache, v_cache [num_slots, Hkv, D]; page_table [B, P];
     positions [B, n]; indices [B, G, K] positions (-1 = unused; G = 1 shared by every kv
     head, or G = Hkv); recent_start [B]; recent_max: host bound on the recent range length.
     Query i sees every listed p with 0 <= p <= positions[b, i] and recent_start[b] + j for
-    j < recent_max up to positions[b, i]. Returns [B, n, H, D] in q's dtype."""
+    j < recent_max up to positions[b, i]. Returns [B, n, H, D] in q's dtype.
+    new: q is before RoPE, and the step's own k and v go to their slots first (`NewKV`)."""
     _check(q, k_cache, v_cache, page_table, positions, indices, recent_start, recent_max)
+    if new is not None:
+        _check_new(new, q, k_cache)
     bsz, n, heads, dim = q.shape
     hkv = k_cache.shape[1]
     if indices.shape[2] == 0:  # nothing listed: keep a valid pointer
@@ -162,16 +221,20 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = output_buffer(q, out)
     parts = Partials.empty(splits, bsz * n, heads, dim, q.device) if splits > 1 else None
     stride_ig = indices.stride(1) if indices.shape[1] > 1 else 0
+    kn, vn, rope, slots = (q, q, q, positions) if new is None else \
+        (new.k, new.v, new.rope, new.slots)
     _sparse_split_kernel[(bsz * hkv, row_blocks, splits)](
         q, k_cache, v_cache, page_table, positions, indices, recent_start,
         out, out, *((out, out, out) if parts is None else (parts.acc, parts.m, parts.l)),
+        kn, vn, rope, slots,
         n, heads, hkv, page_size, size, scale, bsz * n, indices.shape[2], recent_max,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
         page_table.stride(0), positions.stride(0), positions.stride(1),
-        indices.stride(0), stride_ig,
+        indices.stride(0), stride_ig, kn.stride(0), kn.stride(2), vn.stride(0), vn.stride(2),
+        rope.stride(0), slots.stride(0),
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, SINGLE=parts is None,
-        DOT_PRECISION=cfg.dot_precision, **cfg.launch_options())
+        DOT_PRECISION=cfg.dot_precision, ROPE=new is not None, **cfg.launch_options())
     if parts is not None:
         merge_splits(parts, out, None)
     return out
