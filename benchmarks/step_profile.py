@@ -34,7 +34,8 @@ draft step too);
 dim (`paged_attention.SCORE_TILES`), each in graphs of its own; `--sparse-splits paged` the
 draft steps with the sparse attention split by the paged kernel's rule, likewise;
 `--topk-min-warps 1 2 4` the resident top-k (quest's pages, vegas's ranking) with at least
-that many warps, likewise;
+that many warps, likewise; `--sparse-rope yes no` the draft steps with RoPE and the KV store
+inside the sparse attention kernel and as a kernel of their own, likewise;
 `--projections` the weight-streaming rate of every projection at the plain and the verify
 step's row counts. Also reported: the verify step without scores (stream's), quest's draft
 step, the host work between rounds of the engine's own loop and the projected speedup
@@ -414,6 +415,10 @@ def main() -> None:
                     help="the fewest warps of the resident top-k (quest's pages, vegas's "
                          "ranking; topk.RESIDENT_MIN_WARPS, 0: the library's), each in graphs "
                          "of its own")
+    ap.add_argument("--sparse-rope", nargs="+", default=["yes"], choices=["yes", "no"],
+                    help="RoPE and the KV store of one-row draft steps inside the sparse "
+                         "attention kernel (triton_backend.SPARSE_ROPE) or as a kernel of "
+                         "their own, each in graphs of its own")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -436,17 +441,18 @@ def main() -> None:
         for k, v in llm.cache.layers:
             k.normal_()
             v.normal_()
-        for bsz, skinny, tiles, width, sparse, least in (
-                (b, r, t, w, x, m) for b in args.batches for r in args.skinny_rows
+        for bsz, skinny, tiles, width, sparse, least, fused in (
+                (b, r, t, w, x, m, f) for b in args.batches for r in args.skinny_rows
                 for t in tilings for w in args.rank_widths for x in args.sparse_splits
-                for m in args.topk_min_warps):
+                for m in args.topk_min_warps for f in args.sparse_rope):
             # All of these are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
             pa.SCORE_TILES = {dim: tiles}
             sa.SPARSE_PROGRAMS_PER_SM = per_sm if sparse == "library" else None
             tk.RESIDENT_MIN_WARPS = least or least_warps
+            triton_backend.SPARSE_ROPE = fused == "yes"
             llm.graphs = None
-            row = {"mode": mode, "skinny_rows": skinny,
+            row = {"mode": mode, "skinny_rows": skinny, "sparse_rope": fused,
                    "sparse_splits": sparse, "topk_min_warps": tk.RESIDENT_MIN_WARPS,
                    "score_tiles": f"{tiles.block_k}:{tiles.stages}:{tiles.store}",
                    "score_split_max": tiles.split_max, "score_maxnreg": tiles.maxnreg,

@@ -40,7 +40,8 @@ def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> No
     assert (row["score_split_max"], row["score_maxnreg"]) == (2048, None)
     assert (other["score_split_max"], other["score_maxnreg"]) == (None, 128)
     assert other["verify_ms"] > 0
-    assert (row["sparse_splits"], row["topk_min_warps"]) == ("library", 4)
+    assert (row["sparse_splits"], row["topk_min_warps"], row["sparse_rope"]) == (
+        "library", 4, "yes")
     assert (row["context"], row["batch"], row["budget"]) == (200, 2, 16)
     for kind in ("plain", "verify", "draft"):
         assert row[f"{kind}_ms"] > 0 and row[f"floor_{kind}_ms"] > 0
@@ -66,9 +67,11 @@ def test_step_profile_measures_exact_mode_against_the_default(tmp_path: Path) ->
     run("step_profile.py", "--config", str(tmp_path), "--contexts", "64", "--batches", "2",
         "--reps", "2", "--min-tokens", "16", "--modes", "default", "exact", "--brief",
         "--host-gap-tokens", "8", "--max-model-len", "100", "--rank-widths", "library",
-        "whole", "--sparse-splits", "paged", "--topk-min-warps", "1", "--out", str(out))
+        "whole", "--sparse-splits", "paged", "--topk-min-warps", "1", "--sparse-rope", "no",
+        "--out", str(out))
     data = json.loads(out.read_text())
-    assert {(r["sparse_splits"], r["topk_min_warps"]) for r in data["rows"]} == {("paged", 1)}
+    assert {(r["sparse_splits"], r["topk_min_warps"], r["sparse_rope"])
+            for r in data["rows"]} == {("paged", 1, "no")}
     assert [(r["mode"], r["rank_width"]) for r in data["rows"]] == [
         ("default", "library"), ("default", "whole"), ("exact", "library"), ("exact", "whole")]
     assert {r["max_model_len"] for r in data["rows"]} == {100}
