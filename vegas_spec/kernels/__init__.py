@@ -2,7 +2,8 @@
 
   paged_attention   causal attention over the paged cache for 1..n query rows, with the
                     selection scores of chosen rows fused into the same pass (verify, prefill)
-  sparse_attention  attention over listed positions plus the recent range (draft steps)
+  sparse_attention  attention over listed positions plus the recent range (draft steps), with
+                    a one-row step's RoPE and KV store done in the same kernel
   split_merge       merge of the key splits of both (flash-decoding), shared tile helpers
   rope_store        RoPE on a step's q and k, with k and v written into their cache slots
   store_kv          a step's new K/V into their cache slots (the seam's store without RoPE)
