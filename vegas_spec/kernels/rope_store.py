@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -33,19 +34,32 @@ def _rotate(x_ptrs, mask, cos, sin, HALF: tl.constexpr):
 
 
 @triton.jit
-def rotate_tile(x_ptrs, partner_ptrs, cos_ptrs, first_half, mask, HALF: tl.constexpr):
+def rotate_tile(x_ptrs, partner_ptrs, cos_ptrs, first_half, mask, HALF: tl.constexpr,
+                MUL_RN: tl.constexpr):
     """Rotated elements of whole heads at once, with `_rotate`'s roundings (the same bits):
     x_ptrs point at elements d of heads, partner_ptrs at their partners d ± HALF, cos_ptrs
     at the table's cos entries of (position, d mod HALF), sin HALF further; first_half
-    marks d < HALF (x1 * cos - x2 * sin there, x2 * cos + x1 * sin beyond)."""
+    marks d < HALF (x1 * cos - x2 * sin there, x2 * cos + x1 * sin beyond). MUL_RN: the
+    products as `mul.rn`, which the compiler never fuses with the add after it (for kernels
+    compiled with multiply-add fusion on; off under the interpreter, which has no libdevice
+    and never fuses)."""
     xa = tl.load(x_ptrs, mask=mask, other=0.0)
     xb = tl.load(partner_ptrs, mask=mask, other=0.0)
     dtype = xa.dtype
     c = tl.load(cos_ptrs, mask=mask, other=0.0).to(dtype).to(tl.float32)
     s = tl.load(cos_ptrs + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)
     s = tl.where(first_half, -s, s)
-    a = (xa.to(tl.float32) * c).to(dtype).to(tl.float32)
-    return (a + (xb.to(tl.float32) * s).to(dtype).to(tl.float32)).to(dtype)
+    if MUL_RN:
+        a = libdevice.mul_rn(xa.to(tl.float32), c)
+        b = libdevice.mul_rn(xb.to(tl.float32), s)
+    else:
+        a = xa.to(tl.float32) * c
+        b = xb.to(tl.float32) * s
+    a = a.to(dtype).to(tl.float32)
+    b = b.to(dtype).to(tl.float32)
+    if MUL_RN:
+        return libdevice.add_rn(a, b).to(dtype)
+    return (a + b).to(dtype)
 
 
 @triton.jit

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vegas_spec.kernels import interpreting
 from vegas_spec.kernels.rope_store import rotate_tile
 from vegas_spec.kernels.split_merge import (
     Partials,
@@ -67,7 +68,8 @@ def _sparse_split_kernel(
         stride_sb,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-        SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr):
+        SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
+        MUL_RN: tl.constexpr):
     b = tl.program_id(0) // Hkv
     kvh = tl.program_id(0) % Hkv
     rb = tl.program_id(1)
@@ -90,7 +92,7 @@ def _sparse_split_kernel(
         partner = tl.where(first, d + half, d - half)
         q = rotate_tile(q_rows + d[None, :], q_rows + partner[None, :],
                         rope_ptr + pos.to(tl.int64)[:, None] * stride_rope
-                        + (d % half)[None, :], first[None, :], q_mask, half)
+                        + (d % half)[None, :], first[None, :], q_mask, half, MUL_RN)
         own = num_listed + max_pos - recent0  # the step's position in the virtual list
         owner = tl.where((own >= 0) & (own < num_listed + recent_max), own // split_size, 0)
         if split == owner:
@@ -99,7 +101,7 @@ def _sparse_split_kernel(
             k_row = kn_ptr + b * stride_kb + kvh * stride_kh
             k_new = rotate_tile(k_row + d, k_row + partner,
                                 rope_ptr + max_pos.to(tl.int64) * stride_rope + d % half,
-                                first, kv_ok, half)
+                                first, kv_ok, half, MUL_RN)
             v_new = tl.load(vn_ptr + b * stride_vb + kvh * stride_vh + d, mask=kv_ok)
             cache_row = slot * stride_cs + kvh * stride_ch + d
             tl.store(k_ptr + cache_row, k_new.to(k_ptr.dtype.element_ty), mask=kv_ok)
@@ -234,7 +236,8 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         rope.stride(0), slots.stride(0),
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, SINGLE=parts is None,
-        DOT_PRECISION=cfg.dot_precision, ROPE=new is not None, **cfg.launch_options())
+        DOT_PRECISION=cfg.dot_precision, ROPE=new is not None, MUL_RN=not interpreting(),
+        **cfg.launch_options())
     if parts is not None:
         merge_splits(parts, out, None)
     return out
