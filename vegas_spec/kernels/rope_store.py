@@ -16,21 +16,44 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
+
+
+@triton.jit
+def _f32_rn(op: tl.constexpr, a, b):
+    """a op b in float32 as one PTX `op.rn.f32` (no flush of subnormals), which the compiler
+    never fuses into a multiply-add."""
+    return tl.inline_asm_elementwise(op + ".rn.f32 $0, $1, $2;", "=f,f,f", [a, b],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _rope_sum(x, partner, c, s, MUL_RN: tl.constexpr):
+    """x * c + partner * s in x's dtype, as apply_rope rounds it: float32 products of the
+    values and of c, s (already rounded to that dtype), each product and the sum rounded to
+    it on its own. MUL_RN: the products and the sum as `mul.rn` / `add.rn` (`_f32_rn`), for
+    kernels compiled with multiply-add fusion on (the interpreter runs no PTX and never
+    fuses)."""
+    dtype = x.dtype
+    a, b = x.to(tl.float32), partner.to(tl.float32)
+    if MUL_RN:
+        a, b = _f32_rn("mul", a, c), _f32_rn("mul", b, s)
+    else:
+        a, b = a * c, b * s
+    a, b = a.to(dtype).to(tl.float32), b.to(dtype).to(tl.float32)
+    if MUL_RN:
+        return _f32_rn("add", a, b).to(dtype)
+    return (a + b).to(dtype)
 
 
 @triton.jit
 def _rotate(x_ptrs, mask, cos, sin, HALF: tl.constexpr):
-    """[BH, BLOCK_HALF] pointers to the first halves of heads -> their rotated halves."""
+    """[BH, BLOCK_HALF] pointers to the first halves of heads -> their rotated halves
+    (x1 * cos - x2 * sin, x2 * cos + x1 * sin)."""
     x1 = tl.load(x_ptrs, mask=mask, other=0.0)
     x2 = tl.load(x_ptrs + HALF, mask=mask, other=0.0)
-    dtype = x1.dtype
-    c = cos.to(dtype).to(tl.float32)[None, :]
-    s = sin.to(dtype).to(tl.float32)[None, :]
-    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-    lo = (a1 * c).to(dtype).to(tl.float32) + (-a2 * s).to(dtype).to(tl.float32)
-    hi = (a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)
-    return lo.to(dtype), hi.to(dtype)
+    c = cos.to(x1.dtype).to(tl.float32)[None, :]
+    s = sin.to(x1.dtype).to(tl.float32)[None, :]
+    return _rope_sum(x1, x2, c, -s, False), _rope_sum(x2, x1, c, s, False)
 
 
 @triton.jit
@@ -39,27 +62,13 @@ def rotate_tile(x_ptrs, partner_ptrs, cos_ptrs, first_half, mask, HALF: tl.const
     """Rotated elements of whole heads at once, with `_rotate`'s roundings (the same bits):
     x_ptrs point at elements d of heads, partner_ptrs at their partners d ± HALF, cos_ptrs
     at the table's cos entries of (position, d mod HALF), sin HALF further; first_half
-    marks d < HALF (x1 * cos - x2 * sin there, x2 * cos + x1 * sin beyond). MUL_RN: the
-    products as `mul.rn`, which the compiler never fuses with the add after it (for kernels
-    compiled with multiply-add fusion on; off under the interpreter, which has no libdevice
-    and never fuses)."""
+    marks d < HALF (x1 * cos - x2 * sin there, x2 * cos + x1 * sin beyond). MUL_RN: as
+    `_rope_sum`'s."""
     xa = tl.load(x_ptrs, mask=mask, other=0.0)
     xb = tl.load(partner_ptrs, mask=mask, other=0.0)
-    dtype = xa.dtype
-    c = tl.load(cos_ptrs, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    s = tl.load(cos_ptrs + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    s = tl.where(first_half, -s, s)
-    if MUL_RN:
-        a = libdevice.mul_rn(xa.to(tl.float32), c)
-        b = libdevice.mul_rn(xb.to(tl.float32), s)
-    else:
-        a = xa.to(tl.float32) * c
-        b = xb.to(tl.float32) * s
-    a = a.to(dtype).to(tl.float32)
-    b = b.to(dtype).to(tl.float32)
-    if MUL_RN:
-        return libdevice.add_rn(a, b).to(dtype)
-    return (a + b).to(dtype)
+    c = tl.load(cos_ptrs, mask=mask, other=0.0).to(xa.dtype).to(tl.float32)
+    s = tl.load(cos_ptrs + HALF, mask=mask, other=0.0).to(xa.dtype).to(tl.float32)
+    return _rope_sum(xa, xb, c, tl.where(first_half, -s, s), MUL_RN)
 
 
 @triton.jit
