@@ -23,24 +23,29 @@ def source_code() -> list[str]:
 TEXTS = {"essays": essays, "code": source_code}
 
 
-def graph_us(fn: Callable[[], object], calls: int = 30, reps: int = 20) -> float:
-    """Median µs per call of `calls` calls captured in one CUDA graph (after a warm-up run
-    outside the capture), over `reps` replays."""
+def cuda_median_ms(fn: Callable[[], object], reps: int) -> float:
+    """Median ms of `reps` calls of fn, each timed alone by CUDA events around it."""
     import torch
 
-    from vegas_spec.graphs import capture
-
-    graph, _ = capture(lambda: [fn() for _ in range(calls)], None)
-    graph.replay()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
+        times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def graph_us(fn: Callable[[], object], calls: int = 30, reps: int = 20) -> float:
+    """Median µs per call of `calls` calls captured in one CUDA graph (after a warm-up run
+    outside the capture), over `reps` replays."""
+    from vegas_spec.graphs import capture
+
+    graph, _ = capture(lambda: [fn() for _ in range(calls)], None)
+    graph.replay()
+    return cuda_median_ms(graph.replay, reps) * 1000 / calls
 
 
 def copy_bandwidth() -> float:
@@ -49,12 +54,4 @@ def copy_bandwidth() -> float:
 
     src = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() * 2 / sorted(times)[len(times) // 2]
+    return 2 * src.numel() * 2 / (cuda_median_ms(lambda: dst.copy_(src), 10) / 1e3)

@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import copy_bandwidth
+from common import copy_bandwidth, cuda_median_ms
 
 from vegas_spec import LLM, SamplingParams, SpecConfig
 from vegas_spec.attention import triton_backend
@@ -75,15 +75,7 @@ def median_ms(fn, reps: int) -> float:  # noqa: ANN001
             times.append(1e3 * (time.perf_counter() - t0))
         return sorted(times)[len(times) // 2]
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return cuda_median_ms(fn, reps)
 
 
 def kernel_table(fn, rows: int = 25) -> str:  # noqa: ANN001
