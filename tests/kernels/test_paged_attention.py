@@ -167,12 +167,13 @@ def test_score_stores_give_the_same_scores(store: str,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Every store of the weight-mode logits gives the scores of float32 pointers, to the
     float16 rounding of the logits where the scratch is float16; the store the tiles name is
-    the one that runs (its scratch dtype, a descriptor or none)."""
+    the one that runs (its scratch dtype, a descriptor or none, a scratch of whole key blocks
+    where the store masks by lane only)."""
     jobs, descriptors = [], []
 
     def score_job(*args, **kwargs):  # type: ignore[no-untyped-def]
         job = score_job_of(*args, **kwargs)
-        jobs.append(job)
+        jobs.append((job, args[4].block_k))
         return job
 
     def descriptor(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -195,11 +196,14 @@ def test_score_stores_give_the_same_scores(store: str,
         got[name] = poisoned(2, 2, 2, 104)
         paged_attention(q, cache.k, cache.v, cache.page_table, positions, 8, 100, 0.125,
                         rows, got[name], "weight")
-        half, use_desc = pa.SCORE_STORES[name]
-        assert [job.scratch.dtype for job in jobs] == [torch.float16 if half else torch.float32]
-        assert len(descriptors) == use_desc  # one row block: the descriptor where named
-    tol = dict(atol=2e-3, rtol=2e-3) if pa.SCORE_STORES[store][0] else dict(atol=1e-6,
-                                                                           rtol=1e-5)
+        kind = pa.SCORE_STORES[name]
+        assert [job.scratch.dtype for job, _ in jobs] == [torch.float16 if kind.half
+                                                          else torch.float32]
+        assert len(descriptors) == kind.descriptor  # one row block: the descriptor if named
+        if kind.whole_blocks:  # the last key block (96..127 of 100) fits the scratch
+            assert [job.scratch.shape[-1] % block_k for job, block_k in jobs] == [0]
+    tol = dict(atol=2e-3, rtol=2e-3) if pa.SCORE_STORES[store].half else dict(atol=1e-6,
+                                                                             rtol=1e-5)
     torch.testing.assert_close(got[store], got["f32-pointers"], **tol)
     assert (got[store][:, :, :, 100:] == 0).all()
 

@@ -73,15 +73,36 @@ def score_bytes_per_key(mode: str, heads: int, kv_heads: int, rows: int, groups:
 # How the weight-mode logits are stored (a score pass's `ScoreTiles.store`): float32 or float16
 # (16-bit models: half the scratch bytes), through a tile of pointers or a tensor descriptor
 # (one bulk copy of the [lanes, block_k] tile per key block; steps with one row block,
-# pointers otherwise). name -> (float16 scratch, descriptor store). Compiled for sm_90 at the
-# Llama-3.1-8B verify shape (benchmarks/kernel_regs.py, 128 / 3): float32 descriptor 205
-# registers, no spills; float32 pointers 255 with 76 B of spill stores (no scores: 199). The
-# whole verify step on an H200 (benchmarks/step_profile.py --score-tiles 128:3
-# 128:3:f32-pointers, one engine): 8B shape 16 x 32K 27.98 against 28.24 ms, SmolLM2 64 x 7.5K
-# 6.57 against 6.50: level within a percent; the float16 stores were slower (BENCHMARKS.md
-# §2.6, §2.10). Which store a head dim uses: SCORE_TILES below.
-SCORE_STORES = {"f32-pointers": (False, False), "f16-pointers": (True, False),
-                "f16-descriptor": (True, True), "f32-descriptor": (False, True)}
+# pointers otherwise). Compiled for sm_90 at the Llama-3.1-8B verify shape
+# (benchmarks/kernel_regs.py, 128 / 3): float32 descriptor 205 registers, no spills; float32
+# pointers 255 with 76 B of spill stores (no scores: 199). The whole verify step on an H200
+# (benchmarks/step_profile.py --score-tiles 128:3 128:3:f32-pointers, one engine): 8B shape
+# 16 x 32K 27.98 against 28.24 ms, SmolLM2 64 x 7.5K 6.57 against 6.50: level within a
+# percent; the float16 stores were slower (BENCHMARKS.md §2.6, §2.10). Which store a head dim
+# uses: SCORE_TILES below.
+# Pointer stores go through a blocked layout of 4 (float32) or 8 (float16) consecutive keys
+# per thread; masked per key (the last block of a split), each element is its own scalar
+# store. The "blocks" stores size the scratch to whole key blocks and mask by lane only, so
+# those runs become one vector store (st.global.v4.b32 in the sm_90 PTX); keys past a
+# split's end then receive logits that the finalise kernel never reads (it reads keys a row
+# sees).
+
+
+@dataclass(frozen=True)
+class ScoreStore:
+    """half: float16 scratch for 16-bit models; descriptor: a tensor-descriptor store;
+    whole_blocks: pointer stores masked by lane only, into a scratch of whole key blocks."""
+
+    half: bool
+    descriptor: bool
+    whole_blocks: bool = False
+
+
+SCORE_STORES = {"f32-pointers": ScoreStore(False, False), "f16-pointers": ScoreStore(True, False),
+                "f16-descriptor": ScoreStore(True, True),
+                "f32-descriptor": ScoreStore(False, True),
+                "f32-blocks": ScoreStore(False, False, True),
+                "f16-blocks": ScoreStore(True, False, True)}
 
 
 @dataclass(frozen=True)
@@ -150,7 +171,8 @@ EXACT_SPLIT_CPU_BLOCKS = 4
 @triton.jit
 def _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr, sc_desc,
                  desc_row, R_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
-                 MODE: tl.constexpr, USE_DESC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 MODE: tl.constexpr, USE_DESC: tl.constexpr, WHOLE_BLOCKS: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
     """Raw q.k of the score rows only (q_sc [R_PAD * GROUP_PAD, D]) for one key block -> the
     scratch. Weight mode: lane l of the tile goes to scratch row desc_row + l (a whole
     [lanes, BLOCK_K] block through sc_desc when USE_DESC, else the real lanes through
@@ -160,6 +182,10 @@ def _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_pt
     if MODE == 1:
         if USE_DESC:
             sc_desc.store([desc_row, start], s.to(sc_desc.dtype))
+        elif WHOLE_BLOCKS:
+            # the scratch is as wide as the key blocks: the lane mask alone, vector stores
+            tl.store(sc_ptr + sc_base[:, None] + kpos[None, :], s.to(sc_ptr.dtype.element_ty),
+                     mask=sc_ok[:, None])
         else:
             tl.store(sc_ptr + sc_base[:, None] + kpos[None, :], s.to(sc_ptr.dtype.element_ty),
                      mask=sc_ok[:, None] & k_ok[None, :])
@@ -202,7 +228,8 @@ def _paged_split_kernel(
         stride_qb, stride_qn, stride_qh, stride_cs, stride_ch, stride_tb, stride_pb, stride_pn,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-        MODE: tl.constexpr, R_PAD: tl.constexpr, USE_DESC: tl.constexpr, SINGLE: tl.constexpr,
+        MODE: tl.constexpr, R_PAD: tl.constexpr, USE_DESC: tl.constexpr,
+        WHOLE_BLOCKS: tl.constexpr, SINGLE: tl.constexpr,
         WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0) // Hkv
     kvh = tl.program_id(0) % Hkv
@@ -241,7 +268,7 @@ def _paged_split_kernel(
             # the score rows' logits from the key block just loaded: K is read once
             _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr,
                          sc_desc, desc_row, R_PAD, GROUP_PAD, BLOCK_K, MODE, USE_DESC,
-                         DOT_PRECISION)
+                         WHOLE_BLOCKS, DOT_PRECISION)
         x = tl.where(kpos[None, :] <= pos[:, None], s * scale, float("-inf"))
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
@@ -329,7 +356,7 @@ class _ScoreJob:
 
 def _score_job(rows: torch.Tensor | None, out: torch.Tensor | None, mode_name: str,
                q: torch.Tensor, cfg: TileConfig, hkv: int, kv_len: int,
-               store: str) -> _ScoreJob | None:
+               store: ScoreStore) -> _ScoreJob | None:
     if rows is None or rows.numel() == 0:
         return None
     assert out is not None, "score_rows needs score_out"
@@ -339,8 +366,9 @@ def _score_job(rows: torch.Tensor | None, out: torch.Tensor | None, mode_name: s
     r_pad = _rows_pad(rows.shape[0], cfg.group_pad, q.is_cuda)
     f32 = dict(dtype=torch.float32, device=q.device)
     if mode == 1:
-        half = SCORE_STORES[store][0] and q.dtype != torch.float32
-        scratch = torch.empty(bsz, hkv, r_pad * cfg.group_pad, -(-kv_len // 16) * 16,
+        half = store.half and q.dtype != torch.float32
+        align = max(cfg.block_k, 16) if store.whole_blocks else 16
+        scratch = torch.empty(bsz, hkv, r_pad * cfg.group_pad, -(-kv_len // align) * align,
                               dtype=torch.float16 if half else torch.float32, device=q.device)
         lse = torch.empty(bsz, n, heads, **f32)
     else:
@@ -440,10 +468,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cfg, size = _tiling(q, hkv, scored, block_k, split_size, kv_len, exact)
     row_blocks = triton.cdiv(n, cfg.block_n)
     splits = triton.cdiv(kv_len, size)
-    store = _score_store(q, exact)
+    store = SCORE_STORES[_score_store(q, exact)]
     job = _score_job(score_rows, score_out, score_mode, q, cfg, hkv, kv_len, store)
-    use_desc = (SCORE_STORES[store][1] and job is not None and job.mode == 1
-                and row_blocks == 1)
+    use_desc = store.descriptor and job is not None and job.mode == 1 and row_blocks == 1
     out = output_buffer(q, out)
     parts = Partials.empty(splits, bsz * n, heads, dim, q.device) if splits > 1 else None
     lse = None if job is None else job.lse
@@ -460,7 +487,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         page_table.stride(0), positions.stride(0), positions.stride(1),
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, MODE=0 if job is None else job.mode,
-        R_PAD=1 if job is None else job.r_pad, USE_DESC=use_desc, SINGLE=parts is None,
+        R_PAD=1 if job is None else job.r_pad, USE_DESC=use_desc,
+        WHOLE_BLOCKS=store.whole_blocks and job is not None and not use_desc,
+        SINGLE=parts is None,
         WRITE_LSE=lse is not None, DOT_PRECISION=cfg.dot_precision,
         **cfg.launch_options())
     if parts is not None:
