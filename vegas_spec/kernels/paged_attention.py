@@ -141,7 +141,9 @@ class ScoreTiles:
 # stores lost at both.
 # The keys are read in the same order whichever tiles run, so results change only by the
 # float summation order of the online softmax.
-SCORE_TILES: dict[int, ScoreTiles] = {64: ScoreTiles(128, 3, None, 168, "f32-pointers"),
+# At 64 the "blocks" store then replaced float32 pointers (§2.22): 138.2-138.7 against
+# 143.0-143.3 µs; at 128 it was level with the descriptor (681.8, 699.6 against 683.3, 684.7).
+SCORE_TILES: dict[int, ScoreTiles] = {64: ScoreTiles(128, 3, None, 168, "f32-blocks"),
                                       128: ScoreTiles(64, 2, 2048, 128, "f32-descriptor")}
 SCORE_TILES_OTHER = ScoreTiles(128, 3, 2048, None, "f32-descriptor")
 
@@ -298,10 +300,13 @@ def _scores_kernel(sc_ptr, lse_ptr, rows_ptr, pos_ptr, out_ptr,
         if MODE == 1:
             h_ok = e < GROUP
             plane = (b * Hkv + g).to(tl.int64) * LANES + r * GROUP_PAD + e
+            # masked by the scratch's width (a multiple of 16), not per key: vector loads;
+            # the keys the row cannot see hold logits of no use (or none) and are dropped after
             x = tl.load(sc_ptr + plane[:, None] * sc_width + w[None, :],
-                        mask=h_ok[:, None] & visible[None, :], other=float("-inf"))
+                        mask=h_ok[:, None] & (w < sc_width)[None, :], other=float("-inf"))
+            x = tl.where(visible[None, :], x.to(tl.float32), float("-inf"))
             lse = tl.load(lse_ptr + (b * n + row) * H + g * GROUP + e, mask=h_ok, other=0.0)
-            val = tl.sum(tl.exp(x.to(tl.float32) * scale - lse[:, None]), axis=0)
+            val = tl.sum(tl.exp(x * scale - lse[:, None]), axis=0)
         else:
             plane = (b * num_rows + r).to(tl.int64) * Hkv + g
             val = tl.load(sc_ptr + plane * sc_width + w, mask=visible, other=0.0)
