@@ -80,8 +80,8 @@ def score_bytes_per_key(mode: str, heads: int, kv_heads: int, rows: int, groups:
 # 16 x 32K 27.98 against 28.24 ms, SmolLM2 64 x 7.5K 6.57 against 6.50: level within a
 # percent; the float16 stores were slower (BENCHMARKS.md §2.6, §2.10). Which store a head dim
 # uses: SCORE_TILES below.
-# Pointer stores go through a blocked layout of 4 (float32) or 8 (float16) consecutive keys
-# per thread; masked per key (the last block of a split), each element is its own scalar
+# Pointer stores go through a blocked layout of several consecutive keys per thread (4 in
+# float32); masked per key (the last block of a split), each element is its own scalar
 # store. The "blocks" stores size the scratch to whole key blocks and mask by lane only, so
 # those runs become one vector store (st.global.v4.b32 in the sm_90 PTX); keys past a
 # split's end then receive logits that the finalise kernel never reads (it reads keys a row
@@ -345,7 +345,8 @@ class _ScoreJob:
     """mode 1 weight / 2 logit; rows [R]; out [B, R, G, W]; lse [B, n, H] float32 (weight
     mode); scratch of raw logits: weight [B, Hkv, lanes, L'] (float16 for 16-bit models,
     lane = r * group_pad + head in group, L' = L rounded up to 16 for the descriptor's row
-    stride), logit [B, R, Hkv, L] float32 (plane r of row rows[r])."""
+    stride and the finalise kernel's vector loads, to whole key blocks for a 'blocks'
+    store), logit [B, R, Hkv, L] float32 (plane r of row rows[r])."""
 
     mode: int
     rows: torch.Tensor
