@@ -92,10 +92,8 @@ class TritonBackend(AttentionBackend):
                 and ctx.prefill is None and q.shape[1] == 1):
             return super().attend(layer, q, k, v, k_cache, v_cache, ctx, rope)
         assert plan.indices is not None
-        return sparse_attention(q, k_cache, v_cache, ctx.page_table, ctx.positions,
-                                ctx.page_size, plan.indices[layer], plan.recent_start,
-                                plan.recent_max, q.shape[-1] ** -0.5,
-                                new=NewKV(k, v, rope, ctx.slot_mapping))
+        return self.sparse(q, k_cache, v_cache, plan.indices[layer], ctx,
+                           new=NewKV(k, v, rope, ctx.slot_mapping))
 
     def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
@@ -163,9 +161,12 @@ class TritonBackend(AttentionBackend):
         return tile_list(lengths, starts, block_m)
 
     def sparse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               indices: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+               indices: torch.Tensor, ctx: StepContext, new: NewKV | None = None,
+               ) -> torch.Tensor:
+        """The seam's `sparse`; with `new`, q before RoPE and the step's own k and v stored
+        by the same kernel (`attend`)."""
         plan = ctx.sparse
         assert plan is not None
         return sparse_attention(q, k_cache, v_cache, ctx.page_table, ctx.positions,
                                 ctx.page_size, indices, plan.recent_start, plan.recent_max,
-                                q.shape[-1] ** -0.5)
+                                q.shape[-1] ** -0.5, new=new)
