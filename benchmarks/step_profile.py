@@ -152,7 +152,7 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         inp = runner.bound(SelectionInput(
             runner.scores(), lengths, torch.zeros_like(lengths), lengths + 1, gamma,
             llm.cache.layers, table, llm.config.page_size, max_len=context + 1,
-            topk=runner.backend.topk))
+            topk=runner.backend.topk, topk_sum=runner.backend.topk_sum))
         if rank_width == "whole":  # the top-k ranks the whole static key width
             inp.rank_width = None
 
@@ -162,7 +162,7 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
 
         out["select_ms"] = median_ms(select, args.reps)
         # the same plan ranked by the PyTorch reference (torch.topk and a sort), side by side
-        reference = dataclasses.replace(inp, topk=None)
+        reference = dataclasses.replace(inp, topk=None, topk_sum=None)
         out["select_reference_ms"] = median_ms(
             lambda: runner.set_plan(policy.plan(reference)), args.reps)
         select()
@@ -407,6 +407,14 @@ def main() -> None:
                     help="the fewest warps of the resident top-k (quest's pages, vegas's "
                          "ranking; topk.RESIDENT_MIN_WARPS, 0: the library's), each in graphs "
                          "of its own")
+    ap.add_argument("--topk-thresholds", nargs="+", default=["library"],
+                    choices=["library", *tk.RESIDENT_THRESHOLDS],
+                    help="how the resident top-k finds its threshold "
+                         "(topk.RESIDENT_THRESHOLD), each in graphs of its own")
+    ap.add_argument("--topk-sums", nargs="+", default=["yes"], choices=["yes", "no"],
+                    help="vegas's collected rows summed inside the top-k as it loads them "
+                         "(the backend's topk_sum) or summed by PyTorch first, each in graphs "
+                         "of its own")
     ap.add_argument("--sparse-rope", nargs="+", default=["yes"], choices=["yes", "no"],
                     help="RoPE and the KV store of one-row draft steps inside the sparse "
                          "attention kernel (triton_backend.SPARSE_ROPE) or as a kernel of "
@@ -420,6 +428,7 @@ def main() -> None:
     dim = model.head_dim
     tilings = [parse_score_tiles(t, pa.score_tiles(dim)) for t in args.score_tiles]
     per_sm, least_warps = sa.SPARSE_PROGRAMS_PER_SM, tk.RESIDENT_MIN_WARPS
+    library_threshold = tk.RESIDENT_THRESHOLD
     bandwidth = copy_bandwidth() if cuda else 1e10
     rows = []
     for context, mode in ((c, m) for c in args.contexts for m in args.modes):
@@ -433,19 +442,24 @@ def main() -> None:
         for k, v in llm.cache.layers:
             k.normal_()
             v.normal_()
-        for bsz, skinny, tiles, width, sparse, least, fused in (
-                (b, r, t, w, x, m, f) for b in args.batches for r in args.skinny_rows
+        summing = llm.backend.topk_sum
+        for bsz, skinny, tiles, width, sparse, least, fused, threshold, sums in (
+                (b, r, t, w, x, m, f, h, s) for b in args.batches for r in args.skinny_rows
                 for t in tilings for w in args.rank_widths for x in args.sparse_splits
-                for m in args.topk_min_warps for f in args.sparse_rope):
+                for m in args.topk_min_warps for f in args.sparse_rope
+                for h in args.topk_thresholds for s in args.topk_sums):
             # All of these are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
             pa.SCORE_TILES = {dim: tiles}
             sa.SPARSE_PROGRAMS_PER_SM = per_sm if sparse == "library" else None
             tk.RESIDENT_MIN_WARPS = least or least_warps
             triton_backend.SPARSE_ROPE = fused == "yes"
+            tk.RESIDENT_THRESHOLD = library_threshold if threshold == "library" else threshold
+            llm.backend.topk_sum = summing if sums == "yes" else None
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny, "sparse_rope": fused,
                    "sparse_splits": sparse, "topk_min_warps": tk.RESIDENT_MIN_WARPS,
+                   "topk_threshold": tk.RESIDENT_THRESHOLD, "topk_sum": sums,
                    "score_tiles": f"{tiles.block_k}:{tiles.stages}:{tiles.store}",
                    "score_split_max": tiles.split_max, "score_maxnreg": tiles.maxnreg,
                    "max_model_len": llm.max_model_len, "rank_width": width,

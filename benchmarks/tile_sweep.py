@@ -8,8 +8,9 @@ split (`--score-split-max`), on random bf16 K/V behind a shuffled page table. Ea
 figure is the median per call of 20 replays of a CUDA graph of 30 calls (the kernel count of
 one step of a 30-layer model), with the registers, spills and shared memory of the kernel
 variants each setting compiled. What it decided: `paged_attention.SCORE_TILES`.
-`--kernel sparse` times the draft step's sparse attention instead, and `--kernel quest`
-quest's page scores (`quest_scores.QUEST_TILES`) and its top-k (`topk.RESIDENT_*`).
+`--kernel sparse` times the draft step's sparse attention instead, `--kernel quest`
+quest's page scores (`quest_scores.QUEST_TILES`) and its top-k (`topk.RESIDENT_*`), and
+`--kernel topk` vegas's ranking of a round's scores by each `topk.RESIDENT_THRESHOLD`.
 
     python benchmarks/tile_sweep.py --out tile_sweep.json
     python benchmarks/tile_sweep.py --kernel quest --warps 2 4 8 --out quest_sweep.json
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import sys
@@ -36,6 +38,7 @@ import vegas_spec.kernels.paged_attention as pa  # noqa: E402
 import vegas_spec.kernels.quest_scores as qs  # noqa: E402
 import vegas_spec.kernels.sparse_attention as sa  # noqa: E402
 import vegas_spec.kernels.topk as tk  # noqa: E402
+from vegas_spec import ops  # noqa: E402
 from vegas_spec.kernels.split_merge import tile_config  # noqa: E402
 
 SCORE_TILES = pa.SCORE_TILES
@@ -145,22 +148,69 @@ def quest_sweep(args: argparse.Namespace, page: int = 16) -> list[dict]:
     keep = max(int(args.ratio * ctx) // page, 1)
     k = torch.full((bsz,), keep, device="cuda")
     rankable = pages * page
-    for per_warp, bits, least in itertools.product(
-            args.topk_keys_per_warp, args.topk_radix_bits, args.topk_min_warps):
+    for per_warp, bits, least, threshold in itertools.product(
+            args.topk_keys_per_warp, args.topk_radix_bits, args.topk_min_warps,
+            args.topk_thresholds):
         tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS = per_warp, bits
-        tk.RESIDENT_MIN_WARPS = least
+        tk.RESIDENT_MIN_WARPS, tk.RESIDENT_THRESHOLD = least, threshold
         us = graph_us(lambda: tk.topk_positions_triton(scores, pages, k, keep, page, rankable))
         row = {"kernel": "quest_topk", "keys_per_warp": per_warp, "radix_bits": bits,
-               "min_warps": least, "warps": tk.resident_warps(triton.next_power_of_2(num_pages)),
+               "min_warps": least, "threshold": threshold,
+               "warps": tk.resident_warps(triton.next_power_of_2(num_pages)),
                "width": num_pages, "keep_pages": keep, "us": us}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS, tk.RESIDENT_MIN_WARPS = TOPK_SETTING
+    (tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS, tk.RESIDENT_MIN_WARPS,
+     tk.RESIDENT_THRESHOLD) = TOPK_SETTING
     return rows
 
 
+def topk_sweep(args: argparse.Namespace) -> list[dict]:
+    """vegas's ranking of one round: scores [layers, B, 2, 1, W] (the verify step's two
+    collected rows of softmax weights, W the static key width) -> the top 5% below the
+    context, by each threshold search, with the rows summed by PyTorch first or inside the
+    kernel, and by the reference (torch.topk and a sort)."""
+    torch.manual_seed(0)
+    layers, bsz, ctx = args.layers, args.batch, args.context
+    width = ctx + 64
+    weights = torch.rand(layers, bsz, 2, 1, width, device="cuda") ** 8  # a long tail
+    scores = weights[..., :ctx]
+    rankable = torch.full((bsz,), ctx, device="cuda")
+    keep = max(-(-int(args.ratio * ctx * 1000) // 1000), 256)
+    k = torch.full((bsz,), keep, device="cuda")
+    want = ops.topk_positions(scores.sum(-3), rankable, k, keep)
+    calls = {"reference": lambda: ops.topk_positions(scores.sum(-3), rankable, k, keep)}
+    for threshold in args.topk_thresholds:
+        calls[f"{threshold}, summed first"] = functools.partial(
+            _with_threshold, threshold, lambda: tk.topk_positions_triton(
+                scores.sum(-3), rankable, k, keep))
+        calls[f"{threshold}, summed in the kernel"] = functools.partial(
+            _with_threshold, threshold, lambda: tk.topk_row_sum_triton(
+                scores, rankable, k, keep))
+    rows = []
+    for _ in range(args.repeat):
+        for name, fn in calls.items():
+            assert torch.equal(fn(), want), name
+            us = graph_us(fn)
+            row = {"kernel": "vegas_topk", "way": name, "layers": layers, "batch": bsz,
+                   "width": ctx, "keep": keep, "us": us}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def _with_threshold(threshold: str, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """fn() with topk.RESIDENT_THRESHOLD set (read when the kernel launches)."""
+    library, tk.RESIDENT_THRESHOLD = tk.RESIDENT_THRESHOLD, threshold
+    try:
+        return fn()
+    finally:
+        tk.RESIDENT_THRESHOLD = library
+
+
 QUEST_SETTINGS = qs.QUEST_TILES
-TOPK_SETTING = (tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS, tk.RESIDENT_MIN_WARPS)
+TOPK_SETTING = (tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS, tk.RESIDENT_MIN_WARPS,
+                tk.RESIDENT_THRESHOLD)
 
 
 def main() -> None:
@@ -186,9 +236,10 @@ def main() -> None:
                     help="paged, weight scores: the largest split of an 'auto' split in keys "
                          "(0: the occupancy split alone; default: the library's at this head "
                          "dim)")
-    ap.add_argument("--kernel", choices=["paged", "sparse", "quest"], default="paged",
+    ap.add_argument("--kernel", choices=["paged", "sparse", "quest", "topk"], default="paged",
                     help="sparse: the draft step's attention over a 5%% budget plus 64 recent; "
-                         "quest: quest's page scores and top-k of one layer")
+                         "quest: quest's page scores and top-k of one layer; topk: vegas's "
+                         "ranking of a round's scores (--layers of them)")
     ap.add_argument("--layers", type=int, default=1,
                     help="sparse: caches the calls of a graph cycle through (30: rows from "
                          "HBM, as in a model's draft step)")
@@ -201,12 +252,19 @@ def main() -> None:
     ap.add_argument("--topk-min-warps", type=int, nargs="+", default=[tk.RESIDENT_MIN_WARPS],
                     help="quest: the fewest warps of the resident top-k "
                          "(topk.RESIDENT_MIN_WARPS; repeat to interleave)")
-    ap.add_argument("--ratio", type=float, default=0.05, help="quest: tokens kept")
+    ap.add_argument("--topk-thresholds", nargs="+", default=[tk.RESIDENT_THRESHOLD],
+                    choices=tk.RESIDENT_THRESHOLDS,
+                    help="quest, topk: how the resident top-k finds its threshold "
+                         "(topk.RESIDENT_THRESHOLD)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="topk: times the settings are timed, interleaved")
+    ap.add_argument("--ratio", type=float, default=0.05, help="quest, topk: tokens kept")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     assert torch.cuda.is_available(), "tile_sweep times CUDA kernels"
-    if args.kernel in ("sparse", "quest"):
-        rows = sparse_sweep(args) if args.kernel == "sparse" else quest_sweep(args)
+    if args.kernel in ("sparse", "quest", "topk"):
+        sweep = {"sparse": sparse_sweep, "quest": quest_sweep, "topk": topk_sweep}
+        rows = sweep[args.kernel](args)
         meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
                 "args": {k: str(v) for k, v in vars(args).items()}}
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

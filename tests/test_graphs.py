@@ -18,7 +18,7 @@ import torch
 from conftest import TINY_IDS, TINY_METHODS, config_folder, tiny_spec
 
 from vegas_spec import SamplingParams, SpecConfig
-from vegas_spec.attention.triton_backend import TritonBackend
+from vegas_spec.attention.triton_backend import TritonBackend, topk_sum_by_width
 from vegas_spec.cli import _engine_kwargs, _parser
 from vegas_spec.config import ConfigError, EngineConfig
 from vegas_spec.engine import LLM
@@ -318,8 +318,14 @@ def test_static_triton_equals_eager_triton(tiny: Path, prompts: list[list[int]],
         calls.append(args[0].shape)
         return topk_positions_triton(*args, **kwargs)
 
-    # vegas ranks its verify scores, quest its pages, with the backend's own top-k
+    def topk_sum(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(args[0].shape)
+        return topk_sum_by_width(*args, **kwargs)
+
+    # vegas ranks the sum of its verify scores' rows, quest its pages, with the backend's
+    # own top-k
     monkeypatch.setattr(TritonBackend, "topk", staticmethod(topk))
+    monkeypatch.setattr(TritonBackend, "topk_sum", staticmethod(topk_sum))
     engine = dict(ENGINE, backend="triton", max_model_len=128)
     plain, static = LLM(str(tiny), **engine), LLM(str(tiny), static_shapes=True, **engine)
     guard = SyncGuard(monkeypatch)

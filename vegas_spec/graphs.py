@@ -328,7 +328,7 @@ class GraphRunner:
         inp = SelectionInput(scores, lengths, accepted, lengths + accepted + 1,
                              self.shapes.verify_rows - 1, self.kv_caches,
                              self.buf.page_table[:rows], self.page_size,
-                             topk=self.backend.topk)
+                             topk=self.backend.topk, topk_sum=self.backend.topk_sum)
         self._write_plan(self.policy.plan(self.bound(inp)), rows)
 
     def bound(self, inp: SelectionInput, start: int = 0) -> SelectionInput:

@@ -617,7 +617,7 @@ class ModelRunner:
             scores = self.tp.sum_scores(scores, self.policy.per_kv_head)
             inp = SelectionInput(scores, row, accepted, batch.lengths, self.spec.gamma,
                                  self.cache.layers, batch.page_table, self.config.page_size,
-                                 topk=self.backend.topk)
+                                 topk=self.backend.topk, topk_sum=self.backend.topk_sum)
             if self.graphs is None:
                 return self.policy.plan(inp)
             inp.max_len = self._host_len(batch)  # host bounds instead of reading the device

@@ -32,9 +32,16 @@ def scores_for(shape: tuple[int, ...], gen: torch.Generator, mixed: bool) -> tor
     return x.to(DEVICE)
 
 
+@pytest.fixture(params=topk.RESIDENT_THRESHOLDS)
+def threshold(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each way of the resident kernel to find its threshold, in turn."""
+    monkeypatch.setattr(topk, "RESIDENT_THRESHOLD", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("mixed", [False, True], ids=["weights", "logits"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}x{c[3]}")
-def test_matches_reference(case: tuple, mixed: bool) -> None:
+def test_matches_reference(case: tuple, mixed: bool, threshold: str) -> None:
     lead, bsz, groups, width, rankable, k = case
     gen = generator(width)
     scores = scores_for((*lead, bsz, groups, width), gen, mixed)
@@ -46,7 +53,7 @@ def test_matches_reference(case: tuple, mixed: bool) -> None:
     assert torch.equal(got, want)
 
 
-def test_ties_take_the_lowest_positions() -> None:
+def test_ties_take_the_lowest_positions(threshold: str) -> None:
     scores = torch.zeros(1, 1, 50, device=DEVICE)
     scores[0, 0, [3, 17, 40]] = 1.0
     got = topk_positions_triton(scores, torch.tensor([45], device=DEVICE),
@@ -54,7 +61,7 @@ def test_ties_take_the_lowest_positions() -> None:
     assert got.tolist() == [[[0, 1, 3, 17, 40]]]
 
 
-def test_negative_zero_and_infinities() -> None:
+def test_negative_zero_and_infinities(threshold: str) -> None:
     scores = torch.tensor([[[-0.0, 0.0, float("-inf"), float("inf"), -1e30, 1e-30]]],
                           device=DEVICE)
     got = topk_positions_triton(scores, torch.tensor([6], device=DEVICE),
@@ -139,15 +146,18 @@ PATH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("bits", [4, 8], ids=lambda b: f"radix{b}")
+@pytest.mark.parametrize("way", ["radix4", "radix8", "bisect"])
 @pytest.mark.parametrize("kind", ["continuous", "ties", "few_values"])
 @pytest.mark.parametrize("case", PATH_CASES, ids=lambda c: f"{c[1]}x{c[2]}x{c[3]}_page{c[6]}")
-def test_selection_takes_the_lowest_positions_on_ties(case: tuple, kind: str, bits: int,
+def test_selection_takes_the_lowest_positions_on_ties(case: tuple, kind: str, way: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """With radix passes of 4 or 8 bits, the kernel chooses the k largest keys and, among
-    keys equal to the threshold, the lowest positions (`lowest_on_ties`), then expands the
-    chosen pages as `expand_pages` does."""
-    monkeypatch.setattr(topk, "RESIDENT_RADIX_BITS", bits)
+    """With radix passes of 4 or 8 bits or by bisection, the kernel chooses the k largest
+    keys and, among keys equal to the threshold, the lowest positions (`lowest_on_ties`),
+    then expands the chosen pages as `expand_pages` does."""
+    if way == "bisect":
+        monkeypatch.setattr(topk, "RESIDENT_THRESHOLD", "bisect")
+    else:
+        monkeypatch.setattr(topk, "RESIDENT_RADIX_BITS", int(way.removeprefix("radix")))
     lead, bsz, groups, width, rankable, k, page = case
     gen = generator(width + len(kind))
     shape = (*lead, bsz, groups, width)
@@ -168,13 +178,50 @@ def test_selection_takes_the_lowest_positions_on_ties(case: tuple, kind: str, bi
     assert torch.equal(got, expand_pages(units, page, limit))
 
 
-def test_rows_of_the_resident_bound_match_the_reference() -> None:
+def test_rows_of_the_resident_bound_match_the_reference(threshold: str) -> None:
     """The widest row the kernel takes (16 keys a thread on a GPU)."""
     width = topk.RESIDENT_MAX_WIDTH
     scores = scores_for((2, 1, width), generator(11), True)
     rank, k = torch.tensor([width, width - 2], device=DEVICE), torch.tensor([300, 2047],
                                                                             device=DEVICE)
     assert torch.equal(topk_positions_triton(scores, rank, k), topk_positions(scores, rank, k))
+
+
+# (leading dims, B, R, G, W of the buffer, W ranked, rankable per sequence, k per sequence)
+ROW_SUM_CASES = [
+    ((3,), 2, 2, 1, 300, 300, [300, 120], [40, 120]),  # vegas's collect-2, whole rows
+    ((2,), 3, 2, 2, 530, 500, [500, 499, 7], [60, 0, 7]),  # per kv head, a sliced width
+    ((2,), 2, 1, 1, 64, 40, [40, 33], [5, 33]),  # one row (prefill): nothing to add
+]
+
+
+@pytest.mark.parametrize("case", ROW_SUM_CASES, ids=lambda c: f"R{c[2]}_G{c[3]}_W{c[5]}")
+def test_rows_summed_as_loaded_match_the_sum_ranked(case: tuple, threshold: str) -> None:
+    """The top-k of scores [..., B, R, G, W] summed over R as the kernel loads them (from a
+    slice of a wider buffer, as vegas ranks below max_model_len) is the reference's top-k of
+    `scores.sum(-3)`, bit for bit, with the same kmax."""
+    lead, bsz, rows, groups, full, width, rankable, k = case
+    buffer = scores_for((*lead, bsz, rows, groups, full), generator(full + rows), False)
+    scores = buffer[..., :width]
+    rank = torch.tensor(rankable, device=DEVICE)
+    budget = torch.minimum(torch.tensor(k, device=DEVICE), rank)
+    kmax = int(budget.max()) + 2
+    got = topk.topk_row_sum_triton(scores, rank, budget, kmax)
+    want = topk_positions(scores.sum(-3), rank, budget, kmax)
+    assert got.shape == want.shape == (*lead, bsz, groups, min(kmax, width))
+    assert torch.equal(got, want)
+    assert (got >= 0).sum() == budget.sum() * math.prod(lead) * groups
+
+
+def test_rows_summed_from_a_strided_copy_need_no_layout(threshold: str) -> None:
+    """Scores whose dims do not step as a contiguous tensor's (a transposed buffer) are
+    ranked as their contiguous copy."""
+    base = scores_for((2, 1, 2, 3, 90), generator(5), False)  # [layers, G, R, B, W]
+    scores = base.permute(0, 3, 2, 1, 4)  # [layers, B, R, G, W], not contiguous
+    assert topk._row_stride(scores) is None
+    rank, k = torch.tensor([90, 80, 70], device=DEVICE), torch.tensor([9, 8, 7], device=DEVICE)
+    assert torch.equal(topk.topk_row_sum_triton(scores, rank, k, 9),
+                       topk_positions(scores.sum(-3), rank, k, 9))
 
 
 def test_rows_wider_than_the_resident_bound_are_refused(monkeypatch: pytest.MonkeyPatch,

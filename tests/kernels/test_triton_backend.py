@@ -188,7 +188,13 @@ class TopkCalls:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.kernel: list[int] = []
         self.reference: list[int] = []
+        self.summed: list[tuple[int, ...]] = []  # shapes the row-summing kernel ranked
         kernel, reference = topk.topk_positions_triton, ops.topk_positions
+        summing = topk.topk_row_sum_triton
+
+        def spy_summing(scores: torch.Tensor, *args: object) -> torch.Tensor:
+            self.summed.append(tuple(scores.shape))
+            return summing(scores, *args)
 
         def spy_kernel(scores: torch.Tensor, *args: object) -> torch.Tensor:
             self.kernel.append(scores.shape[-1])
@@ -199,6 +205,7 @@ class TopkCalls:
             return reference(scores, *args)
 
         monkeypatch.setattr(topk, "topk_positions_triton", spy_kernel)
+        monkeypatch.setattr(topk, "topk_row_sum_triton", spy_summing)
         monkeypatch.setattr(ops, "topk_positions", spy_reference)
 
 
@@ -223,6 +230,27 @@ def test_topk_runs_the_kernel_up_to_the_resident_width(monkeypatch: pytest.Monke
     assert calls.kernel == [64] and calls.reference == [65]
     assert got.shape == (2, 2, 1, 40 * 4)
     assert torch.equal(got, topk_positions(wide, ranked, k, 40, 4, limit))
+
+
+def test_topk_sum_sums_up_to_two_rows_in_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend's top-k of summed rows: vegas's two collected rows (or one) of at most
+    RESIDENT_MAX_WIDTH scores go to the row-summing kernel; more rows are summed first and
+    ranked by `topk`, wider rows by the reference; every path gives the reference's plan."""
+    calls = TopkCalls(monkeypatch)
+    monkeypatch.setattr(topk, "RESIDENT_MAX_WIDTH", 64)
+    top = make_backend("triton").topk_sum
+    assert top is not None
+    gen = generator(6)
+    rank, k = torch.tensor([60, 33], device=DEVICE), torch.tensor([9, 33], device=DEVICE)
+    for rows, width, summed, kernel, reference in ((2, 64, [(3, 2, 2, 1, 64)], [], []),
+                                                   (1, 64, [(3, 2, 1, 1, 64)], [], []),
+                                                   (3, 64, [], [64], []),
+                                                   (2, 65, [], [], [65])):
+        calls.summed, calls.kernel, calls.reference = [], [], []
+        scores = torch.rand(3, 2, rows, 1, width, generator=gen).to(DEVICE)
+        got = top(scores, rank, k, 40)
+        assert (calls.summed, calls.kernel, calls.reference) == (summed, kernel, reference)
+        assert torch.equal(got, topk_positions(scores.sum(-3), rank, k, 40))
 
 
 def test_topk_of_rows_wider_than_the_kernel_is_the_reference(monkeypatch: pytest.MonkeyPatch,

@@ -226,10 +226,13 @@ def _attention_aggregate(case: Case, q: np.ndarray, layer: int, b: int, rows: li
 
 @pytest.mark.parametrize("method,granularity", [("vegas", "layer"), ("vegas", "kv_head"),
                                                 ("lastq", "layer")])
-def test_the_backends_top_k_selects_what_the_reference_selects(method: str,
-                                                               granularity: str) -> None:
-    """A SelectionInput carrying the Triton top-k (the interpreter here) gives the plan of
-    the reference top-k on scores without ties."""
+@pytest.mark.parametrize("summing", [False, True], ids=["topk", "topk_sum"])
+def test_the_backends_top_k_selects_what_the_reference_selects(method: str, granularity: str,
+                                                               summing: bool) -> None:
+    """A SelectionInput carrying the Triton top-k (the interpreter here), and the kernel that
+    sums vegas's rows as it loads them, gives the plan of the reference top-k on scores
+    without ties."""
+    from vegas_spec.attention.triton_backend import topk_sum_by_width
     from vegas_spec.kernels.topk import topk_positions_triton
 
     policy = make_policy(SpecConfig(method=method, granularity=granularity, **BASE))
@@ -240,6 +243,8 @@ def test_the_backends_top_k_selects_what_the_reference_selects(method: str,
     want = policy.plan(case.selection_input(scores))
     inp = case.selection_input(scores)
     inp.topk = topk_positions_triton
+    if summing:
+        inp.topk_sum = topk_sum_by_width
     got = policy.plan(inp)
     assert want is not None and got is not None
     assert torch.equal(got.indices, want.indices)

@@ -175,6 +175,9 @@ class AttentionBackend(ABC):
 
     # The backend's own top-k (the contract of ops.topk_positions), or None.
     topk: Callable[..., torch.Tensor] | None = None
+    # Its top-k of scores [..., B, R, G, W] summed over R (ops.topk_positions(scores.sum(-3),
+    # rankable, k, kmax)), or None.
+    topk_sum: Callable[..., torch.Tensor] | None = None
 
 
 def _torch(exact: bool) -> AttentionBackend:

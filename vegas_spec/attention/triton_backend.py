@@ -63,6 +63,16 @@ def topk_by_width(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
     return ops.topk_positions(scores, rankable, k, kmax, page, limit)
 
 
+def topk_sum_by_width(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
+                      kmax: int | None = None) -> torch.Tensor:
+    """`ops.topk_positions(scores.sum(-3), rankable, k, kmax)` for scores [..., B, R, G, W]:
+    vegas's collected rows (R <= 2) summed inside the resident kernel as it loads them, the
+    sum written first otherwise (more rows, or rows wider than the kernel takes)."""
+    if scores.shape[-3] <= 2 and scores.shape[-1] <= topk_kernel.RESIDENT_MAX_WIDTH:
+        return topk_kernel.topk_row_sum_triton(scores, rankable, k, kmax)
+    return topk_by_width(scores.sum(-3), rankable, k, kmax)
+
+
 class TritonBackend(AttentionBackend):
     """In the default mode a projection of few rows may run `skinny_linear` (`uses_skinny`).
     In exact mode the projections and the LM head run `exact_linear` and full attention
@@ -76,6 +86,7 @@ class TritonBackend(AttentionBackend):
 
     # Drop-in for vegas_spec.ops.topk_positions on the backend's device.
     topk = staticmethod(topk_by_width)
+    topk_sum = staticmethod(topk_sum_by_width)
 
     def quest_page_scores(self, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                           pages: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,8 @@ costs page * 8 bytes of output instead of 8."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +49,11 @@ RESIDENT_KEYS_PER_WARP = 256
 RESIDENT_MIN_WARPS = 4
 # Bits per radix pass of the resident top-k (32 / bits passes, one 2^bits-bin histogram each).
 RESIDENT_RADIX_BITS = 4
+# How the resident top-k finds its threshold: "radix" (32 / RESIDENT_RADIX_BITS histogram
+# passes) or "bisect" (one compare and one block sum per bit, stopping once exactly k keys
+# lie at or above the candidate).
+RESIDENT_THRESHOLDS = ("radix", "bisect")
+RESIDENT_THRESHOLD = "radix"
 
 
 @triton.jit
@@ -92,16 +99,12 @@ def _row_bounds(rankable_ptr, k_ptr, limit_ptr, b, width, HAS_LIMIT: tl.constexp
 
 
 @triton.jit
-def _topk_resident_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B, G, width,
-                          out_width, BLOCK_W: tl.constexpr, BLOCK: tl.constexpr,
-                          RADIX_BITS: tl.constexpr, PAGE: tl.constexpr,
-                          HAS_LIMIT: tl.constexpr):
-    row = tl.program_id(0)
-    b = (row // G) % B
-    length, want, limit = _row_bounds(rankable_ptr, k_ptr, limit_ptr, b, width, HAS_LIMIT)
-    w = tl.arange(0, BLOCK_W)
-    ok = w < length
-    key = _keys32(tl.load(scores_ptr + row.to(tl.int64) * width + w, mask=ok, other=0.0))
+def _radix_threshold(key, ok, want, BLOCK_W: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """The k-th largest of the `ok` keys (k = want; any key when want is 0), most
+    significant digit first, RADIX_BITS a pass: each pass is a histogram of the digit of the
+    keys that still match the prefix so far, the count for digit d is the keys already above
+    the prefix plus the bins >= d, and the pass keeps the largest digit whose count is at
+    least k."""
     digits = tl.arange(0, 1 << RADIX_BITS)
     # Invariant: above (keys past the prefix's digits so far) + the keys that match them is
     # at least `want`, so digit 0 always qualifies.
@@ -118,10 +121,58 @@ def _topk_resident_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B
         best = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
         above += tl.sum(tl.where(digits > best, hist, 0), axis=0)
         prefix += best.to(tl.uint32) << shift
-    is_tie = ok & (key == prefix)
-    tie_rank = tl.cumsum(is_tie.to(tl.int32), axis=0)  # 1-based
-    take = ok & ((key > prefix) | (is_tie & (tie_rank <= want - above))) & (want > 0)
-    slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    return prefix
+
+
+@triton.jit
+def _bisect_threshold(key, ok, want):
+    """A key T with at least `want` of the `ok` keys >= T and fewer > T, or exactly
+    `want` >= T, built bit by bit from the most significant: a candidate bit stays where
+    the keys >= the candidate still number at least `want`, and the search stops early once
+    they number exactly `want`. One compare and one block sum a bit, where a radix pass
+    takes a histogram, a scan and two sums."""
+    t = tl.zeros([], tl.uint32)
+    step = tl.full([], 2147483648, tl.uint32)
+    exact = tl.zeros([], tl.int32)
+    while (step > 0) & (exact == 0):
+        cand = t | step
+        count = tl.sum((ok & (key >= cand)).to(tl.int32), axis=0)
+        t = tl.where(count >= want, cand, t)
+        exact = (count == want).to(tl.int32)
+        step = step >> 1
+    return t
+
+
+@triton.jit
+def _topk_resident_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B, G, width,
+                          out_width, row_stride, BLOCK_W: tl.constexpr, BLOCK: tl.constexpr,
+                          RADIX_BITS: tl.constexpr, PAGE: tl.constexpr,
+                          HAS_LIMIT: tl.constexpr, ROWS: tl.constexpr,
+                          BISECT: tl.constexpr):
+    row = tl.program_id(0)
+    b = (row // G) % B
+    length, want, limit = _row_bounds(rankable_ptr, k_ptr, limit_ptr, b, width, HAS_LIMIT)
+    w = tl.arange(0, BLOCK_W)
+    ok = w < length
+    # ROWS score rows [.., b, r, g, :] (stride row_stride) summed in order; one: row `row`
+    first = scores_ptr + ((row // G) * ROWS * G + row % G).to(tl.int64) * row_stride
+    x = tl.load(first + w, mask=ok, other=0.0)
+    for r in tl.static_range(1, ROWS):
+        x += tl.load(first + r * G * row_stride + w, mask=ok, other=0.0)
+    key = _keys32(x)
+    if BISECT:
+        threshold = _bisect_threshold(key, ok, want)
+    else:
+        threshold = _radix_threshold(key, ok, want, BLOCK_W, RADIX_BITS)
+    # One scan gives both the keys above the threshold and the ties before each position
+    # (counts below 2^16 each): the first `want - above` ties are taken, in position order.
+    is_above = ok & (key > threshold)
+    is_tie = ok & (key == threshold)
+    counts = tl.cumsum(is_above.to(tl.int32) + (is_tie.to(tl.int32) << 16), axis=0)
+    need = want - tl.sum(is_above.to(tl.int32), axis=0)  # ties to take
+    tie_rank = counts >> 16  # inclusive, 1-based on a tie
+    take = (is_above | (is_tie & (tie_rank <= need))) & (want > 0)
+    slot = (counts & 0xFFFF) + tl.minimum(tie_rank, need) - 1
     out_row = out_ptr + row.to(tl.int64) * (out_width * PAGE)
     _store_units(out_row, slot, w, take, limit, PAGE)
     _pad_from(out_row, want * PAGE, out_width * PAGE, BLOCK)
@@ -142,12 +193,47 @@ def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch
     (tokens), each chosen unit u becomes u * page + j for j < page, -1 from limit[b] on:
     [..., B, G, width * page], as `ops.expand_pages` gives. W must be at most
     RESIDENT_MAX_WIDTH (wider rows: `ops.topk_positions`, as the Triton backend's `topk`)."""
-    assert scores.dim() >= 3 and scores.dtype == torch.float32 and page >= 1
-    bsz, groups, width = scores.shape[-3:]
+    assert scores.dim() >= 3
+    return _launch(scores.unsqueeze(-3), rankable, k, kmax, page, limit)
+
+
+def topk_row_sum_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
+                        kmax: int | None = None) -> torch.Tensor:
+    """`topk_positions_triton(scores.sum(-3), rankable, k, kmax)` for scores [..., B, R, G, W]
+    with R <= 2 (where the sum of two float32 is one rounding, as torch's): the rows are
+    summed as the kernel loads them, so the summed scores are never written. The last dim
+    may be a slice of a wider one (the rows' stride is read from the tensor)."""
+    assert scores.dim() >= 4 and scores.shape[-3] <= 2
+    return _launch(scores, rankable, k, kmax, 1, None)
+
+
+def _row_stride(scores: torch.Tensor) -> int | None:
+    """The stride between consecutive rows of the last dim when every dim before it steps
+    as in a contiguous tensor of rows that long (a slice of the last dim of a contiguous
+    tensor), else None."""
+    if scores.stride(-1) != 1:
+        return None
+    stride = scores.stride(-2) if scores.dim() > 1 else scores.shape[-1]
+    expected = stride
+    for size, step in zip(reversed(scores.shape[:-1]), reversed(scores.stride()[:-1]),
+                          strict=True):
+        if size > 1 and step != expected:
+            return None
+        expected *= size
+    return stride
+
+
+def _launch(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor, kmax: int | None,
+            page: int, limit: torch.Tensor | None) -> torch.Tensor:
+    """The resident kernel on scores [..., B, R, G, W] (the R rows summed) -> [..., B, G, n]."""
+    assert scores.dtype == torch.float32 and page >= 1
+    bsz, rows, groups, width = scores.shape[-4:]
     if width > RESIDENT_MAX_WIDTH:
         raise ValueError(f"top-k rows of {width} scores: the kernel takes at most "
                          f"RESIDENT_MAX_WIDTH = {RESIDENT_MAX_WIDTH} (wider rows: the "
                          "reference, vegas_spec.ops.topk_positions)")
+    assert RESIDENT_MAX_WIDTH < 1 << 16, "the final scan packs two counts into 16 bits each"
+    assert RESIDENT_THRESHOLD in RESIDENT_THRESHOLDS, RESIDENT_THRESHOLD
     assert rankable.shape == (bsz,) and k.shape == (bsz,)
     assert not rankable.is_floating_point() and not k.is_floating_point()
     assert scores.device == rankable.device == k.device
@@ -158,17 +244,23 @@ def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch
         out_width = min(max(int(k.max()), 1), width)  # a host sync, as in the reference
     else:
         out_width = min(kmax, width)
-    flat = scores.reshape(-1, width).contiguous()
-    out = torch.empty(flat.shape[0], out_width * page, dtype=torch.int64, device=scores.device)
-    if flat.shape[0] == 0:
-        return out.view(*scores.shape[:-1], out_width * page)
+    lead = scores.shape[:-4]
+    n_rows = math.prod(lead) * bsz * groups
+    out = torch.empty(n_rows, out_width * page, dtype=torch.int64, device=scores.device)
+    out_shape = (*lead, bsz, groups, out_width * page)
+    if n_rows == 0:
+        return out.view(out_shape)
+    stride = _row_stride(scores)
+    if stride is None:
+        scores, stride = scores.contiguous(), width
     block = 1024 if scores.is_cuda else 256
     rankable = rankable.contiguous()
-    args = (flat, rankable, k.contiguous(), rankable if limit is None else limit.contiguous(),
-            out, bsz, groups, width, out_width)
+    args = (scores, rankable, k.contiguous(), rankable if limit is None else limit.contiguous(),
+            out, bsz, groups, width, out_width, stride)
     block_w = triton.next_power_of_2(width)
     warps = resident_warps(block_w)
-    _topk_resident_kernel[(flat.shape[0],)](*args, BLOCK_W=block_w, BLOCK=block,
-                                            RADIX_BITS=RESIDENT_RADIX_BITS, PAGE=page,
-                                            HAS_LIMIT=limit is not None, num_warps=warps)
-    return out.view(*scores.shape[:-1], out_width * page)
+    _topk_resident_kernel[(n_rows,)](*args, BLOCK_W=block_w, BLOCK=block,
+                                     RADIX_BITS=RESIDENT_RADIX_BITS, PAGE=page,
+                                     HAS_LIMIT=limit is not None, ROWS=rows,
+                                     BISECT=RESIDENT_THRESHOLD == "bisect", num_warps=warps)
+    return out.view(out_shape)

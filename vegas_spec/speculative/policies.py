@@ -40,6 +40,9 @@ class SelectionInput:
                rows (the Triton backend's kernel holds rows of up to 8,192 scores).
     topk:      the attention backend's top-k, with `topk_positions`' contract (None: that
                reference): vegas and lastq rank their scores with it.
+    topk_sum:  the backend's top-k of scores summed over their rows (dim -3), as
+               `topk_positions(scores.sum(-3), ...)` (None: that sum, then `topk`): vegas
+               ranks its collected rows' sum with it.
     """
 
     scores: torch.Tensor | None
@@ -56,6 +59,7 @@ class SelectionInput:
     rank_width: int | None = None
     quest_state: QuestState | None = None
     topk: Callable[..., torch.Tensor] | None = None
+    topk_sum: Callable[..., torch.Tensor] | None = None
 
 
 @dataclass
@@ -202,6 +206,8 @@ class Vegas(Policy):
 
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
+        if inp.topk_sum is not None:
+            return inp.topk_sum(_ranked(inp), rankable, k, inp.kmax)
         top = inp.topk or topk_positions
         return top(_ranked(inp).sum(2), rankable, k, inp.kmax)
 
