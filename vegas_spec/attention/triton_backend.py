@@ -54,8 +54,7 @@ def topk_by_width(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
                   limit: torch.Tensor | None = None) -> torch.Tensor:
     """`ops.topk_positions` on the backend's device: the Triton kernel for rows of at most
     `topk.RESIDENT_MAX_WIDTH` scores (held in registers, one read), the reference for wider
-    ones. On an H200 the kernel takes a round's selection at SmolLM2's 64 x 7.5K in 0.47 ms
-    against the reference's 0.68 ms; at 16 x 32K the reference's 0.68-1.01 ms beat the
+    ones (`kernels.topk` has the timings); at 16 x 32K the reference's 0.68-1.01 ms beat the
     1.52-1.77 ms of a kernel that re-read the row in each radix pass (`kernels.topk`). The
     bound is read at each call, so a changed `topk.RESIDENT_MAX_WIDTH` moves it."""
     if scores.shape[-1] <= topk_kernel.RESIDENT_MAX_WIDTH:
