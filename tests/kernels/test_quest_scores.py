@@ -7,9 +7,12 @@ import pytest
 import torch
 from kernel_cases import DEVICE, DTYPES, generator
 
-from vegas_spec.attention.torch_backend import quest_page_scores_ref
+from vegas_spec.attention.context import StepContext
+from vegas_spec.attention.torch_backend import TorchBackend, quest_page_scores_ref
 from vegas_spec.attention.triton_backend import TritonBackend
 from vegas_spec.kernels.quest_scores import quest_page_scores
+from vegas_spec.kernels.rope_store import rope_store
+from vegas_spec.ops import apply_rope
 from vegas_spec.speculative.policies import QuestSelector
 
 # (B, H, Hkv, D, NP, pages per sequence)
@@ -60,3 +63,58 @@ def test_selector_through_the_backend_picks_the_reference_pages() -> None:
     got = selector(0, q, None, TritonBackend())
     assert got.shape == want.shape
     assert torch.equal(got, want)
+
+
+def rope_inputs(case: tuple, dtype: torch.dtype, gen: torch.Generator,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q before RoPE [B, 1, H, D] as a view into a fused qkv row, the same q rotated by
+    `rope_store`, the table, positions [B, 1]) of a CASES case."""
+    bsz, heads, hkv, dim, _, _ = case
+    qkv = torch.randn(bsz, 1, (heads + 2 * hkv) * dim, generator=gen).to(DEVICE, dtype)
+    q = qkv[..., : heads * dim].view(bsz, 1, heads, dim)
+    k = qkv[..., heads * dim: (heads + hkv) * dim].view(bsz, 1, hkv, dim)
+    table = (2 * torch.rand(300, dim, generator=gen) - 1).to(DEVICE)
+    positions = torch.randint(0, 300, (bsz, 1), generator=gen).to(DEVICE)
+    cache = torch.zeros(1, hkv, dim, device=DEVICE, dtype=dtype)
+    slots = torch.full((bsz, 1), -1, device=DEVICE)  # nothing stored
+    q_rot = rope_store(q, k, k, cache, cache.clone(), table, positions, slots)
+    return q, q_rot, table, positions
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}_h{c[1]}x{c[2]}_d{c[3]}_np{c[4]}")
+def test_rope_inside_scores_as_rope_store_then_the_kernel(case: tuple, dtype: torch.dtype,
+                                                          ) -> None:
+    """q before RoPE with the table and positions: the bits of the kernel on `rope_store`'s
+    rotated q (the same rotation, rounded as apply_rope rounds it), and the torch backend's
+    scores of apply_rope's q."""
+    bsz, _, hkv, dim, num_pages, pages = case
+    gen = generator(9)
+    lo, hi = bounds(bsz, num_pages, hkv, dim, dtype, gen)
+    q, q_rot, table, positions = rope_inputs(case, dtype, gen)
+    assert torch.equal(q_rot, apply_rope(q, table, positions))
+    ranked = torch.tensor(pages, device=DEVICE)
+    got = quest_page_scores(q, lo, hi, ranked, table, positions)
+    assert torch.equal(got, quest_page_scores(q_rot, lo, hi, ranked))
+    want = TorchBackend().quest_page_scores(q, lo, hi, ranked, table, positions)
+    assert torch.equal(want, quest_page_scores_ref(q_rot, lo, hi, ranked))
+
+
+def test_selector_with_rope_picks_the_pages_of_the_rotated_q() -> None:
+    """The selector handed the RoPE table (q before RoPE, rotated at ctx.positions) keeps the
+    positions it keeps for the rotated q, through the Triton backend and the references."""
+    gen = generator(13)
+    case = (3, 8, 2, 64, 24, [24, 7, 13])
+    bsz, heads, hkv, dim, num_pages, _ = case
+    lo, hi = bounds(bsz, num_pages, hkv, dim, torch.float32, gen)
+    q, q_rot, table, positions = rope_inputs(case, torch.float32, gen)
+    rankable = torch.tensor([24 * 16, 100, 13 * 16], device=DEVICE)
+    selector = QuestSelector([(lo, hi)], rankable, torch.tensor([5, 3, 7], device=DEVICE), 16, 7)
+    ctx = StepContext(positions=positions, seq_lens=positions[:, 0] + 1,
+                      slot_mapping=torch.full_like(positions, -1),
+                      page_table=torch.zeros(bsz, 1, dtype=torch.int32, device=DEVICE),
+                      page_size=16, kv_len_max=num_pages * 16)
+    want = selector(0, q_rot, ctx)
+    assert (want >= 0).sum() > 0
+    assert torch.equal(selector(0, q, ctx, None, table), want)
+    assert torch.equal(selector(0, q, ctx, TritonBackend(), table), want)

@@ -15,12 +15,13 @@ from vegas_spec.attention import triton_backend
 from vegas_spec.attention.backend import AttentionBackend, make_backend
 from vegas_spec.attention.context import ScoreRequest, SparsePlan, StepContext
 from vegas_spec.cache import slots_of
-from vegas_spec.config import ModelConfig
+from vegas_spec.config import ModelConfig, SpecConfig
 from vegas_spec.kernels import topk
 from vegas_spec.kernels.skinny_matmul import skinny_linear
 from vegas_spec.models.decoder import Decoder, build_model
 from vegas_spec.models.loader import expected_shapes
 from vegas_spec.ops import topk_positions  # bound here: `TopkCalls` spies on ops' name
+from vegas_spec.speculative.policies import SelectionInput, make_policy
 
 PAGE = 16
 GAMMA = 3
@@ -126,6 +127,42 @@ def test_same_logits_as_torch_backend(mode: str, per_kv_head: bool, architecture
                                                 mode, per_kv_head) for r in runs]
     close(got, want)
     close(got_sc, want_sc)
+    for (k_want, v_want), (k_got, v_got) in zip(runs[0].caches, runs[1].caches, strict=True):
+        close(k_got, k_want)
+        close(v_got, v_want)
+
+
+def test_quest_draft_steps_as_torch_backend() -> None:
+    """quest's draft steps (a per-layer selector: page scores of the q the Triton backend
+    rotates inside the page-score kernel, then RoPE and the KV store inside the sparse
+    attention) against the torch backend's (rope_store, reference page scores and top-k),
+    from the same caches: logits and caches agree."""
+    torch.manual_seed(0)
+    model = tiny_model("LlamaForCausalLM")
+    runs = [Runner(model, make_backend("torch")), Runner(model, make_backend("triton"))]
+    gen = generator(2)
+    firsts = []
+    for b, n in enumerate(PROMPTS):
+        ids = torch.randint(3, 96, (1, n), generator=gen).to(DEVICE)
+        logits, _ = runs[0].forward(ids, torch.arange(n, device=DEVICE)[None], n,
+                                    seqs=slice(b, b + 1))
+        firsts.append(logits[0, -1].argmax())
+    for (k_src, v_src), (k_dst, v_dst) in zip(runs[0].caches, runs[1].caches, strict=True):
+        k_dst.copy_(k_src)
+        v_dst.copy_(v_src)
+    lengths = torch.tensor(PROMPTS, device=DEVICE)
+    policy = make_policy(SpecConfig(method="quest", gamma=GAMMA, ratio=0.3, min_tokens=8,
+                                    page=4))
+    plans = [policy.plan(SelectionInput(None, lengths - 1, torch.zeros_like(lengths), lengths,
+                                        GAMMA, r.caches, r.page_table, PAGE)) for r in runs]
+    assert all(p is not None and p.selector is not None for p in plans)
+    token = torch.stack(firsts)
+    for j in range(GAMMA):
+        pos = lengths[:, None] + j
+        (want, _), (got, _) = [r.forward(token[:, None], pos, max(PROMPTS) + GAMMA, plan=p)
+                               for r, p in zip(runs, plans, strict=True)]
+        close(got, want)
+        token = want[:, -1].argmax(-1)
     for (k_want, v_want), (k_got, v_got) in zip(runs[0].caches, runs[1].caches, strict=True):
         close(k_got, k_want)
         close(v_got, v_want)

@@ -168,10 +168,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def quest_page_scores(self, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                          pages: torch.Tensor) -> torch.Tensor:
+                          pages: torch.Tensor, rope: torch.Tensor | None = None,
+                          positions: torch.Tensor | None = None) -> torch.Tensor:
         """quest's scores of every page for a draft row: q [B, 1, H, D], lo/hi [B, NP, Hkv,
         D] the pages' min and max keys, pages [B] ranked pages -> [B, Hkv, NP] float32
-        (-inf past pages[b])."""
+        (-inf past pages[b]). With rope (the RoPE table) and positions [B, 1], q is before
+        RoPE."""
 
     # The backend's own top-k (the contract of ops.topk_positions), or None.
     topk: Callable[..., torch.Tensor] | None = None

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import ScoreRequest, StepContext
 from vegas_spec.cache import slots_of
+from vegas_spec.ops import apply_rope
 
 
 def quest_page_scores_ref(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
@@ -233,7 +234,11 @@ class TorchBackend(AttentionBackend):
     name = "torch"
 
     def quest_page_scores(self, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                          pages: torch.Tensor) -> torch.Tensor:
+                          pages: torch.Tensor, rope: torch.Tensor | None = None,
+                          positions: torch.Tensor | None = None) -> torch.Tensor:
+        if rope is not None:
+            assert positions is not None
+            q = apply_rope(q, rope, positions)
         return quest_page_scores_ref(q, lo, hi, pages)
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -35,8 +35,9 @@ from vegas_spec.kernels.store_kv import store_kv
 SKINNY_MAX_ROWS: int = 0
 # Weights of fewer elements stay on cuBLAS (a tiny model's are read from L2 anyway).
 SKINNY_MIN_WEIGHT: int = 1 << 22
-# A one-row draft step with a plan of positions does RoPE and the KV store inside its sparse
-# attention kernel (`sparse_attention(new=...)`): one kernel fewer per layer.
+# A one-row draft step does RoPE and the KV store inside its sparse attention kernel
+# (`sparse_attention(new=...)`), and quest's selector rotates its q inside the page-score
+# kernel: one kernel fewer per layer.
 SPARSE_ROPE: bool = True
 
 
@@ -88,21 +89,25 @@ class TritonBackend(AttentionBackend):
     topk_sum = staticmethod(topk_sum_by_width)
 
     def quest_page_scores(self, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                          pages: torch.Tensor) -> torch.Tensor:
-        return quest_page_scores(q, lo, hi, pages)
+                          pages: torch.Tensor, rope: torch.Tensor | None = None,
+                          positions: torch.Tensor | None = None) -> torch.Tensor:
+        return quest_page_scores(q, lo, hi, pages, rope, positions)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
                rope: torch.Tensor) -> torch.Tensor:
-        """The seam's `attend`; a one-row draft step that reads a plan of positions (not a
-        selector, which needs the rotated q first: quest) runs RoPE, the KV store and its
-        sparse attention as one kernel (`SPARSE_ROPE`)."""
+        """The seam's `attend`; a one-row draft step runs RoPE, the KV store and its sparse
+        attention as one kernel (`SPARSE_ROPE`), and a selector (quest's) rotates the q it
+        scores pages with inside its own kernel."""
         plan = ctx.sparse
-        if not (SPARSE_ROPE and plan is not None and plan.selector is None
-                and ctx.prefill is None and q.shape[1] == 1):
+        if not (SPARSE_ROPE and plan is not None and ctx.prefill is None and q.shape[1] == 1):
             return super().attend(layer, q, k, v, k_cache, v_cache, ctx, rope)
-        assert plan.indices is not None
-        return self.sparse(q, k_cache, v_cache, plan.indices[layer], ctx,
+        if plan.selector is not None:
+            indices = plan.selector(layer, q, ctx, self, rope)
+        else:
+            assert plan.indices is not None
+            indices = plan.indices[layer]
+        return self.sparse(q, k_cache, v_cache, indices, ctx,
                            new=NewKV(k, v, rope, ctx.slot_mapping))
 
     def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -20,7 +20,7 @@ from vegas_spec.attention.context import SparsePlan, StepContext
 from vegas_spec.attention.torch_backend import quest_page_scores_ref
 from vegas_spec.cache import slots_of
 from vegas_spec.config import SpecConfig
-from vegas_spec.ops import sorted_positions, topk_positions
+from vegas_spec.ops import apply_rope, sorted_positions, topk_positions
 
 
 @dataclass
@@ -393,15 +393,19 @@ class QuestSelector:
         self.max_pages = max_pages  # host bound on n_pages (None: read it, a host sync)
 
     def __call__(self, layer: int, q: torch.Tensor, ctx: StepContext,
-                 backend: Any = None) -> torch.Tensor:
+                 backend: Any = None, rope: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, 1, H, D] -> positions [B, Hkv, K * page] (`expand_pages`' layout). With a
         backend, its page-score kernel and top-k (if it has one) replace the references; the
-        Triton top-k expands the pages in its own kernel."""
+        Triton top-k expands the pages in its own kernel. With rope (the RoPE table), q is
+        before RoPE, rotated at ctx.positions by the page scores."""
         lo, hi = self.bounds[layer]
+        positions = None if rope is None else ctx.positions
         if backend is None:
+            if rope is not None:
+                q = apply_rope(q, rope, positions)
             page_scores = quest_page_scores_ref(q, lo, hi, self.pages)  # [B, Hkv, NP]
         else:
-            page_scores = backend.quest_page_scores(q, lo, hi, self.pages)
+            page_scores = backend.quest_page_scores(q, lo, hi, self.pages, rope, positions)
         top = topk_positions if backend is None or backend.topk is None else backend.topk
         return top(page_scores, self.pages, self.n_pages, self.max_pages, self.page,
                    self.rankable)
