@@ -6,6 +6,8 @@ the Triton kernel."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from kernel_cases import DEVICE, generator
@@ -246,15 +248,23 @@ class TopkCalls:
         monkeypatch.setattr(ops, "topk_positions", spy_reference)
 
 
+def narrowed(monkeypatch: pytest.MonkeyPatch,
+             name: str) -> tuple[TopkCalls, Callable[..., torch.Tensor]]:
+    """Spies on the top-k paths with RESIDENT_MAX_WIDTH made 64 (read at each call), and the
+    Triton backend's top-k `name` ("topk" or "topk_sum")."""
+    calls = TopkCalls(monkeypatch)
+    monkeypatch.setattr(topk, "RESIDENT_MAX_WIDTH", 64)
+    top = getattr(make_backend("triton"), name)
+    assert top is not None
+    return calls, top
+
+
 def test_topk_runs_the_kernel_up_to_the_resident_width(monkeypatch: pytest.MonkeyPatch,
                                                        ) -> None:
     """The backend's top-k (the bound made small, read at each call): a row of at most
     RESIDENT_MAX_WIDTH scores goes to the Triton kernel, a wider one to the reference, whose
     positions it returns as they are (quest's pages, a bound kmax and a limit passed on)."""
-    calls = TopkCalls(monkeypatch)
-    monkeypatch.setattr(topk, "RESIDENT_MAX_WIDTH", 64)
-    top = make_backend("triton").topk
-    assert top is not None
+    calls, top = narrowed(monkeypatch, "topk")
     gen = generator(3)
     rank, k = torch.tensor([64, 33], device=DEVICE), torch.tensor([9, 33], device=DEVICE)
     narrow = torch.randn(2, 2, 1, 64, generator=gen).to(DEVICE)
@@ -273,10 +283,7 @@ def test_topk_sum_sums_up_to_two_rows_in_the_kernel(monkeypatch: pytest.MonkeyPa
     """The backend's top-k of summed rows: vegas's two collected rows (or one) of at most
     RESIDENT_MAX_WIDTH scores go to the row-summing kernel; more rows are summed first and
     ranked by `topk`, wider rows by the reference; every path gives the reference's plan."""
-    calls = TopkCalls(monkeypatch)
-    monkeypatch.setattr(topk, "RESIDENT_MAX_WIDTH", 64)
-    top = make_backend("triton").topk_sum
-    assert top is not None
+    calls, top = narrowed(monkeypatch, "topk_sum")
     gen = generator(6)
     rank, k = torch.tensor([60, 33], device=DEVICE), torch.tensor([9, 33], device=DEVICE)
     for rows, width, summed, kernel, reference in ((2, 64, [(3, 2, 2, 1, 64)], [], []),
