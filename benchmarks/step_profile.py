@@ -60,6 +60,7 @@ from vegas_spec.config import ModelConfig
 from vegas_spec.graphs import GraphRunner
 from vegas_spec.kernels import paged_attention as pa
 from vegas_spec.kernels import sparse_attention as sa
+from vegas_spec.kernels import split_merge
 from vegas_spec.kernels import topk as tk
 from vegas_spec.models.loader import load_config, resolve
 from vegas_spec.speculative.policies import SelectionInput, make_policy
@@ -415,6 +416,10 @@ def main() -> None:
                     help="vegas's collected rows summed inside the top-k as it loads them "
                          "(the backend's topk_sum) or summed by PyTorch first, each in graphs "
                          "of its own")
+    ap.add_argument("--merge-steps", type=int, nargs="+", default=[0],
+                    help="key splits the split merge loads at once "
+                         "(split_merge.MERGE_SPLITS_PER_STEP, 0: the library's), each in graphs "
+                         "of its own")
     ap.add_argument("--sparse-rope", nargs="+", default=["yes"], choices=["yes", "no"],
                     help="RoPE and the KV store of one-row draft steps inside the sparse "
                          "attention kernel (triton_backend.SPARSE_ROPE) or as a kernel of "
@@ -429,6 +434,7 @@ def main() -> None:
     tilings = [parse_score_tiles(t, pa.score_tiles(dim)) for t in args.score_tiles]
     per_sm, least_warps = sa.SPARSE_PROGRAMS_PER_SM, tk.RESIDENT_MIN_WARPS
     library_threshold = tk.RESIDENT_THRESHOLD
+    library_merge = split_merge.MERGE_SPLITS_PER_STEP
     bandwidth = copy_bandwidth() if cuda else 1e10
     rows = []
     for context, mode in ((c, m) for c in args.contexts for m in args.modes):
@@ -443,11 +449,11 @@ def main() -> None:
             k.normal_()
             v.normal_()
         summing = llm.backend.topk_sum
-        for bsz, skinny, tiles, width, sparse, least, fused, threshold, sums in (
-                (b, r, t, w, x, m, f, h, s) for b in args.batches for r in args.skinny_rows
+        for bsz, skinny, tiles, width, sparse, least, fused, threshold, sums, merge in (
+                (b, r, t, w, x, m, f, h, s, g) for b in args.batches for r in args.skinny_rows
                 for t in tilings for w in args.rank_widths for x in args.sparse_splits
                 for m in args.topk_min_warps for f in args.sparse_rope
-                for h in args.topk_thresholds for s in args.topk_sums):
+                for h in args.topk_thresholds for s in args.topk_sums for g in args.merge_steps):
             # All of these are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
             pa.SCORE_TILES = {dim: tiles}
@@ -456,10 +462,12 @@ def main() -> None:
             triton_backend.SPARSE_ROPE = fused == "yes"
             tk.RESIDENT_THRESHOLD = library_threshold if threshold == "library" else threshold
             llm.backend.topk_sum = summing if sums == "yes" else None
+            split_merge.MERGE_SPLITS_PER_STEP = merge or library_merge
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny, "sparse_rope": fused,
                    "sparse_splits": sparse, "topk_min_warps": tk.RESIDENT_MIN_WARPS,
                    "topk_threshold": tk.RESIDENT_THRESHOLD, "topk_sum": sums,
+                   "merge_splits_per_step": split_merge.MERGE_SPLITS_PER_STEP,
                    "score_tiles": f"{tiles.block_k}:{tiles.stages}:{tiles.store}",
                    "score_split_max": tiles.split_max, "score_maxnreg": tiles.maxnreg,
                    "max_model_len": llm.max_model_len, "rank_width": width,

@@ -39,6 +39,7 @@ import vegas_spec.kernels.quest_scores as qs  # noqa: E402
 import vegas_spec.kernels.sparse_attention as sa  # noqa: E402
 import vegas_spec.kernels.topk as tk  # noqa: E402
 from vegas_spec import ops  # noqa: E402
+from vegas_spec.kernels import split_merge  # noqa: E402
 from vegas_spec.kernels.split_merge import tile_config  # noqa: E402
 
 SCORE_TILES = pa.SCORE_TILES
@@ -252,6 +253,10 @@ def main() -> None:
     ap.add_argument("--topk-min-warps", type=int, nargs="+", default=[tk.RESIDENT_MIN_WARPS],
                     help="quest: the fewest warps of the resident top-k "
                          "(topk.RESIDENT_MIN_WARPS; repeat to interleave)")
+    ap.add_argument("--merge-steps", type=int, nargs="+",
+                    default=[split_merge.MERGE_SPLITS_PER_STEP],
+                    help="paged: key splits the split merge loads at once "
+                         "(split_merge.MERGE_SPLITS_PER_STEP)")
     ap.add_argument("--topk-thresholds", nargs="+", default=[tk.RESIDENT_THRESHOLD],
                     choices=tk.RESIDENT_THRESHOLDS,
                     help="quest, topk: how the resident top-k finds its threshold "
@@ -290,8 +295,10 @@ def main() -> None:
             stores = stores_weight if mode == "weight" else [library.store]
             # Register and split caps apply to scored passes only.
             regs, caps = (maxnregs, split_maxes) if mode == "weight" else ([0], [0])
-            for store, block_k, stages, warps, split, maxnreg, cap in itertools.product(
-                    stores, args.block_k, args.stages, args.warps, splits, regs, caps):
+            for store, block_k, stages, warps, split, maxnreg, cap, merge in itertools.product(
+                    stores, args.block_k, args.stages, args.warps, splits, regs, caps,
+                    args.merge_steps):
+                split_merge.MERGE_SPLITS_PER_STEP = merge
                 extra = (score_rows, scores, "weight") if mode == "weight" else ()
                 before = compiled()
                 with_tiles(block_k, stages, warps, maxnreg or None, cap or None, store, dim)
@@ -301,7 +308,8 @@ def main() -> None:
                 pa.tile_config, pa.SCORE_TILES = tile_config, SCORE_TILES
                 row = {"n": n, "mode": mode, "store": store, "block_k": block_k,
                        "stages": stages, "warps": warps, "split": split,
-                       "maxnreg": maxnreg or None, "score_split_max": cap or None, "us": us}
+                       "maxnreg": maxnreg or None, "score_split_max": cap or None,
+                       "merge_splits_per_step": merge, "us": us}
                 new = [kern for i, kern in compiled().items() if i not in before]
                 if new:  # the variants this setting compiled: registers per thread
                     row["compiled"] = [{"registers": kern.n_regs, "spills": kern.n_spills,

@@ -27,6 +27,13 @@ import triton.language as tl
 
 MIN_DOT = 16  # tl.dot's smallest tile side on GPUs
 MAX_LANES = 64  # query rows x padded heads per program: a 64 x D float32 accumulator
+# Splits the merge kernel loads at once (a power of two): 1 walks them one by one, each load
+# waiting for the step before it; more issue that many splits' loads together and combine
+# them in one step, with fewer heads per program so that a step's tile stays within
+# MERGE_TILE float32 elements (4,096: 32 a thread at 4 warps, which ptxas keeps in
+# registers for sm_90 at head dim 128).
+MERGE_SPLITS_PER_STEP = 1
+MERGE_TILE = 4096
 
 
 @dataclass(frozen=True)
@@ -169,7 +176,9 @@ def finish_split(m_i, l_i, acc, flat_row, head, lane_ok, d, d_ok, split, rows_to
 @triton.jit
 def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, num_splits, rows_total, H,
                   HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                  WRITE_LSE: tl.constexpr):
+                  BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """Program (row, block of BLOCK_H heads): the row's splits, BLOCK_S at a time, folded
+    into a running max, sum and output (BLOCK_S = 1: one split at a time)."""
     flat_row = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -177,19 +186,36 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, num_splits, rows_tota
     m_run = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_run = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for split in range(num_splits):
-        base = (split * rows_total + flat_row).to(tl.int64) * H + h
-        m_s = tl.load(m_ptr + base, mask=h_ok, other=float("-inf"))
-        l_s = tl.load(l_ptr + base, mask=h_ok, other=0.0)
-        live = l_s > 0
-        a_s = tl.load(acc_ptr + base[:, None] * HEAD_DIM + d[None, :],
-                      mask=live[:, None] & d_ok[None, :], other=0.0)
-        m_new = tl.maximum(m_run, tl.where(live, m_s, float("-inf")))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_run - m_use)
-        beta = tl.where(live, tl.exp(m_s - m_use), 0.0)
-        l_run = l_run * alpha + l_s * beta
-        acc = acc * alpha[:, None] + a_s * beta[:, None]
+    for first in range(0, num_splits, BLOCK_S):
+        if BLOCK_S == 1:  # one split: [BLOCK_H] and [BLOCK_H, BLOCK_D] tiles, no reductions
+            base = (first * rows_total + flat_row).to(tl.int64) * H + h
+            m_s = tl.load(m_ptr + base, mask=h_ok, other=float("-inf"))
+            l_s = tl.load(l_ptr + base, mask=h_ok, other=0.0)
+            live = l_s > 0
+            a_s = tl.load(acc_ptr + base[:, None] * HEAD_DIM + d[None, :],
+                          mask=live[:, None] & d_ok[None, :], other=0.0)
+            m_new = tl.maximum(m_run, tl.where(live, m_s, float("-inf")))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_run - m_use)
+            beta = tl.where(live, tl.exp(m_s - m_use), 0.0)
+            l_add, acc_add = l_s * beta, a_s * beta[:, None]
+        else:  # BLOCK_S splits: [BLOCK_S, BLOCK_H(, BLOCK_D)] tiles summed over the splits
+            s = first + tl.arange(0, BLOCK_S)
+            base2 = (s[:, None] * rows_total + flat_row).to(tl.int64) * H + h[None, :]
+            ok = (s < num_splits)[:, None] & h_ok[None, :]
+            m_s2 = tl.load(m_ptr + base2, mask=ok, other=float("-inf"))
+            l_s2 = tl.load(l_ptr + base2, mask=ok, other=0.0)
+            live2 = l_s2 > 0
+            a_s2 = tl.load(acc_ptr + base2[:, :, None] * HEAD_DIM + d[None, None, :],
+                           mask=live2[:, :, None] & d_ok[None, None, :], other=0.0)
+            m_new = tl.maximum(m_run, tl.max(tl.where(live2, m_s2, float("-inf")), axis=0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_run - m_use)
+            beta2 = tl.where(live2, tl.exp(m_s2 - m_use[None, :]), 0.0)
+            l_add = tl.sum(l_s2 * beta2, axis=0)
+            acc_add = tl.sum(a_s2 * beta2[:, :, None], axis=0)
+        l_run = l_run * alpha + l_add
+        acc = acc * alpha[:, None] + acc_add
         m_run = m_new
     l_safe = tl.where(l_run > 0, l_run, 1.0)
     o_off = (flat_row.to(tl.int64) * H + h)[:, None] * HEAD_DIM + d[None, :]
@@ -206,9 +232,13 @@ def merge_splits(parts: Partials, out: torch.Tensor, lse: torch.Tensor | None) -
     assert out.shape[2:] == (heads, dim)
     if lse is not None:
         assert lse.is_contiguous() and lse.dtype == torch.float32 and lse.numel() == rows * heads
+    block_s, block_d = MERGE_SPLITS_PER_STEP, triton.next_power_of_2(dim)
+    assert block_s >= 1 and block_s & (block_s - 1) == 0, "MERGE_SPLITS_PER_STEP: a power of 2"
+    block_s = min(block_s, triton.next_power_of_2(splits))
     block_h = min(triton.next_power_of_2(heads), 16)
+    if block_s > 1:  # a step's tile [block_s, block_h, block_d] within MERGE_TILE elements
+        block_h = max(min(block_h, MERGE_TILE // (block_s * block_d)), 1)
     grid = (rows, triton.cdiv(heads, block_h))
     _merge_kernel[grid](parts.acc, parts.m, parts.l, out, out if lse is None else lse,
-                        splits, rows, heads, HEAD_DIM=dim, BLOCK_H=block_h,
-                        BLOCK_D=triton.next_power_of_2(dim), WRITE_LSE=lse is not None,
-                        num_warps=4)
+                        splits, rows, heads, HEAD_DIM=dim, BLOCK_H=block_h, BLOCK_D=block_d,
+                        BLOCK_S=block_s, WRITE_LSE=lse is not None, num_warps=4)

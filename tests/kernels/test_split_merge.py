@@ -1,0 +1,68 @@
+"""The merge of key splits against the log-sum-exp merge in plain PyTorch, one split at a
+time and several at once (`MERGE_SPLITS_PER_STEP`), with splits in which rows saw no key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import DEVICE, generator
+
+from vegas_spec.kernels import split_merge
+from vegas_spec.kernels.split_merge import Partials, merge_splits
+
+
+def merged_ref(parts: Partials) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [rows, H, D], lse [rows, H]): m = the largest m_s of the live splits (l_s > 0),
+    l = sum l_s exp(m_s - m), out = sum acc_s exp(m_s - m) / l, lse = m + log l (a row no
+    split saw: out 0, lse -inf)."""
+    live = parts.l > 0
+    m = torch.where(live, parts.m, float("-inf")).amax(0)
+    m_use = torch.where(torch.isinf(m), 0.0, m)
+    w = torch.where(live, torch.exp(parts.m - m_use), 0.0)
+    acc = torch.where(live[..., None], parts.acc, 0.0)  # unwritten where l_s = 0
+    l_sum = (parts.l * w).sum(0)
+    l_safe = torch.where(l_sum > 0, l_sum, 1.0)
+    return (acc * w[..., None]).sum(0) / l_safe[..., None], m + torch.log(l_safe)
+
+
+def partials(splits: int, rows: int, heads: int, dim: int, gen: torch.Generator) -> Partials:
+    """Random partial states; about a fifth of the (split, row, head) entries saw no key
+    (l = 0, acc NaN: the split kernels leave it unwritten), and row 0's head 0 none at all."""
+    parts = Partials.empty(splits, rows, heads, dim, DEVICE)
+    parts.m.copy_(torch.randn(splits, rows, heads, generator=gen) * 4)
+    seen = torch.rand(splits, rows, heads, generator=gen) > 0.2
+    seen[:, 0, 0] = False
+    parts.l.copy_(torch.where(seen, torch.rand(splits, rows, heads, generator=gen) + 0.5, 0.0))
+    acc = torch.randn(splits, rows, heads, dim, generator=gen)
+    parts.acc.copy_(torch.where(seen[..., None], acc, float("nan")))
+    return parts
+
+
+@pytest.mark.parametrize("per_step", [1, 2, 8])
+@pytest.mark.parametrize("shape", [(1, 3, 4, 64), (5, 7, 9, 64), (16, 4, 32, 128),
+                                   (11, 2, 6, 80)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_merge_matches_the_log_sum_exp_merge(shape: tuple[int, int, int, int], per_step: int,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Splits fewer than, equal to and not a multiple of the splits merged per step; a head
+    dim that is not a power of two; an output in bfloat16 rounded from the same float32."""
+    splits, rows, heads, dim = shape
+    monkeypatch.setattr(split_merge, "MERGE_SPLITS_PER_STEP", per_step)
+    parts = partials(splits, rows, heads, dim, generator(splits * 31 + heads))
+    want_out, want_lse = merged_ref(parts)
+    out = torch.full((rows, 1, heads, dim), float("nan"), device=DEVICE)
+    lse = torch.full((rows, 1, heads), float("nan"), device=DEVICE)
+    merge_splits(parts, out, lse)
+    torch.testing.assert_close(out[:, 0], want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[:, 0], want_lse, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[0, 0, 0], torch.zeros(dim, device=DEVICE))  # saw no key
+    half = torch.empty(rows, 1, heads, dim, device=DEVICE, dtype=torch.bfloat16)
+    merge_splits(parts, half, None)
+    torch.testing.assert_close(half, out.to(torch.bfloat16), atol=0, rtol=0)
+
+
+def test_splits_per_step_must_be_a_power_of_two(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(split_merge, "MERGE_SPLITS_PER_STEP", 3)
+    parts = partials(4, 2, 2, 64, generator(1))
+    with pytest.raises(AssertionError, match="power of 2"):
+        merge_splits(parts, torch.empty(2, 1, 2, 64, device=DEVICE), None)
