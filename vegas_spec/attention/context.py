@@ -15,10 +15,11 @@ class DynamicSelector(Protocol):
     """Chooses draft KV positions inside the attention layer from the current query (quest)."""
 
     def __call__(self, layer: int, q: torch.Tensor, ctx: StepContext,
-                 backend: Any = None) -> torch.Tensor:
+                 backend: Any = None, rope: torch.Tensor | None = None) -> torch.Tensor:
         """q: [B, n, H, D] -> positions [B, G, K] (int64, -1 = unused). `backend`, the
         attention backend calling it (None: the plain-PyTorch references), may run the
-        scoring and the top-k as its own kernels."""
+        scoring and the top-k as its own kernels. With `rope` (the RoPE table), q is before
+        RoPE, to be rotated at ctx.positions."""
         ...
 
 

@@ -108,7 +108,7 @@ def _row_bounds(rankable_ptr, k_ptr, limit_ptr, b, width, HAS_LIMIT: tl.constexp
 
 
 @triton.jit
-def _radix_threshold(key, ok, want, BLOCK_W: tl.constexpr, RADIX_BITS: tl.constexpr):
+def _radix_threshold(key, ok, want, RADIX_BITS: tl.constexpr):
     """The k-th largest of the `ok` keys (k = want; any key when want is 0), most
     significant digit first, RADIX_BITS a pass: each pass is a histogram of the digit of the
     keys that still match the prefix so far, the count for digit d is the keys already above
@@ -172,7 +172,7 @@ def _topk_resident_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B
     if BISECT:
         threshold = _bisect_threshold(key, ok, want)
     else:
-        threshold = _radix_threshold(key, ok, want, BLOCK_W, RADIX_BITS)
+        threshold = _radix_threshold(key, ok, want, RADIX_BITS)
     # One scan gives both the keys above the threshold and the ties before each position
     # (counts below 2^16 each): the first `want - above` ties are taken, in position order.
     is_above = ok & (key > threshold)
