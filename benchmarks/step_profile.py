@@ -361,6 +361,11 @@ def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
+def side_by_side(ap: argparse.ArgumentParser, flag: str, text: str, **kwargs: object) -> None:
+    """An option of one or more settings, each timed in graphs of its own, side by side."""
+    ap.add_argument(flag, nargs="+", help=f"{text}, each in graphs of its own", **kwargs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", type=Path, required=True, help="folder with an HF config.json")
@@ -399,31 +404,26 @@ def main() -> None:
                     choices=["library", "whole"],
                     help="positions vegas's top-k ranks: up to max_model_len (library) or "
                          "the whole static key width, side by side in one engine")
-    ap.add_argument("--sparse-splits", nargs="+", default=["library"],
-                    choices=["library", "paged"],
-                    help="how the draft steps' sparse attention splits its keys: the "
-                         "library's rule (sparse_attention.SPARSE_PROGRAMS_PER_SM) or the "
-                         "paged kernel's occupancy split, each in graphs of its own")
-    ap.add_argument("--topk-min-warps", type=int, nargs="+", default=[0],
-                    help="the fewest warps of the resident top-k (quest's pages, vegas's "
-                         "ranking; topk.RESIDENT_MIN_WARPS, 0: the library's), each in graphs "
-                         "of its own")
-    ap.add_argument("--topk-thresholds", nargs="+", default=["library"],
-                    choices=["library", *tk.RESIDENT_THRESHOLDS],
-                    help="how the resident top-k finds its threshold "
-                         "(topk.RESIDENT_THRESHOLD), each in graphs of its own")
-    ap.add_argument("--topk-sums", nargs="+", default=["yes"], choices=["yes", "no"],
-                    help="vegas's collected rows summed inside the top-k as it loads them "
-                         "(the backend's topk_sum) or summed by PyTorch first, each in graphs "
-                         "of its own")
-    ap.add_argument("--merge-steps", type=int, nargs="+", default=[0],
-                    help="key splits the split merge loads at once "
-                         "(split_merge.MERGE_SPLITS_PER_STEP, 0: the library's), each in graphs "
-                         "of its own")
-    ap.add_argument("--sparse-rope", nargs="+", default=["yes"], choices=["yes", "no"],
-                    help="RoPE and the KV store of one-row draft steps inside the sparse "
-                         "attention kernel (triton_backend.SPARSE_ROPE) or as a kernel of "
-                         "their own, each in graphs of its own")
+    side_by_side(ap, "--sparse-splits", default=["library"], choices=["library", "paged"],
+                 text="how the draft steps' sparse attention splits its keys: the library's "
+                      "rule (sparse_attention.SPARSE_PROGRAMS_PER_SM) or the paged kernel's "
+                      "occupancy split")
+    side_by_side(ap, "--topk-min-warps", type=int, default=[0],
+                 text="the fewest warps of the resident top-k (quest's pages, vegas's "
+                      "ranking; topk.RESIDENT_MIN_WARPS, 0: the library's)")
+    side_by_side(ap, "--topk-thresholds", default=["library"],
+                 choices=["library", *tk.RESIDENT_THRESHOLDS],
+                 text="how the resident top-k finds its threshold (topk.RESIDENT_THRESHOLD)")
+    side_by_side(ap, "--topk-sums", default=["yes"], choices=["yes", "no"],
+                 text="vegas's collected rows summed inside the top-k as it loads them (the "
+                      "backend's topk_sum) or summed by PyTorch first")
+    side_by_side(ap, "--merge-steps", type=int, default=[0],
+                 text="key splits the split merge loads at once "
+                      "(split_merge.MERGE_SPLITS_PER_STEP, 0: the library's)")
+    side_by_side(ap, "--sparse-rope", default=["yes"], choices=["yes", "no"],
+                 text="RoPE and the KV store of one-row draft steps inside the sparse "
+                      "attention kernel (triton_backend.SPARSE_ROPE) or as a kernel of their "
+                      "own")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
