@@ -179,8 +179,8 @@ def topk_sweep(args: argparse.Namespace) -> list[dict]:
     rankable = torch.full((bsz,), ctx, device="cuda")
     keep = max(-(-int(args.ratio * ctx * 1000) // 1000), 256)
     k = torch.full((bsz,), keep, device="cuda")
-    want = ops.topk_positions(scores.sum(-3), rankable, k, keep)
     calls = {"reference": lambda: ops.topk_positions(scores.sum(-3), rankable, k, keep)}
+    want = calls["reference"]()
     for threshold in args.topk_thresholds:
         calls[f"{threshold}, summed first"] = functools.partial(
             _with_threshold, threshold, lambda: tk.topk_positions_triton(

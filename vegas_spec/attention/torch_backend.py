@@ -12,10 +12,15 @@ from vegas_spec.ops import apply_rope
 
 
 def quest_page_scores_ref(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                          pages: torch.Tensor) -> torch.Tensor:
+                          pages: torch.Tensor, rope: torch.Tensor | None = None,
+                          positions: torch.Tensor | None = None) -> torch.Tensor:
     """quest's page scores: q [B, 1, H, D], lo/hi [B, NP, Hkv, D] page bounds, pages [B]
     -> [B, Hkv, NP] float32, sum over the kv head's query heads of sum_d max(q_d lo_d,
-    q_d hi_d), -inf for pages >= pages[b]."""
+    q_d hi_d), -inf for pages >= pages[b]. With rope (the RoPE table) and positions [B, 1],
+    q is before RoPE (`apply_rope` first)."""
+    if rope is not None:
+        assert positions is not None
+        q = apply_rope(q, rope, positions)
     bsz, _, heads, dim = q.shape
     hkv = lo.shape[2]
     qg = q[:, 0].float().view(bsz, hkv, heads // hkv, dim)
@@ -236,10 +241,7 @@ class TorchBackend(AttentionBackend):
     def quest_page_scores(self, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                           pages: torch.Tensor, rope: torch.Tensor | None = None,
                           positions: torch.Tensor | None = None) -> torch.Tensor:
-        if rope is not None:
-            assert positions is not None
-            q = apply_rope(q, rope, positions)
-        return quest_page_scores_ref(q, lo, hi, pages)
+        return quest_page_scores_ref(q, lo, hi, pages, rope, positions)
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ from vegas_spec.attention.context import SparsePlan, StepContext
 from vegas_spec.attention.torch_backend import quest_page_scores_ref
 from vegas_spec.cache import slots_of
 from vegas_spec.config import SpecConfig
-from vegas_spec.ops import apply_rope, sorted_positions, topk_positions
+from vegas_spec.ops import sorted_positions, topk_positions
 
 
 @dataclass
@@ -401,9 +401,7 @@ class QuestSelector:
         lo, hi = self.bounds[layer]
         positions = None if rope is None else ctx.positions
         if backend is None:
-            if rope is not None:
-                q = apply_rope(q, rope, positions)
-            page_scores = quest_page_scores_ref(q, lo, hi, self.pages)  # [B, Hkv, NP]
+            page_scores = quest_page_scores_ref(q, lo, hi, self.pages, rope, positions)
         else:
             page_scores = backend.quest_page_scores(q, lo, hi, self.pages, rope, positions)
         top = topk_positions if backend is None or backend.topk is None else backend.topk
