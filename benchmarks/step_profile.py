@@ -419,7 +419,8 @@ def main() -> None:
                       "backend's topk_sum) or summed by PyTorch first")
     side_by_side(ap, "--merge-steps", type=int, default=[0],
                  text="key splits the split merge loads at once "
-                      "(split_merge.MERGE_SPLITS_PER_STEP, 0: the library's)")
+                      "(split_merge.MERGE_SPLITS_PER_STEP; 0: the library's rule, 1: one "
+                      "by one in 4 warps, the merge before BENCHMARKS.md 2.25)")
     side_by_side(ap, "--sparse-rope", default=["yes"], choices=["yes", "no"],
                  text="RoPE and the KV store of one-row draft steps inside the sparse "
                       "attention kernel (triton_backend.SPARSE_ROPE) or as a kernel of their "
@@ -467,7 +468,7 @@ def main() -> None:
             row = {"mode": mode, "skinny_rows": skinny, "sparse_rope": fused,
                    "sparse_splits": sparse, "topk_min_warps": tk.RESIDENT_MIN_WARPS,
                    "topk_threshold": tk.RESIDENT_THRESHOLD, "topk_sum": sums,
-                   "merge_splits_per_step": split_merge.MERGE_SPLITS_PER_STEP,
+                   "merge_splits_per_step": split_merge.MERGE_SPLITS_PER_STEP or "rule",
                    "score_tiles": f"{tiles.block_k}:{tiles.stages}:{tiles.store}",
                    "score_split_max": tiles.split_max, "score_maxnreg": tiles.maxnreg,
                    "max_model_len": llm.max_model_len, "rank_width": width,

@@ -10,7 +10,8 @@ one step of a 30-layer model), with the registers, spills and shared memory of t
 variants each setting compiled. What it decided: `paged_attention.SCORE_TILES`.
 `--kernel sparse` times the draft step's sparse attention instead, `--kernel quest`
 quest's page scores (`quest_scores.QUEST_TILES`) and its top-k (`topk.RESIDENT_*`), and
-`--kernel topk` vegas's ranking of a round's scores by each `topk.RESIDENT_THRESHOLD`.
+`--kernel topk` vegas's ranking of a round's scores by each `topk.RESIDENT_THRESHOLD`, and
+`--kernel merge` the split merge alone (`split_merge.MERGE_*`).
 
     python benchmarks/tile_sweep.py --out tile_sweep.json
     python benchmarks/tile_sweep.py --kernel quest --warps 2 4 8 --out quest_sweep.json
@@ -200,6 +201,46 @@ def topk_sweep(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def merge_sweep(args: argparse.Namespace) -> list[dict]:
+    """The split merge alone: for each shape SxRxHxD (splits, rows = B x n, heads, head dim)
+    random partials merged with each `--merge-steps` x `--merge-tiles` x `--warps` setting,
+    µs per call and TB/s of the partials it reads (0 steps or warps: the library's rule).
+    With `--layers` L > 1 the calls cycle through L sets of partials, so that they come from
+    HBM and not from L2 (in a step they were just written by the split kernel)."""
+    torch.manual_seed(0)
+    rows = []
+    library = (split_merge.MERGE_SPLITS_PER_STEP, split_merge.MERGE_TILE,
+               split_merge.MERGE_WARPS)
+    for shape in args.merge_shapes:
+        splits, flat, heads, dim = (int(x) for x in shape.split("x"))
+        sets = []
+        for _ in range(args.layers):
+            parts = split_merge.Partials.empty(splits, flat, heads, dim, torch.device("cuda"))
+            parts.acc.normal_()
+            parts.m.normal_()
+            parts.l.uniform_(0.5, 2.0)
+            sets.append((parts,))
+        out = torch.empty(flat, 1, heads, dim, device="cuda", dtype=torch.bfloat16)
+        lse = torch.empty(flat, heads, device="cuda")
+        moved = sets[0][0].acc.numel() * 4 + 2 * sets[0][0].m.numel() * 4 + out.numel() * 2
+        for steps, tile, warps in itertools.product(args.merge_steps, args.merge_tiles,
+                                                    args.warps):
+            (split_merge.MERGE_SPLITS_PER_STEP, split_merge.MERGE_TILE,
+             split_merge.MERGE_WARPS) = steps or None, tile, warps or None
+            block_s, block_h, used = split_merge.merge_tiling(splits, heads, dim)
+            us = graph_us(cycling(sets, lambda parts, o=out, e=lse: split_merge.merge_splits(
+                parts, o, e)))
+            row = {"kernel": "merge", "shape": shape, "steps": steps, "tile": tile,
+                   "warps": warps, "block_s": block_s, "block_h": block_h, "warps_run": used,
+                   "layers": args.layers, "us": us,
+                   "tb_per_s": moved / us / 1e6}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        (split_merge.MERGE_SPLITS_PER_STEP, split_merge.MERGE_TILE,
+         split_merge.MERGE_WARPS) = library
+    return rows
+
+
 def _with_threshold(threshold: str, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
     """fn() with topk.RESIDENT_THRESHOLD set (read when the kernel launches)."""
     library, tk.RESIDENT_THRESHOLD = tk.RESIDENT_THRESHOLD, threshold
@@ -237,10 +278,12 @@ def main() -> None:
                     help="paged, weight scores: the largest split of an 'auto' split in keys "
                          "(0: the occupancy split alone; default: the library's at this head "
                          "dim)")
-    ap.add_argument("--kernel", choices=["paged", "sparse", "quest", "topk"], default="paged",
+    ap.add_argument("--kernel", choices=["paged", "sparse", "quest", "topk", "merge"],
+                    default="paged",
                     help="sparse: the draft step's attention over a 5%% budget plus 64 recent; "
                          "quest: quest's page scores and top-k of one layer; topk: vegas's "
-                         "ranking of a round's scores (--layers of them)")
+                         "ranking of a round's scores (--layers of them); merge: the split merge "
+                         "alone (--merge-shapes)")
     ap.add_argument("--layers", type=int, default=1,
                     help="sparse: caches the calls of a graph cycle through (30: rows from "
                          "HBM, as in a model's draft step)")
@@ -253,10 +296,13 @@ def main() -> None:
     ap.add_argument("--topk-min-warps", type=int, nargs="+", default=[tk.RESIDENT_MIN_WARPS],
                     help="quest: the fewest warps of the resident top-k "
                          "(topk.RESIDENT_MIN_WARPS; repeat to interleave)")
-    ap.add_argument("--merge-steps", type=int, nargs="+",
-                    default=[split_merge.MERGE_SPLITS_PER_STEP],
-                    help="paged: key splits the split merge loads at once "
-                         "(split_merge.MERGE_SPLITS_PER_STEP)")
+    ap.add_argument("--merge-steps", type=int, nargs="+", default=[0],
+                    help="paged, merge: key splits the split merge loads at once "
+                         "(split_merge.MERGE_SPLITS_PER_STEP; 0: the library's rule)")
+    ap.add_argument("--merge-shapes", nargs="+", default=["16x112x32x128"],
+                    help="merge: splits x rows x heads x head dim of the partials")
+    ap.add_argument("--merge-tiles", type=int, nargs="+", default=[split_merge.MERGE_TILE],
+                    help="merge: float32 elements of a step's tile (split_merge.MERGE_TILE)")
     ap.add_argument("--topk-thresholds", nargs="+", default=[tk.RESIDENT_THRESHOLD],
                     choices=tk.RESIDENT_THRESHOLDS,
                     help="quest, topk: how the resident top-k finds its threshold "
@@ -267,8 +313,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     assert torch.cuda.is_available(), "tile_sweep times CUDA kernels"
-    if args.kernel in ("sparse", "quest", "topk"):
-        sweep = {"sparse": sparse_sweep, "quest": quest_sweep, "topk": topk_sweep}
+    if args.kernel in ("sparse", "quest", "topk", "merge"):
+        sweep = {"sparse": sparse_sweep, "quest": quest_sweep, "topk": topk_sweep,
+                 "merge": merge_sweep}
         rows = sweep[args.kernel](args)
         meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
                 "args": {k: str(v) for k, v in vars(args).items()}}
@@ -298,7 +345,7 @@ def main() -> None:
             for store, block_k, stages, warps, split, maxnreg, cap, merge in itertools.product(
                     stores, args.block_k, args.stages, args.warps, splits, regs, caps,
                     args.merge_steps):
-                split_merge.MERGE_SPLITS_PER_STEP = merge
+                split_merge.MERGE_SPLITS_PER_STEP = merge or None
                 extra = (score_rows, scores, "weight") if mode == "weight" else ()
                 before = compiled()
                 with_tiles(block_k, stages, warps, maxnreg or None, cap or None, store, dim)

@@ -1,5 +1,6 @@
-"""The merge of key splits against the log-sum-exp merge in plain PyTorch, one split at a
-time and several at once (`MERGE_SPLITS_PER_STEP`), with splits in which rows saw no key."""
+"""The merge of key splits against the log-sum-exp merge in plain PyTorch, by the library's
+tiling and with the splits a step forced (`MERGE_SPLITS_PER_STEP`), with splits in which
+rows saw no key; the tiling rule itself."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def partials(splits: int, rows: int, heads: int, dim: int, gen: torch.Generator)
     return parts
 
 
-@pytest.mark.parametrize("per_step", [1, 2, 8])
+@pytest.mark.parametrize("per_step", [None, 1, 2, 8])
 @pytest.mark.parametrize("shape", [(1, 3, 4, 64), (5, 7, 9, 64), (16, 4, 32, 128),
                                    (11, 2, 6, 80)],
                          ids=lambda s: "x".join(map(str, s)))
@@ -66,3 +67,24 @@ def test_splits_per_step_must_be_a_power_of_two(monkeypatch: pytest.MonkeyPatch)
     parts = partials(4, 2, 2, 64, generator(1))
     with pytest.raises(AssertionError, match="power of 2"):
         merge_splits(parts, torch.empty(2, 1, 2, 64, device=DEVICE), None)
+
+
+@pytest.mark.parametrize(("splits", "heads", "dim", "want"), [
+    (1, 32, 128, (1, 16, 4)),  # at most two splits: one by one, 16 heads, 4 warps
+    (2, 9, 64, (1, 16, 4)),
+    (3, 32, 128, (4, 8, 1)),  # more: all splits (at most 16) a step, one warp
+    (16, 32, 128, (16, 2, 1)),
+    (64, 32, 128, (16, 2, 1)),
+    (9, 9, 64, (16, 4, 1)),
+    (40, 4, 256, (16, 1, 1)),  # never fewer than one head
+])
+def test_merge_tiling(splits: int, heads: int, dim: int, want: tuple[int, int, int]) -> None:
+    assert split_merge.merge_tiling(splits, heads, dim) == want
+
+
+def test_forced_tiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One split a step, forced, is the serial merge in 4 warps whatever the splits."""
+    monkeypatch.setattr(split_merge, "MERGE_SPLITS_PER_STEP", 1)
+    assert split_merge.merge_tiling(64, 32, 128) == (1, 16, 4)
+    monkeypatch.setattr(split_merge, "MERGE_WARPS", 2)
+    assert split_merge.merge_tiling(64, 32, 128) == (1, 16, 2)

@@ -27,13 +27,21 @@ import triton.language as tl
 
 MIN_DOT = 16  # tl.dot's smallest tile side on GPUs
 MAX_LANES = 64  # query rows x padded heads per program: a 64 x D float32 accumulator
-# Splits the merge kernel loads at once (a power of two): 1 walks them one by one, each load
-# waiting for the step before it; more issue that many splits' loads together and combine
-# them in one step, with fewer heads per program so that a step's tile stays within
-# MERGE_TILE float32 elements (4,096: 32 a thread at 4 warps, which ptxas keeps in
-# registers for sm_90 at head dim 128).
-MERGE_SPLITS_PER_STEP = 1
+# The merge's tiling (`merge_tiling`). A program folds its row's splits, MERGE_MAX_STEP at
+# a time, into a [heads, D] state, with as few heads as keep a step's tile [splits, heads,
+# D] within MERGE_TILE float32 elements, in one warp, so that a step's reduction over the
+# splits stays inside the warp. Walking the splits one by one in 4 warps of 16 heads, as
+# the merge first did, chains a dependent load per split: at head dim 128 on an H200 that
+# took 21.3 µs for 16 splits x 112 rows (the verify step at 8B 16 x 32K) and 75.5 µs for 64
+# splits x 28 rows (4 x 128K), against 9.8 and 11.3 µs now; with two splits it is as fast
+# (SmolLM2's 2 x 448 rows: 3.42 against 3.56 µs), so it stays below MERGE_SERIAL_MAX_SPLITS
+# + 1 splits (BENCHMARKS.md §2.25). MERGE_SPLITS_PER_STEP / MERGE_WARPS, when set, force
+# the splits a step and the warps (benchmarks).
+MERGE_MAX_STEP = 16
+MERGE_SERIAL_MAX_SPLITS = 2
 MERGE_TILE = 4096
+MERGE_SPLITS_PER_STEP: int | None = None
+MERGE_WARPS: int | None = None
 
 
 @dataclass(frozen=True)
@@ -225,6 +233,18 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, num_splits, rows_tota
         tl.store(lse_ptr + flat_row.to(tl.int64) * H + h, m_run + tl.log(l_safe), mask=h_ok)
 
 
+def merge_tiling(splits: int, heads: int, dim: int) -> tuple[int, int, int]:
+    """(splits a step, heads a program, warps) of the merge of `splits` splits."""
+    per_step = MERGE_SPLITS_PER_STEP
+    if per_step is None:
+        per_step = 1 if splits <= MERGE_SERIAL_MAX_SPLITS else MERGE_MAX_STEP
+    assert per_step >= 1 and per_step & (per_step - 1) == 0, "splits a step: a power of 2"
+    block_s = min(per_step, triton.next_power_of_2(splits))
+    tile = block_s * triton.next_power_of_2(dim)
+    block_h = max(min(triton.next_power_of_2(heads), 16, MERGE_TILE // tile), 1)
+    return block_s, block_h, MERGE_WARPS or (4 if block_s == 1 else 1)
+
+
 def merge_splits(parts: Partials, out: torch.Tensor, lse: torch.Tensor | None) -> None:
     """parts (S splits) -> out [B, n, H, D] (contiguous) and, if given, lse [B, n, H] float32."""
     splits, rows, heads, dim = parts.acc.shape
@@ -232,13 +252,9 @@ def merge_splits(parts: Partials, out: torch.Tensor, lse: torch.Tensor | None) -
     assert out.shape[2:] == (heads, dim)
     if lse is not None:
         assert lse.is_contiguous() and lse.dtype == torch.float32 and lse.numel() == rows * heads
-    block_s, block_d = MERGE_SPLITS_PER_STEP, triton.next_power_of_2(dim)
-    assert block_s >= 1 and block_s & (block_s - 1) == 0, "MERGE_SPLITS_PER_STEP: a power of 2"
-    block_s = min(block_s, triton.next_power_of_2(splits))
-    block_h = min(triton.next_power_of_2(heads), 16)
-    if block_s > 1:  # a step's tile [block_s, block_h, block_d] within MERGE_TILE elements
-        block_h = max(min(block_h, MERGE_TILE // (block_s * block_d)), 1)
+    block_s, block_h, warps = merge_tiling(splits, heads, dim)
     grid = (rows, triton.cdiv(heads, block_h))
     _merge_kernel[grid](parts.acc, parts.m, parts.l, out, out if lse is None else lse,
-                        splits, rows, heads, HEAD_DIM=dim, BLOCK_H=block_h, BLOCK_D=block_d,
-                        BLOCK_S=block_s, WRITE_LSE=lse is not None, num_warps=4)
+                        splits, rows, heads, HEAD_DIM=dim, BLOCK_H=block_h,
+                        BLOCK_D=triton.next_power_of_2(dim),
+                        BLOCK_S=block_s, WRITE_LSE=lse is not None, num_warps=warps)
