@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 from kernel_cases import DEVICE, generator
 
 from vegas_spec.kernels import split_merge
@@ -80,6 +81,38 @@ def test_splits_per_step_must_be_a_power_of_two(monkeypatch: pytest.MonkeyPatch)
 ])
 def test_merge_tiling(splits: int, heads: int, dim: int, want: tuple[int, int, int]) -> None:
     assert split_merge.merge_tiling(splits, heads, dim) == want
+    # exact mode: one split a step in 4 warps (the serial merge) for every count
+    serial = (1, min(triton.next_power_of_2(heads), 16), 4)
+    assert split_merge.merge_tiling(splits, heads, dim, exact=True) == serial
+
+
+@pytest.mark.parametrize("forced", [None, 8])
+@pytest.mark.parametrize("live", [1, 2, 3, 9])
+def test_exact_merge_does_not_depend_on_the_split_count(live: int, forced: int | None,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exact mode: a row whose keys lie in its first `live` splits gets the same bits from a
+    call of `live` splits as from calls with more splits past its keys (l = 0), as a plain
+    step's row does in a verify step over a wider key bound; also with the splits a step of
+    the default mode forced."""
+    gen = generator(live)
+    parts = partials(live, 5, 9, 64, gen)
+    monkeypatch.setattr(split_merge, "MERGE_SPLITS_PER_STEP", forced)
+    outs = []
+    for extra in (0, 1, 2, 7, 24):
+        wide = Partials.empty(live + extra, 5, 9, 64, DEVICE)
+        for name in ("acc", "m", "l"):
+            getattr(wide, name)[:live].copy_(getattr(parts, name))
+        wide.m[live:] = float("-inf")
+        wide.l[live:] = 0.0
+        wide.acc[live:] = float("nan")
+        out = torch.empty(5, 1, 9, 64, device=DEVICE)
+        lse = torch.empty(5, 1, 9, device=DEVICE)
+        merge_splits(wide, out, lse, exact=True)
+        outs.append((out, lse))
+    for out, lse in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
+    want_out, _ = merged_ref(parts)
+    torch.testing.assert_close(outs[0][0][:, 0], want_out, atol=1e-5, rtol=1e-5)
 
 
 def test_forced_tiling(monkeypatch: pytest.MonkeyPatch) -> None:

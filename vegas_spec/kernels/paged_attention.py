@@ -499,7 +499,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         WRITE_LSE=lse is not None, DOT_PRECISION=cfg.dot_precision,
         **cfg.launch_options())
     if parts is not None:
-        merge_splits(parts, out, lse)
+        merge_splits(parts, out, lse, exact)
     if job is not None:
         _finalise_scores(job, positions, scale, cfg, hkv, kv_len)
     return out

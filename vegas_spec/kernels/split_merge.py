@@ -233,8 +233,14 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, num_splits, rows_tota
         tl.store(lse_ptr + flat_row.to(tl.int64) * H + h, m_run + tl.log(l_safe), mask=h_ok)
 
 
-def merge_tiling(splits: int, heads: int, dim: int) -> tuple[int, int, int]:
-    """(splits a step, heads a program, warps) of the merge of `splits` splits."""
+def merge_tiling(splits: int, heads: int, dim: int,
+                 exact: bool = False) -> tuple[int, int, int]:
+    """(splits a step, heads a program, warps) of the merge of `splits` splits. exact: one
+    split a step in 4 warps, whatever the splits and the settings, so that a row's bits do
+    not depend on how many splits its call has (a split past the row's keys then adds exact
+    zeros; a sum over several splits at once would group them by the call's count)."""
+    if exact:
+        return 1, min(triton.next_power_of_2(heads), 16), 4
     per_step = MERGE_SPLITS_PER_STEP
     if per_step is None:
         per_step = 1 if splits <= MERGE_SERIAL_MAX_SPLITS else MERGE_MAX_STEP
@@ -245,14 +251,16 @@ def merge_tiling(splits: int, heads: int, dim: int) -> tuple[int, int, int]:
     return block_s, block_h, MERGE_WARPS or (4 if block_s == 1 else 1)
 
 
-def merge_splits(parts: Partials, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-    """parts (S splits) -> out [B, n, H, D] (contiguous) and, if given, lse [B, n, H] float32."""
+def merge_splits(parts: Partials, out: torch.Tensor, lse: torch.Tensor | None,
+                 exact: bool = False) -> None:
+    """parts (S splits) -> out [B, n, H, D] (contiguous) and, if given, lse [B, n, H] float32.
+    exact: exact mode's tiling (`merge_tiling`)."""
     splits, rows, heads, dim = parts.acc.shape
     assert out.is_contiguous() and out.shape[0] * out.shape[1] == rows
     assert out.shape[2:] == (heads, dim)
     if lse is not None:
         assert lse.is_contiguous() and lse.dtype == torch.float32 and lse.numel() == rows * heads
-    block_s, block_h, warps = merge_tiling(splits, heads, dim)
+    block_s, block_h, warps = merge_tiling(splits, heads, dim, exact)
     grid = (rows, triton.cdiv(heads, block_h))
     _merge_kernel[grid](parts.acc, parts.m, parts.l, out, out if lse is None else lse,
                         splits, rows, heads, HEAD_DIM=dim, BLOCK_H=block_h,
