@@ -43,7 +43,7 @@ def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> No
     assert (row["sparse_splits"], row["topk_min_warps"], row["sparse_rope"]) == (
         "library", 4, "yes")
     assert (row["topk_threshold"], row["topk_sum"], row["merge_splits_per_step"]) == (
-        "bisect", "yes", 1)
+        "bisect", "yes", "rule")
     assert (row["context"], row["batch"], row["budget"]) == (200, 2, 16)
     for kind in ("plain", "verify", "draft"):
         assert row[f"{kind}_ms"] > 0 and row[f"floor_{kind}_ms"] > 0
