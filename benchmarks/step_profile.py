@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import time
 from pathlib import Path
@@ -421,6 +422,9 @@ def main() -> None:
                  text="key splits the split merge loads at once "
                       "(split_merge.MERGE_SPLITS_PER_STEP; 0: the library's rule, 1: one "
                       "by one in 4 warps, the merge before BENCHMARKS.md 2.25)")
+    side_by_side(ap, "--split-fill", default=["library"],
+                 text="the decode kernels' occupancy split as PROGRAMS_PER_SM:MIN_BLOCKS "
+                      "(split_merge.SPLIT_PROGRAMS_PER_SM, SPLIT_MIN_BLOCKS), or library")
     side_by_side(ap, "--sparse-rope", default=["yes"], choices=["yes", "no"],
                  text="RoPE and the KV store of one-row draft steps inside the sparse "
                       "attention kernel (triton_backend.SPARSE_ROPE) or as a kernel of their "
@@ -436,6 +440,7 @@ def main() -> None:
     per_sm, least_warps = sa.SPARSE_PROGRAMS_PER_SM, tk.RESIDENT_MIN_WARPS
     library_threshold = tk.RESIDENT_THRESHOLD
     library_merge = split_merge.MERGE_SPLITS_PER_STEP
+    library_fill = (split_merge.SPLIT_PROGRAMS_PER_SM, split_merge.SPLIT_MIN_BLOCKS)
     bandwidth = copy_bandwidth() if cuda else 1e10
     rows = []
     for context, mode in ((c, m) for c in args.contexts for m in args.modes):
@@ -450,11 +455,11 @@ def main() -> None:
             k.normal_()
             v.normal_()
         summing = llm.backend.topk_sum
-        for bsz, skinny, tiles, width, sparse, least, fused, threshold, sums, merge in (
-                (b, r, t, w, x, m, f, h, s, g) for b in args.batches for r in args.skinny_rows
-                for t in tilings for w in args.rank_widths for x in args.sparse_splits
-                for m in args.topk_min_warps for f in args.sparse_rope
-                for h in args.topk_thresholds for s in args.topk_sums for g in args.merge_steps):
+        for bsz, skinny, tiles, width, sparse, least, fused, threshold, sums, merge, fill in (
+                itertools.product(args.batches, args.skinny_rows, tilings, args.rank_widths,
+                                  args.sparse_splits, args.topk_min_warps, args.sparse_rope,
+                                  args.topk_thresholds, args.topk_sums, args.merge_steps,
+                                  args.split_fill)):
             # All of these are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
             pa.SCORE_TILES = {dim: tiles}
@@ -464,11 +469,15 @@ def main() -> None:
             tk.RESIDENT_THRESHOLD = library_threshold if threshold == "library" else threshold
             llm.backend.topk_sum = summing if sums == "yes" else None
             split_merge.MERGE_SPLITS_PER_STEP = merge or library_merge
+            (split_merge.SPLIT_PROGRAMS_PER_SM, split_merge.SPLIT_MIN_BLOCKS) = (
+                library_fill if fill == "library" else tuple(int(x) for x in fill.split(":")))
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny, "sparse_rope": fused,
                    "sparse_splits": sparse, "topk_min_warps": tk.RESIDENT_MIN_WARPS,
                    "topk_threshold": tk.RESIDENT_THRESHOLD, "topk_sum": sums,
                    "merge_splits_per_step": split_merge.MERGE_SPLITS_PER_STEP or "rule",
+                   "split_fill": f"{split_merge.SPLIT_PROGRAMS_PER_SM}:"
+                                 f"{split_merge.SPLIT_MIN_BLOCKS}",
                    "score_tiles": f"{tiles.block_k}:{tiles.stages}:{tiles.store}",
                    "score_split_max": tiles.split_max, "score_maxnreg": tiles.maxnreg,
                    "max_model_len": llm.max_model_len, "rank_width": width,

@@ -44,6 +44,7 @@ def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> No
         "library", 4, "yes")
     assert (row["topk_threshold"], row["topk_sum"], row["merge_splits_per_step"]) == (
         "bisect", "yes", "rule")
+    assert row["split_fill"] == "2:4"  # two programs per SM, splits of at least four blocks
     assert (row["context"], row["batch"], row["budget"]) == (200, 2, 16)
     for kind in ("plain", "verify", "draft"):
         assert row[f"{kind}_ms"] > 0 and row[f"floor_{kind}_ms"] > 0

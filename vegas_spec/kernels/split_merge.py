@@ -98,23 +98,31 @@ def device_sms(device: torch.device) -> int:
     return sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def splits_to_fill(programs: int, device: torch.device) -> int:
-    """Splits that give a launch of `programs` programs per split about two programs per SM
-    of the CUDA `device` (at least 1)."""
-    return max(1, math.ceil(2 * device_sms(device) / max(programs, 1)))
+# The decode kernels' occupancy split (`split_size_for`): programs per SM it aims at, and
+# the fewest key blocks of a split.
+SPLIT_PROGRAMS_PER_SM = 2
+SPLIT_MIN_BLOCKS = 4
+
+
+def splits_to_fill(programs: int, device: torch.device, per_sm: int = 2) -> int:
+    """Splits that give a launch of `programs` programs per split about `per_sm` programs
+    per SM of the CUDA `device` (at least 1)."""
+    return max(1, math.ceil(per_sm * device_sms(device) / max(programs, 1)))
 
 
 def split_size_for(length: int, programs: int, block_k: int, device: torch.device,
                    split_size: int | None = None) -> int:
-    """Keys per split (a multiple of block_k): enough splits to give the GPU about two waves
-    of programs, but at least four key blocks per split."""
+    """Keys per split (a multiple of block_k): enough splits to give the GPU about
+    SPLIT_PROGRAMS_PER_SM programs per SM, but at least SPLIT_MIN_BLOCKS key blocks per
+    split."""
     if split_size is not None:
         assert split_size > 0 and split_size % block_k == 0, "split_size: a multiple of block_k"
         return split_size
     blocks = max(math.ceil(length / block_k), 1)
     if device.type != "cuda":
         return 4 * block_k  # the interpreter: several splits even on short test contexts
-    splits = max(1, min(splits_to_fill(programs, device), math.ceil(blocks / 4)))
+    fill = splits_to_fill(programs, device, SPLIT_PROGRAMS_PER_SM)
+    splits = max(1, min(fill, math.ceil(blocks / SPLIT_MIN_BLOCKS)))
     return math.ceil(blocks / splits) * block_k
 
 
