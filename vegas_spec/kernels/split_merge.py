@@ -34,9 +34,10 @@ MAX_LANES = 64  # query rows x padded heads per program: a 64 x D float32 accumu
 # the merge first did, chains a dependent load per split: at head dim 128 on an H200 that
 # took 21.3 µs for 16 splits x 112 rows (the verify step at 8B 16 x 32K) and 75.5 µs for 64
 # splits x 28 rows (4 x 128K), against 9.8 and 11.3 µs now; with two splits it is as fast
-# (SmolLM2's 2 x 448 rows: 3.42 against 3.56 µs), so it stays below MERGE_SERIAL_MAX_SPLITS
-# + 1 splits (BENCHMARKS.md §2.25). MERGE_SPLITS_PER_STEP / MERGE_WARPS, when set, force
-# the splits a step and the warps (benchmarks).
+# (SmolLM2's 2 x 448 rows: 3.42 against 3.56 µs), so a row of at most
+# MERGE_SERIAL_MAX_SPLITS splits is still merged one split at a time (BENCHMARKS.md §2.25).
+# MERGE_SPLITS_PER_STEP / MERGE_WARPS, when set, force the splits a step and the warps
+# (benchmarks).
 MERGE_MAX_STEP = 16
 MERGE_SERIAL_MAX_SPLITS = 2
 MERGE_TILE = 4096
