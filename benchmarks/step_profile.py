@@ -32,7 +32,8 @@ per second (τ · batch / (round + host work)) in exact mode against the default
 draft step too);
 `--score-tiles` times scored passes with other tiles than the library's for the model's head
 dim (`paged_attention.SCORE_TILES`), each in graphs of its own; `--sparse-splits paged` the
-draft steps with the sparse attention split by the paged kernel's rule, likewise;
+draft steps with the sparse attention split by the paged kernel's rule, likewise (a number N:
+the one-wave split with N programs per SM at the model's head dim);
 `--topk-min-warps 1 2 4` the resident top-k (quest's pages, vegas's ranking) with at least
 that many warps, likewise; `--sparse-rope yes no` the draft steps with RoPE and the KV store
 inside the sparse attention kernel and as a kernel of their own, likewise;
@@ -362,6 +363,23 @@ def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
+def sparse_splits_arg(text: str) -> str:
+    """--sparse-splits: library, paged, or a positive number of programs per SM."""
+    if text in ("library", "paged") or (text.isdigit() and int(text) > 0):
+        return text
+    raise argparse.ArgumentTypeError(f"library, paged or a positive integer, not {text!r}")
+
+
+def sparse_programs(library: dict[int, int] | None, setting: str,
+                    dim: int) -> dict[int, int] | None:
+    """sparse_attention.SPARSE_PROGRAMS_PER_SM for a --sparse-splits setting."""
+    if setting == "library":
+        return library
+    if setting == "paged":
+        return None
+    return {**(library or {}), dim: int(setting)}
+
+
 def side_by_side(ap: argparse.ArgumentParser, flag: str, text: str, **kwargs: object) -> None:
     """An option of one or more settings, each timed in graphs of its own, side by side."""
     ap.add_argument(flag, nargs="+", help=f"{text}, each in graphs of its own", **kwargs)
@@ -405,10 +423,11 @@ def main() -> None:
                     choices=["library", "whole"],
                     help="positions vegas's top-k ranks: up to max_model_len (library) or "
                          "the whole static key width, side by side in one engine")
-    side_by_side(ap, "--sparse-splits", default=["library"], choices=["library", "paged"],
+    side_by_side(ap, "--sparse-splits", default=["library"], type=sparse_splits_arg,
                  text="how the draft steps' sparse attention splits its keys: the library's "
-                      "rule (sparse_attention.SPARSE_PROGRAMS_PER_SM) or the paged kernel's "
-                      "occupancy split")
+                      "rule (sparse_attention.SPARSE_PROGRAMS_PER_SM), the paged kernel's "
+                      "occupancy split (paged), or a number: the one-wave split with that "
+                      "many programs per SM at the model's head dim")
     side_by_side(ap, "--topk-min-warps", type=int, default=[0],
                  text="the fewest warps of the resident top-k (quest's pages, vegas's "
                       "ranking; topk.RESIDENT_MIN_WARPS, 0: the library's)")
@@ -463,7 +482,7 @@ def main() -> None:
             # All of these are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
             pa.SCORE_TILES = {dim: tiles}
-            sa.SPARSE_PROGRAMS_PER_SM = per_sm if sparse == "library" else None
+            sa.SPARSE_PROGRAMS_PER_SM = sparse_programs(per_sm, sparse, dim)
             tk.RESIDENT_MIN_WARPS = least or least_warps
             triton_backend.SPARSE_ROPE = fused == "yes"
             tk.RESIDENT_THRESHOLD = library_threshold if threshold == "library" else threshold

@@ -252,3 +252,20 @@ def test_layer_overlap_says_in_one_line_that_it_needs_cuda(tmp_path: Path) -> No
                           timeout=120)
     assert done.returncode == 2 and not (tmp_path / "l2.json").exists()
     assert done.stderr.strip() == "layer_overlap: needs a CUDA GPU (sm_90 prefetch and launches)"
+
+
+def test_step_profile_sparse_splits_setting_sets_programs_per_sm() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import step_profile
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    library = {64: 3}
+    assert step_profile.sparse_programs(library, "library", 128) is library
+    assert step_profile.sparse_programs(library, "paged", 128) is None
+    assert step_profile.sparse_programs(library, "8", 128) == {64: 3, 128: 8}
+    assert step_profile.sparse_programs(None, "4", 64) == {64: 4}
+    assert step_profile.sparse_splits_arg("12") == "12"
+    for bad in ("0", "-2", "wave"):
+        with pytest.raises(Exception, match="library, paged or a positive integer"):
+            step_profile.sparse_splits_arg(bad)
