@@ -363,6 +363,13 @@ def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
+def fill_name() -> str:
+    """The decode kernels' split as set: waves:FILL:MIN_BLOCKS or PROGRAMS_PER_SM:MIN_BLOCKS."""
+    if split_merge.SPLIT_WAVE_FILL is not None:
+        return f"waves:{split_merge.SPLIT_WAVE_FILL}:{split_merge.SPLIT_MIN_BLOCKS}"
+    return f"{split_merge.SPLIT_PROGRAMS_PER_SM}:{split_merge.SPLIT_MIN_BLOCKS}"
+
+
 def sparse_splits_arg(text: str) -> str:
     """--sparse-splits: library, paged, or a positive number of programs per SM."""
     if text in ("library", "paged") or (text.isdigit() and int(text) > 0):
@@ -442,8 +449,10 @@ def main() -> None:
                       "(split_merge.MERGE_SPLITS_PER_STEP; 0: the library's rule, 1: one "
                       "by one in 4 warps, the merge before BENCHMARKS.md 2.25)")
     side_by_side(ap, "--split-fill", default=["library"],
-                 text="the decode kernels' occupancy split as PROGRAMS_PER_SM:MIN_BLOCKS "
-                      "(split_merge.SPLIT_PROGRAMS_PER_SM, SPLIT_MIN_BLOCKS), or library")
+                 text="the decode kernels' split: library (the paged kernel by whole "
+                      "waves of its resident programs, split_merge.SPLIT_WAVE_FILL), or "
+                      "PROGRAMS_PER_SM:MIN_BLOCKS, the occupancy split of every decode "
+                      "kernel (split_merge.SPLIT_PROGRAMS_PER_SM, SPLIT_MIN_BLOCKS; waves off)")
     side_by_side(ap, "--sparse-rope", default=["yes"], choices=["yes", "no"],
                  text="RoPE and the KV store of one-row draft steps inside the sparse "
                       "attention kernel (triton_backend.SPARSE_ROPE) or as a kernel of their "
@@ -459,7 +468,8 @@ def main() -> None:
     per_sm, least_warps = sa.SPARSE_PROGRAMS_PER_SM, tk.RESIDENT_MIN_WARPS
     library_threshold = tk.RESIDENT_THRESHOLD
     library_merge = split_merge.MERGE_SPLITS_PER_STEP
-    library_fill = (split_merge.SPLIT_PROGRAMS_PER_SM, split_merge.SPLIT_MIN_BLOCKS)
+    library_fill = (split_merge.SPLIT_PROGRAMS_PER_SM, split_merge.SPLIT_MIN_BLOCKS,
+                    split_merge.SPLIT_WAVE_FILL)
     bandwidth = copy_bandwidth() if cuda else 1e10
     rows = []
     for context, mode in ((c, m) for c in args.contexts for m in args.modes):
@@ -488,15 +498,15 @@ def main() -> None:
             tk.RESIDENT_THRESHOLD = library_threshold if threshold == "library" else threshold
             llm.backend.topk_sum = summing if sums == "yes" else None
             split_merge.MERGE_SPLITS_PER_STEP = merge or library_merge
-            (split_merge.SPLIT_PROGRAMS_PER_SM, split_merge.SPLIT_MIN_BLOCKS) = (
-                library_fill if fill == "library" else tuple(int(x) for x in fill.split(":")))
+            (split_merge.SPLIT_PROGRAMS_PER_SM, split_merge.SPLIT_MIN_BLOCKS,
+             split_merge.SPLIT_WAVE_FILL) = (library_fill if fill == "library" else
+                                             (*(int(x) for x in fill.split(":")), None))
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny, "sparse_rope": fused,
                    "sparse_splits": sparse, "topk_min_warps": tk.RESIDENT_MIN_WARPS,
                    "topk_threshold": tk.RESIDENT_THRESHOLD, "topk_sum": sums,
                    "merge_splits_per_step": split_merge.MERGE_SPLITS_PER_STEP or "rule",
-                   "split_fill": f"{split_merge.SPLIT_PROGRAMS_PER_SM}:"
-                                 f"{split_merge.SPLIT_MIN_BLOCKS}",
+                   "split_fill": fill_name(),
                    "score_tiles": f"{tiles.block_k}:{tiles.stages}:{tiles.store}",
                    "score_split_max": tiles.split_max, "score_maxnreg": tiles.maxnreg,
                    "max_model_len": llm.max_model_len, "rank_width": width,

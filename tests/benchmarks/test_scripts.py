@@ -44,7 +44,8 @@ def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> No
         "library", 4, "yes")
     assert (row["topk_threshold"], row["topk_sum"], row["merge_splits_per_step"]) == (
         "bisect", "yes", "rule")
-    assert row["split_fill"] == "2:4"  # two programs per SM, splits of at least four blocks
+    # the paged kernel by waves 95% full, splits of at least four blocks
+    assert row["split_fill"] == "waves:0.95:4"
     assert (row["context"], row["batch"], row["budget"]) == (200, 2, 16)
     for kind in ("plain", "verify", "draft"):
         assert row[f"{kind}_ms"] > 0 and row[f"floor_{kind}_ms"] > 0
@@ -71,10 +72,11 @@ def test_step_profile_measures_exact_mode_against_the_default(tmp_path: Path) ->
         "--reps", "2", "--min-tokens", "16", "--modes", "default", "exact", "--brief",
         "--host-gap-tokens", "8", "--max-model-len", "100", "--rank-widths", "library",
         "whole", "--sparse-splits", "paged", "--topk-min-warps", "1", "--sparse-rope", "no",
-        "--out", str(out))
+        "--split-fill", "3:2", "--out", str(out))
     data = json.loads(out.read_text())
     assert {(r["sparse_splits"], r["topk_min_warps"], r["sparse_rope"])
             for r in data["rows"]} == {("paged", 1, "no")}
+    assert {r["split_fill"] for r in data["rows"]} == {"3:2"}
     assert [(r["mode"], r["rank_width"]) for r in data["rows"]] == [
         ("default", "library"), ("default", "whole"), ("exact", "library"), ("exact", "whole")]
     assert {r["max_model_len"] for r in data["rows"]} == {100}

@@ -17,7 +17,7 @@ from vegas_spec.attention.torch_backend import (
     prefill_attention_ref,
 )
 from vegas_spec.kernels.exact_matmul import exact_tiles
-from vegas_spec.kernels.paged_attention import _tiling, paged_attention
+from vegas_spec.kernels.paged_attention import _split_size, _tiling, paged_attention
 from vegas_spec.kernels.prefill_attention import prefill_attention, prefill_config, prefill_tiles
 from vegas_spec.ops import silu_mul
 
@@ -103,10 +103,14 @@ def test_gpu_tiling_is_one_for_every_step_in_exact_mode() -> None:
     scored verify step at batch 64 over 32K keys get the same in exact mode (the default
     mode sizes them by occupancy and by the scores)."""
     steps = [(1, 1, False, 100), (64, 7, True, 32768), (16, 4, False, 5000)]
-    got = {_tiling(_GpuQuery(b, n), 8, scored, None, None, kv, True)  # type: ignore[arg-type]
-           for b, n, scored, kv in steps}
+    got = set()
+    for b, n, scored, kv in steps:
+        q = _GpuQuery(b, n)
+        cfg, tiles = _tiling(q, 8, scored, None, True)  # type: ignore[arg-type]
+        got.add((cfg, tiles, _split_size(q, 8, cfg, tiles, None, kv, True,  # type: ignore[arg-type]
+                                         None)))
     assert len(got) == 1
-    cfg, split = got.pop()
+    cfg, _, split = got.pop()
     assert split % cfg.block_k == 0 and cfg.block_n * cfg.group_pad >= 16
     # the projections' tiles follow the weight's N only (exact_tiles takes no M)
     assert [exact_tiles(True, n).block_n for n in (960, 6144, 28672, 128256)] == \

@@ -249,3 +249,14 @@ def test_launch_options_name_a_register_cap_only_when_set() -> None:
     assert cfg.launch_options() == {"num_warps": 4, "num_stages": 1}
     capped = dataclasses.replace(cfg, maxnreg=128)
     assert capped.launch_options() == {"num_warps": 4, "num_stages": 1, "maxnreg": 128}
+
+
+@pytest.mark.skipif(not CUDA, reason="the wave split sizes GPU launches only")
+@pytest.mark.parametrize("case", [Case((6000, 5000, 4100, 7000), 1, 32, 8, 128),
+                                  Case((3000,) * 3, 7, 32, 8, 128, rows="ends")], ids=case_id)
+def test_the_wave_split_reads_the_compiled_kernel(case: Case) -> None:
+    """A long decode call is split by whole waves of the compiled variant's resident
+    programs (learned from it once), and still matches the reference."""
+    pa._RESIDENT.clear()
+    run(case, torch.bfloat16)
+    assert len(pa._RESIDENT) == 1 and 1 <= next(iter(pa._RESIDENT.values())) <= 32

@@ -121,3 +121,45 @@ def test_forced_tiling(monkeypatch: pytest.MonkeyPatch) -> None:
     assert split_merge.merge_tiling(64, 32, 128) == (1, 16, 4)
     monkeypatch.setattr(split_merge, "MERGE_WARPS", 2)
     assert split_merge.merge_tiling(64, 32, 128) == (1, 16, 2)
+
+
+@pytest.mark.parametrize(("regs", "shared", "warps", "want"), [
+    (118, 38912, 4, 4),  # the paged kernel, one row, head dim 128, on an H200
+    (144, 45056, 4, 3),  # seven rows, unscored
+    (128, 53248, 4, 4),  # seven rows, scored, 128 registers at most
+    (32, 100000, 4, 2),  # bound by shared memory
+    (16, 0, 32, 2),  # by threads
+    (0, 0, 1, 32),  # by the most programs an SM holds
+])
+def test_resident_limit(regs: int, shared: int, warps: int, want: int) -> None:
+    assert split_merge.resident_limit(regs, shared, warps) == want
+
+
+@pytest.mark.parametrize(("programs", "slots", "most", "want"), [
+    (128, 528, 129, 4),  # 16 x 8 programs, 4 resident on 132 SMs: 512 of 528
+    (32, 528, 513, 16),  # 4 x 8 programs: 512
+    (128, 396, 129, 3),  # 3 resident: 384 of 396
+    (32, 396, 513, 12),
+    (192, 528, 16, 8),  # 1,536 programs in three waves of 528
+    (600, 528, 3, 3),  # no split count fills 95%: the best of 1..3 (1,800 of 2,112)
+    (1, 528, 1, 1),
+    (512, 528, 64, 1),
+])
+def test_wave_splits(programs: int, slots: int, most: int, want: int) -> None:
+    assert split_merge.wave_splits(programs, slots, most, 0.95) == want
+
+
+def test_split_size_by_waves_or_by_occupancy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the kernel's resident programs the split fills whole waves; without them, or
+    with SPLIT_WAVE_FILL None, it aims at SPLIT_PROGRAMS_PER_SM programs per SM."""
+    monkeypatch.setattr(split_merge, "device_sms", lambda device: 132)
+    gpu = torch.device("cuda")
+    # Llama-3.1-8B shape, 16 x 32K, one row: 513 key blocks of 64 over 128 programs
+    assert split_merge.split_size_for(32832, 128, 64, gpu, resident=4) == 129 * 64  # 4 splits
+    assert split_merge.split_size_for(32832, 128, 64, gpu) == 171 * 64  # 3 splits
+    assert split_merge.split_size_for(32832, 128, 64, gpu, split_size=128) == 128
+    monkeypatch.setattr(split_merge, "SPLIT_WAVE_FILL", None)
+    assert split_merge.split_size_for(32832, 128, 64, gpu, resident=4) == 171 * 64
+    # the fewest key blocks a split holds caps the splits
+    monkeypatch.setattr(split_merge, "SPLIT_WAVE_FILL", 0.95)
+    assert split_merge.split_size_for(512, 32, 64, gpu, resident=4) == 4 * 64

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from vegas_spec.kernels import split_merge
 from vegas_spec.kernels.split_merge import (
     MIN_DOT,
     Partials,
@@ -52,6 +53,7 @@ from vegas_spec.kernels.split_merge import (
     finish_split,
     merge_splits,
     output_buffer,
+    resident_programs,
     softmax_block,
     split_size_for,
     tile_config,
@@ -420,23 +422,55 @@ _paged_split_kernel_exact = triton.jit(
 
 
 def _tiling(q: torch.Tensor, hkv: int, scored: bool, block_k: int | None,
-            split_size: int | None, kv_len: int, exact: bool) -> tuple[TileConfig, int]:
-    """The tile configuration and the keys per split of one call."""
-    bsz, n = q.shape[:2]
+            exact: bool) -> tuple[TileConfig, ScoreTiles | None]:
+    """The tile configuration of one call, and the score tiles it runs (scored GPU calls)."""
     if exact:
         cfg = tile_config(q, hkv, EXACT_TILES.block_k if q.is_cuda else None, exact=True)
         if q.is_cuda:
-            return dataclasses.replace(cfg, num_stages=EXACT_TILES.stages), EXACT_SPLIT
-        return cfg, EXACT_SPLIT_CPU_BLOCKS * cfg.block_k
+            return dataclasses.replace(cfg, num_stages=EXACT_TILES.stages), None
+        return cfg, None
     tiles = score_tiles(q.shape[3]) if q.is_cuda and scored else None
     cfg = tile_config(q, hkv, block_k or (tiles.block_k if tiles else None))
     if tiles:
         cfg = dataclasses.replace(cfg, num_stages=tiles.stages, maxnreg=tiles.maxnreg)
+    return cfg, tiles
+
+
+def _split_size(q: torch.Tensor, hkv: int, cfg: TileConfig, tiles: ScoreTiles | None,
+                split_size: int | None, kv_len: int, exact: bool,
+                resident: int | None) -> int:
+    """Keys per split of one call: exact mode's fixed split; else `split_size_for`'s for
+    the kernel's `resident` programs per SM, within the score tiles' largest split."""
+    if exact:
+        return EXACT_SPLIT if q.is_cuda else EXACT_SPLIT_CPU_BLOCKS * cfg.block_k
+    bsz, n = q.shape[:2]
     row_blocks = triton.cdiv(n, cfg.block_n)
-    size = split_size_for(kv_len, bsz * hkv * row_blocks, cfg.block_k, q.device, split_size)
+    size = split_size_for(kv_len, bsz * hkv * row_blocks, cfg.block_k, q.device, split_size,
+                          resident)
     if tiles and split_size is None and tiles.split_max:
         size = min(size, max(tiles.split_max // cfg.block_k, 1) * cfg.block_k)
-    return cfg, size
+    return size
+
+
+# Resident programs per SM of each compiled variant of the split kernel, by its launch.
+_RESIDENT: dict[tuple, int] = {}
+
+
+def _resident(kernel: triton.runtime.JITFunction, grid: tuple[int, int, int], args: list,
+              constexprs: dict, device: torch.device) -> int | None:
+    """The resident programs per SM of the variant of `kernel` that a several-split launch
+    with these arguments runs (compiled, not launched, the first time), on a GPU."""
+    if device.type != "cuda" or split_merge.SPLIT_WAVE_FILL is None:
+        return None
+    # what selects the variant: the constexprs, the dtype, and how Triton specializes ints
+    key = (kernel, device.index, args[0].dtype,
+           tuple(sorted((k, v) for k, v in constexprs.items() if k != "SINGLE")),
+           tuple((a == 1, a % 16 == 0) for a in args if type(a) is int))
+    if key not in _RESIDENT:
+        compiled = kernel.warmup(*args, grid=grid, **{**constexprs, "SINGLE": False})
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        _RESIDENT[key] = resident_programs(compiled, device)
+    return _RESIDENT[key]
 
 
 def _score_store(q: torch.Tensor, exact: bool) -> str:
@@ -447,6 +481,74 @@ def _score_store(q: torch.Tensor, exact: bool) -> str:
     if exact:
         return EXACT_TILES.store
     return (score_tiles(q.shape[3]) if q.is_cuda else SCORE_TILES_OTHER).store
+
+
+@dataclass
+class _Plan:
+    """One call's launch but for its split: the kernel, its tiles, score job and arguments
+    (those before and after the partial buffers, the split size between `tail` and
+    `rest`), and the keys per split."""
+
+    kernel: triton.runtime.JITFunction
+    cfg: TileConfig
+    hkv: int
+    row_blocks: int
+    job: _ScoreJob | None
+    lse: torch.Tensor | None
+    head: list
+    tail: list
+    rest: list
+    constexprs: dict
+    size: int
+
+
+def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+          page_table: torch.Tensor, positions: torch.Tensor, page_size: int, kv_len: int,
+          scale: float, score_rows: torch.Tensor | None, score_out: torch.Tensor | None,
+          score_mode: str, block_k: int | None, split_size: int | None, out: torch.Tensor,
+          exact: bool) -> _Plan:
+    assert not exact or (block_k is None and split_size is None), "exact mode fixes the tiles"
+    bsz, n, heads, dim = q.shape
+    hkv = k_cache.shape[1]
+    scored = score_rows is not None and score_rows.numel() > 0
+    cfg, tiles = _tiling(q, hkv, scored, block_k, exact)
+    row_blocks = triton.cdiv(n, cfg.block_n)
+    store = SCORE_STORES[_score_store(q, exact)]
+    job = _score_job(score_rows, score_out, score_mode, q, cfg, hkv, kv_len, store)
+    use_desc = store.descriptor and job is not None and job.mode == 1 and row_blocks == 1
+    lse = None if job is None else job.lse
+    kernel = _paged_split_kernel_exact if exact else _paged_split_kernel
+    head = [q, k_cache, v_cache, page_table, positions, out, out if lse is None else lse]
+    tail = [positions if job is None else job.rows, out if job is None else job.scratch,
+            _descriptor(job, cfg.block_k) if use_desc else None,
+            n, heads, hkv, page_size]
+    rest = [scale, bsz * n, 0 if job is None else len(job.rows),
+            kv_len, kv_len if job is None else job.scratch.shape[-1],
+            q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
+            page_table.stride(0), positions.stride(0), positions.stride(1)]
+    constexprs = dict(
+        GROUP=cfg.group, GROUP_PAD=cfg.group_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_D=cfg.block_d, HEAD_DIM=dim, MODE=0 if job is None else job.mode,
+        R_PAD=1 if job is None else job.r_pad, USE_DESC=use_desc,
+        WHOLE_BLOCKS=store.whole_blocks and job is not None and not use_desc,
+        WRITE_LSE=lse is not None, DOT_PRECISION=cfg.dot_precision, **cfg.launch_options())
+    # decode steps only: a prompt's rows (several row blocks) keep the occupancy split
+    resident = None if exact or split_size is not None or row_blocks > 1 else _resident(
+        kernel, (bsz * hkv, row_blocks, 2), [*head, *(torch.float32,) * 3, *tail, cfg.block_k,
+                                             *rest], constexprs, q.device)
+    size = _split_size(q, hkv, cfg, tiles, split_size, kv_len, exact, resident)
+    return _Plan(kernel, cfg, hkv, row_blocks, job, lse, head, tail, rest, constexprs, size)
+
+
+def paged_split_size(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
+                     kv_len: int, scale: float, *, block_k: int | None = None,
+                     split_size: int | None = None, exact: bool = False) -> int:
+    """The keys per split of an unscored `paged_attention` call with these arguments (on a
+    GPU, its kernel is compiled for that, not launched)."""
+    _check(q, k_cache, v_cache, page_table, positions, kv_len)
+    return _plan(q, k_cache, v_cache, page_table, positions, page_size, kv_len, scale, None,
+                 None, "weight", block_k, split_size, q, exact).size
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -467,39 +569,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     that each row's bits depend on its own query and keys only.
     Returns [B, n, H, D] in q's dtype."""
     _check(q, k_cache, v_cache, page_table, positions, kv_len)
-    assert not exact or (block_k is None and split_size is None), "exact mode fixes the tiles"
-    bsz, n, heads, dim = q.shape
-    hkv = k_cache.shape[1]
-    scored = score_rows is not None and score_rows.numel() > 0
-    cfg, size = _tiling(q, hkv, scored, block_k, split_size, kv_len, exact)
-    row_blocks = triton.cdiv(n, cfg.block_n)
-    splits = triton.cdiv(kv_len, size)
-    store = SCORE_STORES[_score_store(q, exact)]
-    job = _score_job(score_rows, score_out, score_mode, q, cfg, hkv, kv_len, store)
-    use_desc = store.descriptor and job is not None and job.mode == 1 and row_blocks == 1
     out = output_buffer(q, out)
+    plan = _plan(q, k_cache, v_cache, page_table, positions, page_size, kv_len, scale,
+                 score_rows, score_out, score_mode, block_k, split_size, out, exact)
+    bsz, n, heads, dim = q.shape
+    job, lse = plan.job, plan.lse
+    splits = triton.cdiv(kv_len, plan.size)
     parts = Partials.empty(splits, bsz * n, heads, dim, q.device) if splits > 1 else None
-    lse = None if job is None else job.lse
-    kernel = _paged_split_kernel_exact if exact else _paged_split_kernel
-    kernel[(bsz * hkv, row_blocks, splits)](
-        q, k_cache, v_cache, page_table, positions,
-        out, out if lse is None else lse,
-        *((out, out, out) if parts is None else (parts.acc, parts.m, parts.l)),
-        positions if job is None else job.rows, out if job is None else job.scratch,
-        _descriptor(job, cfg.block_k) if use_desc else None,
-        n, heads, hkv, page_size, size, scale, bsz * n, 0 if job is None else len(job.rows),
-        kv_len, kv_len if job is None else job.scratch.shape[-1],
-        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
-        page_table.stride(0), positions.stride(0), positions.stride(1),
-        GROUP=cfg.group, GROUP_PAD=cfg.group_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        BLOCK_D=cfg.block_d, HEAD_DIM=dim, MODE=0 if job is None else job.mode,
-        R_PAD=1 if job is None else job.r_pad, USE_DESC=use_desc,
-        WHOLE_BLOCKS=store.whole_blocks and job is not None and not use_desc,
-        SINGLE=parts is None,
-        WRITE_LSE=lse is not None, DOT_PRECISION=cfg.dot_precision,
-        **cfg.launch_options())
+    plan.kernel[(bsz * plan.hkv, plan.row_blocks, splits)](
+        *plan.head, *((out, out, out) if parts is None else (parts.acc, parts.m, parts.l)),
+        *plan.tail, plan.size, *plan.rest, SINGLE=parts is None, **plan.constexprs)
     if parts is not None:
         merge_splits(parts, out, lse, exact)
     if job is not None:
-        _finalise_scores(job, positions, scale, cfg, hkv, kv_len)
+        _finalise_scores(job, positions, scale, plan.cfg, plan.hkv, kv_len)
     return out

@@ -111,19 +111,73 @@ def splits_to_fill(programs: int, device: torch.device, per_sm: int = 2) -> int:
     return max(1, math.ceil(per_sm * device_sms(device) / max(programs, 1)))
 
 
+# The split by whole waves (`wave_splits`), for a kernel whose resident programs per SM are
+# known: the fewest splits whose launch fills its waves of resident programs to at least this
+# fraction. None: the occupancy split above whatever the kernel. On an H200, the paged kernel
+# alone, Llama-3.1-8B shape (tile_sweep.py, µs per layer, n = 1: 4 resident programs, 118
+# registers): 4 x 128K 497 µs at 16 splits (512 programs, 0.97 of a wave) against 588 at the
+# occupancy split's 9 (288) and 570 at 24 (768, 1.45 waves); 16 x 32K 502 at 4 splits (512)
+# against 514 at 3 (384) and 564 at 6 (768). At n = 7 (3 resident, 144 registers) 3 splits
+# (384 programs) and 6 (768) are the fast ones: 588 µs against 728 at 4 (512).
+SPLIT_WAVE_FILL: float | None = 0.95
+
+
+def resident_limit(regs: int, shared: int, warps: int, sm_regs: int = 65536,
+                   sm_shared: int = 233472, sm_threads: int = 2048,
+                   most: int = 32) -> int:
+    """Programs of `warps` warps, `regs` registers per thread and `shared` bytes of shared
+    memory that one SM holds at once: registers are allocated per warp in units of 256, and
+    each program reserves 1 KB of shared memory beside its own."""
+    per_warp = math.ceil(regs * 32 / 256) * 256
+    by_regs = (sm_regs // per_warp) // warps if per_warp else most
+    by_shared = sm_shared // (shared + 1024)
+    by_threads = sm_threads // (32 * warps)
+    return max(1, min(by_regs, by_shared, by_threads, most))
+
+
+def resident_programs(kernel: object, device: torch.device) -> int:
+    """`resident_limit` of a compiled Triton kernel on the CUDA `device`."""
+    kernel._init_handles()  # type: ignore[attr-defined]  # loads it: n_regs is known then
+    props = torch.cuda.get_device_properties(device)
+    return resident_limit(kernel.n_regs, kernel.metadata.shared,  # type: ignore[attr-defined]
+                          kernel.metadata.num_warps,  # type: ignore[attr-defined]
+                          getattr(props, "regs_per_multiprocessor", 65536),
+                          getattr(props, "shared_memory_per_multiprocessor", 233472),
+                          getattr(props, "max_threads_per_multi_processor", 2048))
+
+
+def wave_splits(programs: int, slots: int, most: int, fill: float) -> int:
+    """Of 1..most splits of a launch of `programs` programs per split on a GPU that holds
+    `slots` programs at once, the fewest whose waves are at least `fill` full, else the one
+    that fills them best (the fewest of those)."""
+    best, best_fill = 1, 0.0
+    for splits in range(1, max(most, 1) + 1):
+        total = splits * max(programs, 1)
+        filled = total / (math.ceil(total / slots) * slots)
+        if filled >= fill:
+            return splits
+        if filled > best_fill + 1e-9:
+            best, best_fill = splits, filled
+    return best
+
+
 def split_size_for(length: int, programs: int, block_k: int, device: torch.device,
-                   split_size: int | None = None) -> int:
-    """Keys per split (a multiple of block_k): enough splits to give the GPU about
-    SPLIT_PROGRAMS_PER_SM programs per SM, but at least SPLIT_MIN_BLOCKS key blocks per
-    split."""
+                   split_size: int | None = None, resident: int | None = None) -> int:
+    """Keys per split (a multiple of block_k), at least SPLIT_MIN_BLOCKS key blocks each:
+    given the kernel's `resident` programs per SM (and SPLIT_WAVE_FILL), as many splits as
+    fill whole waves of them (`wave_splits`); otherwise enough to give the GPU about
+    SPLIT_PROGRAMS_PER_SM programs per SM."""
     if split_size is not None:
         assert split_size > 0 and split_size % block_k == 0, "split_size: a multiple of block_k"
         return split_size
     blocks = max(math.ceil(length / block_k), 1)
     if device.type != "cuda":
         return 4 * block_k  # the interpreter: several splits even on short test contexts
-    fill = splits_to_fill(programs, device, SPLIT_PROGRAMS_PER_SM)
-    splits = max(1, min(fill, math.ceil(blocks / SPLIT_MIN_BLOCKS)))
+    most = math.ceil(blocks / SPLIT_MIN_BLOCKS)
+    if resident is not None and SPLIT_WAVE_FILL is not None:
+        splits = wave_splits(programs, resident * device_sms(device), most, SPLIT_WAVE_FILL)
+    else:
+        splits = max(1, min(splits_to_fill(programs, device, SPLIT_PROGRAMS_PER_SM), most))
     return math.ceil(blocks / splits) * block_k
 
 
