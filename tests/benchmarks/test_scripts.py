@@ -271,3 +271,16 @@ def test_step_profile_sparse_splits_setting_sets_programs_per_sm() -> None:
     for bad in ("0", "-2", "wave"):
         with pytest.raises(Exception, match="library, paged or a positive integer"):
             step_profile.sparse_splits_arg(bad)
+
+
+def test_kernel_bench_checks_and_times_every_kernel(tmp_path: Path) -> None:
+    out = tmp_path / "kernels.json"
+    run("kernel_bench.py", "--smoke", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert data["errors"] == [] and data["checks"]
+    assert set(data["checks"].values()) == {"ok"}
+    assert {r["kernel"] for r in data["rows"]} >= {"paged", "sparse", "topk", "store_kv"}
+    for row in data["rows"]:
+        assert row["status"] == "ok" and row["time_us"] > 0 and row["total_bytes"] > 0
+    paged = [r for r in data["rows"] if r["kernel"] == "paged"]
+    assert all(r["splits"] >= 1 for r in paged)
