@@ -507,6 +507,8 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
           scale: float, score_rows: torch.Tensor | None, score_out: torch.Tensor | None,
           score_mode: str, block_k: int | None, split_size: int | None, out: torch.Tensor,
           exact: bool) -> _Plan:
+    """Everything a call launches with but its partial buffers, which depend on its split
+    count; `out` is the result buffer."""
     assert not exact or (block_k is None and split_size is None), "exact mode fixes the tiles"
     bsz, n, heads, dim = q.shape
     hkv = k_cache.shape[1]
