@@ -544,13 +544,15 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def paged_split_size(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
-                     kv_len: int, scale: float, *, block_k: int | None = None,
-                     split_size: int | None = None, exact: bool = False) -> int:
-    """The keys per split of an unscored `paged_attention` call with these arguments (on a
-    GPU, its kernel is compiled for that, not launched)."""
+                     kv_len: int, scale: float, score_rows: torch.Tensor | None = None,
+                     score_out: torch.Tensor | None = None, score_mode: str = "weight", *,
+                     block_k: int | None = None, split_size: int | None = None,
+                     exact: bool = False) -> int:
+    """The keys per split of a `paged_attention` call with these arguments (on a GPU, its
+    kernel is compiled for that, not launched; nothing is written)."""
     _check(q, k_cache, v_cache, page_table, positions, kv_len)
-    return _plan(q, k_cache, v_cache, page_table, positions, page_size, kv_len, scale, None,
-                 None, "weight", block_k, split_size, q, exact).size
+    return _plan(q, k_cache, v_cache, page_table, positions, page_size, kv_len, scale,
+                 score_rows, score_out, score_mode, block_k, split_size, q, exact).size
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
