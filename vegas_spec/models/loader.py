@@ -10,13 +10,16 @@ import functools
 import importlib.util
 import json
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from vegas_spec.config import ConfigError, ModelConfig
+from vegas_spec.models.gguf_file import GGUFFile, read_gguf
 from vegas_spec.parallel import SINGLE, TPGroup, shard_shapes, shard_tensor, split_dim
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -274,26 +277,24 @@ def _gguf_reader(path: Path):  # noqa: ANN202 - gguf.GGUFReader
         raise ConfigError(f"{path} is not a GGUF file: it does not start with the bytes 'GGUF'")
     try:
         return _cached_gguf_reader(str(path.resolve()), st.st_size, st.st_mtime_ns)
-    except (ValueError, IndexError, KeyError, OverflowError, EOFError, OSError) as err:
+    except (ValueError, IndexError, KeyError, OverflowError, EOFError, OSError,
+            struct.error) as err:
         # the reader indexes past the end of a truncated file, or reads garbage as sizes
         raise ConfigError(f"{path} is a truncated or corrupt GGUF file ({st.st_size} bytes; "
                           f"reading it failed with {type(err).__name__}: {err})") from None
 
 
 @functools.lru_cache(maxsize=1)
-def _cached_gguf_reader(path: str, size: int, mtime_ns: int):  # noqa: ANN202
-    # Parsing the metadata of a GGUF file takes seconds; config and weights share one parse.
-    import gguf
-
-    return gguf.GGUFReader(path)
+def _cached_gguf_reader(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    # config and weights share one parse
+    return read_gguf(path)
 
 
-def _field(reader, key: str, default=None):  # noqa: ANN001, ANN202
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(reader: GGUFFile, key: str, default: object = None) -> Any:  # noqa: ANN401
+    return reader.fields.get(key, default)
 
 
-def gguf_config(reader) -> dict:  # noqa: ANN001
+def gguf_config(reader: GGUFFile) -> dict:
     arch = _field(reader, "general.architecture")
     if arch not in _GGUF_ARCH:
         raise ConfigError(f"unsupported GGUF architecture {arch!r}; supported: "
@@ -301,7 +302,7 @@ def gguf_config(reader) -> dict:  # noqa: ANN001
     a = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
     names = {t.name for t in reader.tensors}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = a("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    vocab = a("vocab_size") or (len(tokens) if isinstance(tokens, list) else None)
     heads = a("attention.head_count")
     cfg = {
         "architectures": [_GGUF_ARCH[arch]],
