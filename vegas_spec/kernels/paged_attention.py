@@ -462,9 +462,9 @@ def _resident(kernel: triton.runtime.JITFunction, grid: tuple[int, int, int], ar
     with these arguments runs (compiled, not launched, the first time), on a GPU."""
     if device.type != "cuda" or split_merge.SPLIT_WAVE_FILL is None:
         return None
-    # what selects the variant: the constexprs, the dtype, and how Triton specializes ints
-    key = (kernel, device.index, args[0].dtype,
-           tuple(sorted((k, v) for k, v in constexprs.items() if k != "SINGLE")),
+    # what selects the variant: the constexprs (but SINGLE, passed apart; built in one
+    # order), the dtype, and how Triton specializes ints
+    key = (kernel, device.index, args[0].dtype, tuple(constexprs.items()),
            tuple((a == 1, a % 16 == 0) for a in args if type(a) is int))
     if key not in _RESIDENT:
         compiled = kernel.warmup(*args, grid=grid, **{**constexprs, "SINGLE": False})

@@ -110,19 +110,18 @@ def read_gguf(path: str | Path) -> GGUFFile:
     if not isinstance(align, int) or align <= 0 or align & (align - 1):
         raise ValueError(f"general.alignment must be a power of two, got {align!r}")
     start = -(-cur.pos // align) * align
-    return GGUFFile(fields, [_tensor(buf, start, *info, gguf) for info in infos])
+    t = gguf.GGMLQuantizationType
+    plain = {t.F16: np.float16, t.F32: np.float32, t.F64: np.float64, t.I8: np.int8,
+             t.I16: np.int16, t.I32: np.int32, t.I64: np.int64}  # stored as elements
+    return GGUFFile(fields, [_tensor(buf, start, *info, gguf, plain) for info in infos])
 
 
 def _tensor(buf: mmap.mmap, start: int, name: str, dims: list[int], kind: int, offset: int,
-            gguf) -> GGUFTensor:  # noqa: ANN001 - the gguf module
+            gguf, plain: dict) -> GGUFTensor:  # noqa: ANN001 - the gguf module
     qtype = gguf.GGMLQuantizationType(kind)
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     elements = math.prod(dims)
     shape = tuple(reversed(dims))
-    plain = {gguf.GGMLQuantizationType.F16: np.float16, gguf.GGMLQuantizationType.F32:
-             np.float32, gguf.GGMLQuantizationType.F64: np.float64,
-             gguf.GGMLQuantizationType.I8: np.int8, gguf.GGMLQuantizationType.I16: np.int16,
-             gguf.GGMLQuantizationType.I32: np.int32, gguf.GGMLQuantizationType.I64: np.int64}
     if qtype in plain:
         dtype, count = np.dtype(plain[qtype]), elements
     else:
