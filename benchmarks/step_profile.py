@@ -457,6 +457,10 @@ def main() -> None:
                  text="RoPE and the KV store of one-row draft steps inside the sparse "
                       "attention kernel (triton_backend.SPARSE_ROPE) or as a kernel of their "
                       "own")
+    side_by_side(ap, "--max-lanes", type=int, default=[0],
+                 text="query rows x padded heads of one attention program "
+                      "(split_merge.MAX_LANES, 0: the library's); fewer cut a verify step's "
+                      "rows into row blocks that read the same keys side by side")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -470,6 +474,7 @@ def main() -> None:
     library_merge = split_merge.MERGE_SPLITS_PER_STEP
     library_fill = (split_merge.SPLIT_PROGRAMS_PER_SM, split_merge.SPLIT_MIN_BLOCKS,
                     split_merge.SPLIT_WAVE_FILL)
+    library_lanes = split_merge.MAX_LANES
     bandwidth = copy_bandwidth() if cuda else 1e10
     rows = []
     for context, mode in ((c, m) for c in args.contexts for m in args.modes):
@@ -484,11 +489,12 @@ def main() -> None:
             k.normal_()
             v.normal_()
         summing = llm.backend.topk_sum
-        for bsz, skinny, tiles, width, sparse, least, fused, threshold, sums, merge, fill in (
-                itertools.product(args.batches, args.skinny_rows, tilings, args.rank_widths,
-                                  args.sparse_splits, args.topk_min_warps, args.sparse_rope,
-                                  args.topk_thresholds, args.topk_sums, args.merge_steps,
-                                  args.split_fill)):
+        for (bsz, skinny, tiles, width, sparse, least, fused, threshold, sums, merge, fill,
+             lanes) in itertools.product(args.batches, args.skinny_rows, tilings,
+                                         args.rank_widths, args.sparse_splits,
+                                         args.topk_min_warps, args.sparse_rope,
+                                         args.topk_thresholds, args.topk_sums,
+                                         args.merge_steps, args.split_fill, args.max_lanes):
             # All of these are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
             pa.SCORE_TILES = {dim: tiles}
@@ -501,8 +507,10 @@ def main() -> None:
             (split_merge.SPLIT_PROGRAMS_PER_SM, split_merge.SPLIT_MIN_BLOCKS,
              split_merge.SPLIT_WAVE_FILL) = (library_fill if fill == "library" else
                                              (*(int(x) for x in fill.split(":")), None))
+            split_merge.MAX_LANES = lanes or library_lanes
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny, "sparse_rope": fused,
+                   "max_lanes": split_merge.MAX_LANES,
                    "sparse_splits": sparse, "topk_min_warps": tk.RESIDENT_MIN_WARPS,
                    "topk_threshold": tk.RESIDENT_THRESHOLD, "topk_sum": sums,
                    "merge_splits_per_step": split_merge.MERGE_SPLITS_PER_STEP or "rule",

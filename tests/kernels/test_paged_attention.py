@@ -59,6 +59,8 @@ CASES = [
     Case((70,), 33, 6, 2, 64, rows="ends", mode="logit", per_kv_head=True),  # a later chunk
     Case((1, 9, 16), 1, 8, 2, 64, rows="ends", per_kv_head=True, block_k=16),
     Case((58, 23), 7, 8, 2, 64, rows=(6, 0, 6), mode="weight"),  # a row asked for twice
+    # several sequences, kv heads and row blocks: programs side by side by row block
+    Case((50, 29), 20, 8, 2, 64, rows="ends", per_kv_head=True),
 ]
 
 

@@ -145,8 +145,11 @@ class ScoreTiles:
 # float summation order of the online softmax.
 # At 64 the "blocks" store then replaced float32 pointers (§2.22): 138.2-138.7 against
 # 143.0-143.3 µs; at 128 it was level with the descriptor (681.8, 699.6 against 683.3, 684.7).
+# At 128 the cap of 2048 keys went once decode calls were split by whole waves of their
+# resident programs (§2.27, whole verify steps of the 8B shape: 26.10 against 26.31 and 26.61
+# ms at 16 x 32K, 25.23 against 25.98 and 25.77 at 4 x 128K).
 SCORE_TILES: dict[int, ScoreTiles] = {64: ScoreTiles(128, 3, None, 168, "f32-blocks"),
-                                      128: ScoreTiles(64, 2, 2048, 128, "f32-descriptor")}
+                                      128: ScoreTiles(64, 2, None, 128, "f32-descriptor")}
 SCORE_TILES_OTHER = ScoreTiles(128, 3, 2048, None, "f32-descriptor")
 
 
@@ -235,9 +238,12 @@ def _paged_split_kernel(
         MODE: tl.constexpr, R_PAD: tl.constexpr, USE_DESC: tl.constexpr,
         WHOLE_BLOCKS: tl.constexpr, SINGLE: tl.constexpr,
         WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    b = tl.program_id(0) // Hkv
-    kvh = tl.program_id(0) % Hkv
-    rb = tl.program_id(1)
+    # the row blocks of one (sequence, kv head) are launched side by side, so that they
+    # walk the same keys at about the same time and all but the first read them from L2
+    row_blocks = tl.cdiv(n, BLOCK_N)
+    b = tl.program_id(0) // (Hkv * row_blocks)
+    kvh = tl.program_id(0) // row_blocks % Hkv
+    rb = tl.program_id(0) % row_blocks
     split = tl.program_id(2)
     lane = tl.arange(0, BLOCK_N * GROUP_PAD)  # lane = row_in_block * GROUP_PAD + head_in_group
     row = rb * BLOCK_N + lane // GROUP_PAD
@@ -452,6 +458,11 @@ def _split_size(q: torch.Tensor, hkv: int, cfg: TileConfig, tiles: ScoreTiles | 
     return size
 
 
+# Calls of at most this many query rows a sequence are decode steps (a plain step, a verify
+# of γ + 1 rows), split by whole waves of their kernel's resident programs; more rows are a
+# prompt's, which keep the occupancy split.
+DECODE_ROWS = 16
+
 # Resident programs per SM of each compiled variant of the split kernel, by its launch.
 _RESIDENT: dict[tuple, int] = {}
 
@@ -534,9 +545,9 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         R_PAD=1 if job is None else job.r_pad, USE_DESC=use_desc,
         WHOLE_BLOCKS=store.whole_blocks and job is not None and not use_desc,
         WRITE_LSE=lse is not None, DOT_PRECISION=cfg.dot_precision, **cfg.launch_options())
-    # decode steps only: a prompt's rows (several row blocks) keep the occupancy split
-    resident = None if exact or split_size is not None or row_blocks > 1 else _resident(
-        kernel, (bsz * hkv, row_blocks, 2), [*head, *(torch.float32,) * 3, *tail, cfg.block_k,
+    # decode steps only (plain, verify): a prompt's rows keep the occupancy split
+    resident = None if exact or split_size is not None or n > DECODE_ROWS else _resident(
+        kernel, (bsz * hkv * row_blocks, 1, 2), [*head, *(torch.float32,) * 3, *tail, cfg.block_k,
                                              *rest], constexprs, q.device)
     size = _split_size(q, hkv, cfg, tiles, split_size, kv_len, exact, resident)
     return _Plan(kernel, cfg, hkv, row_blocks, job, lse, head, tail, rest, constexprs, size)
@@ -580,7 +591,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     job, lse = plan.job, plan.lse
     splits = triton.cdiv(kv_len, plan.size)
     parts = Partials.empty(splits, bsz * n, heads, dim, q.device) if splits > 1 else None
-    plan.kernel[(bsz * plan.hkv, plan.row_blocks, splits)](
+    plan.kernel[(bsz * plan.hkv * plan.row_blocks, 1, splits)](
         *plan.head, *((out, out, out) if parts is None else (parts.acc, parts.m, parts.l)),
         *plan.tail, plan.size, *plan.rest, SINGLE=parts is None, **plan.constexprs)
     if parts is not None:
