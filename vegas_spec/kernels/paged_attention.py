@@ -149,7 +149,7 @@ class ScoreTiles:
 # resident programs (§2.27, whole verify steps of the 8B shape: 26.10 against 26.31 and 26.61
 # ms at 16 x 32K, 25.23 against 25.98 and 25.77 at 4 x 128K).
 SCORE_TILES: dict[int, ScoreTiles] = {64: ScoreTiles(128, 3, None, 168, "f32-blocks"),
-                                      128: ScoreTiles(64, 2, None, 128, "f32-descriptor")}
+                                      128: ScoreTiles(64, 2, None, 128, "f32-blocks")}
 SCORE_TILES_OTHER = ScoreTiles(128, 3, 2048, None, "f32-descriptor")
 
 
