@@ -5,7 +5,8 @@ Oracle: `vegas_spec.attention.torch_backend.paged_attention_ref`.
 Layout of the work: one program per (sequence, kv head, block of query rows, key split). Its
 query tile packs block_n rows x all query heads of that kv head, so each K/V row of the cache
 is read once per kv head however many query heads share it (GQA) and however many rows the
-step has (n = 1 decode, γ+1 verify, up to a few hundred for a prefill chunk). Query i of
+step has up to block_n (n = 1 decode, γ+1 verify; a prefill chunk of a few hundred rows has
+several row blocks, launched side by side so that they walk the same keys together). Query i of
 sequence b sees keys 0..positions[b, i]; a program stops at the largest position of its rows,
 so short sequences in a batch sized for the longest cost nothing past their end. Long
 contexts are cut into key splits merged by `split_merge.merge_splits` (flash-decoding).
@@ -147,7 +148,8 @@ class ScoreTiles:
 # 143.0-143.3 µs; at 128 it was level with the descriptor (681.8, 699.6 against 683.3, 684.7).
 # At 128 the cap of 2048 keys went once decode calls were split by whole waves of their
 # resident programs (§2.27, whole verify steps of the 8B shape: 26.10 against 26.31 and 26.61
-# ms at 16 x 32K, 25.23 against 25.98 and 25.77 at 4 x 128K).
+# ms at 16 x 32K, 25.23 against 25.98 and 25.77 at 4 x 128K), and the "blocks" store then
+# beat the descriptor there (25.30 against 25.90 ms, 24.69 against 25.23).
 SCORE_TILES: dict[int, ScoreTiles] = {64: ScoreTiles(128, 3, None, 168, "f32-blocks"),
                                       128: ScoreTiles(64, 2, None, 128, "f32-blocks")}
 SCORE_TILES_OTHER = ScoreTiles(128, 3, 2048, None, "f32-descriptor")
