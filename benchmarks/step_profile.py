@@ -358,6 +358,27 @@ def parse_score_tiles(text: str, library: pa.ScoreTiles) -> pa.ScoreTiles:
         raise argparse.ArgumentTypeError(f"bad score tiles {text!r}: {err}") from None
 
 
+def verify_tiles_arg(text: str) -> str:
+    """Checks a `--verify-tiles` entry: 'library' or BLOCK_K:STAGES[:MAXNREG]."""
+    if text != "library":
+        parse_verify_tiles(text)
+    return text
+
+
+def parse_verify_tiles(text: str) -> pa.VerifyTiles | None:
+    """'library' -> None (the library's VERIFY_TILES); '64:2' -> 64-key blocks, 2 stages,
+    ptxas's registers; '64:3:128' also a cap of 128 registers per thread (0: ptxas's)."""
+    if text == "library":
+        return None
+    try:
+        block_k, stages, *rest = (int(x) for x in text.split(":"))
+        if len(rest) > 1:
+            raise ValueError("more parts than BLOCK_K:STAGES:MAXNREG")
+        return pa.VerifyTiles(block_k, stages, rest[0] or None if rest else None)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"bad verify tiles {text!r}: {err}") from None
+
+
 def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
     """K and V of one position over all layers."""
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
@@ -461,6 +482,10 @@ def main() -> None:
                  text="query rows x padded heads of one attention program "
                       "(split_merge.MAX_LANES, 0: the library's); fewer cut a verify step's "
                       "rows into row blocks that read the same keys side by side")
+    side_by_side(ap, "--verify-tiles", type=verify_tiles_arg, default=["library"],
+                 text="how unscored decode calls of several rows (stream's verify step) run: "
+                      "library (paged_attention.VERIFY_TILES) or BLOCK_K:STAGES[:MAXNREG] at "
+                      "the model's head dim")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -475,6 +500,7 @@ def main() -> None:
     library_fill = (split_merge.SPLIT_PROGRAMS_PER_SM, split_merge.SPLIT_MIN_BLOCKS,
                     split_merge.SPLIT_WAVE_FILL)
     library_lanes = split_merge.MAX_LANES
+    library_verify = dict(pa.VERIFY_TILES)
     bandwidth = copy_bandwidth() if cuda else 1e10
     rows = []
     for context, mode in ((c, m) for c in args.contexts for m in args.modes):
@@ -490,11 +516,12 @@ def main() -> None:
             v.normal_()
         summing = llm.backend.topk_sum
         for (bsz, skinny, tiles, width, sparse, least, fused, threshold, sums, merge, fill,
-             lanes) in itertools.product(args.batches, args.skinny_rows, tilings,
-                                         args.rank_widths, args.sparse_splits,
-                                         args.topk_min_warps, args.sparse_rope,
-                                         args.topk_thresholds, args.topk_sums,
-                                         args.merge_steps, args.split_fill, args.max_lanes):
+             lanes, verify) in itertools.product(args.batches, args.skinny_rows, tilings,
+                                                 args.rank_widths, args.sparse_splits,
+                                                 args.topk_min_warps, args.sparse_rope,
+                                                 args.topk_thresholds, args.topk_sums,
+                                                 args.merge_steps, args.split_fill,
+                                                 args.max_lanes, args.verify_tiles):
             # All of these are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
             pa.SCORE_TILES = {dim: tiles}
@@ -508,9 +535,14 @@ def main() -> None:
              split_merge.SPLIT_WAVE_FILL) = (library_fill if fill == "library" else
                                              (*(int(x) for x in fill.split(":")), None))
             split_merge.MAX_LANES = lanes or library_lanes
+            chosen = parse_verify_tiles(verify)
+            pa.VERIFY_TILES = library_verify if chosen is None else {dim: chosen}
+            verify_now = pa.VERIFY_TILES.get(dim)
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny, "sparse_rope": fused,
                    "max_lanes": split_merge.MAX_LANES,
+                   "verify_tiles": "tile_config" if verify_now is None else
+                   f"{verify_now.block_k}:{verify_now.stages}:{verify_now.maxnreg or 0}",
                    "sparse_splits": sparse, "topk_min_warps": tk.RESIDENT_MIN_WARPS,
                    "topk_threshold": tk.RESIDENT_THRESHOLD, "topk_sum": sums,
                    "merge_splits_per_step": split_merge.MERGE_SPLITS_PER_STEP or "rule",

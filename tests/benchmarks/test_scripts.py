@@ -40,6 +40,7 @@ def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> No
     assert (row["score_split_max"], row["score_maxnreg"]) == (2048, None)
     assert (other["score_split_max"], other["score_maxnreg"]) == (None, 128)
     assert other["verify_ms"] > 0
+    assert row["verify_tiles"] == "tile_config"  # the library lists no verify tiles here
     assert (row["sparse_splits"], row["topk_min_warps"], row["sparse_rope"]) == (
         "library", 4, "yes")
     assert (row["topk_threshold"], row["topk_sum"], row["merge_splits_per_step"]) == (
@@ -72,10 +73,11 @@ def test_step_profile_measures_exact_mode_against_the_default(tmp_path: Path) ->
         "--reps", "2", "--min-tokens", "16", "--modes", "default", "exact", "--brief",
         "--host-gap-tokens", "8", "--max-model-len", "100", "--rank-widths", "library",
         "whole", "--sparse-splits", "paged", "--topk-min-warps", "1", "--sparse-rope", "no",
-        "--split-fill", "3:2", "--max-lanes", "16", "--out", str(out))
+        "--split-fill", "3:2", "--max-lanes", "16", "--verify-tiles", "32:3:96",
+        "--out", str(out))
     data = json.loads(out.read_text())
-    assert {(r["sparse_splits"], r["topk_min_warps"], r["sparse_rope"], r["max_lanes"])
-            for r in data["rows"]} == {("paged", 1, "no", 16)}
+    assert {(r["sparse_splits"], r["topk_min_warps"], r["sparse_rope"], r["max_lanes"],
+             r["verify_tiles"]) for r in data["rows"]} == {("paged", 1, "no", 16, "32:3:96")}
     assert {r["split_fill"] for r in data["rows"]} == {"3:2"}
     assert [(r["mode"], r["rank_width"]) for r in data["rows"]] == [
         ("default", "library"), ("default", "whole"), ("exact", "library"), ("exact", "whole")]
@@ -271,6 +273,22 @@ def test_step_profile_sparse_splits_setting_sets_programs_per_sm() -> None:
     for bad in ("0", "-2", "wave"):
         with pytest.raises(Exception, match="library, paged or a positive integer"):
             step_profile.sparse_splits_arg(bad)
+
+
+def test_step_profile_verify_tiles_setting() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import step_profile
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert step_profile.parse_verify_tiles("library") is None
+    assert step_profile.parse_verify_tiles("64:2") == pa.VerifyTiles(64, 2, None)
+    assert step_profile.parse_verify_tiles("64:3:128") == pa.VerifyTiles(64, 3, 128)
+    assert step_profile.parse_verify_tiles("64:3:0") == pa.VerifyTiles(64, 3, None)
+    assert step_profile.verify_tiles_arg("128:2") == "128:2"
+    for bad in ("64", "a:2", "64:2:128:1"):
+        with pytest.raises(Exception, match="bad verify tiles"):
+            step_profile.verify_tiles_arg(bad)
 
 
 def test_kernel_bench_checks_and_times_every_kernel(tmp_path: Path) -> None:

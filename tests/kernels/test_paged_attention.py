@@ -229,10 +229,10 @@ def test_score_tiles_refuse_an_unknown_store() -> None:
 
 
 class _GpuQuery:
-    """What the store choice reads of q [B, n, H, D] on a GPU, without one."""
+    """What the store and tile choices read of q [B, n, H, D] on a GPU, without one."""
 
-    def __init__(self, dim: int) -> None:
-        self.shape, self.is_cuda = (16, 7, 32, dim), True
+    def __init__(self, dim: int, n: int = 7) -> None:
+        self.shape, self.is_cuda, self.dtype = (16, n, 32, dim), True, torch.bfloat16
 
 
 def test_store_follows_the_tiles_of_the_call() -> None:
@@ -244,6 +244,45 @@ def test_store_follows_the_tiles_of_the_call() -> None:
         assert pa._score_store(gpu, True) == pa.EXACT_TILES.store
         cpu = torch.empty(1, 1, 1, dim)
         assert pa._score_store(cpu, False) == pa.SCORE_TILES_OTHER.store
+
+
+def test_verify_tiles_apply_to_unscored_calls_of_several_rows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU an unscored call of 2..DECODE_ROWS rows runs its head dim's VERIFY_TILES; a
+    plain step, a scored pass, a prompt's rows, exact mode, an explicit block_k and an
+    unlisted head dim run the tiles they ran before."""
+    verify = pa.VerifyTiles(32, 3, 96)
+    monkeypatch.setattr(pa, "VERIFY_TILES", {64: verify})
+
+    def tiling(dim: int = 64, n: int = 7, scored: bool = False, block_k: int | None = None,
+               exact: bool = False) -> tuple[int, int, int | None]:
+        gpu: torch.Tensor = _GpuQuery(dim, n)  # type: ignore[assignment]
+        cfg, _ = pa._tiling(gpu, 8, scored, block_k, exact)
+        return cfg.block_k, cfg.num_stages, cfg.maxnreg
+
+    assert tiling() == (32, 3, 96) == tiling(n=pa.DECODE_ROWS) == tiling(n=2)
+    plain = pa.tile_config(_GpuQuery(64, 1), 8)  # type: ignore[arg-type]
+    assert tiling(n=1) == (plain.block_k, plain.num_stages, None)
+    scored = pa.score_tiles(64)
+    assert tiling(scored=True) == (scored.block_k, scored.stages, scored.maxnreg)
+    assert tiling(n=pa.DECODE_ROWS + 1)[0] == plain.block_k
+    assert tiling(exact=True)[:2] == (pa.EXACT_TILES.block_k, pa.EXACT_TILES.stages)
+    assert tiling(block_k=128)[::2] == (128, None)
+    assert tiling(dim=128)[2] is None
+    cpu = torch.empty(1, 7, 32, 64)
+    assert pa.verify_tiles(cpu, False) is None
+
+
+@pytest.mark.skipif(not CUDA, reason="verify tiles apply on GPUs only")
+@pytest.mark.parametrize("tiles", [pa.VerifyTiles(64, 2), pa.VerifyTiles(64, 3, 128),
+                                   pa.VerifyTiles(128, 3, 168)], ids=str)
+def test_every_verify_tiling(tiles: pa.VerifyTiles, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unscored several-row calls under other tiles: the reference's output."""
+    monkeypatch.setattr(pa, "VERIFY_TILES", {64: tiles, 128: tiles})
+    for case in (Case((150, 77), 7, 8, 2, 64, page_size=8), Case((45,), 7, 4, 1, 128, kv_extra=3),
+                 Case((3000, 2100), 7, 9, 3, 64), Case((900,), 16, 8, 2, 128)):
+        for dtype in DTYPES:
+            run(case, dtype)
 
 
 def test_launch_options_name_a_register_cap_only_when_set() -> None:

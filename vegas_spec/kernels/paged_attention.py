@@ -160,6 +160,37 @@ def score_tiles(head_dim: int) -> ScoreTiles:
     return SCORE_TILES.get(head_dim, SCORE_TILES_OTHER)
 
 
+# Calls of at most this many query rows a sequence are decode steps (a plain step, a verify
+# of γ + 1 rows), split by whole waves of their kernel's resident programs; more rows are a
+# prompt's, which keep the occupancy split.
+DECODE_ROWS = 16
+
+
+@dataclass(frozen=True)
+class VerifyTiles:
+    """How an unscored decode call of several rows (a verify step without selection scores,
+    as stream's) runs on a GPU: keys per block, pipeline stages and the registers per thread
+    ptxas may use (None: its own choice)."""
+
+    block_k: int
+    stages: int
+    maxnreg: int | None = None
+
+
+# The tiles of such calls by head dim; a head dim not listed runs `tile_config`'s, those of a
+# plain step. At head dim 64 and seven rows those compile to 178 registers a thread, two
+# programs per SM (benchmarks/kernel_regs.py --heads 9 --kv-heads 3 --head-dim 64 --n 7
+# --block-k 128 --stages 2 --maxnreg 0); 64-key blocks to 96, five.
+VERIFY_TILES: dict[int, VerifyTiles] = {}
+
+
+def verify_tiles(q: torch.Tensor, scored: bool) -> VerifyTiles | None:
+    """The `VERIFY_TILES` of an unscored call of 2..DECODE_ROWS rows on a GPU, if listed."""
+    n, dim = q.shape[1], q.shape[3]
+    return VERIFY_TILES.get(dim) if q.is_cuda and not scored and 1 < n <= DECODE_ROWS \
+        else None
+
+
 # The logits are computed in the attention loop, on the key block it has just loaded, so K is
 # read once. Measured slower and dropped (BENCHMARKS.md §2.9, §2.10): a second loop over the
 # split's K blocks after the partials are stored (1062 against 708 µs per layer at the 8B
@@ -438,9 +469,11 @@ def _tiling(q: torch.Tensor, hkv: int, scored: bool, block_k: int | None,
             return dataclasses.replace(cfg, num_stages=EXACT_TILES.stages), None
         return cfg, None
     tiles = score_tiles(q.shape[3]) if q.is_cuda and scored else None
-    cfg = tile_config(q, hkv, block_k or (tiles.block_k if tiles else None))
-    if tiles:
-        cfg = dataclasses.replace(cfg, num_stages=tiles.stages, maxnreg=tiles.maxnreg)
+    rows = None if block_k else verify_tiles(q, scored)
+    chosen = tiles or rows
+    cfg = tile_config(q, hkv, block_k or (chosen.block_k if chosen else None))
+    if chosen:
+        cfg = dataclasses.replace(cfg, num_stages=chosen.stages, maxnreg=chosen.maxnreg)
     return cfg, tiles
 
 
@@ -459,11 +492,6 @@ def _split_size(q: torch.Tensor, hkv: int, cfg: TileConfig, tiles: ScoreTiles | 
         size = min(size, max(tiles.split_max // cfg.block_k, 1) * cfg.block_k)
     return size
 
-
-# Calls of at most this many query rows a sequence are decode steps (a plain step, a verify
-# of γ + 1 rows), split by whole waves of their kernel's resident programs; more rows are a
-# prompt's, which keep the occupancy split.
-DECODE_ROWS = 16
 
 # Resident programs per SM of each compiled variant of the split kernel, by its launch.
 _RESIDENT: dict[tuple, int] = {}
