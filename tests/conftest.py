@@ -144,7 +144,12 @@ def essays() -> list[str]:
 def essay_prompt(tokenizer, essays: list[str], tokens: int, offset: int = 0) -> list[int]:
     """About `tokens` tokens of essay text starting at essay `offset`, ending with a cue."""
     text = "\n\n".join(essays[offset:] + essays[:offset])
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"][: tokens - 16]
+    # Tokenize a prefix of the text with room to spare (English runs about 4 characters a
+    # token), not all ~200K tokens of it: the ids kept are the same.
+    ids = tokenizer(text[: 8 * tokens], add_special_tokens=False)["input_ids"]
+    if len(ids) < tokens:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = ids[: tokens - 16]
     cue = tokenizer("\n\nIn summary, the main point of the essay above is",
                     add_special_tokens=False)["input_ids"]
     return ids + cue
