@@ -20,7 +20,7 @@ from kernel_cases import (
 )
 
 import vegas_spec.kernels.paged_attention as pa
-from vegas_spec.attention.torch_backend import paged_attention_ref
+from vegas_spec.attention.torch_backend import paged_attention_ref, paged_attention_sdpa
 from vegas_spec.kernels.paged_attention import paged_attention
 
 
@@ -109,6 +109,29 @@ def run(case: Case, dtype: torch.dtype, seed: int = 0) -> None:
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_matches_reference(case: Case, dtype: torch.dtype) -> None:
     run(case, dtype)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.rows is None] + [
+    Case((100, 61), 7, 8, 2, 64, page_size=8), Case((45, 3), 7, 6, 2, 128, kv_extra=3),
+    Case((30, 90), 4, 4, 4, 32)], ids=case_id)
+def test_sdpa_form_matches_reference(case: Case) -> None:
+    """The torch backend's unscored full attention (torch's fused attention) against the
+    reference, rows that see no key included (they give 0 in both)."""
+    gen = generator(5)
+    bsz, kv_len = len(case.lens), max(case.lens) + case.kv_extra
+    cache = paged_cache(bsz, kv_len, case.hkv, case.dim, case.page_size, torch.float32, gen)
+    q = randn(bsz, case.n, case.heads, case.dim, gen=gen, dtype=torch.float32)
+    positions = query_positions(list(case.lens), case.n)
+    args = (q, cache.k, cache.v, cache.page_table, positions, case.page_size, kv_len,
+            case.dim ** -0.5)
+    want, _ = paged_attention_ref(*args)
+    torch.testing.assert_close(paged_attention_sdpa(*args), want, **tol(torch.float32))
+    blind = positions.clone()
+    blind[0] = -1  # the first sequence's rows see no key
+    args = (*args[:4], blind, *args[5:])
+    got, (want, _) = paged_attention_sdpa(*args), paged_attention_ref(*args)
+    assert (got[0] == 0).all() and (want[0] == 0).all()
+    torch.testing.assert_close(got, want, **tol(torch.float32))
 
 
 def test_scores_sum_to_heads() -> None:

@@ -198,6 +198,25 @@ def prefill_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return result
 
 
+def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
+                         kv_len: int, scale: float) -> torch.Tensor:
+    """`paged_attention_ref` without scores through torch's fused
+    scaled_dot_product_attention: the CPU path's plain steps and unscored verify steps, which
+    never form the float32 logits and weights the reference keeps for its scores. A row that
+    sees no key gives 0, as in the reference."""
+    bsz, n, heads, dim = q.shape
+    hkv = k_cache.shape[1]
+    key_pos = torch.arange(kv_len, device=q.device).expand(bsz, kv_len)
+    slots = slots_of(page_table, key_pos, page_size)
+    keys = k_cache[slots].transpose(1, 2)  # [B, Hkv, L, D]
+    values = v_cache[slots].transpose(1, 2)
+    valid = (key_pos[:, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, n, L]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=valid,
+                                         scale=scale, enable_gqa=heads != hkv)
+    return torch.nan_to_num(out.transpose(1, 2), nan=0.0)
+
+
 def sparse_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
                          indices: torch.Tensor, recent_start: torch.Tensor, recent_max: int,
@@ -250,6 +269,9 @@ class TorchBackend(AttentionBackend):
     def full(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              ctx: StepContext) -> torch.Tensor:
         req = ctx.scores
+        if req is None and not self.exact:
+            return paged_attention_sdpa(q, k_cache, v_cache, ctx.page_table, ctx.positions,
+                                        ctx.page_size, ctx.kv_len_max, q.shape[-1] ** -0.5)
         out, scores = paged_attention_ref(
             q, k_cache, v_cache, ctx.page_table, ctx.positions, ctx.page_size, ctx.kv_len_max,
             q.shape[-1] ** -0.5, None if req is None else req.rows,
