@@ -203,8 +203,9 @@ def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          kv_len: int, scale: float) -> torch.Tensor:
     """`paged_attention_ref` without scores through torch's fused
     scaled_dot_product_attention: the CPU path's plain steps and unscored verify steps, which
-    never form the float32 logits and weights the reference keeps for its scores. A row that
-    sees no key gives 0, as in the reference."""
+    never form the float32 logits and weights the reference keeps for its scores (on a GPU
+    the torch backend keeps the reference's form). A row that sees no key gives 0, as in the
+    reference."""
     bsz, n, heads, dim = q.shape
     hkv = k_cache.shape[1]
     key_pos = torch.arange(kv_len, device=q.device).expand(bsz, kv_len)
@@ -269,7 +270,7 @@ class TorchBackend(AttentionBackend):
     def full(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              ctx: StepContext) -> torch.Tensor:
         req = ctx.scores
-        if req is None and not self.exact:
+        if req is None and not self.exact and q.device.type == "cpu":
             return paged_attention_sdpa(q, k_cache, v_cache, ctx.page_table, ctx.positions,
                                         ctx.page_size, ctx.kv_len_max, q.shape[-1] ** -0.5)
         out, scores = paged_attention_ref(
