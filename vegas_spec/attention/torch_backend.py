@@ -104,6 +104,20 @@ def _exact_softmax_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     return out, s[..., :length].masked_fill(~mask[..., :length], 0.0), p[..., :length]
 
 
+def _visible_keys(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                  positions: torch.Tensor, page_size: int,
+                  kv_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys 0..kv_len-1 of each sequence from its pages: keys, values [B, Hkv, L, D] and
+    valid [B, 1, n, L] (query i of sequence b sees keys 0..positions[b, i])."""
+    bsz = page_table.shape[0]
+    key_pos = torch.arange(kv_len, device=positions.device).expand(bsz, kv_len)
+    slots = slots_of(page_table, key_pos, page_size)
+    keys = k_cache[slots].transpose(1, 2)
+    values = v_cache[slots].transpose(1, 2)
+    valid = (key_pos[:, None, :] <= positions[:, :, None]).unsqueeze(1)
+    return keys, values, valid
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
                         kv_len: int, scale: float, score_rows: torch.Tensor | None = None,
@@ -118,11 +132,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     exact: each row's output bits independent of n, B and kv_len (`_exact_softmax_attend`)."""
     bsz, n, heads, dim = q.shape
     hkv = k_cache.shape[1]
-    key_pos = torch.arange(kv_len, device=q.device).expand(bsz, kv_len)
-    slots = slots_of(page_table, key_pos, page_size)
-    keys = k_cache[slots].transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_cache[slots].transpose(1, 2)
-    valid = (key_pos[:, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, n, L]
+    keys, values, valid = _visible_keys(k_cache, v_cache, page_table, positions, page_size,
+                                        kv_len)
     attend = _exact_softmax_attend if exact else _softmax_attend
     out, s, p = attend(q.view(bsz, n, hkv, heads // hkv, dim), keys, values, valid, scale)
     scores = None
@@ -206,15 +217,10 @@ def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     never form the float32 logits and weights the reference keeps for its scores (on a GPU
     the torch backend keeps the reference's form). A row that sees no key gives 0, as in the
     reference."""
-    bsz, n, heads, dim = q.shape
-    hkv = k_cache.shape[1]
-    key_pos = torch.arange(kv_len, device=q.device).expand(bsz, kv_len)
-    slots = slots_of(page_table, key_pos, page_size)
-    keys = k_cache[slots].transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_cache[slots].transpose(1, 2)
-    valid = (key_pos[:, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, n, L]
+    keys, values, valid = _visible_keys(k_cache, v_cache, page_table, positions, page_size,
+                                        kv_len)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=valid,
-                                         scale=scale, enable_gqa=heads != hkv)
+                                         scale=scale, enable_gqa=q.shape[2] != k_cache.shape[1])
     return torch.nan_to_num(out.transpose(1, 2), nan=0.0)
 
 

@@ -272,7 +272,7 @@ def _paged_split_kernel(
         WHOLE_BLOCKS: tl.constexpr, SINGLE: tl.constexpr,
         WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # the row blocks of one (sequence, kv head) are launched side by side, so that they
-    # walk the same keys at about the same time and all but the first read them from L2
+    # walk the same keys at about the same time (the later ones may find them in L2)
     row_blocks = tl.cdiv(n, BLOCK_N)
     b = tl.program_id(0) // (Hkv * row_blocks)
     kvh = tl.program_id(0) // row_blocks % Hkv
