@@ -352,15 +352,15 @@ def main() -> None:
                 us = graph_us(lambda: pa.paged_attention(  # noqa: B023
                     q, k, v, table, pos, page, kv_len, scale, *extra,  # noqa: B023
                     block_k=block_k, split_size=split, out=out))  # noqa: B023
-                splits = -(-kv_len // pa.paged_split_size(
+                launched = -(-kv_len // pa.paged_split_size(
                     q, k, v, table, pos, page, kv_len, scale, *extra, block_k=block_k,
                     split_size=split))
                 pa.tile_config, pa.SCORE_TILES = tile_config, SCORE_TILES
                 row = {"n": n, "mode": mode, "store": store, "block_k": block_k,
                        "stages": stages, "warps": warps, "split": split,
                        "maxnreg": maxnreg or None, "score_split_max": cap or None,
-                       "merge_splits_per_step": merge, "splits": splits,
-                       "programs": splits * bsz * hkv, "us": us}
+                       "merge_splits_per_step": merge, "splits": launched,
+                       "programs": launched * bsz * hkv, "us": us}
                 new = [kern for i, kern in compiled().items() if i not in before]
                 if new:  # the variants this setting compiled: registers per thread
                     row["compiled"] = [{"registers": kern.n_regs, "spills": kern.n_spills,
