@@ -178,10 +178,14 @@ class VerifyTiles:
 
 
 # The tiles of such calls by head dim; a head dim not listed runs `tile_config`'s, those of a
-# plain step. At head dim 64 and seven rows those compile to 178 registers a thread, two
-# programs per SM (benchmarks/kernel_regs.py --heads 9 --kv-heads 3 --head-dim 64 --n 7
-# --block-k 128 --stages 2 --maxnreg 0); 64-key blocks to 96, five.
-VERIFY_TILES: dict[int, VerifyTiles] = {}
+# plain step. At head dim 64 and seven rows those (128-key blocks, 2 stages) compile to 178
+# registers a thread, two programs per SM (benchmarks/kernel_regs.py --heads 9 --kv-heads 3
+# --head-dim 64 --n 7 --block-k 128 --stages 2 --maxnreg 0), so the wave rule splits a
+# sequence four ways; 3 stages compile to 168, three per SM, and stream's verify at SmolLM2
+# 64 x 7.5K takes 4.68-4.74 ms against 5.84-6.24 (BENCHMARKS.md §2.28). At head dim 128 the
+# plain step's tiles (64-key blocks, 2 stages) are already the fastest of block_k 32/64 x
+# stages 2/3/4 for seven rows.
+VERIFY_TILES: dict[int, VerifyTiles] = {64: VerifyTiles(128, 3)}
 
 
 def verify_tiles(q: torch.Tensor, scored: bool) -> VerifyTiles | None:
