@@ -17,12 +17,15 @@ On a CPU (the torch backend, no CUDA graphs) the table holds the CPU operators i
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd.profiler_util import _filter_name, _rewrite_name
 from torch.profiler import ProfilerActivity, profile
 
 from vegas_spec.bench.workloads import essay_prompts
@@ -38,18 +41,107 @@ def kernel_times(llm: LLM, ids: list[list[int]], spec: SpecConfig, max_tokens: i
     cuda = torch.cuda.is_available() and llm.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
-    kind = "CUDA" if cuda else "CPU"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         outs = llm.generate(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                             speculative=spec)
         if cuda:
             torch.cuda.synchronize()
+    return event_totals(prof, cuda), outs[0].stats
+
+
+def event_totals(prof: profile, cuda: bool) -> dict[str, tuple[float, int]]:
+    """name -> (µs, calls) of the profile's CUDA events (their device time) or, without CUDA,
+    of its CPU operators (their self time)."""
     totals: dict[str, tuple[float, int]] = {}
-    for e in prof.events():
-        if e.device_type.name == kind:
-            t, c = totals.get(e.name, (0.0, 0))
-            totals[e.name] = (t + (e.device_time if cuda else e.self_cpu_time_total), c + 1)
-    return totals, outs[0].stats
+    for span in spans(prof, "CUDA" if cuda else "CPU"):
+        t, c = totals.get(span.name, (0.0, 0))
+        totals[span.name] = (t + (span.elapsed() if cuda else span.self_time()), c + 1)
+    return totals
+
+
+@dataclass(eq=False)
+class Span:
+    """One profiled event as torch.profiler's FunctionEvent has it: its name, start and end
+    (µs from the trace's start) and thread; an async one (begun and ended on different
+    threads) nests nowhere and its time counts 0."""
+
+    name: str
+    start: float
+    end: float
+    thread: int
+    sync: bool
+    parent: Span | None = None
+    children: list[Span] = field(default_factory=list)
+
+    def elapsed(self) -> float:
+        return self.end - self.start if self.sync else 0.0
+
+    def self_time(self) -> float:
+        """Its time less its children's (FunctionEvent.self_cpu_time_total)."""
+        if not self.sync:
+            return 0.0
+        return self.elapsed() - sum(child.elapsed() for child in self.children)
+
+
+def spans(prof: profile, kind: str) -> list[Span]:
+    """The profile's events on the `kind` device (CPU or CUDA) as `prof.events()` lists them:
+    the same names, times and order, host events nested by thread, a child that repeats
+    its only-child parent's name folded into it. Read from the raw events: prof.events()
+    builds a FunctionEvent with every field of each, slow for a CPU's many operators."""
+    result = prof.profiler.kineto_results
+    origin = result.trace_start_ns()
+    names: dict[str, str] = {}  # raw -> as FunctionEvent names it (demangled)
+    out = []
+    for e in result.events():
+        raw = e.name()
+        if e.device_type().name != kind or _filter_name(raw) \
+                or getattr(e, "is_hidden_event", lambda: False)():
+            continue
+        if raw not in names:
+            names[raw] = _rewrite_name(raw, with_wildcard=True)
+        thread = e.start_thread_id()
+        out.append(Span(names[raw], (e.start_ns() - origin) / 1000, (e.end_ns() - origin) / 1000,
+                        thread, not e.is_async() and thread == e.end_thread_id()))
+    out.sort(key=lambda s: (s.start, -s.end))
+    if kind == "CPU":
+        nest([s for s in out if s.sync])
+        out = fold_repeats(out)
+    return out
+
+
+def nest(events: list[Span]) -> None:
+    """Each event's parent: the innermost earlier event of its thread that contains it
+    (EventList._populate_cpu_children)."""
+    for _, mine in itertools.groupby(sorted(events, key=lambda s: s.thread),
+                                     key=lambda s: s.thread):
+        stack: list[Span] = []
+        for event in sorted(mine, key=lambda s: (s.start, -s.end)):
+            while stack:
+                parent = stack[-1]
+                if event.start >= parent.end or event.end > parent.end:
+                    stack.pop()
+                else:
+                    parent.children.append(event)
+                    event.parent = parent
+                    break
+            stack.append(event)
+
+
+def fold_repeats(events: list[Span]) -> list[Span]:
+    """Without the events that repeat the name of a parent they are the only child of, their
+    children lifted to that parent (EventList._remove_dup_nodes)."""
+    while True:
+        folded: set[int] = set()
+        for i, event in enumerate(events):
+            parent = event.parent
+            if parent is not None and parent.name == event.name and len(parent.children) == 1:
+                parent.children = event.children
+                for child in event.children:
+                    child.parent = parent
+                folded.add(i)
+        if not folded:
+            return events
+        events = [e for i, e in enumerate(events) if i not in folded]
 
 
 def decode_only(full: dict[str, tuple[float, int]],
@@ -70,11 +162,14 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.05)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rows", type=int, default=30, help="kernels to list")
+    ap.add_argument("--kv-cache-gb", type=float, default=None,
+                    help="the KV pool (default: the engine's)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
+    kv = None if args.kv_cache_gb is None else int(args.kv_cache_gb * (1 << 30))
     llm = LLM(args.model, device="cuda" if cuda else "cpu",
-              dtype="bfloat16" if cuda else "float32")
+              dtype="bfloat16" if cuda else "float32", kv_cache_bytes=kv)
     ids = [p.ids for p in essay_prompts(llm.tokenizer, args.context, args.batch, args.workload)]
     spec = SpecConfig(method=args.method, gamma=args.gamma, ratio=args.ratio)
     warm = min(args.max_tokens, 2 * args.gamma + 3)  # the graphs of every kind are captured

@@ -31,6 +31,7 @@ over `--repeats` timed runs after one warm-up run.
     python benchmarks/host_loop.py --batch 64 --max-tokens 128 --out host_loop.json
     python benchmarks/host_loop.py --batch 64 --methods vegas --cprofile 25
     python benchmarks/host_loop.py --batch 64 --stream
+    python benchmarks/host_loop.py --batch 64 --stream both     # each method both ways
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import json
 import platform
 import pstats
@@ -223,8 +225,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: host work only)")
     ap.add_argument("--cprofile", type=int, default=0, help="also print the top N functions")
-    ap.add_argument("--stream", action="store_true",
-                    help="every step makes its outputs and text deltas, as the server does")
+    ap.add_argument("--stream", nargs="?", const="yes", default="no",
+                    choices=["no", "yes", "both"],
+                    help="every step makes its outputs and text deltas, as the server does "
+                         "(both: each method without, then with)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -236,15 +240,16 @@ def main() -> None:
                    for i in range(args.batch)]
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         rows = []
-        for method in args.methods:
+        streams = {"no": [False], "yes": [True], "both": [False, True]}[args.stream]
+        for method, stream in itertools.product(args.methods, streams):
             spec = SpecConfig(method=method, gamma=args.gamma, ratio=0.1, min_tokens=16)
-            row = {"method": method,
-                   **measure(llm, prompts, params, spec, args.repeats, args.stream)}
+            row = {"method": method, "stream": stream,
+                   **measure(llm, prompts, params, spec, args.repeats, stream)}
             rows.append(row)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
                               for k, v in row.items()}), flush=True)
             if args.cprofile:
-                print(profile_table(llm, prompts, params, spec, args.cprofile, args.stream),
+                print(profile_table(llm, prompts, params, spec, args.cprofile, stream),
                       flush=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or "cpu",
             "cpus": torch.get_num_threads(), "torch": torch.__version__,

@@ -286,8 +286,8 @@ def profile_section(args: argparse.Namespace) -> list[dict]:
 
     from torch.profiler import ProfilerActivity, profile
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=int(8 << 30),
-              load_format=args.load_format)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype,
+              kv_cache_bytes=int(args.profile_kv_gb * (1 << 30)), load_format=args.load_format)
     rows = []
     for batch in args.batches:
         prompts = random_prompts(llm.model_config.vocab_size, args.context, batch) \
@@ -373,6 +373,8 @@ def main() -> None:
     p.add_argument("--kinds", nargs="+", default=["essays", "random"])
     p.add_argument("--shapes", nargs="+", default=["llama-3.1-8b", "qwen3-8b"])
     p.add_argument("--kv-gb", type=float, default=40.0)
+    p.add_argument("--profile-kv-gb", type=float, default=8.0,
+                   help="the KV pool of the profile section's engine (GB)")
     p.add_argument("--e2e-tokens", type=int, default=256)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)

@@ -44,10 +44,10 @@ def _count_forwards(llm: LLM, calls: list[tuple[int, ...]]):  # noqa: ANN202
 
 @pytest.mark.slow
 def test_one_chunk_and_many_chunks_match_transformers(llm, hf_model, essays) -> None:
-    ids = _essay_ids(llm, essays, 400)
+    ids = _essay_ids(llm, essays, 256)
     ref = hf_logits(hf_model, ids)
     whole = llm.logits(ids)
-    chunked = llm.logits(ids, chunk=37)  # chunk ends fall inside pages (page size 16)
+    chunked = llm.logits(ids, chunk=37)  # 7 chunks, whose ends fall inside pages (size 16)
     assert_close_logits(whole, ref)
     assert_close_logits(chunked, ref)
     assert torch.equal(whole.argmax(-1), ref.argmax(-1))
@@ -79,20 +79,21 @@ def test_prefix_cache_hit_prefills_only_the_rest(llm, hf_model, essays) -> None:
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_ragged_prompts_share_forwards(backend: str, tmp_path: Path) -> None:
-    """Three prompts of different lengths packed into forwards of 50 tokens (each prompt cut
-    across forwards at unaligned positions): each prompt's next-token logits are its own."""
+    """Three prompts of different lengths packed into forwards of 20 tokens (each prompt cut
+    across forwards at unaligned positions: the first at 20, the second at 3, the third at
+    17, none a multiple of the page size 8): each prompt's next-token logits are its own."""
     model = build_hf("llama-tied")
     device = TRITON_DEVICE if backend == "triton" else "cpu"
-    llm = engine(save(model, tmp_path), prefill_chunk=50, page_size=8, backend=backend,
+    llm = engine(save(model, tmp_path), prefill_chunk=20, page_size=8, backend=backend,
                  device=device, cuda_graphs=False)  # the eager path: its forwards are counted
-    prompts = [random_ids(n, seed=n) for n in (97, 6, 64)]
+    prompts = [random_ids(n, seed=n) for n in (37, 6, 24)]
     calls: list[tuple[int, ...]] = []
     original, llm.model.forward = _count_forwards(llm, calls)
     try:
         got = llm.next_token_logits(prompts)
     finally:
         llm.model.forward = original
-    assert calls == [(1, 50), (1, 50), (1, 50), (1, 17)]  # 97 + 6 + 64 = 167 tokens
+    assert calls == [(1, 20), (1, 20), (1, 20), (1, 7)]  # 37 + 6 + 24 = 67 tokens
     ref = torch.stack([hf_logits(model, p)[-1] for p in prompts])
     assert_close_logits(got.cpu(), ref)
 
@@ -102,10 +103,10 @@ def test_triton_prefill_gives_torch_tokens(tmp_path: Path) -> None:
     backend's plain output on a batch of ragged prompts."""
     model = build_hf("qwen3")
     folder = save(model, tmp_path)
-    prompts = [random_ids(n, seed=n) for n in (70, 33)]
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
-    plain = engine(folder, prefill_chunk=40).generate(prompts, params)
-    spec = engine(folder, prefill_chunk=40, backend="triton", device=TRITON_DEVICE).generate(
+    prompts = [random_ids(n, seed=n) for n in (30, 13)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    plain = engine(folder, prefill_chunk=24).generate(prompts, params)
+    spec = engine(folder, prefill_chunk=24, backend="triton", device=TRITON_DEVICE).generate(
         prompts, params, speculative={"method": "vegas", "gamma": 3, "min_tokens": 8})
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
 
@@ -117,19 +118,19 @@ def test_fixed_shape_prefill_gives_the_same_logits(backend: str, tmp_path: Path)
     batch of another size; each prompt's next-token logits are its own."""
     model = build_hf("qwen3")
     device = TRITON_DEVICE if backend == "triton" else "cpu"
-    llm = engine(save(model, tmp_path), prefill_chunk=60, page_size=8, backend=backend,
+    llm = engine(save(model, tmp_path), prefill_chunk=30, page_size=8, backend=backend,
                  static_shapes=True, device=device)
     graphs = llm.prefill_graphs
     assert graphs is not None
     if not graphs.capture:
         graphs.pad_to = 16  # pad on CPU too, as the captured graphs do
-    for lengths in [(97, 6, 64), (30,)]:
+    for lengths in [(37, 6, 30), (20,)]:
         prompts = [random_ids(n, seed=n + 1) for n in lengths]
         got = llm.next_token_logits(prompts)
         ref = torch.stack([hf_logits(model, p)[-1] for p in prompts])
         assert_close_logits(got.cpu(), ref)
-    # chunks of 60, 60 (3 pieces), 47 tokens; then 30
-    chunks = [(60, 1), (60, 4), (47, 1), (30, 1)]
+    # chunks of 30, 30 (3 pieces), 13 tokens; then 20: buckets 32, 32, 16, 24 (all padded)
+    chunks = [(30, 1), (30, 4), (13, 1), (20, 1)]
     assert {key[:2] for key in graphs.entries} == {(token_bucket(n, graphs.pad_to), s)
                                                    for n, s in chunks}
     assert all((e.graph is not None) == graphs.capture for e in graphs.entries.values())
@@ -140,11 +141,11 @@ def test_fixed_shape_prefill_scores_and_tokens(tmp_path: Path) -> None:
     the fixed-shape decode loop equals plain decoding."""
     model = build_hf("llama-tied")
     folder = save(model, tmp_path)
-    prompts = [random_ids(n, seed=n) for n in (75, 40)]
-    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    prompts = [random_ids(n, seed=n) for n in (30, 18)]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
     plain = engine(folder).generate(prompts, params)
-    static = engine(folder, static_shapes=True, prefill_chunk=64, backend="triton",
-                    device=TRITON_DEVICE)
+    static = engine(folder, static_shapes=True, prefill_chunk=24, max_model_len=48,
+                    backend="triton", device=TRITON_DEVICE)
     for method in ("vegas", "lastq"):
         outs = static.generate(prompts, params,
                                speculative={"method": method, "gamma": 3, "min_tokens": 8})
