@@ -181,7 +181,7 @@ def _argv(command: str, files: dict[str, str]) -> list[str]:
 IN_PROCESSES = ("prompt-file-binary", "kv-cache-beyond-memory")
 
 
-def _in_this_process(argv: list[str]) -> subprocess.CompletedProcess:
+def in_this_process(argv: list[str]) -> subprocess.CompletedProcess:
     """`cli.main(argv)` with its output captured and its exit code, as the entry point
     returns it (argparse's own errors exit with theirs)."""
     out, err = io.StringIO(), io.StringIO()
@@ -207,7 +207,7 @@ def bad_runs(files: dict[str, str]) -> dict[str, subprocess.CompletedProcess]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "0")
         for name, command, _ in BAD_COMMANDS:
-            runs[name] = _in_this_process(_argv(command, files))
+            runs[name] = in_this_process(_argv(command, files))
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=600)
         runs[f"{name} (process)"] = subprocess.CompletedProcess(proc.args, proc.returncode,

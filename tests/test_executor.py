@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import TINY_LLAMA, TINY_VOCAB, config_folder, random_prompts
-from test_cli import word_checkpoint
+from test_cli import in_this_process, word_checkpoint
 
-from vegas_spec import SamplingParams, SpecConfig, cli, executor
+from vegas_spec import SamplingParams, SpecConfig, executor
 from vegas_spec.config import ConfigError
 from vegas_spec.engine import LLM, LLMEngine
 
@@ -199,27 +199,24 @@ def vegas(*args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess
                           text=True, timeout=timeout, env=env)
 
 
-def one_rank(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-             *args: str) -> tuple[int, str]:
+def one_rank(monkeypatch: pytest.MonkeyPatch, *args: str) -> subprocess.CompletedProcess:
     """`vegas *args` on one rank, in this process (no torchrun variables, as `vegas` runs
-    its processes) -> its exit code and what it printed."""
+    its processes)."""
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    capsys.readouterr()
-    code = cli.main(list(args))
-    return code, capsys.readouterr().out
+    return in_this_process(list(args))
 
 
-def test_cli_tensor_parallel_prints_one_ranks_text(model: Path, capsys: pytest.CaptureFixture[str],
+def test_cli_tensor_parallel_prints_one_ranks_text(model: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     common = ["generate", "--model", str(model), "--device", "cpu", "--prompt", "w5 w9 w3 w7",
               "--prompt", "w1 w2", "--max-tokens", "8", "--ignore-eos", "--exact",
               "--kv-cache-gb", "0.01"]
-    code, one = one_rank(capsys, monkeypatch, *common, "--method", "vanilla")
+    one = one_rank(monkeypatch, *common, "--method", "vanilla")
     two = vegas(*common, "--method", "vegas", "--gamma", "2", "--tensor-parallel", "2")
-    assert code == 0
+    assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr
-    assert two.stdout == one and len(one.splitlines()) == 2
+    assert two.stdout == one.stdout and len(one.stdout.splitlines()) == 2
 
 
 def test_cli_refuses_heads_that_do_not_divide(model: Path) -> None:
@@ -233,7 +230,7 @@ def test_cli_refuses_heads_that_do_not_divide(model: Path) -> None:
 
 
 @pytest.mark.slow
-def test_cli_smollm2_runs_at_three_ranks(smollm_gguf: Path, capsys: pytest.CaptureFixture[str],
+def test_cli_smollm2_runs_at_three_ranks(smollm_gguf: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """9 query / 3 KV heads split over 3 ranks: vegas prints one rank's text. (Two ranks are
     refused: test_parallel's test_smollm2_is_refused_at_two_ranks checks every rank's
@@ -241,7 +238,7 @@ def test_cli_smollm2_runs_at_three_ranks(smollm_gguf: Path, capsys: pytest.Captu
     2 and message for such a refusal.)"""
     common = ["generate", "--model", str(smollm_gguf), "--prompt", "The capital of France is",
               "--max-tokens", "6", "--kv-cache-gb", "0.05"]
-    code, one = one_rank(capsys, monkeypatch, *common)
+    one = one_rank(monkeypatch, *common)
     three = vegas(*common, "--method", "vegas", "--tensor-parallel", "3", timeout=300)
-    assert code == 0 and three.returncode == 0, three.stderr
-    assert three.stdout == one
+    assert one.returncode == 0 and three.returncode == 0, three.stderr
+    assert three.stdout == one.stdout
