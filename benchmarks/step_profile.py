@@ -486,6 +486,10 @@ def main() -> None:
                  text="how unscored decode calls of several rows (stream's verify step) run: "
                       "library (paged_attention.VERIFY_TILES) or BLOCK_K:STAGES[:MAXNREG] at "
                       "the model's head dim")
+    side_by_side(ap, "--score-overlap", default=["yes"], choices=["yes", "no"],
+                 text="scored passes finalise their scores on a side stream, overlapped with "
+                      "the next layer's projections (paged_attention.SCORE_OVERLAP), or in "
+                      "line")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -516,12 +520,11 @@ def main() -> None:
             v.normal_()
         summing = llm.backend.topk_sum
         for (bsz, skinny, tiles, width, sparse, least, fused, threshold, sums, merge, fill,
-             lanes, verify) in itertools.product(args.batches, args.skinny_rows, tilings,
-                                                 args.rank_widths, args.sparse_splits,
-                                                 args.topk_min_warps, args.sparse_rope,
-                                                 args.topk_thresholds, args.topk_sums,
-                                                 args.merge_steps, args.split_fill,
-                                                 args.max_lanes, args.verify_tiles):
+             lanes, verify, overlap) in itertools.product(
+                 args.batches, args.skinny_rows, tilings, args.rank_widths, args.sparse_splits,
+                 args.topk_min_warps, args.sparse_rope, args.topk_thresholds, args.topk_sums,
+                 args.merge_steps, args.split_fill, args.max_lanes, args.verify_tiles,
+                 args.score_overlap):
             # All of these are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
             pa.SCORE_TILES = {dim: tiles}
@@ -538,8 +541,10 @@ def main() -> None:
             chosen = parse_verify_tiles(verify)
             pa.VERIFY_TILES = library_verify if chosen is None else {dim: chosen}
             verify_now = pa.VERIFY_TILES.get(dim)
+            pa.SCORE_OVERLAP = overlap == "yes"
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny, "sparse_rope": fused,
+                   "score_overlap": overlap,
                    "max_lanes": split_merge.MAX_LANES,
                    "verify_tiles": "tile_config" if verify_now is None else
                    f"{verify_now.block_k}:{verify_now.stages}:{verify_now.maxnreg or 0}",

@@ -347,3 +347,49 @@ def test_split_size_is_the_calls(rows: str | None, monkeypatch: pytest.MonkeyPat
     splits = -(-300 // size)
     assert made == ([splits] if splits > 1 else [])
     assert CUDA or splits > 1  # the interpreter splits even short contexts
+
+
+@pytest.mark.skipif(not CUDA, reason="the finalise's side stream is a CUDA stream")
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_overlapped_finalise_gives_the_same_scores(graph: bool) -> None:
+    """Scored calls of several layers with their finalise on `ScoreOverlap`'s side stream
+    (each call freeing the last one's scratch for its own) write the bits the plain calls
+    write, eagerly and inside a captured CUDA graph replayed on new queries."""
+    case = Case((3000, 2100, 700), 7, 9, 3, 64, rows="ends")
+    layers, gen = 4, generator(3)
+    bsz, kv_len = len(case.lens), max(case.lens)
+    cache = paged_cache(bsz, kv_len, case.hkv, case.dim, case.page_size, torch.bfloat16, gen)
+    q = randn(layers, bsz, case.n, case.heads, case.dim, gen=gen, dtype=torch.bfloat16)
+    positions = query_positions(list(case.lens), case.n)
+    rows = torch.tensor(case.score_rows(), device=DEVICE)
+
+    def forward(overlap: pa.ScoreOverlap | None, scores: torch.Tensor,
+                out: torch.Tensor) -> None:
+        for layer in range(layers):
+            paged_attention(q[layer], cache.k, cache.v, cache.page_table, positions,
+                            case.page_size, kv_len, 0.125, rows, scores[layer], out=out[layer],
+                            overlap=overlap)
+        if overlap is not None:
+            overlap.join()
+
+    def both() -> tuple[torch.Tensor, torch.Tensor]:
+        return poisoned(layers, bsz, 2, 1, kv_len), poisoned(*q.shape, dtype=torch.bfloat16)
+
+    want_scores, want = both()
+    forward(None, want_scores, want)
+    overlap = pa.ScoreOverlap(DEVICE)
+    scores, out = both()
+    if graph:
+        forward(overlap, scores, out)  # compiles every kernel before the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            forward(overlap, scores, out)
+        scores.fill_(float("nan"))
+        q.copy_(randn(*q.shape, gen=gen, dtype=torch.bfloat16))
+        forward(None, want_scores, want)
+        g.replay()
+    else:
+        forward(overlap, scores, out)
+    torch.cuda.synchronize()
+    assert not overlap.pending
+    assert torch.equal(scores, want_scores) and torch.equal(out, want)

@@ -39,6 +39,7 @@ not by these bytes; the float32 logits also keep this kernel exact against the r
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -600,12 +601,60 @@ def paged_split_size(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  score_rows, score_out, score_mode, block_k, split_size, q, exact).size
 
 
+# A scored call's finalise kernel runs on a side stream (`ScoreOverlap`) where its caller
+# hands one in: the Triton backend does on a GPU while this is True.
+SCORE_OVERLAP: bool = True
+
+
+class ScoreOverlap:
+    """Runs scored calls' finalise kernels on a side stream of one CUDA device, so that each
+    overlaps what the caller's stream does next (a decoder layer's projections, norms and
+    RoPE, which leave the memory bus idle) instead of running between them.
+
+    A call's scratch and lse are allocated on the caller's stream and read by the finalise
+    on the side stream; they are held here until the caller's stream has waited for that
+    finalise (`settle`, before the next scored call allocates its own), and only then freed,
+    so the allocator hands their memory out again in the caller's stream order after the
+    read. At most one finalise is in flight (one extra scratch alive). `join` makes the
+    caller's stream wait for everything launched here; a CUDA graph captured through this
+    must join before its capture ends (the backend joins at a request's last layer)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+        self.pending: list[tuple[torch.cuda.Event, tuple[torch.Tensor, ...]]] = []
+
+    def settle(self) -> None:
+        """The caller's stream waits for the finalise in flight; its inputs are released."""
+        stream = torch.cuda.current_stream(self.stream.device)
+        for done, _ in self.pending:
+            stream.wait_event(done)
+        self.pending.clear()
+
+    def launch(self, finalise: Callable[[], None], holds: tuple[torch.Tensor, ...]) -> None:
+        """finalise() on the side stream after what the caller's stream has queued so far;
+        `holds` (what it reads) stay alive until the next `settle`."""
+        self.settle()
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.stream.device))
+        self.stream.wait_event(ready)
+        with torch.cuda.stream(self.stream):
+            finalise()
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        self.pending.append((done, holds))
+
+    def join(self) -> None:
+        """The caller's stream waits for every finalise launched here."""
+        self.settle()
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
                     kv_len: int, scale: float, score_rows: torch.Tensor | None = None,
                     score_out: torch.Tensor | None = None, score_mode: str = "weight", *,
                     block_k: int | None = None, split_size: int | None = None,
-                    out: torch.Tensor | None = None, exact: bool = False) -> torch.Tensor:
+                    out: torch.Tensor | None = None, exact: bool = False,
+                    overlap: ScoreOverlap | None = None) -> torch.Tensor:
     """Causal paged attention; query i of sequence b sees keys 0..positions[b, i].
 
     q [B, n, H, D] (RoPE applied); k_cache, v_cache [num_slots, Hkv, D];
@@ -615,9 +664,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     W >= kv_len) receives softmax weights ("weight") or raw q.k ("logit") of those rows, 0
     where the row cannot see the key. out: optional [B, n, H, D] result buffer. exact: one
     tiling whatever n, B, kv_len and the scores (block_k and split_size are then refused), so
-    that each row's bits depend on its own query and keys only.
+    that each row's bits depend on its own query and keys only. overlap: the scores'
+    finalise kernel runs on its side stream (CUDA; score_out is then written once the
+    caller's stream has joined it, `ScoreOverlap.join`).
     Returns [B, n, H, D] in q's dtype."""
     _check(q, k_cache, v_cache, page_table, positions, kv_len)
+    if overlap is not None:
+        overlap.settle()  # before this call allocates: the last call's scratch is free
     out = output_buffer(q, out)
     plan = _plan(q, k_cache, v_cache, page_table, positions, page_size, kv_len, scale,
                  score_rows, score_out, score_mode, block_k, split_size, out, exact)
@@ -631,5 +684,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if parts is not None:
         merge_splits(parts, out, lse, exact)
     if job is not None:
-        _finalise_scores(job, positions, scale, plan.cfg, plan.hkv, kv_len)
+        def finalise() -> None:
+            _finalise_scores(job, positions, scale, plan.cfg, plan.hkv, kv_len)
+        if overlap is None:
+            finalise()
+        else:
+            overlap.launch(finalise, tuple(t for t in (job.scratch, job.lse, job.rows,
+                                                       job.out, positions) if t is not None))
     return out
