@@ -408,6 +408,18 @@ def sparse_programs(library: dict[int, int] | None, setting: str,
     return {**(library or {}), dim: int(setting)}
 
 
+def score_overlap_arg(text: str) -> str:
+    """Checks a `--score-overlap` entry: 'library', 'no' or programs per SM (0: one a
+    tile)."""
+    if text not in ("library", "no"):
+        try:
+            if float(text) < 0:
+                raise ValueError
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: library, no or a number >= 0") from None
+    return text
+
+
 def side_by_side(ap: argparse.ArgumentParser, flag: str, text: str, **kwargs: object) -> None:
     """An option of one or more settings, each timed in graphs of its own, side by side."""
     ap.add_argument(flag, nargs="+", help=f"{text}, each in graphs of its own", **kwargs)
@@ -486,10 +498,10 @@ def main() -> None:
                  text="how unscored decode calls of several rows (stream's verify step) run: "
                       "library (paged_attention.VERIFY_TILES) or BLOCK_K:STAGES[:MAXNREG] at "
                       "the model's head dim")
-    side_by_side(ap, "--score-overlap", default=["yes"], choices=["yes", "no"],
+    side_by_side(ap, "--score-overlap", default=["library"], type=score_overlap_arg,
                  text="scored passes finalise their scores on a side stream, overlapped with "
                       "the next layer's projections (paged_attention.SCORE_OVERLAP), or in "
-                      "line")
+                      "line: library, no, or PROGRAMS_PER_SM (0: one program a tile)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -505,6 +517,7 @@ def main() -> None:
                     split_merge.SPLIT_WAVE_FILL)
     library_lanes = split_merge.MAX_LANES
     library_verify = dict(pa.VERIFY_TILES)
+    library_overlap = pa.SCORE_OVERLAP_PROGRAMS
     bandwidth = copy_bandwidth() if cuda else 1e10
     rows = []
     for context, mode in ((c, m) for c in args.contexts for m in args.modes):
@@ -541,10 +554,13 @@ def main() -> None:
             chosen = parse_verify_tiles(verify)
             pa.VERIFY_TILES = library_verify if chosen is None else {dim: chosen}
             verify_now = pa.VERIFY_TILES.get(dim)
-            pa.SCORE_OVERLAP = overlap == "yes"
+            pa.SCORE_OVERLAP = overlap != "no"
+            pa.SCORE_OVERLAP_PROGRAMS = (library_overlap if overlap in ("library", "no") else
+                                         float(overlap) or None)
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny, "sparse_rope": fused,
-                   "score_overlap": overlap,
+                   "score_overlap": overlap if overlap == "no" else
+                   pa.SCORE_OVERLAP_PROGRAMS or "tile",
                    "max_lanes": split_merge.MAX_LANES,
                    "verify_tiles": "tile_config" if verify_now is None else
                    f"{verify_now.block_k}:{verify_now.stages}:{verify_now.maxnreg or 0}",

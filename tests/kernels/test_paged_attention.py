@@ -350,11 +350,13 @@ def test_split_size_is_the_calls(rows: str | None, monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.skipif(not CUDA, reason="the finalise's side stream is a CUDA stream")
+@pytest.mark.parametrize("programs", [None, 7], ids=["tile", "walk"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_overlapped_finalise_gives_the_same_scores(graph: bool) -> None:
+def test_overlapped_finalise_gives_the_same_scores(graph: bool, programs: int | None) -> None:
     """Scored calls of several layers with their finalise on `ScoreOverlap`'s side stream
-    (each call freeing the last one's scratch for its own) write the bits the plain calls
-    write, eagerly and inside a captured CUDA graph replayed on new queries."""
+    (each call freeing the last one's scratch for its own; one program a tile, or a few
+    programs walking the tiles) write the bits the plain calls write, eagerly and inside a
+    captured CUDA graph replayed on new queries."""
     case = Case((3000, 2100, 700), 7, 9, 3, 64, rows="ends")
     layers, gen = 4, generator(3)
     bsz, kv_len = len(case.lens), max(case.lens)
@@ -377,7 +379,7 @@ def test_overlapped_finalise_gives_the_same_scores(graph: bool) -> None:
 
     want_scores, want = both()
     forward(None, want_scores, want)
-    overlap = pa.ScoreOverlap(DEVICE)
+    overlap = pa.ScoreOverlap(DEVICE, programs)
     scores, out = both()
     if graph:
         forward(overlap, scores, out)  # compiles every kernel before the capture
@@ -393,3 +395,26 @@ def test_overlapped_finalise_gives_the_same_scores(graph: bool) -> None:
     torch.cuda.synchronize()
     assert not overlap.pending
     assert torch.equal(scores, want_scores) and torch.equal(out, want)
+
+
+def test_a_few_finalise_programs_walk_every_tile() -> None:
+    """The finalise kernel with fewer programs than tiles (each walking its share, as on
+    the side stream) writes what one program a tile writes."""
+    case = Case((300, 170, 90), 7, 8, 2, 64, rows="ends", per_kv_head=True)
+    gen = generator(4)
+    q = randn(3, case.n, case.heads, case.dim, gen=gen)
+    positions = query_positions(list(case.lens), case.n)
+    rows = torch.tensor(case.score_rows(), device=DEVICE)
+    results = []
+    for programs in (None, 1, 5):
+        scores = poisoned(3, 2, case.hkv, 304)
+        cfg = pa.tile_config(q, case.hkv)
+        job = pa._score_job(rows, scores, "weight", q, cfg, case.hkv, 300,
+                            pa.SCORE_STORES[pa.SCORE_TILES_OTHER.store])
+        assert job is not None and job.lse is not None
+        job.scratch.copy_(randn(*job.scratch.shape, gen=generator(6)))
+        job.lse.copy_(randn(*job.lse.shape, gen=generator(7)))
+        pa._finalise_scores(job, positions, 0.125, cfg, case.hkv, 300, programs)
+        results.append(scores)
+    assert not results[0].isnan().any()
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])

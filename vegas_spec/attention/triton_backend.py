@@ -29,6 +29,7 @@ from vegas_spec.kernels.rope_store import rope_store
 from vegas_spec.kernels.silu_mul import silu_mul
 from vegas_spec.kernels.skinny_matmul import MAX_ROWS, skinny_linear
 from vegas_spec.kernels.sparse_attention import NewKV, sparse_attention
+from vegas_spec.kernels.split_merge import device_sms
 from vegas_spec.kernels.store_kv import store_kv
 from vegas_spec.parallel import SINGLE, TPGroup
 
@@ -92,7 +93,7 @@ class TritonBackend(AttentionBackend):
 
     def __init__(self, exact: bool = False, tp: TPGroup = SINGLE) -> None:
         super().__init__(exact, tp)
-        self._overlaps: dict[torch.device, ScoreOverlap] = {}
+        self._overlaps: dict[tuple[torch.device, int | None], ScoreOverlap] = {}
 
     def quest_page_scores(self, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                           pages: torch.Tensor, rope: torch.Tensor | None = None,
@@ -165,9 +166,12 @@ class TritonBackend(AttentionBackend):
         device, while `paged_attention.SCORE_OVERLAP`; None on CPU."""
         if not (q.is_cuda and pa.SCORE_OVERLAP):
             return None
-        if q.device not in self._overlaps:
-            self._overlaps[q.device] = ScoreOverlap(q.device)
-        return self._overlaps[q.device]
+        per_sm = pa.SCORE_OVERLAP_PROGRAMS
+        programs = None if per_sm is None else max(1, round(per_sm * device_sms(q.device)))
+        key = (q.device, programs)
+        if key not in self._overlaps:
+            self._overlaps[key] = ScoreOverlap(q.device, programs)
+        return self._overlaps[key]
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:

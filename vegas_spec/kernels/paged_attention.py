@@ -326,42 +326,46 @@ def _paged_split_kernel(
 
 @triton.jit
 def _scores_kernel(sc_ptr, lse_ptr, rows_ptr, pos_ptr, out_ptr,
-                   n, H, Hkv, num_rows, width, sc_width, out_width, scale,
+                   n, H, Hkv, num_rows, width, sc_width, out_width, scale, tiles, w_blocks,
                    stride_pb, stride_pn, stride_ob, stride_or, stride_og,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, LANES: tl.constexpr,
                    BLOCK_W: tl.constexpr, MODE: tl.constexpr, PER_KV: tl.constexpr):
-    """One (sequence, score row, key block): scratch -> out [B, R, G, W] (R = num_rows).
+    """Tiles t = program, program + programs, ... of the `tiles` (sequence, score row, key
+    block) tiles, w_blocks key blocks a row: scratch -> out [B, R, G, W] (R = num_rows).
     Weight scratch [B, Hkv, LANES, sc_width] (lane = r * GROUP_PAD + head in group), logit
     scratch [B, R, Hkv, sc_width]."""
-    b = tl.program_id(0) // num_rows
-    r = tl.program_id(0) % num_rows
-    row = tl.load(rows_ptr + r).to(tl.int32)
-    pos = tl.load(pos_ptr + b * stride_pb + row * stride_pn).to(tl.int32)
-    w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    visible = (w <= pos) & (w < width)
-    e = tl.arange(0, GROUP_PAD)
-    total = tl.zeros([BLOCK_W], tl.float32)
-    out_row = out_ptr + b * stride_ob + r * stride_or
-    for g in range(Hkv):
-        if MODE == 1:
-            h_ok = e < GROUP
-            plane = (b * Hkv + g).to(tl.int64) * LANES + r * GROUP_PAD + e
-            # masked by the scratch's width (a multiple of 16), not per key: vector loads;
-            # the keys the row cannot see hold logits of no use (or none) and are dropped after
-            x = tl.load(sc_ptr + plane[:, None] * sc_width + w[None, :],
-                        mask=h_ok[:, None] & (w < sc_width)[None, :], other=float("-inf"))
-            x = tl.where(visible[None, :], x.to(tl.float32), float("-inf"))
-            lse = tl.load(lse_ptr + (b * n + row) * H + g * GROUP + e, mask=h_ok, other=0.0)
-            val = tl.sum(tl.exp(x * scale - lse[:, None]), axis=0)
-        else:
-            plane = (b * num_rows + r).to(tl.int64) * Hkv + g
-            val = tl.load(sc_ptr + plane * sc_width + w, mask=visible, other=0.0)
-        if PER_KV:
-            tl.store(out_row + g * stride_og + w, val, mask=w < out_width)
-        else:
-            total += val
-    if not PER_KV:
-        tl.store(out_row + w, total, mask=w < out_width)
+    for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
+        b = t // w_blocks // num_rows
+        r = t // w_blocks % num_rows
+        row = tl.load(rows_ptr + r).to(tl.int32)
+        pos = tl.load(pos_ptr + b * stride_pb + row * stride_pn).to(tl.int32)
+        w = t % w_blocks * BLOCK_W + tl.arange(0, BLOCK_W)
+        visible = (w <= pos) & (w < width)
+        e = tl.arange(0, GROUP_PAD)
+        total = tl.zeros([BLOCK_W], tl.float32)
+        out_row = out_ptr + b * stride_ob + r * stride_or
+        for g in range(Hkv):
+            if MODE == 1:
+                h_ok = e < GROUP
+                plane = (b * Hkv + g).to(tl.int64) * LANES + r * GROUP_PAD + e
+                # masked by the scratch's width (a multiple of 16), not per key: vector
+                # loads; the keys the row cannot see hold logits of no use (or none) and are
+                # dropped after
+                x = tl.load(sc_ptr + plane[:, None] * sc_width + w[None, :],
+                            mask=h_ok[:, None] & (w < sc_width)[None, :], other=float("-inf"))
+                x = tl.where(visible[None, :], x.to(tl.float32), float("-inf"))
+                lse = tl.load(lse_ptr + (b * n + row) * H + g * GROUP + e, mask=h_ok,
+                              other=0.0)
+                val = tl.sum(tl.exp(x * scale - lse[:, None]), axis=0)
+            else:
+                plane = (b * num_rows + r).to(tl.int64) * Hkv + g
+                val = tl.load(sc_ptr + plane * sc_width + w, mask=visible, other=0.0)
+            if PER_KV:
+                tl.store(out_row + g * stride_og + w, val, mask=w < out_width)
+            else:
+                total += val
+        if not PER_KV:
+            tl.store(out_row + w, total, mask=w < out_width)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -442,15 +446,17 @@ def _rows_pad(rows: int, group_pad: int, gpu: bool) -> int:
 
 
 def _finalise_scores(job: _ScoreJob, positions: torch.Tensor, scale: float, cfg: TileConfig,
-                     hkv: int, width: int) -> None:
+                     hkv: int, width: int, programs: int | None = None) -> None:
+    """The finalise kernel: one program a tile, or `programs` programs walking them."""
     bsz, num_rows = job.out.shape[:2]
     out = job.out
     block_w = 512 if out.is_cuda else 64
-    grid = (bsz * num_rows, triton.cdiv(out.shape[3], block_w))
-    _scores_kernel[grid](
+    w_blocks = triton.cdiv(out.shape[3], block_w)
+    tiles = bsz * num_rows * w_blocks
+    _scores_kernel[(min(tiles, programs or tiles),)](
         job.scratch, job.scratch if job.lse is None else job.lse, job.rows,
         positions, out, positions.shape[1], hkv * cfg.group, hkv, num_rows, width,
-        job.scratch.shape[-1], out.shape[3], scale,
+        job.scratch.shape[-1], out.shape[3], scale, tiles, w_blocks,
         positions.stride(0), positions.stride(1), out.stride(0), out.stride(1), out.stride(2),
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, LANES=max(job.lanes, 1), BLOCK_W=block_w,
         MODE=job.mode, PER_KV=out.shape[2] > 1, num_warps=4)
@@ -602,8 +608,11 @@ def paged_split_size(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 # A scored call's finalise kernel runs on a side stream (`ScoreOverlap`) where its caller
-# hands one in: the Triton backend does on a GPU while this is True.
+# hands one in: the Triton backend does on a GPU while this is True. There it runs
+# SCORE_OVERLAP_PROGRAMS programs per SM, each walking its share of the tiles (None: one
+# program a tile), so that it leaves room on every SM for the kernels it overlaps.
 SCORE_OVERLAP: bool = True
+SCORE_OVERLAP_PROGRAMS: float | None = 0.5
 
 
 class ScoreOverlap:
@@ -619,8 +628,9 @@ class ScoreOverlap:
     caller's stream wait for everything launched here; a CUDA graph captured through this
     must join before its capture ends (the backend joins at a request's last layer)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, programs: int | None = None) -> None:
         self.stream = torch.cuda.Stream(device)
+        self.programs = programs  # the finalise's programs (None: one a tile)
         self.pending: list[tuple[torch.cuda.Event, tuple[torch.Tensor, ...]]] = []
 
     def settle(self) -> None:
@@ -685,7 +695,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         merge_splits(parts, out, lse, exact)
     if job is not None:
         def finalise() -> None:
-            _finalise_scores(job, positions, scale, plan.cfg, plan.hkv, kv_len)
+            programs = None if overlap is None else overlap.programs
+            _finalise_scores(job, positions, scale, plan.cfg, plan.hkv, kv_len, programs)
         if overlap is None:
             finalise()
         else:
