@@ -408,18 +408,6 @@ def sparse_programs(library: dict[int, int] | None, setting: str,
     return {**(library or {}), dim: int(setting)}
 
 
-def score_overlap_arg(text: str) -> str:
-    """Checks a `--score-overlap` entry: 'library', 'no' or programs per SM (0: one a
-    tile)."""
-    if text not in ("library", "no"):
-        try:
-            if float(text) < 0:
-                raise ValueError
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: library, no or a number >= 0") from None
-    return text
-
-
 def side_by_side(ap: argparse.ArgumentParser, flag: str, text: str, **kwargs: object) -> None:
     """An option of one or more settings, each timed in graphs of its own, side by side."""
     ap.add_argument(flag, nargs="+", help=f"{text}, each in graphs of its own", **kwargs)
@@ -498,10 +486,6 @@ def main() -> None:
                  text="how unscored decode calls of several rows (stream's verify step) run: "
                       "library (paged_attention.VERIFY_TILES) or BLOCK_K:STAGES[:MAXNREG] at "
                       "the model's head dim")
-    side_by_side(ap, "--score-overlap", default=["library"], type=score_overlap_arg,
-                 text="scored passes finalise their scores on a side stream, overlapped with "
-                      "the next layer's projections (paged_attention.SCORE_OVERLAP), or in "
-                      "line: library, no, or PROGRAMS_PER_SM (0: one program a tile)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -517,7 +501,6 @@ def main() -> None:
                     split_merge.SPLIT_WAVE_FILL)
     library_lanes = split_merge.MAX_LANES
     library_verify = dict(pa.VERIFY_TILES)
-    library_overlap = pa.SCORE_OVERLAP_PROGRAMS
     bandwidth = copy_bandwidth() if cuda else 1e10
     rows = []
     for context, mode in ((c, m) for c in args.contexts for m in args.modes):
@@ -533,11 +516,12 @@ def main() -> None:
             v.normal_()
         summing = llm.backend.topk_sum
         for (bsz, skinny, tiles, width, sparse, least, fused, threshold, sums, merge, fill,
-             lanes, verify, overlap) in itertools.product(
-                 args.batches, args.skinny_rows, tilings, args.rank_widths, args.sparse_splits,
-                 args.topk_min_warps, args.sparse_rope, args.topk_thresholds, args.topk_sums,
-                 args.merge_steps, args.split_fill, args.max_lanes, args.verify_tiles,
-                 args.score_overlap):
+             lanes, verify) in itertools.product(args.batches, args.skinny_rows, tilings,
+                                                 args.rank_widths, args.sparse_splits,
+                                                 args.topk_min_warps, args.sparse_rope,
+                                                 args.topk_thresholds, args.topk_sums,
+                                                 args.merge_steps, args.split_fill,
+                                                 args.max_lanes, args.verify_tiles):
             # All of these are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
             pa.SCORE_TILES = {dim: tiles}
@@ -554,13 +538,8 @@ def main() -> None:
             chosen = parse_verify_tiles(verify)
             pa.VERIFY_TILES = library_verify if chosen is None else {dim: chosen}
             verify_now = pa.VERIFY_TILES.get(dim)
-            pa.SCORE_OVERLAP = overlap != "no"
-            pa.SCORE_OVERLAP_PROGRAMS = (library_overlap if overlap in ("library", "no") else
-                                         float(overlap) or None)
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny, "sparse_rope": fused,
-                   "score_overlap": overlap if overlap == "no" else
-                   pa.SCORE_OVERLAP_PROGRAMS or "tile",
                    "max_lanes": split_merge.MAX_LANES,
                    "verify_tiles": "tile_config" if verify_now is None else
                    f"{verify_now.block_k}:{verify_now.stages}:{verify_now.maxnreg or 0}",

@@ -12,10 +12,9 @@ import torch
 from vegas_spec import ops
 from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import StepContext
-from vegas_spec.kernels import paged_attention as pa
 from vegas_spec.kernels import topk as topk_kernel
 from vegas_spec.kernels.exact_matmul import exact_linear
-from vegas_spec.kernels.paged_attention import ScoreOverlap, paged_attention
+from vegas_spec.kernels.paged_attention import paged_attention
 from vegas_spec.kernels.prefill_attention import (
     prefill_attention,
     prefill_config,
@@ -29,9 +28,7 @@ from vegas_spec.kernels.rope_store import rope_store
 from vegas_spec.kernels.silu_mul import silu_mul
 from vegas_spec.kernels.skinny_matmul import MAX_ROWS, skinny_linear
 from vegas_spec.kernels.sparse_attention import NewKV, sparse_attention
-from vegas_spec.kernels.split_merge import device_sms
 from vegas_spec.kernels.store_kv import store_kv
-from vegas_spec.parallel import SINGLE, TPGroup
 
 # Projections of at most this many rows (0: none, at most MAX_ROWS) run `skinny_linear` in
 # the default mode instead of cuBLAS. Off until GPU timings show where it is faster.
@@ -91,10 +88,6 @@ class TritonBackend(AttentionBackend):
     topk = staticmethod(topk_by_width)
     topk_sum = staticmethod(topk_sum_by_width)
 
-    def __init__(self, exact: bool = False, tp: TPGroup = SINGLE) -> None:
-        super().__init__(exact, tp)
-        self._overlaps: dict[tuple[torch.device, int | None], ScoreOverlap] = {}
-
     def quest_page_scores(self, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                           pages: torch.Tensor, rope: torch.Tensor | None = None,
                           positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -151,27 +144,11 @@ class TritonBackend(AttentionBackend):
         req = ctx.scores
         if req is not None:
             assert req.out.shape[3] == (k_cache.shape[1] if req.per_kv_head else 1)
-        overlap = self._overlap(q) if req is not None else None
-        out = paged_attention(
+        return paged_attention(
             q, k_cache, v_cache, ctx.page_table, ctx.positions, ctx.page_size, ctx.kv_len_max,
             q.shape[-1] ** -0.5, None if req is None else req.rows,
             None if req is None else req.out[layer], "weight" if req is None else req.mode,
-            exact=self.exact, overlap=overlap)
-        if overlap is not None and layer == req.out.shape[0] - 1:
-            overlap.join()  # every layer's scores are in req.out once the forward ends
-        return out
-
-    def _overlap(self, q: torch.Tensor) -> ScoreOverlap | None:
-        """The side stream that scored passes finalise on (`ScoreOverlap`), one per CUDA
-        device, while `paged_attention.SCORE_OVERLAP`; None on CPU."""
-        if not (q.is_cuda and pa.SCORE_OVERLAP):
-            return None
-        per_sm = pa.SCORE_OVERLAP_PROGRAMS
-        programs = None if per_sm is None else max(1, round(per_sm * device_sms(q.device)))
-        key = (q.device, programs)
-        if key not in self._overlaps:
-            self._overlaps[key] = ScoreOverlap(q.device, programs)
-        return self._overlaps[key]
+            exact=self.exact)
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:

@@ -39,7 +39,6 @@ not by these bytes; the float32 logits also keep this kernel exact against the r
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -201,6 +200,8 @@ def verify_tiles(q: torch.Tensor, scored: bool) -> VerifyTiles | None:
 # split's K blocks after the partials are stored (1062 against 708 µs per layer at the 8B
 # shape), a sibling program per attention program (1010), and score lanes gathered from the
 # attention tile's products (789 against 781 µs with the float32 descriptor).
+# The finalise kernel on a side stream, to overlap the next layer's projections, gained
+# nothing (BENCHMARKS.md §2.29): level with one program a tile, slower with fewer programs.
 # Exact mode: one tiling for every full-attention step, plain or verify, scored or not, at any
 # batch size and context: EXACT_TILES (ptxas's registers, logits through the float32
 # descriptor) and splits of exactly EXACT_SPLIT keys on a GPU (the interpreter: its own small
@@ -326,46 +327,42 @@ def _paged_split_kernel(
 
 @triton.jit
 def _scores_kernel(sc_ptr, lse_ptr, rows_ptr, pos_ptr, out_ptr,
-                   n, H, Hkv, num_rows, width, sc_width, out_width, scale, tiles, w_blocks,
+                   n, H, Hkv, num_rows, width, sc_width, out_width, scale,
                    stride_pb, stride_pn, stride_ob, stride_or, stride_og,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, LANES: tl.constexpr,
                    BLOCK_W: tl.constexpr, MODE: tl.constexpr, PER_KV: tl.constexpr):
-    """Tiles t = program, program + programs, ... of the `tiles` (sequence, score row, key
-    block) tiles, w_blocks key blocks a row: scratch -> out [B, R, G, W] (R = num_rows).
+    """One (sequence, score row, key block): scratch -> out [B, R, G, W] (R = num_rows).
     Weight scratch [B, Hkv, LANES, sc_width] (lane = r * GROUP_PAD + head in group), logit
     scratch [B, R, Hkv, sc_width]."""
-    for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        b = t // w_blocks // num_rows
-        r = t // w_blocks % num_rows
-        row = tl.load(rows_ptr + r).to(tl.int32)
-        pos = tl.load(pos_ptr + b * stride_pb + row * stride_pn).to(tl.int32)
-        w = t % w_blocks * BLOCK_W + tl.arange(0, BLOCK_W)
-        visible = (w <= pos) & (w < width)
-        e = tl.arange(0, GROUP_PAD)
-        total = tl.zeros([BLOCK_W], tl.float32)
-        out_row = out_ptr + b * stride_ob + r * stride_or
-        for g in range(Hkv):
-            if MODE == 1:
-                h_ok = e < GROUP
-                plane = (b * Hkv + g).to(tl.int64) * LANES + r * GROUP_PAD + e
-                # masked by the scratch's width (a multiple of 16), not per key: vector
-                # loads; the keys the row cannot see hold logits of no use (or none) and are
-                # dropped after
-                x = tl.load(sc_ptr + plane[:, None] * sc_width + w[None, :],
-                            mask=h_ok[:, None] & (w < sc_width)[None, :], other=float("-inf"))
-                x = tl.where(visible[None, :], x.to(tl.float32), float("-inf"))
-                lse = tl.load(lse_ptr + (b * n + row) * H + g * GROUP + e, mask=h_ok,
-                              other=0.0)
-                val = tl.sum(tl.exp(x * scale - lse[:, None]), axis=0)
-            else:
-                plane = (b * num_rows + r).to(tl.int64) * Hkv + g
-                val = tl.load(sc_ptr + plane * sc_width + w, mask=visible, other=0.0)
-            if PER_KV:
-                tl.store(out_row + g * stride_og + w, val, mask=w < out_width)
-            else:
-                total += val
-        if not PER_KV:
-            tl.store(out_row + w, total, mask=w < out_width)
+    b = tl.program_id(0) // num_rows
+    r = tl.program_id(0) % num_rows
+    row = tl.load(rows_ptr + r).to(tl.int32)
+    pos = tl.load(pos_ptr + b * stride_pb + row * stride_pn).to(tl.int32)
+    w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    visible = (w <= pos) & (w < width)
+    e = tl.arange(0, GROUP_PAD)
+    total = tl.zeros([BLOCK_W], tl.float32)
+    out_row = out_ptr + b * stride_ob + r * stride_or
+    for g in range(Hkv):
+        if MODE == 1:
+            h_ok = e < GROUP
+            plane = (b * Hkv + g).to(tl.int64) * LANES + r * GROUP_PAD + e
+            # masked by the scratch's width (a multiple of 16), not per key: vector loads;
+            # the keys the row cannot see hold logits of no use (or none) and are dropped after
+            x = tl.load(sc_ptr + plane[:, None] * sc_width + w[None, :],
+                        mask=h_ok[:, None] & (w < sc_width)[None, :], other=float("-inf"))
+            x = tl.where(visible[None, :], x.to(tl.float32), float("-inf"))
+            lse = tl.load(lse_ptr + (b * n + row) * H + g * GROUP + e, mask=h_ok, other=0.0)
+            val = tl.sum(tl.exp(x * scale - lse[:, None]), axis=0)
+        else:
+            plane = (b * num_rows + r).to(tl.int64) * Hkv + g
+            val = tl.load(sc_ptr + plane * sc_width + w, mask=visible, other=0.0)
+        if PER_KV:
+            tl.store(out_row + g * stride_og + w, val, mask=w < out_width)
+        else:
+            total += val
+    if not PER_KV:
+        tl.store(out_row + w, total, mask=w < out_width)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -446,17 +443,15 @@ def _rows_pad(rows: int, group_pad: int, gpu: bool) -> int:
 
 
 def _finalise_scores(job: _ScoreJob, positions: torch.Tensor, scale: float, cfg: TileConfig,
-                     hkv: int, width: int, programs: int | None = None) -> None:
-    """The finalise kernel: one program a tile, or `programs` programs walking them."""
+                     hkv: int, width: int) -> None:
     bsz, num_rows = job.out.shape[:2]
     out = job.out
     block_w = 512 if out.is_cuda else 64
-    w_blocks = triton.cdiv(out.shape[3], block_w)
-    tiles = bsz * num_rows * w_blocks
-    _scores_kernel[(min(tiles, programs or tiles),)](
+    grid = (bsz * num_rows, triton.cdiv(out.shape[3], block_w))
+    _scores_kernel[grid](
         job.scratch, job.scratch if job.lse is None else job.lse, job.rows,
         positions, out, positions.shape[1], hkv * cfg.group, hkv, num_rows, width,
-        job.scratch.shape[-1], out.shape[3], scale, tiles, w_blocks,
+        job.scratch.shape[-1], out.shape[3], scale,
         positions.stride(0), positions.stride(1), out.stride(0), out.stride(1), out.stride(2),
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, LANES=max(job.lanes, 1), BLOCK_W=block_w,
         MODE=job.mode, PER_KV=out.shape[2] > 1, num_warps=4)
@@ -607,64 +602,12 @@ def paged_split_size(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  score_rows, score_out, score_mode, block_k, split_size, q, exact).size
 
 
-# A scored call's finalise kernel runs on a side stream (`ScoreOverlap`) where its caller
-# hands one in: the Triton backend does on a GPU while this is True. There it runs
-# SCORE_OVERLAP_PROGRAMS programs per SM, each walking its share of the tiles (None: one
-# program a tile), so that it leaves room on every SM for the kernels it overlaps.
-SCORE_OVERLAP: bool = True
-SCORE_OVERLAP_PROGRAMS: float | None = 0.5
-
-
-class ScoreOverlap:
-    """Runs scored calls' finalise kernels on a side stream of one CUDA device, so that each
-    overlaps what the caller's stream does next (a decoder layer's projections, norms and
-    RoPE, which leave the memory bus idle) instead of running between them.
-
-    A call's scratch and lse are allocated on the caller's stream and read by the finalise
-    on the side stream; they are held here until the caller's stream has waited for that
-    finalise (`settle`, before the next scored call allocates its own), and only then freed,
-    so the allocator hands their memory out again in the caller's stream order after the
-    read. At most one finalise is in flight (one extra scratch alive). `join` makes the
-    caller's stream wait for everything launched here; a CUDA graph captured through this
-    must join before its capture ends (the backend joins at a request's last layer)."""
-
-    def __init__(self, device: torch.device, programs: int | None = None) -> None:
-        self.stream = torch.cuda.Stream(device)
-        self.programs = programs  # the finalise's programs (None: one a tile)
-        self.pending: list[tuple[torch.cuda.Event, tuple[torch.Tensor, ...]]] = []
-
-    def settle(self) -> None:
-        """The caller's stream waits for the finalise in flight; its inputs are released."""
-        stream = torch.cuda.current_stream(self.stream.device)
-        for done, _ in self.pending:
-            stream.wait_event(done)
-        self.pending.clear()
-
-    def launch(self, finalise: Callable[[], None], holds: tuple[torch.Tensor, ...]) -> None:
-        """finalise() on the side stream after what the caller's stream has queued so far;
-        `holds` (what it reads) stay alive until the next `settle`."""
-        self.settle()
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.stream.device))
-        self.stream.wait_event(ready)
-        with torch.cuda.stream(self.stream):
-            finalise()
-        done = torch.cuda.Event()
-        done.record(self.stream)
-        self.pending.append((done, holds))
-
-    def join(self) -> None:
-        """The caller's stream waits for every finalise launched here."""
-        self.settle()
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
                     kv_len: int, scale: float, score_rows: torch.Tensor | None = None,
                     score_out: torch.Tensor | None = None, score_mode: str = "weight", *,
                     block_k: int | None = None, split_size: int | None = None,
-                    out: torch.Tensor | None = None, exact: bool = False,
-                    overlap: ScoreOverlap | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, exact: bool = False) -> torch.Tensor:
     """Causal paged attention; query i of sequence b sees keys 0..positions[b, i].
 
     q [B, n, H, D] (RoPE applied); k_cache, v_cache [num_slots, Hkv, D];
@@ -674,13 +617,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     W >= kv_len) receives softmax weights ("weight") or raw q.k ("logit") of those rows, 0
     where the row cannot see the key. out: optional [B, n, H, D] result buffer. exact: one
     tiling whatever n, B, kv_len and the scores (block_k and split_size are then refused), so
-    that each row's bits depend on its own query and keys only. overlap: the scores'
-    finalise kernel runs on its side stream (CUDA; score_out is then written once the
-    caller's stream has joined it, `ScoreOverlap.join`).
+    that each row's bits depend on its own query and keys only.
     Returns [B, n, H, D] in q's dtype."""
     _check(q, k_cache, v_cache, page_table, positions, kv_len)
-    if overlap is not None:
-        overlap.settle()  # before this call allocates: the last call's scratch is free
     out = output_buffer(q, out)
     plan = _plan(q, k_cache, v_cache, page_table, positions, page_size, kv_len, scale,
                  score_rows, score_out, score_mode, block_k, split_size, out, exact)
@@ -694,12 +633,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if parts is not None:
         merge_splits(parts, out, lse, exact)
     if job is not None:
-        def finalise() -> None:
-            programs = None if overlap is None else overlap.programs
-            _finalise_scores(job, positions, scale, plan.cfg, plan.hkv, kv_len, programs)
-        if overlap is None:
-            finalise()
-        else:
-            overlap.launch(finalise, tuple(t for t in (job.scratch, job.lse, job.rows,
-                                                       job.out, positions) if t is not None))
+        _finalise_scores(job, positions, scale, plan.cfg, plan.hkv, kv_len)
     return out
