@@ -126,7 +126,7 @@ def main() -> None:
                                          WHOLE_BLOCKS=False))]
     variants += [(f"weight scores, {name}", kind.half,
                   dict(MODE=1, R_PAD=r_pad, WRITE_LSE=True, USE_DESC=kind.descriptor,
-                       WHOLE_BLOCKS=(2 if kind.registers else 1) if kind.whole_blocks else 0))
+                       WHOLE_BLOCKS=kind.whole_blocks))
                  for name, kind in pa.SCORE_STORES.items()]
     for label, half, extra in variants:
         lanes = extra["R_PAD"] * group_pad

@@ -234,9 +234,7 @@ def test_score_stores_give_the_same_scores(store: str,
 
 
 @pytest.mark.skipif(not CUDA, reason="score tiles apply on GPUs only")
-@pytest.mark.parametrize("tiles", [*pa.SCORE_TILES.values(), pa.SCORE_TILES_OTHER,
-                                   pa.ScoreTiles(128, 3, None, 168, "f32-registers"),
-                                   pa.ScoreTiles(64, 2, None, 128, "f32-registers")], ids=str)
+@pytest.mark.parametrize("tiles", [*pa.SCORE_TILES.values(), pa.SCORE_TILES_OTHER], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_every_score_tiling(case: Case, tiles: pa.ScoreTiles,
                             monkeypatch: pytest.MonkeyPatch) -> None:

@@ -99,16 +99,13 @@ class ScoreStore:
     half: bool
     descriptor: bool
     whole_blocks: bool = False
-    registers: bool = False  # whole blocks stored from the dot's registers (GPU; the
-    # interpreter, which runs no inline PTX, stores them as 'blocks')
 
 
 SCORE_STORES = {"f32-pointers": ScoreStore(False, False), "f16-pointers": ScoreStore(True, False),
                 "f16-descriptor": ScoreStore(True, True),
                 "f32-descriptor": ScoreStore(False, True),
                 "f32-blocks": ScoreStore(False, False, True),
-                "f16-blocks": ScoreStore(True, False, True),
-                "f32-registers": ScoreStore(False, False, True, True)}
+                "f16-blocks": ScoreStore(True, False, True)}
 
 
 @dataclass(frozen=True)
@@ -205,6 +202,8 @@ def verify_tiles(q: torch.Tensor, scored: bool) -> VerifyTiles | None:
 # attention tile's products (789 against 781 µs with the float32 descriptor).
 # The finalise kernel on a side stream, to overlap the next layer's projections, gained
 # nothing (BENCHMARKS.md §2.29): level with one program a tile, slower with fewer programs.
+# Logits stored straight from the dot's registers (inline st.global, no shared-memory round
+# trip into a blocked layout) were slower at both head dims (§2.30).
 # Exact mode: one tiling for every full-attention step, plain or verify, scored or not, at any
 # batch size and context: EXACT_TILES (ptxas's registers, logits through the float32
 # descriptor) and splits of exactly EXACT_SPLIT keys on a GPU (the interpreter: its own small
@@ -231,18 +230,6 @@ def _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_pt
     if MODE == 1:
         if USE_DESC:
             sc_desc.store([desc_row, start], s.to(sc_desc.dtype))
-        elif WHOLE_BLOCKS == 2:
-            # straight from the dot's registers, one st.global.b32 an element (tl.store would
-            # first move the tile through shared memory into a blocked layout); lanes masked
-            # (a row's start and a key's offset passed apart: their broadcasts share
-            # registers where whole 64-bit addresses would take two each)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; .reg .b64 a; setp.ne.b32 p, $4, 0; mul.wide.s32 a, $2, 4; "
-                "add.s64 a, a, $1; @p st.global.b32 [a], $3; mov.b32 $0, 0; }",
-                "=r,l,r,r,r",
-                [(sc_ptr + sc_base[:, None]).to(tl.int64, bitcast=True), kpos[None, :], s,
-                 sc_ok[:, None].to(tl.int32)],
-                dtype=tl.int32, is_pure=False, pack=1)
         elif WHOLE_BLOCKS:
             # the scratch is as wide as the key blocks: the lane mask alone, vector stores
             tl.store(sc_ptr + sc_base[:, None] + kpos[None, :], s.to(sc_ptr.dtype.element_ty),
@@ -594,8 +581,7 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, MODE=0 if job is None else job.mode,
         R_PAD=1 if job is None else job.r_pad, USE_DESC=use_desc,
-        WHOLE_BLOCKS=(2 if store.registers and q.is_cuda else 1) if (
-            store.whole_blocks and job is not None and not use_desc) else 0,
+        WHOLE_BLOCKS=store.whole_blocks and job is not None and not use_desc,
         WRITE_LSE=lse is not None, DOT_PRECISION=cfg.dot_precision, **cfg.launch_options())
     # decode steps only (plain, verify): a prompt's rows keep the occupancy split
     resident = None if exact or split_size is not None or n > DECODE_ROWS else _resident(
