@@ -74,17 +74,17 @@ def offline() -> LLM:
     return LLM(None, speculative=SPEC, kv_cache_bytes=256 << 20)
 
 
-def offline_text(llm: LLM, prompt: str, chat: bool = False, **params: Any) -> tuple[str, str]:
-    out = llm.generate([prompt], SamplingParams(**params), chat=chat)[0]
-    return out.text, out.finish_reason
-
-
 def offline_texts(llm: LLM, prompts: list[str], params: list[dict[str, Any]],
-                  ) -> list[tuple[str, str]]:
-    """offline_text of every (prompt, params) pair, from one `generate` call (a request's
-    output does not depend on what shares its batch: greedy rows, and seeded sampled ones)."""
-    outs = llm.generate(prompts, [SamplingParams(**p) for p in params])
+                  chat: bool = False) -> list[tuple[str, str]]:
+    """(text, finish reason) of every (prompt, params) pair, from one `generate` call (a
+    request's output does not depend on what shares its batch: greedy rows, and seeded
+    sampled ones)."""
+    outs = llm.generate(prompts, [SamplingParams(**p) for p in params], chat=chat)
     return [(out.text, out.finish_reason) for out in outs]
+
+
+def offline_text(llm: LLM, prompt: str, chat: bool = False, **params: Any) -> tuple[str, str]:
+    return offline_texts(llm, [prompt], [params], chat)[0]
 
 
 def free_pages(running: Running) -> int:
