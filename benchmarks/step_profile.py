@@ -486,9 +486,6 @@ def main() -> None:
                  text="how unscored decode calls of several rows (stream's verify step) run: "
                       "library (paged_attention.VERIFY_TILES) or BLOCK_K:STAGES[:MAXNREG] at "
                       "the model's head dim")
-    side_by_side(ap, "--finalise", default=["library"],
-                 text="the scores' finalise kernel: library or BLOCK_W:WARPS:UNROLL "
-                      "(paged_attention.FINALISE_BLOCK_W, FINALISE_WARPS, FINALISE_UNROLL)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
@@ -504,7 +501,6 @@ def main() -> None:
                     split_merge.SPLIT_WAVE_FILL)
     library_lanes = split_merge.MAX_LANES
     library_verify = dict(pa.VERIFY_TILES)
-    library_finalise = (pa.FINALISE_BLOCK_W, pa.FINALISE_WARPS, pa.FINALISE_UNROLL)
     bandwidth = copy_bandwidth() if cuda else 1e10
     rows = []
     for context, mode in ((c, m) for c in args.contexts for m in args.modes):
@@ -520,11 +516,12 @@ def main() -> None:
             v.normal_()
         summing = llm.backend.topk_sum
         for (bsz, skinny, tiles, width, sparse, least, fused, threshold, sums, merge, fill,
-             lanes, verify, finalise) in itertools.product(
-                args.batches, args.skinny_rows, tilings, args.rank_widths, args.sparse_splits,
-                args.topk_min_warps, args.sparse_rope, args.topk_thresholds, args.topk_sums,
-                args.merge_steps, args.split_fill, args.max_lanes, args.verify_tiles,
-                args.finalise):
+             lanes, verify) in itertools.product(args.batches, args.skinny_rows, tilings,
+                                                 args.rank_widths, args.sparse_splits,
+                                                 args.topk_min_warps, args.sparse_rope,
+                                                 args.topk_thresholds, args.topk_sums,
+                                                 args.merge_steps, args.split_fill,
+                                                 args.max_lanes, args.verify_tiles):
             # All of these are read when the graphs are captured.
             triton_backend.SKINNY_MAX_ROWS = skinny
             pa.SCORE_TILES = {dim: tiles}
@@ -541,17 +538,11 @@ def main() -> None:
             chosen = parse_verify_tiles(verify)
             pa.VERIFY_TILES = library_verify if chosen is None else {dim: chosen}
             verify_now = pa.VERIFY_TILES.get(dim)
-            pa.FINALISE_BLOCK_W, pa.FINALISE_WARPS, pa.FINALISE_UNROLL = (
-                library_finalise if finalise == "library" else
-                (int(finalise.split(":")[0]), int(finalise.split(":")[1]),
-                 finalise.split(":")[2] == "1"))
             llm.graphs = None
             row = {"mode": mode, "skinny_rows": skinny, "sparse_rope": fused,
                    "max_lanes": split_merge.MAX_LANES,
                    "verify_tiles": "tile_config" if verify_now is None else
                    f"{verify_now.block_k}:{verify_now.stages}:{verify_now.maxnreg or 0}",
-                   "finalise": f"{pa.FINALISE_BLOCK_W}:{pa.FINALISE_WARPS}:"
-                               f"{int(pa.FINALISE_UNROLL)}",
                    "sparse_splits": sparse, "topk_min_warps": tk.RESIDENT_MIN_WARPS,
                    "topk_threshold": tk.RESIDENT_THRESHOLD, "topk_sum": sums,
                    "merge_splits_per_step": split_merge.MERGE_SPLITS_PER_STEP or "rule",

@@ -11,8 +11,7 @@ variants each setting compiled. What it decided: `paged_attention.SCORE_TILES`.
 `--kernel sparse` times the draft step's sparse attention instead, `--kernel quest`
 quest's page scores (`quest_scores.QUEST_TILES`) and its top-k (`topk.RESIDENT_*`), and
 `--kernel topk` vegas's ranking of a round's scores by each `topk.RESIDENT_THRESHOLD`, and
-`--kernel merge` the split merge alone (`split_merge.MERGE_*`), and `--kernel finalise` the
-scores' finalise kernel alone (`paged_attention.FINALISE_*`).
+`--kernel merge` the split merge alone (`split_merge.MERGE_*`).
 
     python benchmarks/tile_sweep.py --out tile_sweep.json
     python benchmarks/tile_sweep.py --kernel quest --warps 2 4 8 --out quest_sweep.json
@@ -242,46 +241,6 @@ def merge_sweep(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def finalise_sweep(args: argparse.Namespace) -> list[dict]:
-    """The scores' finalise kernel alone at one verify shape (n = 7, weight scores of rows 0
-    and 6 summed over all heads): random scratch logits and log-sum-exps of `--layers` layers
-    cycled (so that they come from HBM), for each `--finalise-widths` x `--warps` x
-    `--finalise-unroll` setting, µs per call and TB/s of the bytes it moves."""
-    torch.manual_seed(0)
-    bsz, heads, hkv, dim, ctx = args.batch, args.heads, args.kv_heads, args.head_dim, \
-        args.context
-    n, width = 7, ctx + 64
-    q = torch.empty(bsz, n, heads, dim, device="cuda", dtype=torch.bfloat16)
-    cfg = tile_config(q, hkv)
-    rows_t = torch.tensor([0, n - 1], device="cuda")
-    r_pad = pa._rows_pad(2, cfg.group_pad, True)
-    pos = torch.full((bsz, 1), ctx, device="cuda") + torch.arange(n, device="cuda")
-    out = torch.empty(bsz, 2, 1, width, device="cuda")
-    sc_width = -(-width // 128) * 128
-    jobs = [(pa._ScoreJob(1, rows_t, out, torch.randn(bsz, hkv, r_pad * cfg.group_pad,
-                                                      sc_width, device="cuda"),
-                          torch.randn(bsz, n, heads, device="cuda") + 20.0, r_pad),)
-            for _ in range(args.layers)]
-    moved = bsz * 2 * heads * width * 4 + out.numel() * 4
-    library = (pa.FINALISE_BLOCK_W, pa.FINALISE_WARPS, pa.FINALISE_UNROLL)
-    rows = []
-    for _ in range(args.repeat):
-        for block_w, warps, unroll in itertools.product(args.finalise_widths, args.warps,
-                                                        args.finalise_unroll):
-            pa.FINALISE_BLOCK_W, pa.FINALISE_WARPS, pa.FINALISE_UNROLL = \
-                block_w, warps, bool(unroll)
-            us = graph_us(cycling(jobs, lambda job: pa._finalise_scores(
-                job, pos, dim ** -0.5, cfg, hkv, width)))
-            row = {"kernel": "finalise", "batch": bsz, "context": ctx, "heads": heads,
-                   "kv_heads": hkv, "block_w": block_w, "warps": warps,
-                   "unroll": bool(unroll), "layers": args.layers, "us": us,
-                   "tb_per_s": moved / us / 1e6}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    pa.FINALISE_BLOCK_W, pa.FINALISE_WARPS, pa.FINALISE_UNROLL = library
-    return rows
-
-
 def _with_threshold(threshold: str, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
     """fn() with topk.RESIDENT_THRESHOLD set (read when the kernel launches)."""
     library, tk.RESIDENT_THRESHOLD = tk.RESIDENT_THRESHOLD, threshold
@@ -319,13 +278,12 @@ def main() -> None:
                     help="paged, weight scores: the largest split of an 'auto' split in keys "
                          "(0: the occupancy split alone; default: the library's at this head "
                          "dim)")
-    ap.add_argument("--kernel", choices=["paged", "sparse", "quest", "topk", "merge",
-                                         "finalise"],
+    ap.add_argument("--kernel", choices=["paged", "sparse", "quest", "topk", "merge"],
                     default="paged",
                     help="sparse: the draft step's attention over a 5%% budget plus 64 recent; "
                          "quest: quest's page scores and top-k of one layer; topk: vegas's "
                          "ranking of a round's scores (--layers of them); merge: the split merge "
-                         "alone (--merge-shapes); finalise: the scores' finalise kernel alone")
+                         "alone (--merge-shapes)")
     ap.add_argument("--layers", type=int, default=1,
                     help="sparse: caches the calls of a graph cycle through (30: rows from "
                          "HBM, as in a model's draft step)")
@@ -349,19 +307,15 @@ def main() -> None:
                     choices=tk.RESIDENT_THRESHOLDS,
                     help="quest, topk: how the resident top-k finds its threshold "
                          "(topk.RESIDENT_THRESHOLD)")
-    ap.add_argument("--finalise-widths", type=int, nargs="+", default=[pa.FINALISE_BLOCK_W],
-                    help="finalise: keys per program (paged_attention.FINALISE_BLOCK_W)")
-    ap.add_argument("--finalise-unroll", type=int, nargs="+", default=[int(pa.FINALISE_UNROLL)],
-                    help="finalise: 1 unrolls the loop over the kv heads (FINALISE_UNROLL)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="topk: times the settings are timed, interleaved")
     ap.add_argument("--ratio", type=float, default=0.05, help="quest, topk: tokens kept")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     assert torch.cuda.is_available(), "tile_sweep times CUDA kernels"
-    if args.kernel in ("sparse", "quest", "topk", "merge", "finalise"):
+    if args.kernel in ("sparse", "quest", "topk", "merge"):
         sweep = {"sparse": sparse_sweep, "quest": quest_sweep, "topk": topk_sweep,
-                 "merge": merge_sweep, "finalise": finalise_sweep}
+                 "merge": merge_sweep}
         rows = sweep[args.kernel](args)
         meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
                 "args": {k: str(v) for k, v in vars(args).items()}}

@@ -245,19 +245,6 @@ def test_every_score_tiling(case: Case, tiles: pa.ScoreTiles,
         run(case, dtype)
 
 
-@pytest.mark.parametrize("unroll", [False, True], ids=["loop", "unrolled"])
-@pytest.mark.parametrize("block_w, warps", [(256, 2), (2048, 8)], ids=["256x2", "2048x8"])
-@pytest.mark.parametrize("case", [c for c in CASES if c.rows is not None][:5], ids=case_id)
-def test_every_finalise_tiling(case: Case, unroll: bool, block_w: int, warps: int,
-                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """The finalise kernel's loop over the kv heads rolled or unrolled, and (on a GPU) its
-    keys per program and warps: the reference's scores, per kv head or summed."""
-    monkeypatch.setattr(pa, "FINALISE_UNROLL", unroll)
-    monkeypatch.setattr(pa, "FINALISE_BLOCK_W", block_w)
-    monkeypatch.setattr(pa, "FINALISE_WARPS", warps)
-    run(case, torch.float32)
-
-
 def test_score_tiles_refuse_an_unknown_store() -> None:
     with pytest.raises(ValueError, match="unknown score store"):
         pa.ScoreTiles(128, 3, None, None, "bf16-pointers")

@@ -328,61 +328,43 @@ def _paged_split_kernel(
 
 
 @triton.jit
-def _finalise_group(sc_ptr, lse_ptr, b, r, g, row, n, H, Hkv, num_rows, sc_width, scale, w,
-                    visible, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                    LANES: tl.constexpr, MODE: tl.constexpr):
-    """Kv head g's share of one score row over the key block w: the weights of its query
-    heads summed ("weight") or its summed logits ("logit")."""
-    if MODE == 1:
-        e = tl.arange(0, GROUP_PAD)
-        h_ok = e < GROUP
-        plane = (b * Hkv + g).to(tl.int64) * LANES + r * GROUP_PAD + e
-        # masked by the scratch's width (a multiple of 16), not per key: vector loads;
-        # the keys the row cannot see hold logits of no use (or none) and are dropped after
-        x = tl.load(sc_ptr + plane[:, None] * sc_width + w[None, :],
-                    mask=h_ok[:, None] & (w < sc_width)[None, :], other=float("-inf"))
-        x = tl.where(visible[None, :], x.to(tl.float32), float("-inf"))
-        lse = tl.load(lse_ptr + (b * n + row) * H + g * GROUP + e, mask=h_ok, other=0.0)
-        return tl.sum(tl.exp(x * scale - lse[:, None]), axis=0)
-    plane = (b * num_rows + r).to(tl.int64) * Hkv + g
-    return tl.load(sc_ptr + plane * sc_width + w, mask=visible, other=0.0)
-
-
-@triton.jit
 def _scores_kernel(sc_ptr, lse_ptr, rows_ptr, pos_ptr, out_ptr,
                    n, H, Hkv, num_rows, width, sc_width, out_width, scale,
                    stride_pb, stride_pn, stride_ob, stride_or, stride_og,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, LANES: tl.constexpr,
-                   BLOCK_W: tl.constexpr, MODE: tl.constexpr, PER_KV: tl.constexpr,
-                   UNROLL_HKV: tl.constexpr):
+                   BLOCK_W: tl.constexpr, MODE: tl.constexpr, PER_KV: tl.constexpr):
     """One (sequence, score row, key block): scratch -> out [B, R, G, W] (R = num_rows).
     Weight scratch [B, Hkv, LANES, sc_width] (lane = r * GROUP_PAD + head in group), logit
-    scratch [B, R, Hkv, sc_width]. UNROLL_HKV > 0 (= Hkv): the kv heads' loop unrolled, so
-    that all their loads are issued before the first one is used."""
+    scratch [B, R, Hkv, sc_width]."""
     b = tl.program_id(0) // num_rows
     r = tl.program_id(0) % num_rows
     row = tl.load(rows_ptr + r).to(tl.int32)
     pos = tl.load(pos_ptr + b * stride_pb + row * stride_pn).to(tl.int32)
     w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     visible = (w <= pos) & (w < width)
+    e = tl.arange(0, GROUP_PAD)
+    total = tl.zeros([BLOCK_W], tl.float32)
     out_row = out_ptr + b * stride_ob + r * stride_or
-    if UNROLL_HKV > 0 and not PER_KV:
-        total = tl.zeros([BLOCK_W], tl.float32)
-        for g in tl.static_range(UNROLL_HKV):
-            total += _finalise_group(sc_ptr, lse_ptr, b, r, g, row, n, H, Hkv, num_rows,
-                                     sc_width, scale, w, visible, GROUP, GROUP_PAD, LANES, MODE)
+    for g in range(Hkv):
+        if MODE == 1:
+            h_ok = e < GROUP
+            plane = (b * Hkv + g).to(tl.int64) * LANES + r * GROUP_PAD + e
+            # masked by the scratch's width (a multiple of 16), not per key: vector loads;
+            # the keys the row cannot see hold logits of no use (or none) and are dropped after
+            x = tl.load(sc_ptr + plane[:, None] * sc_width + w[None, :],
+                        mask=h_ok[:, None] & (w < sc_width)[None, :], other=float("-inf"))
+            x = tl.where(visible[None, :], x.to(tl.float32), float("-inf"))
+            lse = tl.load(lse_ptr + (b * n + row) * H + g * GROUP + e, mask=h_ok, other=0.0)
+            val = tl.sum(tl.exp(x * scale - lse[:, None]), axis=0)
+        else:
+            plane = (b * num_rows + r).to(tl.int64) * Hkv + g
+            val = tl.load(sc_ptr + plane * sc_width + w, mask=visible, other=0.0)
+        if PER_KV:
+            tl.store(out_row + g * stride_og + w, val, mask=w < out_width)
+        else:
+            total += val
+    if not PER_KV:
         tl.store(out_row + w, total, mask=w < out_width)
-    else:
-        total = tl.zeros([BLOCK_W], tl.float32)
-        for g in range(Hkv):
-            val = _finalise_group(sc_ptr, lse_ptr, b, r, g, row, n, H, Hkv, num_rows,
-                                  sc_width, scale, w, visible, GROUP, GROUP_PAD, LANES, MODE)
-            if PER_KV:
-                tl.store(out_row + g * stride_og + w, val, mask=w < out_width)
-            else:
-                total += val
-        if not PER_KV:
-            tl.store(out_row + w, total, mask=w < out_width)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -462,19 +444,11 @@ def _rows_pad(rows: int, group_pad: int, gpu: bool) -> int:
     return max(pad, MIN_DOT // group_pad, 1) if gpu else pad
 
 
-# The finalise kernel's tiles on a GPU: keys per program, warps, and whether its loop over
-# the kv heads is unrolled (benchmarks/tile_sweep.py --kernel finalise).
-FINALISE_BLOCK_W = 512
-FINALISE_WARPS = 4
-FINALISE_UNROLL = False
-
-
 def _finalise_scores(job: _ScoreJob, positions: torch.Tensor, scale: float, cfg: TileConfig,
                      hkv: int, width: int) -> None:
     bsz, num_rows = job.out.shape[:2]
     out = job.out
-    gpu = out.is_cuda
-    block_w = FINALISE_BLOCK_W if gpu else 64
+    block_w = 512 if out.is_cuda else 64
     grid = (bsz * num_rows, triton.cdiv(out.shape[3], block_w))
     _scores_kernel[grid](
         job.scratch, job.scratch if job.lse is None else job.lse, job.rows,
@@ -482,9 +456,7 @@ def _finalise_scores(job: _ScoreJob, positions: torch.Tensor, scale: float, cfg:
         job.scratch.shape[-1], out.shape[3], scale,
         positions.stride(0), positions.stride(1), out.stride(0), out.stride(1), out.stride(2),
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, LANES=max(job.lanes, 1), BLOCK_W=block_w,
-        MODE=job.mode, PER_KV=out.shape[2] > 1,
-        UNROLL_HKV=hkv if FINALISE_UNROLL else 0,
-        num_warps=FINALISE_WARPS if gpu else 4)
+        MODE=job.mode, PER_KV=out.shape[2] > 1, num_warps=4)
 
 
 # The exact-mode copy of the split kernel: its row counts stay runtime values (Triton would
