@@ -203,7 +203,9 @@ def verify_tiles(q: torch.Tensor, scored: bool) -> VerifyTiles | None:
 # The finalise kernel on a side stream, to overlap the next layer's projections, gained
 # nothing (BENCHMARKS.md §2.29): level with one program a tile, slower with fewer programs.
 # Logits stored straight from the dot's registers (inline st.global, no shared-memory round
-# trip into a blocked layout) were slower at both head dims (§2.30).
+# trip into a blocked layout) were slower at both head dims (§2.30). The finalise kernel's
+# 512 keys and 4 warps a program, its kv-head loop rolled, were the fastest or within 2% of
+# them among 256-2048 keys, 2-8 warps, rolled or unrolled (§2.31).
 # Exact mode: one tiling for every full-attention step, plain or verify, scored or not, at any
 # batch size and context: EXACT_TILES (ptxas's registers, logits through the float32
 # descriptor) and splits of exactly EXACT_SPLIT keys on a GPU (the interpreter: its own small
