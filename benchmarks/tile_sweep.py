@@ -307,6 +307,9 @@ def main() -> None:
                     choices=tk.RESIDENT_THRESHOLDS,
                     help="quest, topk: how the resident top-k finds its threshold "
                          "(topk.RESIDENT_THRESHOLD)")
+    ap.add_argument("--min-lanes", type=int, nargs="+", default=[split_merge.MIN_DOT],
+                    help="paged: the fewest query lanes of an attention program "
+                         "(split_merge.MIN_DOT; 64 makes its products warpgroup MMAs on sm_90)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="topk: times the settings are timed, interleaved")
     ap.add_argument("--ratio", type=float, default=0.05, help="quest, topk: tokens kept")
@@ -342,10 +345,11 @@ def main() -> None:
             stores = stores_weight if mode == "weight" else [library.store]
             # Register and split caps apply to scored passes only.
             regs, caps = (maxnregs, split_maxes) if mode == "weight" else ([0], [0])
-            for store, block_k, stages, warps, split, maxnreg, cap, merge in itertools.product(
-                    stores, args.block_k, args.stages, args.warps, splits, regs, caps,
-                    args.merge_steps):
+            for store, block_k, stages, warps, split, maxnreg, cap, merge, lanes in \
+                    itertools.product(stores, args.block_k, args.stages, args.warps, splits,
+                                      regs, caps, args.merge_steps, args.min_lanes):
                 split_merge.MERGE_SPLITS_PER_STEP = merge or None
+                split_merge.MIN_DOT = lanes
                 extra = (score_rows, scores, "weight") if mode == "weight" else ()
                 before = compiled()
                 with_tiles(block_k, stages, warps, maxnreg or None, cap or None, store, dim)
@@ -359,7 +363,8 @@ def main() -> None:
                 row = {"n": n, "mode": mode, "store": store, "block_k": block_k,
                        "stages": stages, "warps": warps, "split": split,
                        "maxnreg": maxnreg or None, "score_split_max": cap or None,
-                       "merge_splits_per_step": merge, "splits": launched,
+                       "merge_splits_per_step": merge, "min_lanes": lanes,
+                       "splits": launched,
                        "programs": launched * bsz * hkv, "us": us}
                 new = [kern for i, kern in compiled().items() if i not in before]
                 if new:  # the variants this setting compiled: registers per thread
