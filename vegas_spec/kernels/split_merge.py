@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 
 MIN_DOT = 16  # tl.dot's smallest tile side on GPUs
+# (64 would make the decode products warpgroup MMAs on sm_90: 25-45% slower in every pass,
+# for their registers and shared memory, BENCHMARKS.md §2.33)
 MAX_LANES = 64  # query rows x padded heads per program: a 64 x D float32 accumulator
 # The merge's tiling (`merge_tiling`). A program folds its row's splits, MERGE_MAX_STEP at
 # a time, into a [heads, D] state, with as few heads as keep a step's tile [splits, heads,
