@@ -309,7 +309,8 @@ def main() -> None:
                          "(topk.RESIDENT_THRESHOLD)")
     ap.add_argument("--min-lanes", type=int, nargs="+", default=[split_merge.MIN_DOT],
                     help="paged: the fewest query lanes of an attention program "
-                         "(split_merge.MIN_DOT; 64 makes its products warpgroup MMAs on sm_90)")
+                         "(split_merge.MIN_DOT; 64 makes its products warpgroup MMAs on sm_90; "
+                         "the score rows' own tile keeps paged_attention's 16)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="topk: times the settings are timed, interleaved")
     ap.add_argument("--ratio", type=float, default=0.05, help="quest, topk: tokens kept")
