@@ -225,6 +225,18 @@ def _bad(tmp: Path) -> list[tuple[list[str], str]]:
          r"bad\.jsonl line 2: expected a non-empty JSON string or an object"),
         (["bench", "--workload", "poems", *out], r"unknown workload 'poems'"),
         (["bench", "--max-tokens", "0", *out], r"--max-tokens must be >= 1, got 0$"),
+        (["bench", "--workload", "generation", "--generation-tokens", "0", *out],
+         r"--generation-tokens must be an integer >= 1 or max, got '0'$"),
+        (["bench", "--workload", "generation", "--generation-tokens", "8190", *out],
+         r"--generation-tokens 8190 does not fit the model's context of 8192 after the longest "
+         r"prompt of \d+ tokens \(at most \d+, or max\)$"),
+        (["bench", "--top-p", "1.5", *out], r"--top-p must be a number in \(0, 1\], got 1\.5$"),
+        (["bench", "--top-p", "0", *out], r"--top-p must be a number in \(0, 1\], got 0\.0$"),
+        (["bench", "--top-k", "-1", *out],
+         r"--top-k must be an integer >= 0 \(0 disables it\), got -1$"),
+        (["bench", "--temperature", "-0.5", *out], r"--temperature must be >= 0, got -0\.5$"),
+        (["bench", "--temperature", "nan", *out],
+         r"--temperature must be a finite number, got nan$"),
         (["tune", "--method", "vanilla", *out], r"--method must be a speculative method"),
         (["tune", "--context", "2k,4k", *out], r"--context takes one value in vegas tune"),
         (["tune", "--gammas", "2,40", *out], r"--gammas values must be at most 32, got 40"),
@@ -279,3 +291,160 @@ def test_code_prompts_are_windows_of_the_standard_library(model: str) -> None:
     prompts = essay_prompts(tokenizer, 120, 2, "code")
     assert [len(p.ids) for p in prompts] == [120, 120] and prompts[0].ids != prompts[1].ids
     assert tokenizer.decode(prompts[1].ids).endswith(CODE_CUES[1])
+
+
+# --- the generation workload, sampling flags, acceptance per position ----------------------
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer() -> Any:
+    from vegas_spec.models.loader import resolve
+    from vegas_spec.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve(None))
+
+
+def _chat_lengths(tokenizer: Any, count: int) -> list[int]:
+    """Prompt lengths of the first `count` questions, templated as `vegas generate --chat`
+    encodes a prompt."""
+    from vegas_spec.bench.workloads import QUESTIONS
+    from vegas_spec.tokenizer import encode
+
+    return [len(encode(tokenizer, QUESTIONS[i % len(QUESTIONS)], chat=True))
+            for i in range(count)]
+
+
+def test_generation_questions_are_distinct_chat_turns_under_the_prompt_room(
+        smollm2_tokenizer: Any) -> None:
+    from vegas_spec.bench import workloads as w
+
+    questions = w.QUESTIONS
+    assert len(questions) >= 32 and len(set(questions)) == len(questions)
+    assert all(len(kind) >= 8 for kind in (w.MATH, w.CODE, w.EXPLANATIONS, w.STORIES))
+    assert all("step by step" in q for q in w.MATH)
+    assert set(questions) == set(w.MATH + w.CODE + w.EXPLANATIONS + w.STORIES)
+    # the first four of a batch are one of each kind
+    assert questions[:4] == (w.MATH[0], w.CODE[0], w.EXPLANATIONS[0], w.STORIES[0])
+    n = len(questions)
+    prompts = w.generation_prompts(smollm2_tokenizer, n + 3)
+    for question, prompt in zip(questions, prompts):
+        want = smollm2_tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
+        text = smollm2_tokenizer.decode(prompt.ids)
+        assert text == want and text.endswith("<|im_start|>assistant\n"), text
+        assert f"<|im_start|>user\n{question}<|im_end|>" in text
+        assert len(prompt.ids) < w.PROMPT_ROOM, (len(prompt.ids), question)
+    assert len({tuple(p.ids) for p in prompts[:n]}) == n
+    # past the last question the batch starts over from the first
+    assert [p.ids for p in prompts[n:]] == [p.ids for p in prompts[:3]]
+    assert [p.ids for p in w.generation_prompts(smollm2_tokenizer, 5)] == \
+        [p.ids for p in prompts[:5]]
+
+
+def test_max_generation_tokens_fill_the_context(tmp_path: Path, model: str) -> None:
+    from transformers import AutoTokenizer
+
+    lengths = _chat_lengths(AutoTokenizer.from_pretrained(model), 6)
+    assert max(lengths) > lengths[0]  # the two batches leave different room
+    max_len = max(lengths) + 4  # batch 6 has room for 4 new tokens, batch 1 for more
+    out = tmp_path / "max"
+    assert cli.main(["bench", "--model", model, "--workload", "generation", "--batch", "1,6",
+                     "--methods", "vegas", "--min-tokens", "8", "--max-model-len",
+                     str(max_len), "--no-progress", "--out", str(out)]) == 0
+    cells = {(c["batch"], c["method"]): c for c in _results(out)["cells"]}
+    assert sorted(cells) == [(1, "vanilla"), (1, "vegas"), (6, "vanilla"), (6, "vegas")]
+    for (batch, _), cell in cells.items():
+        room = 4 if batch == 6 else max_len - lengths[0]
+        assert cell["prompt_lengths"] == lengths[:batch] and cell["max_tokens"] == room
+        assert [len(ids) for ids in cell["token_ids"]] == [room] * batch
+
+
+def test_generation_tokens_past_the_context_are_refused_in_one_line(
+        tmp_path: Path, smollm2_tokenizer: Any, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("vegas_spec.engine.LLM", _no_model)
+    longest = max(_chat_lengths(smollm2_tokenizer, 4))  # batch 4's longest prompt
+    argv = ["bench", "--workload", "generation", "--batch", "1,4", "--out", str(tmp_path / "o")]
+    fits = 200 - longest
+    assert cli.main([*argv, "--max-model-len", "200", "--generation-tokens", str(fits + 1)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (f"vegas: error: --generation-tokens {fits + 1} does not fit --max-model-len "
+                    f"of 200 after the longest prompt of {longest} tokens (at most {fits}, or "
+                    "max)")
+    assert not (tmp_path / "o").exists()
+
+
+def test_setting_records_the_sampling_and_resume_refuses_another_top_p(
+        bench_dir: Path, tmp_path: Path, model: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    setting = _results(bench_dir)["meta"]["setting"]
+    assert (setting["temperature"], setting["top_p"], setting["top_k"], setting["seed"]) == \
+        (0.0, 1.0, 0, 0)
+    assert "Decoding: greedy," in (bench_dir / "report.md").read_text()
+    monkeypatch.setattr("vegas_spec.engine.LLM", _no_model)
+    out = tmp_path / "other"
+    shutil.copytree(bench_dir, out)
+    assert cli.main([*BENCH, "--model", model, "--out", str(out), "--resume", "--top-p",
+                     "0.9"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert re.search(r"was measured with other settings \(top_p 1\.0 vs 0\.9\)", line), line
+    assert cli.main([*BENCH, "--model", model, "--out", str(out), "--resume", "--top-k",
+                     "20"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert re.search(r"other settings \(top_k 0 vs 20\)", line), line
+
+
+def test_report_has_acceptance_per_draft_position(bench_dir: Path) -> None:
+    data = _results(bench_dir)
+    report = (bench_dir / "report.md").read_text()
+    table = report.split("## Acceptance per draft position")[1].split("\n## ")[0]
+    assert "| workload | context | batch | method | γ | ratio | @1 | @2 | @3 | @4 | @5 | @6 |" \
+        in table
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    spec = [c for c in data["cells"] if c["method"] != "vanilla"]
+    assert len(rows) == 1 + len(spec) == 11 and "| vanilla |" not in table
+    for cell in spec:
+        # draft j is accepted in the iterations that emitted more than j tokens
+        hist = cell["tokens_per_iteration_histogram"]
+        want = [sum(hist[j:]) / sum(hist) for j in range(1, cell["gamma"] + 1)]
+        assert cell["acceptance_rate_per_position"] == pytest.approx(want, abs=1e-12)
+        line = (f"| {cell['workload']} | {cell['context'] or '-'} | {cell['batch']} | vegas | "
+                f"6 | 0.05 | " + " | ".join(f"{a:.2f}" for a in want) + " |")
+        assert line in rows, line
+    summary = {line["key"]: line for line in data["summary"]}
+    assert all(summary[c["key"]]["acceptance_per_position"] ==
+               c["acceptance_rate_per_position"] for c in spec)
+
+
+@pytest.mark.slow
+def test_sampled_generation_bench_on_the_embedded_model(
+        tmp_path: Path, smollm2_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    timed: list[Any] = []
+    real = runner.SamplingParams
+
+    def recorded(**kwargs: Any) -> Any:
+        params = real(**kwargs)
+        timed.append(params)
+        return params
+
+    monkeypatch.setattr(runner, "SamplingParams", recorded)
+    out = tmp_path / "sampled"
+    assert cli.main(["bench", "--workload", "generation", "--batch", "2", "--methods", "vegas",
+                     "--generation-tokens", "6", "--min-tokens", "16", "--temperature", "0.6",
+                     "--top-p", "0.95", "--top-k", "20", "--seed", "3", "--no-progress",
+                     "--out", str(out)]) == 0
+    data = _results(out)
+    setting = data["meta"]["setting"]
+    assert (setting["temperature"], setting["top_p"], setting["top_k"], setting["seed"]) == \
+        (0.6, 0.95, 20, 3)
+    assert [c["method"] for c in data["cells"]] == ["vanilla", "vegas"]
+    lengths = _chat_lengths(smollm2_tokenizer, 2)
+    for cell in data["cells"]:
+        assert cell["prompt_lengths"] == lengths
+        assert [len(ids) for ids in cell["token_ids"]] == [6, 6]
+        assert all(text.strip() for text in cell["texts"])
+    # the timed run of each cell samples as asked (its warm-up is a copy, 2 tokens long)
+    assert [(p.temperature, p.top_p, p.top_k, p.seed, p.max_tokens, p.ignore_eos)
+            for p in timed] == [(0.6, 0.95, 20, 3, 6, True)] * 2
+    report = (out / "report.md").read_text()
+    assert "Decoding: sampled at temperature 0.6, top-p 0.95, top-k 20, seed 3," in report
+    assert "- **vegas**: sampled, not compared token for token" in report

@@ -86,3 +86,51 @@ def test_settings_file_round_trip(tmp_path: Path) -> None:
                                        '"speculative": {"gamma": 0}}')
     with pytest.raises(ConfigError, match=r"bad\.json: gamma must be an integer"):
         read_config(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize(("text", "value"), [("max", None), ("MAX", None), ("12", 12)])
+def test_generation_tokens_take_an_integer_or_max(text: str, value: int | None) -> None:
+    assert options.generation_tokens(text) == value
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "1.5", "lots", ""])
+def test_generation_tokens_refuse_anything_else(text: str) -> None:
+    with pytest.raises(ConfigError, match=r"^--generation-tokens must be an integer >= 1 or max"):
+        options.generation_tokens(text)
+
+
+def test_generation_tokens_fit_the_context_after_the_longest_prompt() -> None:
+    assert options.fit_generation(None, 100, 1024, "the model's context") == 924
+    assert options.fit_generation(924, 100, 1024, "the model's context") == 924
+    assert options.fit_generation(5, 100, 1024, "the model's context") == 5
+    with pytest.raises(ConfigError, match=r"^--generation-tokens 925 does not fit "
+                                          r"--max-model-len of 1024 after the longest prompt "
+                                          r"of 100 tokens \(at most 924, or max\)$"):
+        options.fit_generation(925, 100, 1024, "--max-model-len")
+    with pytest.raises(ConfigError, match=r"longest prompt has 64 tokens: nothing is left"):
+        options.fit_generation(None, 64, 64, "--max-model-len")
+
+
+def test_acceptance_table_lists_every_draft_position() -> None:
+    from vegas_spec.bench import report
+
+    def line(method: str, gamma: int, acc: list[float]) -> dict[str, Any]:
+        return {"workload": "generation", "context": None, "batch": 2, "method": method,
+                "gamma": gamma, "ratio": 0.05, "acceptance_per_position": acc}
+
+    table = report.acceptance_section([line("vanilla", 6, []), line("vegas", 3, [0.9, 0.5, 0.25]),
+                                       line("stream", 2, [0.75, 0.125])])
+    assert table[4] == "| workload | context | batch | method | γ | ratio | @1 | @2 | @3 |"
+    assert table[6:8] == ["| generation | - | 2 | vegas | 3 | 0.05 | 0.90 | 0.50 | 0.25 |",
+                          "| generation | - | 2 | stream | 2 | 0.05 | 0.75 | 0.12 | - |"]
+    assert report.acceptance_section([line("vanilla", 6, [])]) == []
+
+
+def test_the_header_states_the_sampling() -> None:
+    from vegas_spec.bench import report
+
+    sampled = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "seed": 1}
+    assert report.sampling(sampled) == "sampled at temperature 0.6, top-p 0.95, top-k 20, seed 1"
+    assert report.sampling({**sampled, "top_p": 1.0, "top_k": 0}) == \
+        "sampled at temperature 0.6, top-p 1, top-k off, seed 1"
+    assert report.sampling({**sampled, "temperature": 0.0}) == "greedy"

@@ -123,6 +123,7 @@ def summary(rows: list[dict[str, Any]], dtype: str,
             "tokens_per_iteration": row.get("tokens_per_iteration"),
             "acceptance_first": acc[0] if acc else None,
             "acceptance_last": acc[-1] if acc else None,
+            "acceptance_per_position": list(acc),  # draft positions 1..γ; [] for vanilla
             "budget_mean": row.get("budget_mean"), "prompts": len(row["token_ids"]),
             **lossless(row, base, dtype, exact), "needle": needle(row),
             "needle_same_as_vanilla": same_needles(row, base),

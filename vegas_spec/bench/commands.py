@@ -8,6 +8,7 @@ import dataclasses
 import math
 import os
 import platform
+import re
 import shlex
 import time
 from pathlib import Path
@@ -15,11 +16,12 @@ from typing import Any
 
 from vegas_spec.bench import analysis, options, plots, report, tune, workloads
 from vegas_spec.bench.runner import Cell, RunSettings, Store, run_cells
-from vegas_spec.config import DTYPES, ConfigError, SpecConfig
+from vegas_spec.bench.workloads import PROMPT_ROOM
+from vegas_spec.config import DTYPES, ConfigError, SamplingParams, SpecConfig
 
 DEFAULT_METHODS = "vanilla,vegas,stream,quest,lastq,specextend"
-GENERATION_TOKENS = 512
-PROMPT_ROOM = 64  # prompt tokens the generation workload's instructions stay under
+# `max`: each sequence as long as the context allows after its batch's longest prompt.
+GENERATION_TOKENS = "max"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -37,8 +39,10 @@ def add_shared(p: argparse.ArgumentParser) -> None:
                         "the prompts of a batch")
     p.add_argument("--max-tokens", type=int, default=64,
                    help="new tokens per prompt (every sequence decodes all of them)")
-    p.add_argument("--generation-tokens", type=int, default=GENERATION_TOKENS,
-                   help="new tokens per prompt of the generation workload")
+    p.add_argument("--generation-tokens", default=GENERATION_TOKENS,
+                   help="new tokens per prompt of the generation workload: an integer, or max "
+                        "(the context, --max-model-len or the model's, minus the batch's "
+                        "longest prompt)")
     p.add_argument("--out", type=Path, required=True, metavar="DIR",
                    help="output directory (created when missing)")
     p.add_argument("--resume", action="store_true",
@@ -55,6 +59,12 @@ def add_bench(p: argparse.ArgumentParser) -> None:
                         "workloads: 7500, 2k (2,000), 7.5k")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy, outputs compared token for token with vanilla's")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the likeliest tokens whose probabilities add up to p "
+                        "(1: no limit; reference setting: --temperature 0.6 --top-p 0.95 "
+                        "--top-k 20)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample among the k likeliest tokens only (0: no limit)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     add_shared(p)
 
@@ -86,6 +96,9 @@ class Plan:
     meta: dict[str, Any]
     kv_cache_bytes: int | None
     own_tokenizer: bool  # False: the model has none (dummy timing): the embedded default's
+    # The prompts' tokenizer, loaded with the plan when the generation workload counts its
+    # prompts' tokens (for --generation-tokens), else by the first cell that builds prompts.
+    tokenizer: Any | None = None
 
 
 def _one(option: str, text: str, parse: Any) -> Any:
@@ -96,13 +109,44 @@ def _one(option: str, text: str, parse: Any) -> Any:
 
 
 def _counts(args: argparse.Namespace) -> None:
-    for name in ("max_tokens", "generation_tokens"):
-        value = getattr(args, name)
-        if value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if getattr(args, "temperature", 0.0) < 0 or not math.isfinite(getattr(args, "temperature",
-                                                                          0.0)):
-        raise ConfigError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+
+
+def sampling(args: argparse.Namespace) -> SamplingParams:
+    """The sampling options checked by SamplingParams itself (one set of rules for the
+    engine and the command), its message naming the option. vegas tune has none: greedy."""
+    try:
+        return SamplingParams(temperature=getattr(args, "temperature", 0.0),
+                              top_p=getattr(args, "top_p", 1.0), top_k=getattr(args, "top_k", 0),
+                              seed=getattr(args, "seed", 0))
+    except ConfigError as err:
+        # "top_p must be ..." -> "--top-p must be ..."
+        raise ConfigError(re.sub(r"^(\w+)", lambda m: "--" + m.group(1).replace("_", "-"),
+                                 str(err))) from None
+
+
+def _prompt_tokenizer(model: str | None, own: bool, vocab: int) -> Any:
+    """The tokenizer the prompts are built with: the model's, or for a model without one
+    (random weights for timing) the embedded default's, whose ids must fit its vocabulary."""
+    from vegas_spec.models.loader import resolve
+    from vegas_spec.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve(model if own else None))
+    if not own and len(tok) > vocab:
+        raise ConfigError(f"the model has no tokenizer and its vocabulary ({vocab}) is "
+                          f"smaller than the default tokenizer's ({len(tok)}); add a "
+                          "tokenizer to the model folder")
+    return tok
+
+
+def generation_lengths(tokenizer: Any, batches: list[int], requested: int | None,
+                       max_len: int, where: str) -> dict[int, int]:
+    """New tokens per batch size of the generation workload: what was asked (checked to
+    fit), or with `max` (None) the context less the batch's longest templated prompt."""
+    return {b: options.fit_generation(
+        requested, max(len(p.ids) for p in workloads.generation_prompts(tokenizer, b)),
+        max_len, where) for b in batches}
 
 
 def _own_tokenizer(args: argparse.Namespace) -> bool:
@@ -143,36 +187,47 @@ def plan(args: argparse.Namespace, spec: SpecConfig, argv: list[str], kind: str)
     if options.sized(names):
         workloads.essays_folder()  # the essays are installed
     out = options.out_dir(args.out)
+    sample = sampling(args)
+    requested = options.generation_tokens(args.generation_tokens)
     if kind == "bench":
         methods = options.methods(args.methods)
         batches = options.split_list("--batch", args.batch, options.positive_int("--batch"))
         contexts = options.split_list("--context", args.context, options.context)
-        cells = bench_cells(names, contexts, batches, methods, spec, args)
     else:
-        cells = [tune_base(args, spec, names[0])]
-        contexts = [c.context for c in cells if c.context is not None]
+        _tune_method(args.method)
+        batches = [_one("--batch", args.batch, options.positive_int("--batch"))]
+        contexts = [_one("--context", args.context, options.context)] \
+            if names[0] in workloads.SIZED else []
     cfg, max_len, where = _model_len(args)
     own = _own_tokenizer(args)
     if options.sized(names):
         options.check_lengths(contexts, args.max_tokens, max_len, where)
-    if "generation" in names and PROMPT_ROOM + args.generation_tokens > max_len:
-        raise ConfigError(f"--generation-tokens {args.generation_tokens} does not fit {where} "
-                          f"of {max_len}")
-    settings = RunSettings(spec, getattr(args, "temperature", 0.0), getattr(args, "seed", 0),
-                           args.dtype, args.device)
+    tokenizer, generation = None, {}
+    if "generation" in names:  # its lengths come from its templated prompts
+        tokenizer = _prompt_tokenizer(args.model, own, cfg.vocab_size)
+        generation = generation_lengths(tokenizer, batches, requested, max_len, where)
+    if kind == "bench":
+        cells = bench_cells(names, contexts, batches, methods, spec, args.max_tokens,
+                            generation)
+    else:
+        cells = [tune_base(args, spec, names[0], contexts, batches[0], generation)]
+    settings = RunSettings(spec, sample.temperature, sample.seed or 0, args.dtype,
+                           args.device, top_p=sample.top_p, top_k=sample.top_k)
     meta = {"command": "vegas " + shlex.join(argv), "date": time.strftime("%Y-%m-%d %H:%M"),
             "kind": kind, "device_name": _device_name(args.device), "torch": _torch_version(),
             "setting": {"model": str(args.model or "embedded SmolLM2-135M-Instruct"),
                         "dtype": args.dtype, "device": args.device, "backend": args.backend,
                         "load_format": args.load_format, "eager": args.eager,
                         "exact": getattr(args, "exact", False),
-                        "temperature": settings.temperature, "seed": settings.seed,
+                        "temperature": settings.temperature, "top_p": settings.top_p,
+                        "top_k": settings.top_k, "seed": settings.seed,
                         "tokenizer": "the model's" if own else "the embedded default's",
                         "spec": {k: v for k, v in dataclasses.asdict(spec).items()
                                  if k not in ("method", "gamma", "ratio")}}}
-    kv = None if args.kv_cache_gb is not None else kv_bytes(cfg, cells, texts, args.dtype)
+    kv = None if args.kv_cache_gb is not None else kv_bytes(cfg, cells, texts, args.dtype,
+                                                            max_len)
     del out
-    return Plan(cells, depths, texts, settings, meta, kv, own)
+    return Plan(cells, depths, texts, settings, meta, kv, own, tokenizer)
 
 
 def _device_name(device: str) -> str:
@@ -191,40 +246,46 @@ def _torch_version() -> str:
 
 
 def bench_cells(names: list[str], contexts: list[int], batches: list[int], methods: list[str],
-                spec: SpecConfig, args: argparse.Namespace) -> list[Cell]:
+                spec: SpecConfig, max_tokens: int, generation: dict[int, int]) -> list[Cell]:
+    """Every (workload, context, batch, method) cell; `generation`: the generation
+    workload's new tokens per batch size, the others decode `max_tokens`."""
     cells = []
     for name in names:
         sized = name in workloads.SIZED
-        tokens = args.max_tokens if name != "generation" else args.generation_tokens
         for ctx in (contexts if sized else [None]):
             for batch in batches:
+                tokens = generation[batch] if name == "generation" else max_tokens
                 cells += [Cell(name, ctx, batch, m, spec.gamma, spec.ratio, tokens)
                           for m in methods]
     return cells
 
 
-def tune_base(args: argparse.Namespace, spec: SpecConfig, name: str) -> Cell:
-    method = args.method
+def _tune_method(method: str) -> None:
     if method not in options.METHODS or method == "vanilla":
         speculative = ", ".join(m for m in options.METHODS if m != "vanilla")
         raise ConfigError(f"--method must be a speculative method ({speculative}), got "
                           f"{method!r}")
-    batch = _one("--batch", args.batch, options.positive_int("--batch"))
-    context = _one("--context", args.context, options.context) \
-        if name in workloads.SIZED else None
-    tokens = args.max_tokens if name != "generation" else args.generation_tokens
-    return Cell(name, context, batch, method, spec.gamma, spec.ratio, tokens)
 
 
-def kv_bytes(cfg: Any, cells: list[Cell], texts: list[str], dtype: str) -> int:
+def tune_base(args: argparse.Namespace, spec: SpecConfig, name: str, contexts: list[int],
+              batch: int, generation: dict[int, int]) -> Cell:
+    """The reference cell tune's steps vary: --method at --gamma and --ratio."""
+    tokens = generation[batch] if name == "generation" else args.max_tokens
+    return Cell(name, contexts[0] if contexts else None, batch, args.method, spec.gamma,
+                spec.ratio, tokens)
+
+
+def kv_bytes(cfg: Any, cells: list[Cell], texts: list[str], dtype: str, max_len: int) -> int:
     """A KV pool just large enough for the largest cell (pages of 16, the drafts past the
-    last kept token, a scratch page), so that a CPU run does not reserve more than it uses."""
+    last kept token, a scratch page), so that a CPU run does not reserve more than it uses.
+    A sequence stops at the context (`max_len`), whatever its prompt's bound says."""
     per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * DTYPES[dtype].itemsize
     own = max([len(t.encode("utf-8")) + 16 for t in texts] + [PROMPT_ROOM])
     tokens = 0
     for c in cells:
         extra = 2 * max(c.gamma, 10) + 2  # tune's γ sweep, and each verify's γ+1 rows
-        per_seq = math.ceil(((c.context or own) + c.max_tokens + extra) / 16) * 16
+        kept = min((c.context or own) + c.max_tokens, max_len)
+        per_seq = math.ceil((kept + extra) / 16) * 16
         tokens = max(tokens, c.batch * per_seq)
     return int(per_token * (tokens + 64) * 1.05) + (1 << 20)
 
@@ -259,18 +320,12 @@ class Prompts:
         return self.cache[cell.group]
 
     def tokenizer(self, llm: Any) -> Any:
-        if self.plan.own_tokenizer:
-            return llm.tokenizer
-        from vegas_spec.models.loader import resolve
-        from vegas_spec.tokenizer import load_tokenizer
-
-        tok = load_tokenizer(resolve(None))
-        vocab = llm.model_config.vocab_size
-        if len(tok) > vocab:
-            raise ConfigError(f"the model has no tokenizer and its vocabulary ({vocab}) is "
-                              f"smaller than the default tokenizer's ({len(tok)}); add a "
-                              "tokenizer to the model folder")
-        return tok
+        """The plan's (the generation workload's lengths were counted with it), else the
+        model's, else the embedded default's."""
+        if self.plan.tokenizer is None:
+            self.plan.tokenizer = llm.tokenizer if self.plan.own_tokenizer else \
+                _prompt_tokenizer(None, False, llm.model_config.vocab_size)
+        return self.plan.tokenizer
 
 
 def _engine(args: argparse.Namespace, kwargs: dict[str, Any], p: Plan) -> Engine:

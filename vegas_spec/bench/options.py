@@ -108,5 +108,32 @@ def check_lengths(contexts: list[int], new_tokens: int, max_len: int, where: str
                               f"positions but {where} is {max_len}")
 
 
+def generation_tokens(text: str) -> int | None:
+    """`--generation-tokens`: an integer >= 1, or `max` (None): as many as the context
+    leaves after the batch's longest prompt."""
+    if text.strip().lower() == "max":
+        return None
+    if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
+        raise ConfigError(f"--generation-tokens must be an integer >= 1 or max, got {text!r}")
+    return int(text)
+
+
+def fit_generation(requested: int | None, longest: int, max_len: int, where: str) -> int:
+    """The generation workload's new tokens for a batch whose longest prompt has `longest`
+    tokens: `requested`, refused when the context cannot hold it, or (None, `max`) all the
+    context leaves."""
+    room = max_len - longest
+    if room < 1:
+        raise ConfigError(f"the generation workload's longest prompt has {longest} tokens: "
+                          f"nothing is left to generate in {where} of {max_len}")
+    if requested is None:
+        return room
+    if requested > room:
+        raise ConfigError(f"--generation-tokens {requested} does not fit {where} of {max_len} "
+                          f"after the longest prompt of {longest} tokens (at most {room}, or "
+                          "max)")
+    return requested
+
+
 def sized(names: list[str]) -> bool:
     return any(w in SIZED for w in names)

@@ -1,5 +1,6 @@
-"""`report.md` of a bench run: the setting, one table of every cell, the losslessness of every
-method against vanilla, needle retrieval per depth, the time split and the plots."""
+"""`report.md` of a bench run: the setting, one table of every cell, the acceptance at every
+draft position, the losslessness of every method against vanilla, needle retrieval per depth,
+the time split and the plots."""
 
 from __future__ import annotations
 
@@ -27,8 +28,18 @@ def header(meta: dict[str, Any], title: str) -> list[str]:
                                   "embedded default's tokens (timing only).", ""])
 
 
+def sampling(s: dict[str, Any]) -> str:
+    """`greedy`, or the sampling setting as the options give it (results written before
+    top-p and top-k were recorded sampled without either)."""
+    if s["temperature"] == 0:
+        return "greedy"
+    top_k = s.get("top_k", 0)
+    return (f"sampled at temperature {s['temperature']:g}, top-p {s.get('top_p', 1.0):g}, "
+            f"top-k {top_k if top_k else 'off'}, seed {s.get('seed', 0)}")
+
+
 def _decoding(s: dict[str, Any]) -> str:
-    how = "greedy" if s["temperature"] == 0 else f"sampled at temperature {s['temperature']}"
+    how = sampling(s)
     return (f"Decoding: {how}, every sequence to its full length (end of sequence ignored); "
             f"min_tokens {s['spec']['min_tokens']}, score {s['spec']['score']}, collect "
             f"{s['spec']['collect']}, granularity {s['spec']['granularity']}. Speedups are "
@@ -55,6 +66,29 @@ def cell_table(lines: list[dict[str, Any]]) -> list[str]:
             f"{_f(r['acceptance_last'])} | {_f(r['budget_mean'], 0)} | {same} "
             f"({r['verdict']}) |")
     return out
+
+
+def acceptance_section(lines: list[dict[str, Any]]) -> list[str]:
+    """Per speculative cell, the share of its iterations (every sequence of the batch) that
+    accepted the draft at position j, for j = 1..γ: draft j is accepted when the iteration
+    emits more than j tokens, so the rates never rise with j."""
+    rows = [r for r in lines if r["method"] != "vanilla" and r.get("acceptance_per_position")]
+    if not rows:
+        return []
+    width = max(len(r["acceptance_per_position"]) for r in rows)
+    out = ["## Acceptance per draft position", "",
+           "Share of each cell's decode iterations, over every sequence of the batch, in which "
+           "the draft at position j was accepted (position j is accepted when the iteration "
+           "emits more than j tokens).", "",
+           "| workload | context | batch | method | γ | ratio | "
+           + " | ".join(f"@{j}" for j in range(1, width + 1)) + " |",
+           "|---|---:|---:|---|---:|---:|" + "---:|" * width]
+    for r in rows:
+        acc = r["acceptance_per_position"]
+        rates = [_f(acc[j]) if j < len(acc) else "-" for j in range(width)]
+        out.append(f"| {r['workload']} | {_ctx(r['context'])} | {r['batch']} | {r['method']} "
+                   f"| {r['gamma']} | {r['ratio']:g} | " + " | ".join(rates) + " |")
+    return out + [""]
 
 
 def lossless_section(lines: list[dict[str, Any]], dtype: str) -> list[str]:
@@ -124,8 +158,8 @@ def split_section(lines: list[dict[str, Any]]) -> list[str]:
 
 def bench_report(meta: dict[str, Any], lines: list[dict[str, Any]], plots: list[str]) -> str:
     parts = [*header(meta, "vegas bench"), "## Every cell", "", *cell_table(lines), "",
-             *lossless_section(lines, meta["setting"]["dtype"]), *needle_section(lines),
-             *split_section(lines)]
+             *acceptance_section(lines), *lossless_section(lines, meta["setting"]["dtype"]),
+             *needle_section(lines), *split_section(lines)]
     if plots:
         parts += ["## Plots", ""] + [f"![{p[:-4]}]({p})" for p in plots] + [""]
     return "\n".join(parts)

@@ -72,6 +72,8 @@ class RunSettings:
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
+    top_p: float = 1.0  # 1: no nucleus filter
+    top_k: int = 0  # 0: no top-k filter
 
     @property
     def greedy(self) -> bool:
@@ -175,13 +177,15 @@ def run_cell(llm: Any, cell: Cell, batch: list[Prompt], settings: RunSettings,
     spec = dataclasses.replace(settings.spec, method=cell.method, gamma=cell.gamma,
                                ratio=cell.ratio)
     ids = [p.ids for p in batch]
-    params = SamplingParams(temperature=settings.temperature, seed=settings.seed,
+    params = SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
+                            top_k=settings.top_k, seed=settings.seed,
                             max_tokens=cell.max_tokens, ignore_eos=True)
     # Warm-up: on CUDA the whole batch, long enough for a speculative round, so that the
-    # timed run replays graphs captured here; on CPU one short prompt is enough.
+    # timed run replays graphs captured here; on CPU one short prompt is enough. It samples
+    # as the timed run does: greedy and sampled rounds are captured apart.
     cuda = settings.device == "cuda"
-    warm = SamplingParams(max_tokens=min(cell.max_tokens, 2 * cell.gamma + 3) if cuda else 2,
-                          ignore_eos=True)
+    warm = dataclasses.replace(
+        params, max_tokens=min(cell.max_tokens, 2 * cell.gamma + 3) if cuda else 2)
     llm.generate(ids if cuda else ids[:1], warm, speculative=spec)
     started = time.perf_counter()
     outs = llm.generate(ids, params, speculative=spec)
