@@ -181,7 +181,7 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         # A greedy round as the engine runs it: γ drafts, verify, acceptance and the next
         # selection in one graph; and the same round without the selection.
         last = tokens[:, 0].contiguous()
-        shapes = llm._static_shapes(spec, policy, greedy=True)
+        shapes = llm._static_shapes(spec, policy)
         if rank_width == "whole":
             shapes = dataclasses.replace(shapes, rank_width=0)
         for key, plans in (("round_ms", True), ("round_unplanned_ms", False)):

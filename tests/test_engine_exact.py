@@ -5,6 +5,7 @@ plain-PyTorch backend and with the Triton kernels under the interpreter."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,42 @@ def test_a_prompt_alone_gives_its_tokens_in_a_batch(tiny: Path, torch_llm: LLM,
     assert alone == plain
     static = LLM(str(tiny), backend="torch", static_shapes=True, **ENGINE)
     assert [o.token_ids for o in static.generate(prompts, PARAMS, speculative=PLAIN)] == plain
+
+
+SAMPLED = [SamplingParams(temperature=t, top_k=k, top_p=tp, seed=seed, max_tokens=10,
+                          ignore_eos=True)
+           for t, k, tp, seed in ((0.8, 20, 0.95, 11), (1.0, 0, 1.0, 12), (0.6, 0, 0.9, 13))]
+
+
+@pytest.mark.parametrize("method", ["vanilla", "vegas", "quest"])
+def test_a_seeded_sampled_prompt_gives_its_tokens_alone_in_a_batch_and_static(
+        tiny: Path, torch_llm: LLM, prompts: list[list[int]], method: str) -> None:
+    """Counter-based draws: each row's tokens depend on its seed and positions only, so a
+    seeded request samples the same tokens alone, beside others, and on the fixed-shape
+    buffers (the path a GPU captures as one graph per round)."""
+    spec = tiny_spec({"method": method})
+    batch = [o.token_ids for o in torch_llm.generate(prompts, SAMPLED, speculative=spec)]
+    alone = [torch_llm.generate([p], [s], speculative=spec)[0].token_ids
+             for p, s in zip(prompts, SAMPLED)]
+    assert alone == batch
+    static = LLM(str(tiny), backend="torch", static_shapes=True, **ENGINE)
+    assert [o.token_ids for o in static.generate(prompts, SAMPLED, speculative=spec)] == batch
+    other = [dataclasses.replace(s, seed=s.seed + 100) for s in SAMPLED]
+    moved = [o.token_ids for o in torch_llm.generate(prompts, other, speculative=spec)]
+    assert moved != batch  # the seed, not the batch, decides
+
+
+@pytest.mark.parametrize("method", ["vegas", "stream"])
+def test_greedy_rows_beside_sampled_rows_give_plain_tokens(tiny: Path, prompts: list[list[int]],
+                                                           plain: list[list[int]],
+                                                           method: str) -> None:
+    """A round of mixed rows (one sampled graph on the fixed-shape path): the greedy rows are
+    plain decoding's, token for token."""
+    params = [PARAMS, SAMPLED[0], PARAMS]
+    for static in (False, True):
+        llm = LLM(str(tiny), backend="torch", static_shapes=static, **ENGINE)
+        outs = llm.generate(prompts, params, speculative=tiny_spec({"method": method}))
+        assert [outs[0].token_ids, outs[2].token_ids] == [plain[0], plain[2]]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(),

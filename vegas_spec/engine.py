@@ -402,13 +402,11 @@ class LLM:
     def graphs(self, runner: GraphRunner | None) -> None:
         self.runner.graphs = runner
 
-    def _graph_runner(self, spec: SpecConfig, policy: Policy | None, bsz: int,
-                      greedy: bool = True) -> GraphRunner:
-        return self.runner._graph_runner(spec, policy, bsz, greedy)
+    def _graph_runner(self, spec: SpecConfig, policy: Policy | None, bsz: int) -> GraphRunner:
+        return self.runner._graph_runner(spec, policy, bsz)
 
-    def _static_shapes(self, spec: SpecConfig, policy: Policy | None,
-                       greedy: bool = True) -> StaticShapes:
-        return self.runner._static_shapes(spec, policy, greedy)
+    def _static_shapes(self, spec: SpecConfig, policy: Policy | None) -> StaticShapes:
+        return self.runner._static_shapes(spec, policy)
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None, *,

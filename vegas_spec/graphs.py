@@ -2,11 +2,14 @@
 
 Three kinds of step run in the decode loop: `plain` (one token, full attention: vanilla
 decoding and the `full` oracle's drafts), `draft` (one token, sparse attention over the plan)
-and `verify` (γ+1 tokens, full attention and selection scores). With greedy drafts a fourth
-kind, `spec`, chains a whole round into one graph: γ draft steps, each feeding its argmax to
-the next, then the verify step, greedy acceptance and the policy's selection for the next
-round (written into the plan buffers), so an iteration launches one graph instead of γ+1
-graphs with copies and argmaxes between them and an eager selection. Each reads only persistent
+and `verify` (γ+1 tokens, full attention and selection scores). A whole round is one more
+kind (`speculative.round.speculate` over these steps): γ draft steps, each feeding its token
+to the next, the verify step, acceptance and the policy's selection for the next round
+(written into the plan buffers), so an iteration launches one graph instead of γ+1 graphs
+with copies, sampling and an eager selection between them. `spec` is the greedy round;
+`sampled` and `filtered` (some row uses top-k or top-p) draft and accept with each row's own
+sampling settings, greedy rows of the batch included, their draws counter-based so that a
+replay needs no generator state. Each reads only persistent
 buffers sized for the largest bucket: a batch of B rows runs as bucket(B) rows, the extra rows
 reading and writing a reserved scratch page, their outputs ignored. Before a step the
 engine's tensors are copied into the buffers (device to device, no host read); the step then
@@ -16,9 +19,11 @@ live in a `QuestState` of fixed shape (all pages of the static key width), which
 fills and the captured draft step's selector reads.
 
 The key axis is the page table's full width, so `kv_len_max` never changes; the kernels stop
-at each row's position, and the reference masks the rest. Graphs are captured for every
-bucket up to the capacity when the runner is built (largest first, one shared memory pool),
-each after a warm-up run, on dummy buffers that only touch the scratch page."""
+at each row's position, and the reference masks the rest. The kinds of `shapes.kinds` are
+captured for every bucket up to the capacity when the runner is built (largest first, one
+shared memory pool), each after a warm-up run, on dummy buffers that only touch the scratch
+page; any other kind (the sampled rounds) at its first use, on the live buffers, its plan
+put back after the warm-up."""
 
 from __future__ import annotations
 
@@ -33,8 +38,9 @@ from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import ScoreRequest, SparsePlan, StepContext
 from vegas_spec.cache import slots_of
 from vegas_spec.models.decoder import Decoder
-from vegas_spec.speculative.acceptance import accept_greedy
+from vegas_spec.sampling import BatchSampling
 from vegas_spec.speculative.policies import Policy, QuestState, SelectionInput
+from vegas_spec.speculative.round import speculate
 
 
 def capture(body: Callable[[], Any], pool: tuple[int, int] | None,
@@ -51,6 +57,9 @@ def capture(body: Callable[[], Any], pool: tuple[int, int] | None,
     with torch.cuda.graph(graph, pool=pool):
         out = body()
     return graph, out
+
+
+ROUNDS = ("spec", "sampled", "filtered")  # whole rounds: greedy, sampled, with top-k/top-p
 
 
 def bucket_for(rows: int) -> int:
@@ -106,7 +115,8 @@ class StaticBuffers:
     rows. tokens, positions: {n: [C, n] int64} for n = 1 and γ+1; page_table [C, P] int32;
     indices [layers, C, G, K] int64; recent_start, budget [C] int64; score_rows [R] int64;
     scores [layers, C, R, G, W] float32 (W = P * page_size); quest: its QuestState;
-    last, lengths [C] int64: a `spec` round's newest tokens and committed lengths."""
+    last, lengths [C] int64: a round's newest tokens and committed lengths; temperature,
+    top_k, top_p, seeds [C]: each row's sampling settings (a sampled round's)."""
 
     def __init__(self, shapes: StaticShapes, capacity: int, kv_cache: torch.Tensor, layers: int,
                  page_size: int, scratch_page: int) -> None:
@@ -129,6 +139,10 @@ class StaticBuffers:
                                       device, kv_cache.dtype) if shapes.quest_pages else None
         self.last = torch.zeros(capacity, **i64)
         self.lengths = torch.zeros(capacity, **i64)
+        self.temperature = torch.zeros(capacity, device=device)
+        self.top_k = torch.zeros(capacity, **i64)
+        self.top_p = torch.ones(capacity, device=device)
+        self.seeds = torch.zeros(capacity, **i64)
         self.reset()
 
     def reset(self, start: int = 0, end: int | None = None) -> None:
@@ -144,6 +158,10 @@ class StaticBuffers:
         self.budget[rows].zero_()
         self.last[rows].zero_()
         self.lengths[rows].zero_()
+        self.temperature[rows].zero_()  # greedy: a dummy row's draws are one-hot
+        self.top_k[rows].zero_()
+        self.top_p[rows].fill_(1.0)
+        self.seeds[rows].zero_()
         if self.quest is not None:
             self.quest.rankable[rows].zero_()
             self.quest.pages[rows].zero_()
@@ -157,6 +175,9 @@ class StaticBuffers:
         self.indices[:, :rows] = self.indices[:, src]
         self.recent_start[:rows] = self.recent_start[src]
         self.budget[:rows] = self.budget[src]
+        for name in ("temperature", "top_k", "top_p", "seeds"):
+            values = getattr(self, name)
+            values[:rows] = values[src]
         if self.quest is not None:
             q = self.quest
             q.lo[:, :rows], q.hi[:, :rows] = q.lo[:, src], q.hi[:, src]
@@ -198,6 +219,7 @@ class GraphRunner:
         # which the caching allocator refuses when the next capture joins it.
         self.pool: tuple[int, int] | None = None
         self.graphs: dict[tuple[str, int], _Graph] = {}
+        self.capturing = capture  # kinds outside shapes.kinds are captured at first use
         if capture:
             self._capture_all()
 
@@ -208,14 +230,20 @@ class GraphRunner:
         self.buf.reset()
         self.set_rows(0, page_table)
 
-    def set_rows(self, start: int, page_table: torch.Tensor) -> None:
-        """Sequences joining at rows start.. (page_table [n, P'], P' <= P): the batch is now
-        start + n rows; the rows' plans are written by set_plan_rows."""
+    def set_rows(self, start: int, page_table: torch.Tensor,
+                 sampling: BatchSampling | None = None) -> None:
+        """Sequences joining at rows start.. (page_table [n, P'], P' <= P; sampling: their
+        settings, None for greedy): the batch is now start + n rows; the rows' plans are
+        written by set_plan_rows."""
         rows, width = page_table.shape
         assert start + rows <= self.capacity and width <= self.shapes.pages
-        self.buf.reset(start, start + rows)
-        self.buf.page_table[start : start + rows, :width].copy_(page_table)
-        self._resize(start + rows)
+        b, end = self.buf, start + rows
+        b.reset(start, end)
+        b.page_table[start:end, :width].copy_(page_table)
+        if sampling is not None:
+            for name in ("temperature", "top_k", "top_p", "seeds"):
+                getattr(b, name)[start:end].copy_(getattr(sampling, name))
+        self._resize(end)
 
     def condense(self, keep: list[int], src: torch.Tensor) -> None:
         """Only rows `keep` (src: the same on the device) stay, moved to rows 0.. in order,
@@ -267,19 +295,24 @@ class GraphRunner:
         self.buf.positions[n][: self.rows].copy_(positions)
         return self._replay(kind)[0][: self.rows]
 
-    def run_spec(self, last: torch.Tensor, lengths: torch.Tensor,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One greedy round: last, lengths [B] -> accepted [B] and emitted [B, γ+1] as
-        `accept_greedy` returns them, and the budget [B] its drafts read (views the next
-        round overwrites). The verify step's scores are in `scores()` after it; with
+    def run_spec(self, last: torch.Tensor, lengths: torch.Tensor, greedy: bool = True,
+                 filters: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One round: last, lengths [B] -> accepted [B] and emitted [B, γ+1] as `speculate`
+        returns them, and the budget [B] its drafts read (views the next round overwrites).
+        greedy: every row is greedy (the `spec` graph); else the `sampled` graph, or with
+        filters (some row uses top-k or top-p) the `filtered` one, each row sampled with its
+        own settings (set_rows). The verify step's scores are in `scores()` after it; with
         shapes.plans the buffers then hold the next round's plan."""
         self.buf.last[: self.rows].copy_(last)
         self.buf.lengths[: self.rows].copy_(lengths)
-        accepted, emitted, budget = self._replay("spec")
+        kind = "spec" if greedy else "filtered" if filters else "sampled"
+        accepted, emitted, budget = self._replay(kind)
         return accepted[: self.rows], emitted[: self.rows], budget[: self.rows]
 
     def _replay(self, kind: str) -> tuple[torch.Tensor, ...]:
         graph = self.graphs.get((kind, self.bucket))
+        if graph is None and self.capturing:
+            graph = self.graphs[(kind, self.bucket)] = self._capture_now(kind, self.bucket)
         if graph is None:
             return self._body(kind, self.bucket)
         graph.graph.replay()
@@ -294,28 +327,31 @@ class GraphRunner:
 
     def _body(self, kind: str, rows: int) -> tuple[torch.Tensor, ...]:
         """What a graph of `kind` captures, on the first `rows` buffer rows."""
-        if kind == "spec":
-            return self._speculate(rows)
+        if kind in ROUNDS:
+            return self._speculate(rows, kind)
         return (self._forward(kind, rows),)
 
-    def _speculate(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """γ greedy draft steps from buf.last at buf.lengths, the verify step over
-        [last, drafts], greedy acceptance, then (shapes.plans) the next round's selection:
-        accepted [rows], emitted [rows, γ+1], the budget [rows] the drafts read."""
-        b, n = self.buf, self.shapes.verify_rows
+    def _speculate(self, rows: int, kind: str,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A round (`speculate`) from buf.last at buf.lengths, greedy (`spec`) or with each
+        row's sampling settings, then (shapes.plans) the next round's selection: accepted
+        [rows], emitted [rows, γ+1], the budget [rows] the drafts read."""
+        b = self.buf
         last, lengths = b.last[:rows], b.lengths[:rows]
         budget = b.budget[:rows].clone()
-        token, drafts = last, []
-        for j in range(n - 1):
-            b.tokens[1][:rows, 0].copy_(token)
-            b.positions[1][:rows, 0].copy_(lengths + j)
-            token = self._forward(self.shapes.draft_kind, rows, raw=True)[:, -1].argmax(-1)
-            drafts.append(token)
-        draft = torch.stack(drafts, 1)
-        b.tokens[n][:rows, 0].copy_(last)
-        b.tokens[n][:rows, 1:].copy_(draft)
-        b.positions[n][:rows].copy_(lengths[:, None] + torch.arange(n, device=lengths.device))
-        accepted, emitted = accept_greedy(draft, self._forward("verify", rows, raw=True))
+        sampling = None if kind == "spec" else BatchSampling(
+            b.temperature[:rows], b.top_k[:rows], b.top_p[:rows], b.seeds[:rows],
+            [False] * rows, [kind == "filtered"] * rows)
+
+        def step(step_kind: str, tokens: torch.Tensor, positions: torch.Tensor,
+                 raw: bool) -> torch.Tensor:
+            n = tokens.shape[1]
+            b.tokens[n][:rows].copy_(tokens)
+            b.positions[n][:rows].copy_(positions)
+            return self._forward(step_kind, rows, raw)
+
+        accepted, emitted = speculate(step, last, lengths, self.shapes.verify_rows - 1,
+                                      self.shapes.draft_kind, sampling)
         if self.shapes.plans:
             self._plan_next(rows, lengths, accepted)
         return accepted, emitted, budget
@@ -388,3 +424,23 @@ class GraphRunner:
         if self.pool is None:
             self.pool = graph.pool()
         return _Graph(graph, out)
+
+    def _capture_now(self, kind: str, bucket: int) -> _Graph:
+        """A kind first met while rows decode (a sampled round, a profiled step): captured
+        on the live buffers. Its warm-up run makes a plan from a verify pass the replay then
+        repeats, so the plan buffers are put back as they were: the replay drafts from the
+        plan the eager path would (the KV it writes, the replay writes again)."""
+        b = self.buf
+        saved = [t.clone() for t in (b.indices, b.recent_start, b.budget)]
+        quest = None if b.quest is None else \
+            [t.clone() for t in (b.quest.lo, b.quest.hi, b.quest.rankable, b.quest.pages,
+                                 b.quest.n_pages)]
+        with torch.cuda.device(b.page_table.device):
+            graph = self._capture(kind, bucket)
+        for dst, src in zip((b.indices, b.recent_start, b.budget), saved):
+            dst.copy_(src)
+        if quest is not None and b.quest is not None:
+            for dst, src in zip((b.quest.lo, b.quest.hi, b.quest.rankable, b.quest.pages,
+                                 b.quest.n_pages), quest):
+                dst.copy_(src)
+        return graph

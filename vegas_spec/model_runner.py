@@ -7,9 +7,9 @@ own prefill scores, rows that leave are condensed away, and the survivors keep t
 (under static shapes the rows of the `GraphRunner`'s buffers move with them). A prefill runs
 the pieces the scheduler chose, packed into forwards of `prefill_chunk` tokens, each prompt's
 first selection scored in the forward that computes its last token. A decode iteration is one
-token per row (`vanilla`) or one draft-verify-accept round; each iteration reads the device
-once (`_commit`), returning a typed `StepOutput`, and greedy batches run their round as one
-`spec` graph. Knows nothing of queues."""
+token per row (`vanilla`) or one draft-verify-accept round (`speculative.round`), which
+under static shapes is one graph, greedy or sampled; each iteration reads the device once
+(`_commit`), returning a typed `StepOutput`. Knows nothing of queues."""
 
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ from vegas_spec.models.decoder import build_model
 from vegas_spec.models.loader import ModelSource, dummy_weights, load_config, load_weights
 from vegas_spec.prefill_graphs import Chunk, PrefillGraphs, ScoreKind
 from vegas_spec.prefix_cache import PrefixCache, PrefixEntry
-from vegas_spec.sampling import BatchSampling, next_tokens, probs, sample
+from vegas_spec.sampling import BatchSampling, next_tokens
 from vegas_spec.scheduler import Piece
 from vegas_spec.sequence import Sequence
-from vegas_spec.speculative.acceptance import accept_greedy, accept_sampling
 from vegas_spec.speculative.planning import cat_plans, take_plan
 from vegas_spec.speculative.policies import Policy, SelectionInput, make_policy, max_budget
+from vegas_spec.speculative.round import speculate
 from vegas_spec.stats import PhaseTimer
 
 CPU_KV_BYTES = 2 << 30
@@ -223,10 +223,9 @@ class ModelRunner:
         with torch.inference_mode():
             return graphs.warm(self.config.prefill_tokens(self.model_config), max_pieces, kind)
 
-    def _graph_runner(self, spec: SpecConfig, policy: Policy | None, bsz: int,
-                      greedy: bool = True) -> GraphRunner:
+    def _graph_runner(self, spec: SpecConfig, policy: Policy | None, bsz: int) -> GraphRunner:
         """The runner of this method's shapes, rebuilt when they or the batch outgrow it."""
-        shapes = self._static_shapes(spec, policy, greedy)
+        shapes = self._static_shapes(spec, policy)
         runner = self.graphs
         if runner is not None and runner.shapes == shapes and runner.capacity >= bsz:
             return runner
@@ -234,23 +233,20 @@ class ModelRunner:
         return GraphRunner(self.model, self.cache.layers, self.backend, shapes, bucket_for(bsz),
                            self.config.page_size, self.scratch_page, self.config.graphs, policy)
 
-    def _static_shapes(self, spec: SpecConfig, policy: Policy | None,
-                       greedy: bool = True) -> StaticShapes:
-        """greedy: also whole greedy rounds as `spec` graphs (beside the sampled rounds'
-        separate draft and verify steps: one engine serves both)."""
+    def _static_shapes(self, spec: SpecConfig, policy: Policy | None) -> StaticShapes:
+        """The greedy round (`spec`) is captured with the buffers; the sampled rounds at
+        their first use (one engine serves both)."""
         if policy is None:
             return StaticShapes(("plain",), 0, self.cache.pages_for(self.max_model_len))
         gamma, hkv = spec.gamma, self.local_config.num_kv_heads
         kmax = max_budget(spec, self.max_model_len)
         width = policy.index_width(kmax)
         dynamic = policy.selects_in_step
-        draft = "plain" if policy.full_drafts else "draft" if width or dynamic else None
         pages = self.cache.pages_for(self.max_model_len + gamma + 1)
-        spec_round = greedy and draft is not None
-        kinds = (("spec",) if spec_round else ()) + ("verify",) + ((draft,) if draft else ())
         return StaticShapes(
-            kinds=tuple(dict.fromkeys(kinds)), verify_rows=gamma + 1,
-            draft_kind=draft or "draft", plans=spec_round and not policy.full_drafts,
+            kinds=("spec",), verify_rows=gamma + 1,
+            draft_kind="plain" if policy.full_drafts else "draft",
+            plans=not policy.full_drafts,
             pages=pages, kmax=kmax, rank_width=self.max_model_len,
             index_width=width, index_groups=hkv if policy.per_kv_head else 1,
             recent_max=2 * gamma + 1,
@@ -300,9 +296,10 @@ class ModelRunner:
         done = [seqs[i] for i in ready]
         idx = self._upload(ready)
         sampling = BatchSampling.build([s.params for s in done], self.device)
-        first = next_tokens(logits[idx], sampling)
+        lengths = self._upload([len(s.prompt_ids) for s in done])
+        first = next_tokens(logits[idx], sampling, lengths)  # the token at position len(prompt)
         self._ready = (done, first, sampling, None if scores is None else scores[:, idx],
-                       self._upload([len(s.prompt_ids) for s in done]))
+                       lengths)
         return done, first.tolist()
 
     @torch.inference_mode()
@@ -320,7 +317,7 @@ class ModelRunner:
                     lengths[idx], first[idx], sampling.rows(keep, idx))
         start = self.rows
         if self.graphs is not None:
-            self.graphs.set_rows(start, new.page_table)
+            self.graphs.set_rows(start, new.page_table, new.sampling)
         row = new.lengths - 1  # the prefill's last query row
         new.plan = self._plan(new, None if scores is None else scores[:, idx], row,
                               torch.zeros_like(row), start)
@@ -668,69 +665,36 @@ class ModelRunner:
     def _plain_step(self, batch: Batch) -> torch.Tensor:
         logits = self._step(batch, "plain", batch.last[:, None], batch.lengths[:, None],
                             self._kv_bound(batch, 1))
-        return next_tokens(logits, batch.sampling)
+        return next_tokens(logits, batch.sampling, batch.lengths + 1)
 
     def _speculate(self, batch: Batch, policy: Policy,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                               torch.Tensor | None, bool]:
         """One draft-verify-accept round: accepted [B], emitted [B, γ+1], the verify pass's
         scores, the budgets [B] the drafts read (None: full drafts), and whether the next
-        plan is already made (a planning `spec` graph)."""
-        gamma, timer, graphs = self.spec.gamma, self.timer, self.graphs
-        sparse = not policy.full_drafts
-        if graphs is not None and "spec" in graphs.shapes.kinds and batch.sampling.all_greedy:
-            # drafts, verify, acceptance (and the next selection): one graph
-            with timer.phase("speculate"):
-                accepted, emitted, budget = graphs.run_spec(batch.last, batch.lengths)
+        plan is already made (a planning round graph)."""
+        graphs, sparse, s = self.graphs, not policy.full_drafts, batch.sampling
+        if graphs is not None:  # drafts, verify, acceptance (and the next selection): one graph
+            with self.timer.phase("speculate"):
+                accepted, emitted, budget = graphs.run_spec(batch.last, batch.lengths,
+                                                            s.all_greedy, s.filters)
             return (accepted, emitted, graphs.scores(), budget if sparse else None,
                     graphs.shapes.plans)
-        budget = None
-        if sparse:
-            budget = graphs.buf.budget[: graphs.rows].clone() if graphs is not None \
-                else batch.plan.budget if batch.plan is not None else None
-        with timer.phase("draft"):
-            drafts, q = self._draft(batch, gamma, sparse)
-        with timer.phase("verify"):
-            logits, scores = self._verify(batch, policy, drafts, gamma)
-        with timer.phase("accept"):
-            if batch.sampling.all_greedy:
-                accepted, emitted = accept_greedy(drafts, logits)
-            else:
-                assert q is not None
-                accepted, emitted = accept_sampling(drafts, q, probs(logits, batch.sampling),
-                                                    batch.sampling)
-        return accepted, emitted, scores, budget, False
+        budget = batch.plan.budget if sparse and batch.plan is not None else None
+        gamma, bound = self.spec.gamma, self._host_len(batch)
+        req = self._score_request(policy, len(batch.seqs), gamma + 1, bound + gamma + 1, False)
 
-    def _verify(self, batch: Batch, policy: Policy, drafts: torch.Tensor, gamma: int,
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[x0, d1..dγ] with full attention -> logits [B, γ+1, V] and the policy's scores
-        [layers, B, R, G, W] (None if it wants none)."""
-        tokens = torch.cat([batch.last[:, None], drafts], dim=1)
-        positions = batch.lengths[:, None] + torch.arange(gamma + 1, device=self.device)
-        if self.graphs is not None:
-            return self.graphs.run("verify", tokens, positions), self.graphs.scores()
-        kv_len = self._host_len(batch) + gamma + 1
-        req = self._score_request(policy, len(batch.seqs), gamma + 1, kv_len, False)
-        logits = self._forward(tokens, self._ctx(batch.page_table, positions, kv_len, req))
-        return logits, None if req is None else req.out
+        def step(kind: str, tokens: torch.Tensor, positions: torch.Tensor,
+                 raw: bool) -> torch.Tensor:
+            verify = kind == "verify"  # drafts read up to bound + γ - 1, verify bound + γ
+            ctx = self._ctx(batch.page_table, positions, bound + gamma + verify,
+                            req if verify else None, batch.plan if kind == "draft" else None)
+            return self._forward(tokens, ctx, last_only=not verify)
 
-    def _draft(self, batch: Batch, gamma: int,
-               sparse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """gamma steps (sparse, or full for the `full` oracle) -> drafts [B, γ] and their
-        distributions q [B, γ, V] (sampling)."""
-        token, drafts, qs = batch.last, [], []
-        kv_len = self._kv_bound(batch, gamma)
-        kind = "draft" if sparse else "plain"
-        for j in range(gamma):
-            logits = self._step(batch, kind, token[:, None], batch.lengths[:, None] + j, kv_len)
-            if batch.sampling.all_greedy:
-                token = logits.argmax(-1)
-            else:
-                q = probs(logits, batch.sampling)
-                token = sample(q, batch.sampling)
-                qs.append(q)
-            drafts.append(token)
-        return torch.stack(drafts, 1), torch.stack(qs, 1) if qs else None
+        accepted, emitted = speculate(step, batch.last, batch.lengths, gamma,
+                                      "draft" if sparse else "plain",
+                                      None if s.all_greedy else s, self.timer.phase)
+        return accepted, emitted, None if req is None else req.out, budget, False
 
     def _score_request(self, policy: Policy | None, bsz: int, n: int, width: int,
                        prefill: bool) -> ScoreRequest | None:

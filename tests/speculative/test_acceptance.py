@@ -90,21 +90,23 @@ def run_rule(rule, gamma: int, seed: int = 0, n: int = DRAWS,  # noqa: ANN001
                          for i in range(gamma)], dim=1)
     s = batch([SamplingParams(temperature=1.0, seed=seed * n + i) for i in range(n)])
     big_q, big_p = q.float().expand(n, -1, -1), p.float().expand(n, -1, -1)
-    return (draft, *rule(draft, big_q, big_p, s))
+    start = torch.randint(0, 1000, (n,), generator=gen)  # the rows' positions differ
+    return (draft, *rule(draft, big_q, big_p, s, start))
 
 
 def always_accept(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, s: BatchSampling,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Wrong: keeps every draft, so the output follows q."""
-    bonus = torch.multinomial(p[:, -1], 1, generator=s.generators[0])
+    bonus = torch.multinomial(p[:, -1], 1, generator=torch.Generator().manual_seed(1))
     return torch.full((draft.shape[0],), draft.shape[1]), torch.cat([draft, bonus], dim=1)
 
 
 def resample_from_target(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
-                         s: BatchSampling) -> tuple[torch.Tensor, torch.Tensor]:
+                         s: BatchSampling, start: torch.Tensor,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Wrong: the right acceptance test, but a rejected draft is replaced by a sample of p_i
     instead of the residual normalize(max(0, p_i - q_i))."""
-    gamma, gen = draft.shape[1], s.generators[0]
+    gamma, gen = draft.shape[1], torch.Generator().manual_seed(2)
     p_d = p[:, :gamma].gather(-1, draft[..., None])[..., 0]
     q_d = q.gather(-1, draft[..., None])[..., 0]
     ok = torch.rand(p_d.shape, generator=gen) * q_d < p_d
@@ -162,7 +164,8 @@ def test_greedy_rows_of_a_mixed_batch_stay_argmax() -> None:
         q = probs(drafted, s)
         draft = torch.where(greedy[:, None], drafted.argmax(-1),
                             torch.multinomial(q.flatten(0, 1), 1, generator=gen).view(6, gamma))
-        accepted, tokens = accept_sampling(draft, q, probs(target, s), s)
+        accepted, tokens = accept_sampling(draft, q, probs(target, s), s,
+                                           torch.randint(0, 99, (6,), generator=gen))
         want_acc, want_tok = accept_greedy(draft, target)
         assert torch.equal(accepted[greedy], want_acc[greedy])
         for b in torch.nonzero(greedy)[:, 0].tolist():

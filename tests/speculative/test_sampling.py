@@ -1,5 +1,6 @@
-"""Sampling: seeded reproducibility (also across batch composition and `select`), the
-exponential trick follows the distribution, and invalid settings raise ConfigError."""
+"""Sampling: counter-based draws (the same for a seed, position and slot, whatever the batch;
+different for another of the three), the exponential trick follows the distribution, the
+Triton sampling kernel draws the reference's tokens, and invalid settings raise ConfigError."""
 
 from __future__ import annotations
 
@@ -8,7 +9,19 @@ import torch
 from scipy.stats import chisquare
 
 from vegas_spec.config import ConfigError, SamplingParams, SpecConfig
-from vegas_spec.sampling import BatchSampling, next_tokens, probs, sample, uniform
+from vegas_spec.kernels.sample import exponential_argmax
+from vegas_spec.sampling import (
+    ACCEPT,
+    DRAFT,
+    TARGET,
+    BatchSampling,
+    draw_keys,
+    exponential_argmax_ref,
+    next_tokens,
+    probs,
+    sample,
+    uniform,
+)
 
 CPU = torch.device("cpu")
 
@@ -17,9 +30,10 @@ def batch(params: list[SamplingParams]) -> BatchSampling:
     return BatchSampling.build(params, CPU)
 
 
-def draws(s: BatchSampling, p: torch.Tensor, steps: int) -> torch.Tensor:
-    """`steps` successive sample() calls on p [B, V] -> [B, steps]."""
-    return torch.stack([sample(p, s) for _ in range(steps)], dim=1)
+def draws(s: BatchSampling, p: torch.Tensor, steps: int, slot: int = TARGET) -> torch.Tensor:
+    """Samples of p [B, V] at positions 0..steps-1 -> [B, steps]."""
+    positions = torch.arange(steps).expand(p.shape[0], -1)
+    return sample(p[:, None].expand(-1, steps, -1), s, positions, slot)
 
 
 def flat(vocab: int, rows: int) -> torch.Tensor:
@@ -32,7 +46,14 @@ def test_same_seed_same_tokens() -> None:
     assert torch.equal(first, again)
     other = draws(batch([SamplingParams(temperature=1.0, seed=14)]), flat(50, 1), 20)
     assert not torch.equal(first[0], other[0])
-    assert not torch.equal(first[0], first[1])  # one generator per sequence
+    assert not torch.equal(first[0], first[1])  # one stream per sequence
+    assert len(set(first[0].tolist())) > 5  # positions draw independently
+
+
+def test_slots_are_independent_streams() -> None:
+    s = batch([SamplingParams(temperature=1.0, seed=3)])
+    by_slot = [draws(s, flat(1000, 1), 30, slot)[0] for slot in (TARGET, ACCEPT, DRAFT)]
+    assert all(not torch.equal(a, b) for i, a in enumerate(by_slot) for b in by_slot[i + 1:])
 
 
 def test_seeded_sequence_ignores_its_neighbours() -> None:
@@ -48,25 +69,31 @@ def test_unseeded_sequences_differ() -> None:
     assert not torch.equal(out[0], out[1])
 
 
-def test_rows_keep_each_sequences_parameters_and_generator() -> None:
+def test_large_and_negative_seeds_are_distinct_streams() -> None:
+    """Seeds span [-2^63, 2^64): values with the same low 64 bits are one seed, others not."""
+    seeds = [2**64 - 1, -1, 2**63, 5, 5 + 2**32]
+    keys = draw_keys(batch([SamplingParams(seed=x) for x in seeds]).seeds,
+                     torch.zeros(5, 1, dtype=torch.long), TARGET)[:, 0].tolist()
+    assert keys[0] == keys[1] and len(set(keys)) == 4
+
+
+def test_rows_keep_each_sequences_parameters_and_seed() -> None:
     params = [SamplingParams(temperature=0.5 + i, top_k=i, top_p=0.9 - 0.1 * i, seed=100 + i)
               for i in range(4)]
     s = batch(params)
-    draws(s, flat(50, 4), 3)  # advance every generator
     sub = s.rows([3, 1], torch.tensor([3, 1]))
     assert sub.temperature.tolist() == pytest.approx([3.5, 1.5])
     assert sub.top_k.tolist() == [3, 1]
     assert sub.top_p.tolist() == pytest.approx([0.6, 0.8])
+    assert sub.seeds.tolist() == [103, 101]
     ref = batch([params[3], params[1]])
-    draws(ref, flat(50, 2), 3)
     assert torch.equal(draws(sub, flat(50, 2), 5), draws(ref, flat(50, 2), 5))
-    assert sub.generators[0] is s.generators[3]  # the state moves on with the sequence
 
 
 def test_sample_follows_the_distribution() -> None:
     p = torch.tensor([0.1, 0.0, 0.35, 0.05, 0.3, 0.2])
     s = batch([SamplingParams(temperature=1.0, seed=3)])
-    tokens = sample(p.expand(1, 20_000, -1), s)[0]  # 20k draws from one generator
+    tokens = draws(s, p[None], 20_000)[0]  # 20k positions of one sequence
     counts = torch.bincount(tokens, minlength=6).double()
     assert counts[1] == 0
     support = p > 0
@@ -79,20 +106,36 @@ def test_sample_follows_the_distribution() -> None:
 
 def test_uniform_shape_range_and_seed() -> None:
     params = [SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=1.0, seed=6)]
-    u = uniform((4, 3), batch(params), CPU)
-    assert u.shape == (2, 4, 3) and (u >= 0).all() and (u < 1).all()
-    assert torch.equal(u, uniform((4, 3), batch(params), CPU))
+    positions = torch.arange(12).view(1, 4, 3).expand(2, -1, -1)
+    u = uniform(batch(params), positions)
+    assert u.shape == (2, 4, 3) and (u > 0).all() and (u < 1).all()
+    assert torch.equal(u, uniform(batch(params), positions))
+    assert not torch.equal(u[0], u[1])
+    big = uniform(batch([SamplingParams(seed=9)]), torch.arange(50_000)[None])[0].double()
+    assert abs(big.mean().item() - 0.5) < 0.01 and abs(big.var().item() - 1 / 12) < 0.003
+
+
+@pytest.mark.parametrize("vocab", [7, 2048, 5000])
+def test_sampling_kernel_draws_the_references_tokens(vocab: int) -> None:
+    """The Triton kernel (under the interpreter on CPU) hashes as the reference does."""
+    g = torch.Generator().manual_seed(vocab)
+    p = torch.softmax(torch.randn(24, vocab, generator=g) * 3, -1)
+    p[3] = torch.nn.functional.one_hot(torch.tensor(vocab - 1), vocab).float()  # a greedy row
+    keys = draw_keys(torch.arange(24) * 977 - 5, torch.arange(24) * 13, DRAFT)
+    got = exponential_argmax(p, keys)
+    assert torch.equal(got, exponential_argmax_ref(p, keys))
+    assert got[3] == vocab - 1
 
 
 def test_next_tokens_greedy_rows_are_argmax() -> None:
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(0))
     greedy = batch([SamplingParams()] * 4)
     assert greedy.all_greedy
-    assert torch.equal(next_tokens(logits, greedy), logits.argmax(-1))
+    assert torch.equal(next_tokens(logits, greedy, torch.zeros(4)), logits.argmax(-1))
     mixed = batch([SamplingParams(), SamplingParams(temperature=1.0, seed=1)] * 2)
     assert not mixed.all_greedy
-    for _ in range(20):
-        out = next_tokens(logits, mixed)
+    for position in range(20):
+        out = next_tokens(logits, mixed, torch.full((4,), position))
         assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
 
 
@@ -149,7 +192,7 @@ def test_valid_settings_are_kept() -> None:
     assert issubclass(ConfigError, ValueError)
 
 
-def test_cat_appends_rows_with_their_generators() -> None:
+def test_cat_appends_rows_with_their_seeds() -> None:
     params = [SamplingParams(temperature=0.7, seed=7), SamplingParams(temperature=0.0, seed=8),
               SamplingParams(temperature=1.2, top_k=5, seed=9)]
     whole = batch(params)

@@ -1,0 +1,133 @@
+"""A whole sampled round (`speculative.round.speculate`, what a GPU captures as one graph)
+reproduces the target distribution after temperature, top-k and top-p: chi-square over the
+emitted tokens of many rows of a bigram "model", a wrong acceptance rule and the unfiltered
+distribution failing the same check; greedy rows of a mixed round are plain argmax; on CUDA
+the captured round replays the eager round's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from vegas_spec.config import SamplingParams
+from vegas_spec.sampling import BatchSampling, probs
+from vegas_spec.speculative import round as round_module
+from vegas_spec.speculative.round import speculate
+
+VOCAB, ROWS, GAMMA = 8, 20_000, 3
+SETTING = dict(temperature=0.9, top_k=5, top_p=0.9)
+
+
+def tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target and draft bigram logits [V, V]: row t is the next-token logits after token t."""
+    g = torch.Generator().manual_seed(0)
+    target = torch.randn(VOCAB, VOCAB, generator=g)
+    draft = target + torch.randn(VOCAB, VOCAB, generator=g) * 0.7
+    return target.to(device), draft.to(device)
+
+
+def bigram_step(target: torch.Tensor, draft: torch.Tensor):  # noqa: ANN201
+    def step(kind: str, tokens: torch.Tensor, positions: torch.Tensor,
+             raw: bool) -> torch.Tensor:
+        return (target if kind == "verify" else draft)[tokens]
+    return step
+
+
+def sampling(rows: int, device: torch.device, greedy_every: int = 0) -> BatchSampling:
+    params = [SamplingParams(seed=i) if greedy_every and i % greedy_every == 0
+              else SamplingParams(seed=i, **SETTING) for i in range(rows)]
+    return BatchSampling.build(params, device)
+
+
+def run_round(device: torch.device, s: BatchSampling) -> tuple[torch.Tensor, torch.Tensor]:
+    target, draft = tables(device)
+    rows = s.seeds.shape[0]
+    last = torch.zeros(rows, dtype=torch.long, device=device)
+    lengths = torch.arange(rows, device=device) % 997 + 5
+    return speculate(bigram_step(target, draft), last, lengths, GAMMA, "draft", s)
+
+
+def follows(samples: torch.Tensor, dist: torch.Tensor) -> bool:
+    counts = torch.bincount(samples.cpu(), minlength=VOCAB).double()
+    support = dist > 0
+    if counts[~support].sum() > 0:
+        return False
+    if int(support.sum()) == 1:  # nothing else to test: every draw is the one token
+        return True
+    expected = dist[support].double() / dist[support].double().sum() * counts.sum()
+    expected[-1] = counts.sum() - expected[:-1].sum()  # sums agree to the last bit
+    return bool(chisquare(counts[support].numpy(), expected.numpy()).pvalue > 1e-3)
+
+
+def target_dist(token: int, filtered: bool = True) -> torch.Tensor:
+    target, _ = tables(torch.device("cpu"))
+    setting = SETTING if filtered else {"temperature": SETTING["temperature"]}
+    return probs(target[token][None], BatchSampling.build([SamplingParams(**setting)],
+                                                          torch.device("cpu")))[0]
+
+
+def test_a_sampled_round_reproduces_the_filtered_target() -> None:
+    accepted, emitted = run_round(torch.device("cpu"), sampling(ROWS, torch.device("cpu")))
+    first = emitted[:, 0]
+    assert follows(first, target_dist(0))
+    assert not follows(first, target_dist(0, filtered=False))  # the filters show
+    # the second token, after an accepted first draft v, follows p(. | v)
+    kept = accepted >= 1
+    checked = [v for v in range(VOCAB) if int((kept & (first == v)).sum()) >= 500
+               and int((target_dist(v) > 0).sum()) >= 2]
+    assert checked
+    for v in checked:
+        assert follows(emitted[kept & (first == v), 1], target_dist(v))
+    assert 0 < kept.double().mean() < 1 and int(accepted.max()) == GAMMA
+
+
+def test_a_wrong_rule_fails_inside_the_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keeping every draft makes the output follow the draft, which the check rejects."""
+    def always_accept(draft, q, p, s, start):  # noqa: ANN001, ANN202
+        rows = draft.shape[0]
+        return torch.full((rows,), draft.shape[1]), torch.cat([draft, draft[:, :1]], 1)
+
+    monkeypatch.setattr(round_module, "accept_sampling", always_accept)
+    _, emitted = run_round(torch.device("cpu"), sampling(ROWS, torch.device("cpu")))
+    assert not follows(emitted[:, 0], target_dist(0))
+
+
+def test_greedy_rows_of_a_mixed_round_are_argmax() -> None:
+    accepted, emitted = run_round(torch.device("cpu"), sampling(64, torch.device("cpu"), 2))
+    target, draft = tables(torch.device("cpu"))
+    chain, token = [], torch.tensor(0)
+    for _ in range(GAMMA + 1):  # the target's greedy continuation of token 0
+        token = target[token].argmax()
+        chain.append(int(token))
+    greedy_drafts, token = 0, torch.tensor(0)
+    for _ in range(GAMMA):  # how far the draft's greedy chain agrees with it
+        token = draft[token].argmax()
+        if int(token) != chain[greedy_drafts]:
+            break
+        greedy_drafts += 1
+    for row in range(0, 64, 2):
+        assert int(accepted[row]) == greedy_drafts
+        assert emitted[row, : greedy_drafts + 1].tolist() == chain[: greedy_drafts + 1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_captured_sampled_round_replays_the_eager_tokens() -> None:
+    device = torch.device("cuda")
+    s = sampling(4096, device, greedy_every=3)
+    eager = run_round(device, s)
+    target, draft = tables(device)
+    last = torch.zeros(4096, dtype=torch.long, device=device)
+    lengths = torch.arange(4096, device=device) % 997 + 5
+    step = bigram_step(target, draft)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        speculate(step, last, lengths, GAMMA, "draft", s)  # warm-up (kernel compiles)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = speculate(step, last, lengths, GAMMA, "draft", s)
+    graph.replay()
+    assert all(torch.equal(a, b) for a, b in zip(out, eager))
+    assert follows(out[1][1::3, 0], target_dist(0))  # sampled rows, first token
