@@ -165,6 +165,10 @@ BAD_COMMANDS = [
      rf"prompt 3 of 3 has {WORDS} tokens but the model's context is 64"),
     ("gamma-zero", "compare --model {model}/nowhere --prompt a --gamma 0",
      r"gamma must be an integer in \[1, 32\], got 0$"),
+    ("pool-even", "generate --model {model}/nowhere --prompt a --pool 4",
+     r"pool must be an odd integer >= 1 \(1: no pooling\), got 4$"),
+    ("window-negative", "compare --model {model}/nowhere --prompt a --window -1",
+     "window must be an integer >= 0, got -1$"),
     ("empty-prompt", "generate --model {model} --prompt=", r"prompt is empty \(no tokens\)$"),
     ("triton-without-gpu", "generate --model {model}/nowhere --prompt a --backend triton",
      "backend triton runs its kernels on a GPU"),
@@ -269,6 +273,36 @@ def test_stats_follow_the_text(model: Path, capsys: pytest.CaptureFixture[str]) 
     assert re.fullmatch(r"    \d+ iterations?, [\d.]+ tokens per iteration; acceptance per "
                         r"draft position: [\d. ]+; mean budget \d+ tokens", lines[3])
     assert lines[5].startswith("--- vegas (prompt 2 of 2): 1 prompt tokens")
+
+
+@pytest.mark.parametrize("command", ["generate", "compare", "bench", "tune", "serve"])
+def test_window_and_pool_reach_the_settings(command: str, tmp_path: Path) -> None:
+    """--window and --pool of every command, and a settings file's window and pool as
+    their defaults (a file written before they existed: the pure top-k's)."""
+    import json as json_
+
+    from vegas_spec.config import DEFAULT_POOL, DEFAULT_WINDOW, SpecConfig
+    from vegas_spec.config_file import read_config, write_config
+
+    needed = {"generate": ["--prompt", "a"], "compare": ["--prompt", "a"],
+              "bench": ["--out", str(tmp_path)], "tune": ["--out", str(tmp_path)]}
+
+    def spec(*argv: str) -> SpecConfig:
+        given = [*argv, *needed.get(command, [])]
+        args = cli._parser(cli._settings_file(given)).parse_args([command, *given])
+        return cli._spec(args, "lastq")
+
+    assert (spec().window, spec().pool) == (DEFAULT_WINDOW, DEFAULT_POOL)
+    assert (spec("--window", "64", "--pool", "7").window, spec("--pool", "7").pool) == (64, 7)
+    path = tmp_path / "config.json"
+    write_config(path, SpecConfig(window=32, pool=3), {})
+    assert read_config(path) == SpecConfig(window=32, pool=3)
+    got = spec("--config", str(path)), spec("--config", str(path), "--pool", "5")
+    assert [(s.window, s.pool) for s in got] == [(32, 3), (32, 5)]
+    data = json_.loads(path.read_text())
+    del data["speculative"]["window"], data["speculative"]["pool"]
+    path.write_text(json_.dumps(data))
+    assert (read_config(path).window, read_config(path).pool) == (DEFAULT_WINDOW, DEFAULT_POOL)
 
 
 @pytest.mark.parametrize("command", ["generate", "compare"])

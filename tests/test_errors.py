@@ -258,6 +258,12 @@ def test_single_stop_string_becomes_a_tuple() -> None:
     ({"gamma": True}, r"gamma must be an integer in \[1, 32\], got True"),
     ({"chunk": False}, "chunk must be an integer >= 1, got False"),
     ({"sink": True}, "sink must be an integer >= 0, got True"),
+    ({"window": -1}, "window must be an integer >= 0, got -1"),
+    ({"window": 2.0}, "window must be an integer >= 0, got 2.0"),
+    ({"pool": 4}, r"pool must be an odd integer >= 1 \(1: no pooling\), got 4"),
+    ({"pool": 0}, r"pool must be an odd integer >= 1 \(1: no pooling\), got 0"),
+    ({"pool": True}, r"pool must be an odd integer >= 1 \(1: no pooling\), got True"),
+    ({"pool": 3.0}, r"pool must be an odd integer >= 1 \(1: no pooling\), got 3.0"),
 ])
 def test_invalid_spec_config(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -268,6 +274,7 @@ def test_spec_config_accepts_its_documented_range() -> None:
     assert SpecConfig(gamma=1, ratio=1.0, collect=2).collect == "2"
     assert SpecConfig(gamma=32, ratio=1e-3, granularity="kv_head", score="logit").speculative
     assert not SpecConfig(method="vanilla").speculative
+    assert (SpecConfig(window=0, pool=1).window, SpecConfig(window=64, pool=7).pool) == (0, 7)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -209,6 +209,12 @@ def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
                         "per KV head")
     g.add_argument("--sink", type=int, default=DEFAULT_SPEC.sink,
                    help="stream: first tokens always attended to (attention sink)")
+    g.add_argument("--window", type=int, default=DEFAULT_SPEC.window,
+                   help="vegas, lastq: positions just before the selection row always "
+                        "selected, inside the budget (0: pure top-k)")
+    g.add_argument("--pool", type=int, default=DEFAULT_SPEC.pool,
+                   help="vegas, lastq: odd width of a max-pool of the scores over "
+                        "neighbouring positions before the top-k (1: none)")
     return g
 
 
@@ -264,7 +270,8 @@ def _spec(args: argparse.Namespace, method: str):  # noqa: ANN202 - a SpecConfig
 
     return SpecConfig(method=method, gamma=args.gamma, ratio=args.ratio,
                       min_tokens=args.min_tokens, score=args.score, collect=args.collect,
-                      granularity=args.granularity, sink=args.sink)
+                      granularity=args.granularity, sink=args.sink, window=args.window,
+                      pool=args.pool)
 
 
 def generate(args: argparse.Namespace) -> int:

@@ -257,6 +257,9 @@ class SamplingParams:
 
 
 MAX_GAMMA = 32
+# vegas's and lastq's local context by default (SpecConfig.window, .pool; 0, 1: the paper's
+# pure top-k), to be chosen from benchmarks/selection_sweep.py on a GPU.
+DEFAULT_WINDOW, DEFAULT_POOL = 0, 1
 METHODS = ("vanilla", "vegas", "stream", "quest", "lastq", "specextend", "full")
 
 
@@ -274,6 +277,11 @@ class SpecConfig:
     sink: int = 4
     page: int = 16
     chunk: int = 32
+    # vegas and lastq: the positions just before the selection row always selected (inside
+    # the budget k: min(window, k) of them), and the odd width of a max-pool over neighbouring
+    # positions of the aggregated scores before the top-k (1: none). 0 and 1: pure top-k.
+    window: int = DEFAULT_WINDOW
+    pool: int = DEFAULT_POOL
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collect", str(self.collect))
@@ -288,11 +296,14 @@ class SpecConfig:
         _choice("score", self.score, ("weight", "logit"))
         _choice("collect", self.collect, ("2", "all"))
         _choice("granularity", self.granularity, ("layer", "kv_head"))
-        for name in ("sink", "page", "chunk"):
+        for name in ("sink", "page", "chunk", "window"):
             value = getattr(self, name)
-            low = 0 if name == "sink" else 1
+            low = 0 if name in ("sink", "window") else 1
             if not is_int(value) or value < low:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not is_int(self.pool) or self.pool < 1 or self.pool % 2 == 0:
+            raise ConfigError(f"pool must be an odd integer >= 1 (1: no pooling), got "
+                              f"{self.pool!r}")
 
     @property
     def speculative(self) -> bool:

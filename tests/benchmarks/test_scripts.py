@@ -343,3 +343,23 @@ def test_kernel_bench_checks_and_times_every_kernel(tmp_path: Path) -> None:
         assert row["status"] == "ok" and row["time_us"] > 0 and row["total_bytes"] > 0
     paged = [r for r in data["rows"] if r["kernel"] == "paged"]
     assert all(r["splits"] >= 1 for r in paged)
+
+
+def test_selection_sweep_runs_every_cell_with_stream_and_vanilla(tmp_path: Path) -> None:
+    out = tmp_path / "selection.json"
+    run("selection_sweep.py", "--device", "cpu", "--batch", "2", "--context", "64",
+        "--max-tokens", "5", "--workloads", "essays", "generation", "--methods", "vegas",
+        "lastq", "--windows", "8", "--pools", "3", "--min-tokens", "16", "--ratio", "0.1",
+        "--out", str(out))
+    data = json.loads(out.read_text())
+    cells = data["cells"]
+    assert data["meta"]["dtype"] == "float32"
+    assert [(c["workload"], c["sampling"], c["method"]) for c in cells] == [
+        (w, s, m) for w in ("essays", "generation") for s in ("greedy", "sampled")
+        for m in ("stream", "vegas", "lastq")]
+    for c in cells:
+        assert 1.0 <= c["tokens_per_iteration"] <= 7.0 and len(c["per_prompt"]) == 2
+        assert (c["window"], c["pool"]) == ((0, 1) if c["method"] == "stream" else (8, 3))
+        assert c["budget_mean"] >= 16
+        # greedy speculative output is vanilla's (float32 on CPU), sampled is not compared
+        assert c.get("same_as_vanilla") == (2 if c["sampling"] == "greedy" else None)

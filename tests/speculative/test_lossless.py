@@ -42,6 +42,42 @@ def test_greedy_speculative_equals_plain(llm, prompts, plain, variant) -> None:
         assert stats["budget_mean"] < 0.1 * len(prompts[-1])
 
 
+# vegas and lastq keeping local context (SpecConfig window, pool), each setting once on the
+# dynamic path and once on the static shapes' (fixed-shape buffers, host bounds).
+LOCAL = [({"method": "vegas", "window": 64, "pool": 7}, False),
+         ({"method": "vegas", "window": 32, "pool": 3}, True),
+         ({"method": "lastq", "window": 64, "pool": 7}, True),
+         ({"method": "lastq", "window": 32, "pool": 3}, False)]
+
+
+@pytest.fixture(scope="module")
+def static_llm():
+    """The embedded model on the static shapes' fixed buffers (eager on CPU)."""
+    from vegas_spec.engine import LLM
+
+    return LLM(kv_cache_bytes=1 << 30, prefix_cache_bytes=2 << 30, static_shapes=True,
+               max_model_len=3072)
+
+
+@pytest.mark.parametrize("variant,static", LOCAL,
+                         ids=[f"{v['method']}-w{v['window']}-p{v['pool']}-"
+                              f"{'static' if s else 'dynamic'}" for v, s in LOCAL])
+def test_local_context_selection_equals_plain(request, prompts, plain, variant,
+                                              static: bool) -> None:
+    """A budget of 5% (100-135 tokens here) above the window, so that the pooled top-k
+    chooses too."""
+    engine = request.getfixturevalue("static_llm" if static else "llm")
+    spec = SpecConfig(gamma=6, ratio=0.05, min_tokens=64, **variant)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+                           speculative=spec)
+    assert (engine.graphs is not None) == static
+    for out, ref in zip(outs, plain):
+        assert out.token_ids == ref.token_ids
+    stats = outs[0].stats
+    assert variant["window"] < stats["budget_mean"] < 0.1 * len(prompts[-1])
+    assert 1.0 <= stats["tokens_per_iteration"] <= 7.0
+
+
 def test_rejected_drafts_do_not_leak(llm, prompts, plain) -> None:
     """γ larger than the accepted run length forces rejections every iteration; a stale
     draft K/V read by a later step would change the tokens."""

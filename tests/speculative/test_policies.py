@@ -334,6 +334,183 @@ def test_specextend_chunks_of_the_last_layer_row() -> None:
             check_row(plan.indices[layer, b, 0], want, start[b])
 
 
+# --- local context: window and pool (vegas, lastq) ------------------------------------------
+
+
+def local_expected(values: np.ndarray | list[float], rankable: int, k: int, window: int,
+                   pool: int) -> tuple[list[float], list[int]]:
+    """By hand: each position < rankable scores the max over its pool // 2 neighbours each
+    side that are < rankable, the last min(window, k) positions score +inf; the k best
+    (ties to the lowest positions, as the Triton kernel breaks them). -> (the pooled
+    scores, the selection)."""
+    half = pool // 2
+    pooled = [max(float(values[j]) for j in range(max(0, i - half), min(rankable, i + half + 1)))
+              for i in range(rankable)]
+    for i in range(rankable - min(window, k), rankable):
+        pooled[i] = math.inf
+    return pooled, best(pooled, range(rankable), k)
+
+
+def check_local_row(row: torch.Tensor, pooled: list[float], want: list[int], rankable: int,
+                    window: int, exact: bool) -> None:
+    """A top-k set of the pooled scores (the hand's own selection when `exact`; torch.topk
+    may break ties at the threshold otherwise) that holds the window."""
+    got = [v for v in row.tolist() if v >= 0]
+    assert len(got) == len(want)
+    assert set(range(rankable - min(window, len(want)), rankable)) <= set(got)
+    if exact:
+        check_row(row, want, rankable)
+    else:
+        check_row(row, got, rankable)  # ascending, -1 padded, nothing >= rankable
+        assert sorted(pooled[i] for i in got) == sorted(pooled[i] for i in want)
+
+
+LOCAL = [(8, 1), (0, 3), (8, 7), (64, 3), (10**6, 5)]  # 64 and 10**6: windows past some k
+
+
+def local_case(method: str, granularity: str, prefill: bool, seed: int
+               ) -> tuple[SpecConfig, Case, list[int], np.ndarray]:
+    cfg = SpecConfig(method=method, granularity=granularity, **BASE)
+    policy = make_policy(cfg)
+    case = make_case(seed, prefill)
+    start = case.row_pos if method == "vegas" or prefill else \
+        [r + a for r, a in zip(case.row_pos, case.accepted)]
+    groups = HKV if policy.per_kv_head else 1
+    # positions >= rankable score highest: pooling them in or ranking them would show
+    scores = random_scores(seed + 1, len(policy.score_rows(GAMMA + 1, prefill)), groups,
+                           case.width, start)
+    return cfg, case, start, scores
+
+
+def aggregated(method: str, case: Case, scores: np.ndarray, layer: int, b: int,
+               g: int) -> np.ndarray:
+    """What vegas ranks (the sum over its rows) or lastq (the last committed token's row)."""
+    if method == "vegas":
+        return scores[layer, b, :, g].astype(np.float64).sum(0).astype(np.float32)
+    return scores[layer, b, 0 if scores.shape[2] == 1 else case.accepted[b], g]
+
+
+@pytest.mark.parametrize("window,pool", LOCAL, ids=lambda v: str(v))
+@pytest.mark.parametrize("method,granularity,prefill", [
+    ("vegas", "layer", False), ("vegas", "layer", True), ("vegas", "kv_head", False),
+    ("lastq", "layer", False), ("lastq", "layer", True)])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_local_context_keeps_the_window_and_pools_inside_the_budget(
+        backend: str, method: str, granularity: str, prefill: bool, window: int,
+        pool: int) -> None:
+    """The last min(window, k) positions before the selection row are always selected, the
+    rest are the top of the max-pooled scores, the budget is the pure top-k's, nothing at or
+    past the selection row is taken; the Triton top-k (the interpreter here) selects what the
+    hand does, ties included."""
+    from vegas_spec.attention.triton_backend import topk_by_width, topk_sum_by_width
+
+    base, case, start, scores = local_case(method, granularity, prefill, 20)
+    cfg = SpecConfig(**{**base.__dict__, "window": window, "pool": pool})
+    inp = case.selection_input(scores)
+    if backend == "triton":
+        inp.topk, inp.topk_sum = topk_by_width, topk_sum_by_width
+    plan = make_policy(cfg).plan(inp)
+    pure = make_policy(base).plan(case.selection_input(scores))
+    assert plan is not None and pure is not None
+    k = [expected_budget(cfg, n, r) for n, r in zip(case.lengths, start)]
+    check_plan(plan, case, start, k)
+    assert torch.equal(plan.budget, pure.budget)
+    assert plan.indices.shape == pure.indices.shape
+    assert k[0] < start[0] and 40 == k[1] < start[1] and k[2] == start[2]  # sparse, dense
+    for layer in range(LAYERS):
+        for b in range(3):
+            for g in range(plan.indices.shape[2]):
+                values = aggregated(method, case, scores, layer, b, g)
+                pooled, want = local_expected(values, start[b], k[b], window, pool)
+                check_local_row(plan.indices[layer, b, g], pooled, want, start[b], window,
+                                exact=backend == "triton")
+
+
+def test_pooling_and_the_window_rank_as_the_hand_says() -> None:
+    """One row of 12 scores, 10 rankable: a peak of 9 at 5 with a 3 at 4, and 100s at and past
+    the selection row, which must neither be taken nor pooled into position 9."""
+    from vegas_spec.kernels.topk import topk_positions_triton
+    from vegas_spec.speculative.policies import local_scores
+
+    row = [1.0, 0.0, 0.0, 0.0, 3.0, 9.0, 0.0, 0.0, 2.0, 0.5, 100.0, 100.0]
+    scores = torch.tensor(row).view(1, 1, 1, 12)
+    rankable, k3, k4 = torch.tensor([10]), torch.tensor([3]), torch.tensor([4])
+    for top in (topk_positions, topk_positions_triton):
+        def pick(window: int, pool: int, k: torch.Tensor, top=top) -> list[int]:
+            return top(local_scores(scores, rankable, k, window, pool), rankable, k).view(
+                -1).tolist()
+
+        assert pick(0, 1, k3) == [4, 5, 8]  # pure top-k
+        assert pick(0, 3, k3) == [4, 5, 6]  # the peak and its neighbours
+        assert pick(0, 5, torch.tensor([5])) == [3, 4, 5, 6, 7]  # 9 over 3..7
+        assert pick(1, 3, k4) == [4, 5, 6, 9]  # the window: position 9, then the peak
+        assert pick(2, 1, k3) == [5, 8, 9]
+        assert pick(5, 7, k3) == [7, 8, 9]  # a window past k: the last k positions
+    pooled = local_scores(scores, rankable, k3, 0, 3).view(-1)[:10].tolist()
+    assert pooled == [1.0, 1.0, 0.0, 3.0, 9.0, 9.0, 9.0, 2.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("method", ["vegas", "lastq"])
+def test_pure_top_k_is_todays_path(method: str) -> None:
+    """window 0 and pool 1 take today's path: vegas hands its collected rows to the
+    backend's row-summing top-k unsummed; with a window or pooling the sum is ranked by the
+    plain top-k."""
+    case = make_case(30, prefill=False)
+    policy = make_policy(SpecConfig(method=method, **BASE))
+    scores = random_scores(31, len(policy.score_rows(GAMMA + 1, False)), 1, case.width,
+                           case.row_pos)
+    calls: list[tuple[str, int]] = []
+
+    def top(s: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(("topk", s.dim()))
+        return topk_positions(s, *args)
+
+    def top_sum(s: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(("topk_sum", s.dim()))
+        return topk_positions(s.sum(-3), *args)
+
+    for window, pool in ((0, 1), (4, 1), (0, 3)):
+        calls.clear()
+        inp = case.selection_input(scores)
+        inp.topk, inp.topk_sum = top, top_sum
+        cfg = SpecConfig(method=method, window=window, pool=pool, **BASE)
+        plan = make_policy(cfg).plan(inp)
+        assert plan is not None
+        pure = window == 0 and pool == 1
+        assert calls == [("topk_sum", 5) if pure and method == "vegas" else ("topk", 4)]
+        if pure:
+            want = policy.plan(case.selection_input(scores))
+            assert want is not None and torch.equal(plan.indices, want.indices)
+
+
+@pytest.mark.parametrize("method", ["vegas", "lastq"])
+def test_local_context_with_host_bounds_is_the_dynamic_selection(method: str) -> None:
+    """kmax and rank_width (the static shapes' host bounds, no host sync) give the dynamic
+    plan, -1 padded to kmax, over a key width past the context (the Triton top-k, whose
+    ties at the threshold do not depend on the row's width as torch.topk's may)."""
+    from vegas_spec.attention.triton_backend import topk_by_width
+
+    cfg = SpecConfig(method=method, window=16, pool=5, **BASE)
+    policy = make_policy(cfg)
+    case = make_case(40, prefill=False)
+    start = case.row_pos if method == "vegas" else \
+        [r + a for r, a in zip(case.row_pos, case.accepted)]
+    scores = random_scores(41, len(policy.score_rows(GAMMA + 1, False)), 1,
+                           case.width + PAGE_SIZE, start)
+    inp = case.selection_input(scores)
+    inp.topk = topk_by_width
+    dynamic = policy.plan(inp)
+    inp = case.selection_input(scores)
+    kmax = 80
+    inp.topk, inp.kmax, inp.rank_width = topk_by_width, kmax, max(start) + 1
+    static = policy.plan(inp)
+    assert dynamic is not None and static is not None
+    assert static.indices.shape[-1] == kmax > dynamic.indices.shape[-1]
+    width = dynamic.indices.shape[-1]
+    assert torch.equal(static.indices[..., :width], dynamic.indices)
+    assert bool((static.indices[..., width:] == -1).all())
+
+
 # --- stream, quest, full -----------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from vegas_spec.attention.context import SparsePlan, StepContext
 from vegas_spec.attention.torch_backend import quest_page_scores_ref
@@ -186,7 +187,9 @@ def make_policy(cfg: SpecConfig) -> Policy:
 @register
 class Vegas(Policy):
     """Top-k of the verify pass's attention, aggregated over query heads and the collected
-    rows (first and last, or all), per layer or per kv head."""
+    rows (first and last, or all), per layer or per kv head; with SpecConfig's window or
+    pool, of those scores max-pooled over neighbours, the window before the selection row
+    always taken (`local_scores`)."""
 
     name = "vegas"
     wants_scores = True
@@ -206,10 +209,13 @@ class Vegas(Policy):
 
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
-        if inp.topk_sum is not None:
-            return inp.topk_sum(_ranked(inp), rankable, k, inp.kmax)
         top = inp.topk or topk_positions
-        return top(_ranked(inp).sum(2), rankable, k, inp.kmax)
+        if self.cfg.window == 0 and self.cfg.pool == 1:  # pure top-k
+            if inp.topk_sum is not None:
+                return inp.topk_sum(_ranked(inp), rankable, k, inp.kmax)
+            return top(_ranked(inp).sum(2), rankable, k, inp.kmax)
+        scores = local_scores(_ranked(inp).sum(2), rankable, k, self.cfg.window, self.cfg.pool)
+        return top(scores, rankable, k, inp.kmax)
 
 
 @register
@@ -232,7 +238,35 @@ class LastQ(Vegas):
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
         top = inp.topk or topk_positions
-        return top(_row(_ranked(inp), inp.accepted), rankable, k, inp.kmax)
+        scores = _row(_ranked(inp), inp.accepted)
+        if self.cfg.window or self.cfg.pool > 1:
+            scores = local_scores(scores, rankable, k, self.cfg.window, self.cfg.pool)
+        return top(scores, rankable, k, inp.kmax)
+
+
+# Above every score a selection ranks, finite so that the top-k kernels' float-to-key order
+# and threshold search (`kernels.topk`) take it as any other value.
+FORCED = torch.finfo(torch.float32).max
+
+
+def local_scores(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
+                 window: int, pool: int) -> torch.Tensor:
+    """Aggregated scores [layers, B, G, W] float32 -> the same ranked for local context:
+    each position < rankable[b] scores the max over its `pool` neighbours (pool // 2 each
+    side) of the positions < rankable[b] (SnapKV's pooling; pool odd), then the last
+    min(window, k[b]) positions before rankable[b] score FORCED, so that a top-k of k[b]
+    always takes them (inside the budget). Fixed shapes, no host sync (capturable)."""
+    pos = torch.arange(scores.shape[-1], device=scores.device)
+    visible = (pos < rankable[:, None])[None, :, None]  # [1, B, 1, W]
+    if pool > 1:
+        masked = torch.where(visible, scores, float("-inf"))  # no pooling past rankable
+        flat = masked.reshape(-1, 1, scores.shape[-1])
+        scores = F.max_pool1d(flat, pool, stride=1, padding=pool // 2).view(scores.shape)
+    if window:
+        first = rankable - torch.clamp(k, max=window)  # [B]
+        near = visible & (pos >= first[:, None])[None, :, None]
+        scores = torch.where(near, FORCED, scores)
+    return scores
 
 
 def _ranked(inp: SelectionInput) -> torch.Tensor:
