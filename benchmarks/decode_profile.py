@@ -171,7 +171,7 @@ def main() -> None:
     llm = LLM(args.model, device="cuda" if cuda else "cpu",
               dtype="bfloat16" if cuda else "float32", kv_cache_bytes=kv)
     ids = [p.ids for p in essay_prompts(llm.tokenizer, args.context, args.batch, args.workload)]
-    spec = SpecConfig(method=args.method, gamma=args.gamma, ratio=args.ratio)
+    spec = SpecConfig(method=args.method, gamma=args.gamma, ratio=args.ratio, adaptive=False)
     warm = min(args.max_tokens, 2 * args.gamma + 3)  # the graphs of every kind are captured
     llm.generate(ids, SamplingParams(max_tokens=warm, ignore_eos=True), speculative=spec)
     base, _ = kernel_times(llm, ids, spec, 1)

@@ -242,7 +242,8 @@ def main() -> None:
         rows = []
         streams = {"no": [False], "yes": [True], "both": [False, True]}[args.stream]
         for method, stream in itertools.product(args.methods, streams):
-            spec = SpecConfig(method=method, gamma=args.gamma, ratio=0.1, min_tokens=16)
+            spec = SpecConfig(method=method, gamma=args.gamma, ratio=0.1, min_tokens=16,
+                              adaptive=False)
             row = {"method": method, "stream": stream,
                    **measure(llm, prompts, params, spec, args.repeats, stream)}
             rows.append(row)

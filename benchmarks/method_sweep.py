@@ -80,7 +80,7 @@ def spec_of(variant: str, args: argparse.Namespace) -> SpecConfig:
     method = "vegas" if method in ABLATIONS else method
     kw = dict(item.split("=", 1) for item in rest.split(",") if item)
     return SpecConfig(method=method, gamma=args.gamma, ratio=args.ratio,
-                      min_tokens=args.min_tokens, **kw)
+                      min_tokens=args.min_tokens, adaptive=False, **kw)
 
 
 def make_prompts(tok, texts: list[str], lengths: list[int], fmt: str) -> list[list[int]]:  # noqa: ANN001

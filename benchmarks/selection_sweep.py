@@ -126,7 +126,8 @@ def main() -> None:
         kwargs["max_model_len"] = args.max_model_len
     if args.eager:
         kwargs["cuda_graphs"] = False
-    base = SpecConfig(gamma=args.gamma, ratio=args.ratio, min_tokens=args.min_tokens)
+    base = SpecConfig(gamma=args.gamma, ratio=args.ratio, min_tokens=args.min_tokens,
+                      adaptive=False)  # a round every iteration: tau of every cell
     specs = [dataclasses.replace(base, method=m, window=w, pool=p)  # checked before loading
              for m in args.methods for w in args.windows for p in args.pools]
     llm = LLM(args.model, **kwargs)

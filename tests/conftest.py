@@ -69,12 +69,13 @@ def tiny_spec(method: dict | None) -> SpecConfig:
     """The tiny-model tests' setting of one of TINY_METHODS: None is plain decoding (named:
     a bare SpecConfig() is vegas, and generate(speculative=None) keeps the engine's last
     method); otherwise γ 3 and a budget of about 10% of those contexts, so that the drafts
-    really are sparse."""
+    really are sparse, and a round every iteration (not adaptive: the tests compare the
+    iterations of two runs)."""
     from vegas_spec.config import SpecConfig
 
     if method is None:
         return SpecConfig(method="vanilla")
-    return SpecConfig(gamma=3, ratio=0.1, min_tokens=8, **method)
+    return SpecConfig(gamma=3, ratio=0.1, min_tokens=8, adaptive=False, **method)
 
 
 def config_folder(tmp_path_factory: pytest.TempPathFactory, name: str, config: dict) -> Path:

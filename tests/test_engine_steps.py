@@ -218,8 +218,8 @@ def test_abort_frees_the_row_and_pages_before_the_next_step(
     decoded = []
     decode = engine.runner.decode
 
-    def recording() -> Any:
-        out = decode()
+    def recording(draft: bool = True) -> Any:
+        out = decode(draft)
         decoded.append(out.seqs)
         return out
 

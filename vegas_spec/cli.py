@@ -207,6 +207,13 @@ def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
                    choices=["layer", "kv_head"],
                    help="layer = one selection per layer shared by all heads, kv_head = one "
                         "per KV head")
+    g.add_argument("--fixed-gamma", dest="adaptive", action="store_false",
+                   default=DEFAULT_SPEC.adaptive,
+                   help="draft --gamma tokens every iteration; by default a round runs only "
+                        "where the engine's own timings say it beats a plain step")
+    g.add_argument("--adaptive", dest="adaptive", action="store_true",
+                   help="the default: speculate only where it pays (overrides a settings "
+                        "file's fixed gamma)")
     g.add_argument("--sink", type=int, default=DEFAULT_SPEC.sink,
                    help="stream: first tokens always attended to (attention sink)")
     g.add_argument("--window", type=int, default=DEFAULT_SPEC.window,
@@ -271,7 +278,7 @@ def _spec(args: argparse.Namespace, method: str):  # noqa: ANN202 - a SpecConfig
     return SpecConfig(method=method, gamma=args.gamma, ratio=args.ratio,
                       min_tokens=args.min_tokens, score=args.score, collect=args.collect,
                       granularity=args.granularity, sink=args.sink, window=args.window,
-                      pool=args.pool)
+                      pool=args.pool, adaptive=args.adaptive)
 
 
 def generate(args: argparse.Namespace) -> int:

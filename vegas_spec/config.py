@@ -282,6 +282,9 @@ class SpecConfig:
     # positions of the aggregated scores before the top-k (1: none). 0 and 1: pure top-k.
     window: int = DEFAULT_WINDOW
     pool: int = DEFAULT_POOL
+    # Per iteration, a round only where the engine's own timings say it beats a plain step
+    # (`speculative.adaptive`); False: always γ drafts (benchmarks of a fixed γ).
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collect", str(self.collect))
@@ -301,6 +304,8 @@ class SpecConfig:
             low = 0 if name in ("sink", "window") else 1
             if not is_int(value) or value < low:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"adaptive must be True or False, got {self.adaptive!r}")
         if not is_int(self.pool) or self.pool < 1 or self.pool % 2 == 0:
             raise ConfigError(f"pool must be an odd integer >= 1 (1: no pooling), got "
                               f"{self.pool!r}")

@@ -45,11 +45,12 @@ from vegas_spec.config import (
     spec_config,
 )
 from vegas_spec.executor import make_runner
-from vegas_spec.graphs import GraphRunner, StaticShapes
+from vegas_spec.graphs import GraphRunner, StaticShapes, bucket_for
 from vegas_spec.models.loader import resolve
 from vegas_spec.prefill_graphs import bucket_floor
 from vegas_spec.scheduler import PrefillPacer, Scheduler
 from vegas_spec.sequence import Detokenizer, Sequence
+from vegas_spec.speculative.adaptive import SpeculationController
 from vegas_spec.speculative.policies import Policy
 from vegas_spec.stats import PhaseTimer, RunStats, SeqStats
 from vegas_spec.tokenizer import encode, load_tokenizer, text_decoder
@@ -64,6 +65,7 @@ class StepInfo:
     first_tokens: int = 0  # prompts that completed and gave their first token
     emitted: list[int] = field(default_factory=list)
     gamma: int = 0
+    drafted: bool = False  # the decode iteration was a round (False: a plain step)
     seconds: float = 0.0
     prefill_seconds: float = 0.0  # of which admission and prefill (the rest: the iteration)
 
@@ -161,6 +163,7 @@ class LLMEngine:
         self.wall = {"prefill": 0.0, "decode": 0.0}  # seconds of steps, by part
         self.iterations = 0
         self.last_step = StepInfo()
+        self.controller = self._controller(self.spec)
 
     @property
     def tokenizer(self):  # noqa: ANN201
@@ -186,14 +189,21 @@ class LLMEngine:
             raise ConfigError("the decoding method cannot change while requests run")
         self.spec = spec
         self.runner.set_spec(spec)
+        self.controller = self._controller(spec)
         if self.pacer is not None:  # another method's steps take other times
             self.pacer = dataclasses.replace(self.pacer)  # the settings, no estimates
+
+    @staticmethod
+    def _controller(spec: SpecConfig) -> SpeculationController | None:
+        """Adaptive speculation's measurements, made again for another method."""
+        return SpeculationController() if spec.speculative and spec.adaptive else None
 
     def warm_up(self, rows: int) -> int:
         """Before serving: the decode buffers and graphs of every batch bucket up to `rows`,
         and every prefill bucket's forward, so that no request waits for a capture -> the
         prefill forwards made."""
         self.runner.reserve(rows)
+        self.runner.warm_rounds()
         return self.runner.warm_prefill(rows)
 
     # --- requests -----------------------------------------------------------------------
@@ -345,11 +355,18 @@ class LLMEngine:
         return min(tokens, bucket_floor(tokens))
 
     def _decode_step(self, touched: dict[str, Sequence], info: StepInfo) -> None:
-        out = self.runner.decode()
+        controller, bucket = self.controller, bucket_for(self.runner.rows)
+        draft = controller is None or controller.choose(bucket)
+        started = time.perf_counter()
+        out = self.runner.decode(draft)
+        if controller is not None:  # the iteration ended with its one host read
+            controller.observe(bucket, out.drafted, time.perf_counter() - started,
+                               sum(map(len, out.tokens)) / max(len(out.tokens), 1))
         self.iterations += 1
+        info.drafted = out.drafted
         for seq, tokens, budget in zip(out.seqs, out.tokens, out.budgets):
             info.emitted.append(len(tokens))
-            seq.stats.record(len(tokens), budget)
+            seq.stats.record(len(tokens), budget, out.drafted)
             seq.append(tokens)
             touched[seq.request_id] = seq
         self.runner.select()

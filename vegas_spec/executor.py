@@ -5,8 +5,9 @@ its model runner.
 (`python -m vegas_spec.worker`, or takes torchrun's ranks), joins the group (gloo on CPU,
 NCCL on CUDA, with a gloo group of its own for control messages) and watches the workers.
 An engine built while a launch is active wraps its `ModelRunner` in a `RunnerProxy`: before
-each runner call that touches the device (reserve, warm_prefill, set_spec, start, prefill,
-join, decode, select, drop, clear, logits, next_token_logits) rank 0 broadcasts a `Call`,
+each runner call that touches the device (reserve, warm_prefill, warm_rounds, set_spec, start,
+prefill, join, decode, select, drop, clear, logits, next_token_logits) rank 0 broadcasts a
+`Call`,
 a method name and plain host arguments, and every worker makes the same call on its own
 runner, so all ranks run the same forwards on the same shapes and meet in the same
 collectives. A sequence is sent whole once (`SeqSpec`: request id, prompt ids, sampling,
@@ -366,6 +367,9 @@ class RunnerProxy:
     def warm_prefill(self, max_pieces: int) -> int:
         return self._run("warm_prefill", (max_pieces,), max_pieces)
 
+    def warm_rounds(self) -> None:
+        self._run("warm_rounds", ())
+
     def set_spec(self, spec: SpecConfig) -> None:
         self._run("set_spec", (spec,), spec)
 
@@ -385,8 +389,8 @@ class RunnerProxy:
     def join(self, seqs: list[Sequence]) -> None:
         self._run("join", ([s.request_id for s in seqs],), seqs)
 
-    def decode(self) -> StepOutput:
-        return self._run("decode", ())
+    def decode(self, draft: bool = True) -> StepOutput:
+        return self._run("decode", (draft,), draft)
 
     def select(self) -> None:
         batch = self._runner.batch
@@ -451,7 +455,7 @@ class Mirror:
     def apply(self, method: str, args: tuple) -> None:
         """Make rank 0's call on this rank's runner."""
         runner = self.runner
-        if method in ("reserve", "warm_prefill", "set_spec"):
+        if method in ("reserve", "warm_prefill", "warm_rounds", "set_spec"):
             getattr(runner, method)(*args)
         elif method == "start":
             seqs = [s.mirror() for s in args[0]]
@@ -470,7 +474,7 @@ class Mirror:
                     self.seqs.pop(seq.request_id, None)
             self.done = []
         elif method == "decode":
-            out = runner.decode()
+            out = runner.decode(*args)
             for seq, tokens in zip(out.seqs, out.tokens):
                 seq.output.extend(tokens)
         elif method == "select":

@@ -412,12 +412,20 @@ class GraphRunner:
 
     # --- capture ----------------------------------------------------------------------------
 
-    def _capture_all(self) -> None:
-        """Every (bucket, kind), largest bucket first so the smaller ones reuse its pool."""
+    def _capture_all(self, kinds: tuple[str, ...] | None = None) -> None:
+        """Every (bucket, kind) not yet captured, largest bucket first so the smaller ones
+        reuse its pool (kinds None: shapes.kinds)."""
         with torch.cuda.device(self.buf.page_table.device):
             for bucket in reversed(buckets_upto(self.capacity)):
-                for kind in self.shapes.kinds:
-                    self.graphs[(kind, bucket)] = self._capture(kind, bucket)
+                for kind in self.shapes.kinds if kinds is None else kinds:
+                    if (kind, bucket) not in self.graphs:
+                        self.graphs[(kind, bucket)] = self._capture(kind, bucket)
+
+    def warm(self) -> None:
+        """Before any row joins (a server's start): the sampled rounds and the plain step
+        too, on the dummy buffers, so that no request waits for their capture."""
+        if self.capturing and self.shapes.verify_rows:
+            self._capture_all(("sampled", "filtered", "plain"))
 
     def _capture(self, kind: str, bucket: int) -> _Graph:
         graph, out = capture(lambda: self._body(kind, bucket), self.pool)

@@ -112,11 +112,13 @@ class Batch:
 @dataclass
 class StepOutput:
     """One decode iteration, on the host: per row its sequence, the tokens it emitted
-    (1..γ+1) and the selection budget its drafts read (None: no sparse drafts)."""
+    (1..γ+1) and the selection budget its drafts read (None: no sparse drafts); drafted:
+    the iteration was a round (False: a plain step)."""
 
     seqs: list[Sequence]
     tokens: list[list[int]]
     budgets: list[int | None]
+    drafted: bool = False
 
 
 @dataclass
@@ -210,6 +212,13 @@ class ModelRunner:
         while no row is in use."""
         if self.config.static and self.batch is None and rows > 0:
             self.graphs = self._graph_runner(self.spec, self.policy, rows)
+
+    def warm_rounds(self) -> None:
+        """After `reserve` and before any row joins: every decode graph a request can need
+        (greedy and sampled rounds, the adaptive plain step) captured now."""
+        if self.graphs is not None and self.batch is None:
+            with torch.inference_mode():
+                self.graphs.warm()
 
     def warm_prefill(self, max_pieces: int) -> int:
         """Capture every prefill bucket this method's chunks can meet (up to the prefill
@@ -520,15 +529,16 @@ class ModelRunner:
     # --- decode -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def decode(self) -> StepOutput:
-        """One iteration over every row: a plain step, or a draft-verify-accept round."""
+    def decode(self, draft: bool = True) -> StepOutput:
+        """One iteration over every row: a draft-verify-accept round, or a plain step (plain
+        decoding, or draft False: where a round would not pay, the plan kept for the next)."""
         assert self.batch is not None
-        out = self._iteration(self.batch)
+        out = self._iteration(self.batch, draft)
         self.timer.flush()
         return out
 
-    def _iteration(self, batch: Batch) -> StepOutput:
-        if self.policy is None:  # one token a row: nothing to accept, no plan to make
+    def _iteration(self, batch: Batch, draft: bool = True) -> StepOutput:
+        if self.policy is None or not draft:  # one token a row: nothing to accept
             with self.timer.phase("decode"):
                 tokens = self._plain_step(batch)
             batch.lengths = batch.lengths + 1
@@ -539,7 +549,9 @@ class ModelRunner:
         batch.lengths = batch.lengths + accepted + 1
         batch.last = emitted.gather(1, accepted[:, None])[:, 0]
         self._round = _Round(scores, row, accepted, planned)
-        return self._commit(batch, accepted, emitted, budget)
+        out = self._commit(batch, accepted, emitted, budget)
+        out.drafted = True
+        return out
 
     def _commit(self, batch: Batch, accepted: torch.Tensor | None, emitted: torch.Tensor,
                 budget: torch.Tensor | None) -> StepOutput:
@@ -567,7 +579,11 @@ class ModelRunner:
         alive = [i for i, s in enumerate(batch.seqs) if not s.finished]
         if len(alive) < len(batch.seqs):
             idx = self._keep_rows(alive)
-            if idx is None or rnd is None:
+            if idx is None:
+                return
+            if rnd is None:  # a plain step: the rows keep the plans they had
+                assert self.batch is not None
+                self.batch.plan = take_plan(batch.plan, idx)
                 return
             rnd = _Round(None if rnd.scores is None else rnd.scores[:, idx], rnd.row[idx],
                          rnd.accepted[idx], rnd.planned)

@@ -56,8 +56,14 @@ class SeqStats:
     budget: list[int] = field(default_factory=list)
     counts: Counter[int] = field(default_factory=Counter)  # iterations by tokens emitted
     budget_total: int = 0
+    plain_steps: int = 0  # iterations of a speculative method run as plain steps (adaptive)
 
-    def record(self, emitted: int, budget: int | None) -> None:
+    def record(self, emitted: int, budget: int | None, drafted: bool = True) -> None:
+        """One iteration; a plain step of a speculative method (drafted False) is counted
+        apart, so that tokens per iteration and acceptance describe the rounds."""
+        if not drafted and self.gamma:
+            self.plain_steps += 1
+            return
         self.iterations += 1
         self.tokens_per_iteration.append(emitted)
         self.counts[emitted] += 1
@@ -66,6 +72,7 @@ class SeqStats:
             self.budget_total += budget
 
     def summary(self) -> dict[str, Any]:
+        """The rounds' figures (plain steps are in the run's summary)."""
         return summarize_counts(self.counts, self.gamma, self.budget_total, len(self.budget))
 
     def summary_upto(self, iterations: int, budgets: int) -> dict[str, Any]:
@@ -73,6 +80,16 @@ class SeqStats:
         with a budget (the lists only grow): O(iterations)."""
         return summarize(self.tokens_per_iteration[:iterations], self.gamma,
                          self.budget[:budgets])
+
+
+def with_plain_steps(out: dict[str, Any], gamma: int, plain: int) -> dict[str, Any]:
+    """A speculative summary with the plain steps the adaptive choice took and the share of
+    iterations that speculated."""
+    if gamma:
+        total = out["iterations"] + plain
+        out["plain_steps"] = plain
+        out["speculative_share"] = out["iterations"] / total if total else 0.0
+    return out
 
 
 def summarize(tpi: list[int], gamma: int, budget: list[int]) -> dict[str, Any]:
@@ -137,5 +154,6 @@ class RunStats:
         if spec_total > 0:
             out["phase_fraction"] = {k: phases[k] / spec_total for k in SPEC_PHASES
                                      if k in phases}
-        out.update(summarize(tpi, self.gamma, budget))
+        out.update(with_plain_steps(summarize(tpi, self.gamma, budget), self.gamma,
+                                    sum(s.plain_steps for s in self.seqs)))
         return out

@@ -14,13 +14,16 @@
   quest_scores      quest's page scores for a draft row, from the pages' min/max keys
   exact_matmul      a projection whose rows do not depend on the number of rows (exact mode)
   skinny_matmul     a projection of 1..64 rows that streams its weights once (decode steps)
+  sample            a token per row by argmax(p / E) with counter-based Exp(1) noise, in one
+                    read of p (sampled decoding, drafting and verification)
 
 Every kernel has a plain-PyTorch reference that is its test oracle:
 `vegas_spec.attention.torch_backend` (attention, KV store, quest's page scores),
-`vegas_spec.ops` (`rms_norm`, `add_rms_norm`, `silu_mul`, `apply_rope`, `topk_positions`)
-and `torch.nn.functional.linear` (exact_matmul, skinny_matmul). On a machine without CUDA
-the kernels run on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`, set
-before triton is first imported), patched below where it departs from compiled Triton."""
+`vegas_spec.ops` (`rms_norm`, `add_rms_norm`, `silu_mul`, `apply_rope`, `topk_positions`),
+`vegas_spec.sampling.exponential_argmax_ref` (sample) and `torch.nn.functional.linear`
+(exact_matmul, skinny_matmul). On a machine without CUDA the kernels run on CPU tensors under
+Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is first imported), patched below
+where it departs from compiled Triton."""
 
 from __future__ import annotations
 

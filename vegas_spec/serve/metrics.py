@@ -19,6 +19,11 @@ class Metrics:
         self.draft_tokens = Counter("vegas_draft_tokens", "Draft tokens verified", registry=r)
         self.accepted_tokens = Counter("vegas_accepted_tokens", "Draft tokens accepted",
                                        registry=r)
+        self.plain_steps = Counter(
+            "vegas_plain_steps", "Decode iterations of a speculative method run as plain "
+            "steps, where the engine measured that a round would not pay", registry=r)
+        self.rounds = Counter("vegas_speculative_rounds", "Draft-verify rounds run",
+                              registry=r)
         self.tokens_per_iteration = Histogram(
             "vegas_tokens_per_iteration", "Tokens a row emits per decode iteration",
             buckets=[1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 33], registry=r)
@@ -38,9 +43,13 @@ class Metrics:
         self.generation_tokens.inc(sum(info.emitted) + info.first_tokens)
         for n in info.emitted:
             self.tokens_per_iteration.observe(n)
-        if info.gamma:
-            self.draft_tokens.inc(info.gamma * len(info.emitted))
-            self.accepted_tokens.inc(sum(n - 1 for n in info.emitted))
+        if info.gamma and info.emitted:
+            if info.drafted:
+                self.rounds.inc()
+                self.draft_tokens.inc(info.gamma * len(info.emitted))
+                self.accepted_tokens.inc(sum(n - 1 for n in info.emitted))
+            else:
+                self.plain_steps.inc()
         self.step_seconds.observe(info.seconds)
         self.gauges(engine)
 

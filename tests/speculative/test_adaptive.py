@@ -1,0 +1,134 @@
+"""Adaptive speculation: the controller speculates where its measurements say a round beats
+a plain step, and only there, probes the other choice now and then, skips the iterations
+that captured graphs; plain steps between rounds leave the output plain decoding's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from conftest import (
+    SPEC_VARIANTS,
+    TINY_ENGINE,
+    TINY_IDS,
+    TINY_LLAMA,
+    TINY_METHODS,
+    TINY_VOCAB,
+    config_folder,
+    essay_prompt,
+    random_prompts,
+    tiny_spec,
+)
+
+from vegas_spec import SamplingParams, SpecConfig
+from vegas_spec.engine import LLM, LLMEngine
+from vegas_spec.speculative.adaptive import Ema, SpeculationController
+
+
+def drive(controller: SpeculationController, iterations: int, plain_s: float, round_s: float,
+          tau: float, bucket: int = 8) -> list[bool]:
+    """Run the controller against fixed costs and tokens per round -> its choices."""
+    choices = []
+    for _ in range(iterations):
+        draft = controller.choose(bucket)
+        choices.append(draft)
+        controller.observe(bucket, draft, round_s if draft else plain_s,
+                           tau if draft else 1.0)
+    return choices
+
+
+def test_it_speculates_where_a_round_pays() -> None:
+    choices = drive(SpeculationController(probe=16), 400, plain_s=1.0, round_s=3.0, tau=5.0)
+    late = choices[100:]
+    assert 0.9 < sum(late) / len(late) < 1.0  # mostly rounds, a plain probe now and then
+    assert not all(late)
+
+
+def test_it_decodes_plainly_where_a_round_does_not_pay() -> None:
+    choices = drive(SpeculationController(probe=16), 400, plain_s=1.0, round_s=3.0, tau=2.5)
+    late = choices[100:]
+    assert 0.0 < sum(late) / len(late) < 0.1  # plain steps, a probing round now and then
+
+
+def test_it_follows_a_change_in_acceptance() -> None:
+    c = SpeculationController(probe=8)
+    drive(c, 200, plain_s=1.0, round_s=3.0, tau=6.0)
+    assert c.pays(c.buckets[8])
+    late = drive(c, 300, plain_s=1.0, round_s=3.0, tau=1.5)[-100:]
+    assert not c.pays(c.buckets[8]) and sum(late) < 20
+
+
+def test_buckets_are_measured_apart() -> None:
+    c = SpeculationController(probe=1000)
+    drive(c, 50, plain_s=1.0, round_s=3.0, tau=6.0, bucket=1)
+    drive(c, 50, plain_s=1.0, round_s=9.0, tau=6.0, bucket=64)
+    assert c.pays(c.buckets[1]) and not c.pays(c.buckets[64])
+    summary = c.summary()
+    assert summary["rounds"] + summary["plain_steps"] == 100
+    assert 0 < summary["speculative_share"] < 1
+
+
+def test_the_first_samples_are_skipped() -> None:
+    ema = Ema(decay=0.5, skip=1)
+    ema.add(100.0)  # a capture
+    assert ema.value is None
+    ema.add(2.0)
+    ema.add(4.0)
+    assert ema.value == pytest.approx(3.0)
+
+
+@dataclass
+class Alternate(SpeculationController):
+    """A round and a plain step in turn, whatever the timings."""
+
+    calls: int = 0
+
+    def choose(self, bucket: int) -> bool:
+        self.calls += 1
+        return self.calls % 2 == 1
+
+
+METHODS = [v for v in SPEC_VARIANTS if set(v) == {"method"}]
+PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (17, 9)]
+
+
+@pytest.fixture(scope="module")
+def prompts(llm, essays) -> list[list[int]]:
+    return [essay_prompt(llm.tokenizer, essays, n, off) for n, off in ((2000, 3), (2200, 9))]
+
+
+@pytest.fixture(scope="module")
+def plain(llm, prompts) -> list[list[int]]:
+    outs = llm.generate(prompts, PARAMS, speculative=SpecConfig(method="vanilla"))
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture
+def alternate(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(LLMEngine, "_controller", staticmethod(lambda spec: Alternate()))
+
+
+@pytest.mark.parametrize("variant", METHODS, ids=lambda v: v["method"])
+def test_plain_steps_between_rounds_give_plain_tokens(llm, prompts, plain, variant,
+                                                      alternate: None) -> None:
+    """Every policy on the real model, rounds and plain steps in turn (the plan of a round
+    kept across the plain step after it), rows leaving at different times."""
+    spec = SpecConfig(gamma=4, ratio=0.03, min_tokens=64, **variant)
+    outs = llm.generate(prompts, PARAMS, speculative=spec)
+    assert [o.token_ids for o in outs] == plain
+    stats = outs[0].stats
+    assert stats["plain_steps"] > 0 and 0 < stats["speculative_share"] < 1
+
+
+@pytest.mark.parametrize("method", TINY_METHODS[1:], ids=TINY_IDS[1:])
+def test_plain_steps_on_the_static_shapes(tmp_path_factory: pytest.TempPathFactory,
+                                          method: dict, alternate: None) -> None:
+    """The same on the fixed-shape buffers (a plain step between round graphs)."""
+    folder = config_folder(tmp_path_factory, "tiny-adaptive", TINY_LLAMA)
+    prompts = random_prompts(1, (40, 23, 61), TINY_VOCAB)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (20, 7, 13)]
+    llm = LLM(str(folder), static_shapes=True, **TINY_ENGINE)
+    want = [o.token_ids for o in llm.generate(prompts, params)]
+    outs = llm.generate(prompts, params, speculative=tiny_spec(method))
+    assert [o.token_ids for o in outs] == want
+    assert outs[0].stats["plain_steps"] > 0

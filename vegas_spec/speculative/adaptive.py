@@ -1,0 +1,85 @@
+"""Adaptive speculation: per iteration, whether a round pays for itself or a plain step is
+faster, from the engine's own running measurements.
+
+A round emits τ tokens a row in the time c_round of its batch bucket; a plain step emits one
+in c_plain. Speculating pays while τ · c_plain > c_round. The controller keeps, per bucket,
+exponential moving averages of both costs (the wall time of an iteration, which ends with the
+engine's one host read, so it is the device's time plus the host's) and of τ, speculates
+while the estimate says it pays and, every `probe` iterations, runs the other choice once so
+that both estimates follow the context as it grows. Nothing here touches the device; the
+choice changes only how many tokens are drafted, never which tokens are emitted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Ema:
+    """An exponential moving average that skips its first `skip` samples (an iteration that
+    captured a CUDA graph or compiled a kernel is no measure of the next ones)."""
+
+    decay: float = 0.8
+    skip: int = 1
+    value: float | None = None
+    seen: int = 0
+
+    def add(self, sample: float) -> None:
+        self.seen += 1
+        if self.seen <= self.skip:
+            return
+        self.value = sample if self.value is None else \
+            self.decay * self.value + (1 - self.decay) * sample
+
+
+@dataclass
+class Bucket:
+    plain: Ema = field(default_factory=Ema)
+    round: Ema = field(default_factory=Ema)
+    tokens: Ema = field(default_factory=lambda: Ema(skip=0))  # τ: tokens a row per round
+    streak: int = 0  # iterations since the other choice last ran
+
+
+@dataclass
+class SpeculationController:
+    """choose(bucket) -> draft or not; observe(bucket, drafted, seconds, tokens) after the
+    iteration. probe: iterations between two runs of the choice not taken."""
+
+    probe: int = 32
+    buckets: dict[int, Bucket] = field(default_factory=dict)
+    plain_steps: int = 0
+    rounds: int = 0
+
+    def choose(self, bucket: int) -> bool:
+        b = self.buckets.setdefault(bucket, Bucket())
+        if b.round.value is None:  # measure a round first, then a plain step
+            return True
+        if b.plain.value is None:
+            return False
+        speculate = self.pays(b)
+        if b.streak >= self.probe:
+            return not speculate
+        return speculate
+
+    def pays(self, b: Bucket) -> bool:
+        assert b.round.value is not None and b.plain.value is not None
+        tau = b.tokens.value if b.tokens.value is not None else 1.0
+        return tau * b.plain.value > b.round.value
+
+    def observe(self, bucket: int, drafted: bool, seconds: float,
+                tokens_per_row: float | None = None) -> None:
+        b = self.buckets.setdefault(bucket, Bucket())
+        preferred = None if b.round.value is None or b.plain.value is None else self.pays(b)
+        (b.round if drafted else b.plain).add(seconds)
+        if drafted:
+            self.rounds += 1
+            if tokens_per_row is not None:
+                b.tokens.add(tokens_per_row)
+        else:
+            self.plain_steps += 1
+        b.streak = 0 if preferred is not None and drafted != preferred else b.streak + 1
+
+    def summary(self) -> dict[str, float | int]:
+        total = self.rounds + self.plain_steps
+        return {"rounds": self.rounds, "plain_steps": self.plain_steps,
+                "speculative_share": self.rounds / total if total else 0.0}
