@@ -55,7 +55,10 @@ def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> No
     assert (row["context"], row["batch"], row["budget"]) == (200, 2, 16)
     for kind in ("plain", "verify", "draft"):
         assert row[f"{kind}_ms"] > 0 and row[f"floor_{kind}_ms"] > 0
-    assert row["round_ms"] > 0 and row["round_unplanned_ms"] > 0
+    assert row["round_ms"] > 0 and row["round_unplanned_ms"] > 0 and row["round_sampled_ms"] > 0
+    assert row["sampled_vs_greedy_round"] == pytest.approx(row["round_sampled_ms"] /
+                                                           row["round_ms"])
+    assert row["projected_sampled_speedup"] > 0
     assert row["select_ms"] > 0 and row["select_reference_ms"] > 0
     assert row["ideal_speedup_at_7_tokens_round"] > 0
     assert row["floor_draft_ms"] < row["floor_plain_ms"] < row["floor_verify_ms"]
