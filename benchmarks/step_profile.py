@@ -66,6 +66,7 @@ from vegas_spec.kernels import sparse_attention as sa
 from vegas_spec.kernels import split_merge
 from vegas_spec.kernels import topk as tk
 from vegas_spec.models.loader import load_config, resolve
+from vegas_spec.sampling import BatchSampling
 from vegas_spec.speculative.policies import SelectionInput, make_policy
 
 
@@ -260,8 +261,8 @@ def projection_bandwidth(llm: LLM, rows: int, bandwidth: float, reps: int) -> di
 
 def sampled_round_ms(llm: LLM, shapes: Any, policy: Any, table: torch.Tensor, plan: Any,
                      last: torch.Tensor, lengths: torch.Tensor, reps: int) -> float:
-    """A sampled round (the `filtered` graph) as the engine runs it, every row at the
-    reference's setting: temperature 0.6, top-k 20, top-p 0.95."""
+    """A sampled round as the engine runs it, every row at the reference's setting:
+    temperature 0.6, top-k 20, top-p 0.95 (the `topk` graph)."""
     runner = llm.graphs = GraphRunner(llm.model, llm.cache.layers, llm.backend, shapes,
                                       len(last), llm.config.page_size, llm.scratch_page,
                                       llm.config.graphs, policy)
@@ -271,7 +272,9 @@ def sampled_round_ms(llm: LLM, shapes: Any, policy: Any, table: torch.Tensor, pl
     runner.buf.temperature[:rows], runner.buf.top_k[:rows] = 0.6, 20
     runner.buf.top_p[:rows] = 0.95
     runner.buf.seeds[:rows] = torch.arange(rows, device=last.device)
-    ms = median_ms(functools.partial(runner.run_spec, last, lengths, False, True), reps)
+    setting = SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
+    sampling = BatchSampling.build([setting] * rows, last.device)
+    ms = median_ms(functools.partial(runner.run_spec, last, lengths, sampling), reps)
     llm.graphs = None
     return ms
 

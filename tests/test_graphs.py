@@ -120,13 +120,16 @@ def test_static_uneven_finish_equals_eager(eager: LLM, static: LLM, prompts: lis
 
 
 @pytest.mark.parametrize("method", ["vegas", "quest"])
+@pytest.mark.parametrize(("top_k", "kind"), [(0, "filtered"), (20, "topk"), (300, "filtered")])
 def test_static_seeded_sampling_equals_eager(eager: LLM, static: LLM, prompts: list[list[int]],
-                                             method: str, buckets: set[tuple[int, int]]) -> None:
-    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=n, seed=i,
+                                             method: str, top_k: int, kind: str,
+                                             buckets: set[tuple[int, int]]) -> None:
+    params = [SamplingParams(temperature=0.8, top_p=0.95, top_k=top_k, max_tokens=n, seed=i,
                              ignore_eos=True) for i, n in enumerate((14, 6, 10))]
     same_tokens(eager, static, prompts, params, {"method": method})
-    # each sampled round is one step too: top-p makes it the `filtered` round
-    assert static.graphs is not None and set(STEPS) == {"filtered"}
+    # each sampled round is one step too: top-p alone or a top-k past sampling.CANDIDATES
+    # sorts the vocabulary (`filtered`), a small top-k ranks its candidates (`topk`)
+    assert static.graphs is not None and set(STEPS) == {kind}
 
 
 def test_runner_is_reused_then_rebuilt_for_a_larger_batch(tiny: Path, eager: LLM,

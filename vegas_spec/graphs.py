@@ -59,7 +59,18 @@ def capture(body: Callable[[], Any], pool: tuple[int, int] | None,
     return graph, out
 
 
-ROUNDS = ("spec", "sampled", "filtered")  # whole rounds: greedy, sampled, with top-k/top-p
+# Whole rounds: greedy; sampled; with top-k or top-p, by a sort of the vocabulary; with a
+# top-k of at most sampling.CANDIDATES tokens (top-p within it), by torch.topk.
+ROUNDS = ("spec", "sampled", "filtered", "topk")
+
+
+def round_kind(sampling: BatchSampling | None) -> str:
+    """The round graph a batch of these sampling settings runs."""
+    if sampling is None or sampling.all_greedy:
+        return "spec"
+    if not sampling.filters:
+        return "sampled"
+    return "topk" if sampling.candidates else "filtered"
 
 
 def bucket_for(rows: int) -> int:
@@ -295,17 +306,18 @@ class GraphRunner:
         self.buf.positions[n][: self.rows].copy_(positions)
         return self._replay(kind)[0][: self.rows]
 
-    def run_spec(self, last: torch.Tensor, lengths: torch.Tensor, greedy: bool = True,
-                 filters: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run_spec(self, last: torch.Tensor, lengths: torch.Tensor,
+                 sampling: BatchSampling | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One round: last, lengths [B] -> accepted [B] and emitted [B, γ+1] as `speculate`
         returns them, and the budget [B] its drafts read (views the next round overwrites).
-        greedy: every row is greedy (the `spec` graph); else the `sampled` graph, or with
-        filters (some row uses top-k or top-p) the `filtered` one, each row sampled with its
-        own settings (set_rows). The verify step's scores are in `scores()` after it; with
-        shapes.plans the buffers then hold the next round's plan."""
+        sampling None or all greedy: the `spec` graph; else the graph of its host flags
+        (`round_kind`), each row sampled with its own settings (set_rows). The verify step's
+        scores are in `scores()` after it; with shapes.plans the buffers then hold the next
+        round's plan."""
         self.buf.last[: self.rows].copy_(last)
         self.buf.lengths[: self.rows].copy_(lengths)
-        kind = "spec" if greedy else "filtered" if filters else "sampled"
+        kind = round_kind(sampling)
         accepted, emitted, budget = self._replay(kind)
         return accepted[: self.rows], emitted[: self.rows], budget[: self.rows]
 
@@ -341,7 +353,7 @@ class GraphRunner:
         budget = b.budget[:rows].clone()
         sampling = None if kind == "spec" else BatchSampling(
             b.temperature[:rows], b.top_k[:rows], b.top_p[:rows], b.seeds[:rows],
-            [False] * rows, [kind == "filtered"] * rows)
+            [False] * rows, [kind in ("filtered", "topk")] * rows, [kind == "topk"] * rows)
 
         def step(step_kind: str, tokens: torch.Tensor, positions: torch.Tensor,
                  raw: bool) -> torch.Tensor:
@@ -425,7 +437,7 @@ class GraphRunner:
         """Before any row joins (a server's start): the sampled rounds and the plain step
         too, on the dummy buffers, so that no request waits for their capture."""
         if self.capturing and self.shapes.verify_rows:
-            self._capture_all(("sampled", "filtered", "plain"))
+            self._capture_all(("sampled", "filtered", "topk", "plain"))
 
     def _capture(self, kind: str, bucket: int) -> _Graph:
         graph, out = capture(lambda: self._body(kind, bucket), self.pool)

@@ -692,8 +692,7 @@ class ModelRunner:
         graphs, sparse, s = self.graphs, not policy.full_drafts, batch.sampling
         if graphs is not None:  # drafts, verify, acceptance (and the next selection): one graph
             with self.timer.phase("speculate"):
-                accepted, emitted, budget = graphs.run_spec(batch.last, batch.lengths,
-                                                            s.all_greedy, s.filters)
+                accepted, emitted, budget = graphs.run_spec(batch.last, batch.lengths, s)
             return (accepted, emitted, graphs.scores(), budget if sparse else None,
                     graphs.shapes.plans)
         budget = batch.plan.budget if sparse and batch.plan is not None else None

@@ -24,6 +24,10 @@ import torch
 from vegas_spec.config import SamplingParams
 
 TARGET, ACCEPT, DRAFT = 0, 1, 2  # the slots of the counter-based draws
+# A batch whose sampled rows all use a top-k of at most this many tokens ranks only that many
+# candidates per row (torch.topk) instead of sorting the vocabulary: at a 128K vocabulary and
+# 32 rows the sort of a draft step costs more than the step's attention.
+CANDIDATES = 64
 MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
 
@@ -32,8 +36,9 @@ _GOLDEN = 0x9E3779B9
 class BatchSampling:
     """Per-sequence sampling parameters as tensors. temperature [B] (0 = greedy), top_k [B]
     (0 = off), top_p [B], seeds [B] int64 (the request's seed, or one drawn for it); greedy,
-    filtered: the same rows' host flags (greedy, uses top-k or top-p), so that a batch's fast
-    paths are chosen without reading the device."""
+    filtered, bounded: the same rows' host flags (greedy, uses top-k or top-p, greedy or a
+    top-k of at most CANDIDATES), so that a batch's fast paths are chosen without reading the
+    device."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
@@ -41,6 +46,7 @@ class BatchSampling:
     seeds: torch.Tensor
     greedy: list[bool]
     filtered: list[bool]
+    bounded: list[bool]
 
     @classmethod
     def build(cls, params: list[SamplingParams], device: torch.device) -> BatchSampling:
@@ -53,6 +59,7 @@ class BatchSampling:
             seeds=torch.tensor(seeds, dtype=torch.long, device=device),
             greedy=[p.greedy for p in params],
             filtered=[p.top_k > 0 or p.top_p < 1.0 for p in params],
+            bounded=[p.greedy or 0 < p.top_k <= CANDIDATES for p in params],
         )
 
     @property
@@ -64,11 +71,16 @@ class BatchSampling:
         """Some row uses top-k or top-p (else the sort is skipped)."""
         return any(self.filtered)
 
+    @property
+    def candidates(self) -> bool:
+        """Every row is greedy or samples from a top-k within CANDIDATES tokens."""
+        return all(self.bounded)
+
     def rows(self, keep: list[int], idx: torch.Tensor) -> BatchSampling:
         """The rows `keep` (idx: the same indices on the device, so nothing is read back)."""
         return BatchSampling(self.temperature[idx], self.top_k[idx], self.top_p[idx],
                              self.seeds[idx], [self.greedy[i] for i in keep],
-                             [self.filtered[i] for i in keep])
+                             [self.filtered[i] for i in keep], [self.bounded[i] for i in keep])
 
     def cat(self, other: BatchSampling) -> BatchSampling:
         """These rows followed by `other`'s."""
@@ -76,7 +88,8 @@ class BatchSampling:
                              torch.cat([self.top_k, other.top_k]),
                              torch.cat([self.top_p, other.top_p]),
                              torch.cat([self.seeds, other.seeds]),
-                             self.greedy + other.greedy, self.filtered + other.filtered)
+                             self.greedy + other.greedy, self.filtered + other.filtered,
+                             self.bounded + other.bounded)
 
 
 def _signed64(seed: int) -> int:
@@ -152,36 +165,61 @@ def uniform(s: BatchSampling, positions: torch.Tensor, slot: int = ACCEPT) -> to
 
 
 def probs(logits: torch.Tensor, s: BatchSampling) -> torch.Tensor:
-    """logits [B, ..., V] float32 -> probabilities after temperature, top-k and top-p.
-    Greedy rows (temperature 0) become one-hot at the argmax."""
+    """logits [B, ..., V] float32 -> probabilities after temperature, top-k (the k likeliest
+    tokens) and top-p. Greedy rows (temperature 0) become one-hot at the argmax."""
     shape = logits.shape
     flat = logits.reshape(shape[0], -1, shape[-1])
-    temp = s.temperature.clamp(min=1e-5)[:, None, None]
-    x = flat / temp
+    x = flat / s.temperature.clamp(min=1e-5)[:, None, None]
     if s.filters:
-        x = _top_k_top_p(x, s.top_k, s.top_p)
-    p = torch.softmax(x, dim=-1)
-    greedy = torch.nn.functional.one_hot(flat.argmax(-1), shape[-1]).to(p.dtype)
-    p = torch.where((s.temperature == 0)[:, None, None], greedy, p)
+        p = _filtered_probs(x, s)
+    else:
+        p = torch.softmax(x, dim=-1)
+    greedy = (s.temperature == 0)[:, None, None]
+    top = flat.argmax(-1, keepdim=True)
+    p = p.masked_fill_(greedy, 0.0).scatter_(-1, top, torch.where(greedy, 1.0, p.gather(-1, top)))
     return p.reshape(shape)
 
 
-def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """x [B, n, V] -> x with -inf outside each row's top-k (0: all), then outside the fewest
-    most likely tokens whose renormalised mass reaches top_p (1: all); one sort for both."""
-    vocab = x.shape[-1]
-    sorted_x, order = torch.sort(x, dim=-1, descending=True)
-    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)[:, None, None]  # [B, 1, 1]
-    # Ties with the k-th value stay, as a threshold at the k-th value keeps them.
-    kth = sorted_x.gather(-1, (k - 1).expand(*x.shape[:-1], 1))
-    sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+def _filtered_probs(x: torch.Tensor, s: BatchSampling) -> torch.Tensor:
+    """x [B, n, V] -> probabilities after top-k and top-p. A row whose top-k fits CANDIDATES
+    ranks that many tokens whatever its neighbours use (the two rankings may keep different
+    tokens of a tie at the k-th value, so each row keeps one), the others sort the whole
+    vocabulary; a batch of the first kind only skips the sort."""
+    width = min(CANDIDATES, x.shape[-1])
+    ranked = _candidate_probs(x, s.top_k, s.top_p, width)
+    if s.candidates:
+        return ranked
+    rows = ((s.top_k > 0) & (s.top_k <= width))[:, None, None]
+    return torch.where(rows, ranked, torch.softmax(_top_k_top_p(x, s.top_k, s.top_p), dim=-1))
+
+
+def _nucleus(sorted_x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """sorted_x [B, n, W] descending -> -inf past each row's k-th (0: none), then past the
+    fewest likeliest tokens whose renormalised mass reaches top_p (1: none)."""
+    width = sorted_x.shape[-1]
+    k = torch.where(top_k > 0, top_k, width).clamp(max=width)[:, None, None]  # [B, 1, 1]
+    sorted_x = sorted_x.masked_fill(torch.arange(width, device=k.device) >= k, float("-inf"))
     sp = torch.softmax(sorted_x, dim=-1)
     before = sp.cumsum(-1) - sp  # mass strictly above each token
     # The first token is always kept; top_p = 1 keeps everything although a float32 cumsum
     # can reach 1 before the last token.
     drop = (before >= top_p[:, None, None]) & (top_p < 1)[:, None, None]
-    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-    return torch.empty_like(x).scatter_(-1, order, sorted_x)
+    return sorted_x.masked_fill(drop, float("-inf"))
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """x [B, n, V] -> x with -inf outside each row's filters (`_nucleus`), by one sort."""
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    return torch.empty_like(x).scatter_(-1, order, _nucleus(sorted_x, top_k, top_p))
+
+
+def _candidate_probs(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                     width: int) -> torch.Tensor:
+    """x [B, n, V] -> the filtered probabilities where every row's top-k is at most width:
+    the width likeliest tokens ranked by torch.topk, the rest of the vocabulary zero."""
+    values, index = torch.topk(x, width, dim=-1)  # sorted, descending
+    kept = torch.softmax(_nucleus(values, top_k, top_p), dim=-1)
+    return torch.zeros_like(x).scatter_(-1, index, kept)
 
 
 def next_tokens(logits: torch.Tensor, s: BatchSampling, positions: torch.Tensor) -> torch.Tensor:

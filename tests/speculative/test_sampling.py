@@ -1,6 +1,6 @@
 """Sampling: counter-based draws (the same for a seed, position and slot, whatever the batch;
-different for another of the three), the exponential trick follows the distribution, the
-Triton sampling kernel draws the reference's tokens, and invalid settings raise ConfigError."""
+different for another of the three), the exponential trick follows the distribution, and
+invalid settings raise ConfigError (the sampling kernel's tests: tests/kernels/test_sample.py)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from vegas_spec import sampling
 from vegas_spec.config import ConfigError, SamplingParams, SpecConfig
-from vegas_spec.kernels.sample import exponential_argmax
 from vegas_spec.sampling import (
     ACCEPT,
     DRAFT,
     TARGET,
     BatchSampling,
     draw_keys,
-    exponential_argmax_ref,
     next_tokens,
     probs,
     sample,
@@ -115,16 +114,25 @@ def test_uniform_shape_range_and_seed() -> None:
     assert abs(big.mean().item() - 0.5) < 0.01 and abs(big.var().item() - 1 / 12) < 0.003
 
 
-@pytest.mark.parametrize("vocab", [7, 2048, 5000])
-def test_sampling_kernel_draws_the_references_tokens(vocab: int) -> None:
-    """The Triton kernel (under the interpreter on CPU) hashes as the reference does."""
-    g = torch.Generator().manual_seed(vocab)
-    p = torch.softmax(torch.randn(24, vocab, generator=g) * 3, -1)
-    p[3] = torch.nn.functional.one_hot(torch.tensor(vocab - 1), vocab).float()  # a greedy row
-    keys = draw_keys(torch.arange(24) * 977 - 5, torch.arange(24) * 13, DRAFT)
-    got = exponential_argmax(p, keys)
-    assert torch.equal(got, exponential_argmax_ref(p, keys))
-    assert got[3] == vocab - 1
+@pytest.mark.parametrize("top_p", [0.5, 0.95, 1.0])
+def test_ranking_candidates_gives_the_sorts_distribution(top_p: float) -> None:
+    """Rows whose top-k fits sampling.CANDIDATES rank that many tokens (torch.topk) instead of
+    sorting the vocabulary: the same distribution (no ties in these logits)."""
+    logits = torch.randn(5, 3, 3000, generator=torch.Generator().manual_seed(6)) * 3
+    params = [SamplingParams(temperature=0.7, top_k=k, top_p=top_p) for k in (1, 5, 20, 64, 3)]
+    s = batch(params)
+    assert s.candidates and s.filters
+    got = probs(logits, s)
+    x = logits / 0.7
+    sort = torch.softmax(sampling._top_k_top_p(x, s.top_k, s.top_p), -1)
+    assert torch.allclose(got, sort, atol=1e-6)
+    assert ((got > 0).sum(-1) <= torch.tensor([1, 5, 20, 64, 3])[:, None]).all()
+    # beside a row that sorts (top-k past CANDIDATES), a row keeps its own ranking
+    wide = batch(params + [SamplingParams(temperature=0.7, top_k=65)])
+    assert not wide.candidates
+    beside = probs(torch.cat([logits, logits[:1]]), wide)
+    assert torch.equal(beside[:5], got)
+    assert ((beside[5] > 0).sum(-1) <= 65).all() and ((beside[5] > 0).sum(-1) > 1).all()
 
 
 def test_next_tokens_greedy_rows_are_argmax() -> None:
