@@ -168,6 +168,7 @@ class ModelRunner:
         self.timer = PhaseTimer(self.device)
         self.batch: Batch | None = None
         self._round: _Round | None = None
+        self._stale = False  # plain steps ran since the last plan: refresh it before a round
         # id(seq) -> (seq, the prefix-cache entry that covers its whole prompt)
         self._whole: dict[int, tuple[Sequence, PrefixEntry]] = {}
         self._ready: tuple[list[Sequence], torch.Tensor, BatchSampling,
@@ -236,7 +237,10 @@ class ModelRunner:
         """The runner of this method's shapes, rebuilt when they or the batch outgrow it."""
         shapes = self._static_shapes(spec, policy)
         runner = self.graphs
-        if runner is not None and runner.shapes == shapes and runner.capacity >= bsz:
+        # the round graphs make the next selection with the policy they were captured with
+        same = (runner.policy.cfg if runner is not None and runner.policy else None) == \
+            (policy.cfg if policy else None)
+        if runner is not None and runner.shapes == shapes and runner.capacity >= bsz and same:
             return runner
         self.graphs = None  # free the old buffers and graphs before capturing new ones
         return GraphRunner(self.model, self.cache.layers, self.backend, shapes, bucket_for(bsz),
@@ -268,6 +272,7 @@ class ModelRunner:
     def clear(self) -> None:
         """Forget every row (after a failure: the caller releases the sequences' pages)."""
         self.batch, self._round, self._ready = None, None, None
+        self._stale = False
         self._whole.clear()
         if self.graphs is not None:
             self.graphs.condense([], self._upload([]))
@@ -543,7 +548,10 @@ class ModelRunner:
                 tokens = self._plain_step(batch)
             batch.lengths = batch.lengths + 1
             batch.last = tokens
+            self._stale = self.policy is not None
             return self._commit(batch, None, tokens, None)
+        if self._stale:
+            self._refresh_plan(batch)
         accepted, emitted, scores, budget, planned = self._speculate(batch, self.policy)
         row = batch.lengths  # verify row 0 sat at the old length
         batch.lengths = batch.lengths + accepted + 1
@@ -619,6 +627,17 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.condense(alive, idx)
         return idx
+
+    def _refresh_plan(self, batch: Batch) -> None:
+        """Before a round that follows plain steps: the last plan's recent range no longer
+        reaches the newest tokens, so the rows are planned again from their newest committed
+        token, as after a prefill, without scores (a policy that needs them keeps the sink
+        and the most recent positions for this round; its verify pass plans the next)."""
+        self._stale = False
+        row = batch.lengths - 1
+        plan = self._plan(batch, None, row, torch.zeros_like(row), 0)
+        if self.graphs is None:
+            batch.plan = plan
 
     def _plan(self, batch: Batch, scores: torch.Tensor | None, row: torch.Tensor,
               accepted: torch.Tensor, start: int) -> SparsePlan | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+import torch
 from conftest import (
     SPEC_VARIANTS,
     TINY_ENGINE,
@@ -132,3 +133,31 @@ def test_plain_steps_on_the_static_shapes(tmp_path_factory: pytest.TempPathFacto
     outs = llm.generate(prompts, params, speculative=tiny_spec(method))
     assert [o.token_ids for o in outs] == want
     assert outs[0].stats["plain_steps"] > 0
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("method", ["vegas", "stream", "lastq"])
+def test_a_round_after_plain_steps_plans_from_the_newest_token(
+        tmp_path_factory: pytest.TempPathFactory, method: str, static: bool) -> None:
+    """Plain steps leave the last plan's recent range behind the newest tokens; the next
+    round plans again from the newest committed token (its drafts see every new token)."""
+    from vegas_spec.engine import LLMEngine as Engine
+
+    folder = config_folder(tmp_path_factory, "tiny-refresh", TINY_LLAMA)
+    engine = Engine(str(folder), speculative=tiny_spec({"method": method}),
+                    static_shapes=static, **TINY_ENGINE)
+    for p in random_prompts(2, (60, 45), TINY_VOCAB):
+        engine.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step(prefill_first=True)
+    runner = engine.runner
+    for _ in range(3):
+        runner.decode(False)
+        runner.select()
+    assert runner._stale
+    runner._refresh_plan(runner.batch)
+    assert not runner._stale
+    recent = runner.graphs.buf.recent_start[: runner.rows] if static \
+        else runner.batch.plan.recent_start
+    assert torch.equal(recent, runner.batch.lengths - 1)
+    out = runner.decode(True)  # a round from the fresh plan
+    assert out.drafted and all(1 <= len(t) <= 4 for t in out.tokens)

@@ -156,13 +156,19 @@ class Policy:
         return kmax
 
     def plan(self, inp: SelectionInput) -> SparsePlan | None:
-        """None means: draft with full attention."""
+        """None means: draft with full attention. A policy that selects from scores, given
+        none (a round after plain steps, whose last plan no longer reaches the newest
+        tokens), keeps the sink and the most recent positions for that round, as stream."""
         start = self.selection_row(inp)
         k = budget(self.cfg, inp.lengths, start)
         recent = inp.recent_max if inp.recent_max is not None \
             else recent_bound(inp.lengths, start, inp.gamma)
-        return SparsePlan(self.indices(inp, start, k), start, recent, k,
-                          self.selector(inp, start, k))
+        if self.wants_scores and inp.scores is None:
+            groups = inp.kv_caches[0][0].shape[1] if self.per_kv_head else 1
+            indices = recent_positions(inp, start, k, self.cfg.sink).expand(-1, -1, groups, -1)
+        else:
+            indices = self.indices(inp, start, k)
+        return SparsePlan(indices, start, recent, k, self.selector(inp, start, k))
 
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor | None:
@@ -321,6 +327,19 @@ def _chunk_means(scores: torch.Tensor, rankable: torch.Tensor, c: int) -> torch.
     return total / valid.view(bsz, n, c).sum(-1).clamp(min=1)
 
 
+def recent_positions(inp: SelectionInput, rankable: torch.Tensor, k: torch.Tensor,
+                     sink: int) -> torch.Tensor:
+    """The first min(sink, k) positions and the last k - sink before rankable, -1 padded:
+    [layers, B, 1, kmax] (kmax: the host bound, or read from k)."""
+    kmax = max(int(k.max()), 1) if inp.kmax is None else inp.kmax
+    j = torch.arange(kmax, device=k.device)[None, :]
+    first = torch.clamp(k, max=sink)[:, None]
+    window_pos = rankable[:, None] - (k[:, None] - j)  # the last k - sink positions
+    pos = torch.where(j < first, j, window_pos)
+    pos = torch.where(j < k[:, None], pos, -1)
+    return pos[None, :, None, :].expand(len(inp.kv_caches), -1, 1, -1)
+
+
 @register
 class Stream(Policy):
     """StreamingLLM / MagicDec-Stream: attention sink + sliding window, same budget."""
@@ -329,13 +348,7 @@ class Stream(Policy):
 
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
-        kmax = max(int(k.max()), 1) if inp.kmax is None else inp.kmax
-        j = torch.arange(kmax, device=k.device)[None, :]
-        sink = torch.clamp(k, max=self.cfg.sink)[:, None]
-        window_pos = rankable[:, None] - (k[:, None] - j)  # the last k - sink positions
-        pos = torch.where(j < sink, j, window_pos)
-        pos = torch.where(j < k[:, None], pos, -1)
-        return pos[None, :, None, :].expand(len(inp.kv_caches), -1, 1, -1)
+        return recent_positions(inp, rankable, k, self.cfg.sink)
 
 
 @register
