@@ -39,6 +39,7 @@ from vegas_spec.attention.context import ScoreRequest, SparsePlan, StepContext
 from vegas_spec.cache import slots_of
 from vegas_spec.models.decoder import Decoder
 from vegas_spec.sampling import BatchSampling
+from vegas_spec.speculative.planning import selection_input
 from vegas_spec.speculative.policies import Policy, QuestState, SelectionInput
 from vegas_spec.speculative.round import speculate
 
@@ -372,11 +373,9 @@ class GraphRunner:
         """The policy's selection from this round's verify pass (row 0 at `lengths`) into the
         plan buffers, with the host bounds of the static shapes."""
         assert self.policy is not None
-        scores = self.backend.tp.sum_scores(self.scores_of(rows), self.policy.per_kv_head)
-        inp = SelectionInput(scores, lengths, accepted, lengths + accepted + 1,
-                             self.shapes.verify_rows - 1, self.kv_caches,
-                             self.buf.page_table[:rows], self.page_size,
-                             topk=self.backend.topk, topk_sum=self.backend.topk_sum)
+        inp = selection_input(self.policy, self.backend, self.scores_of(rows), lengths,
+                              accepted, lengths + accepted + 1, self.shapes.verify_rows - 1,
+                              self.kv_caches, self.buf.page_table[:rows], self.page_size)
         self._write_plan(self.policy.plan(self.bound(inp)), rows)
 
     def bound(self, inp: SelectionInput, start: int = 0) -> SelectionInput:

@@ -38,8 +38,8 @@ from vegas_spec.prefix_cache import PrefixCache, PrefixEntry
 from vegas_spec.sampling import BatchSampling, next_tokens
 from vegas_spec.scheduler import Piece
 from vegas_spec.sequence import Sequence
-from vegas_spec.speculative.planning import cat_plans, take_plan
-from vegas_spec.speculative.policies import Policy, SelectionInput, make_policy, max_budget
+from vegas_spec.speculative.planning import cat_plans, selection_input, take_plan
+from vegas_spec.speculative.policies import Policy, make_policy, max_budget
 from vegas_spec.speculative.round import speculate
 from vegas_spec.stats import PhaseTimer
 
@@ -646,10 +646,9 @@ class ModelRunner:
         if self.policy is None:
             return None
         with self.timer.phase("select"):
-            scores = self.tp.sum_scores(scores, self.policy.per_kv_head)
-            inp = SelectionInput(scores, row, accepted, batch.lengths, self.spec.gamma,
-                                 self.cache.layers, batch.page_table, self.config.page_size,
-                                 topk=self.backend.topk, topk_sum=self.backend.topk_sum)
+            inp = selection_input(self.policy, self.backend, scores, row, accepted,
+                                  batch.lengths, self.spec.gamma, self.cache.layers,
+                                  batch.page_table, self.config.page_size)
             if self.graphs is None:
                 return self.policy.plan(inp)
             inp.max_len = self._host_len(batch)  # host bounds instead of reading the device

@@ -261,12 +261,19 @@ def test_bad_arguments_are_one_line_before_a_model_loads(
     assert not (tmp_path / "out").exists()
 
 
-def test_resume_refuses_results_of_other_settings(bench_dir: Path, tmp_path: Path, model: str,
-                                                  monkeypatch: pytest.MonkeyPatch,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def _resumable_copy(bench_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of the bench's results to --resume from, with no model to load (a refusal must
+    come before one)."""
     monkeypatch.setattr("vegas_spec.engine.LLM", _no_model)
     out = tmp_path / "other"
     shutil.copytree(bench_dir, out)
+    return out
+
+
+def test_resume_refuses_results_of_other_settings(bench_dir: Path, tmp_path: Path, model: str,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    out = _resumable_copy(bench_dir, tmp_path, monkeypatch)
     assert cli.main([*BENCH, "--model", model, "--out", str(out), "--resume", "--dtype",
                      "bfloat16"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
@@ -380,9 +387,7 @@ def test_setting_records_the_sampling_and_resume_refuses_another_top_p(
     assert (setting["temperature"], setting["top_p"], setting["top_k"], setting["seed"]) == \
         (0.0, 1.0, 0, 0)
     assert "Decoding: greedy," in (bench_dir / "report.md").read_text()
-    monkeypatch.setattr("vegas_spec.engine.LLM", _no_model)
-    out = tmp_path / "other"
-    shutil.copytree(bench_dir, out)
+    out = _resumable_copy(bench_dir, tmp_path, monkeypatch)
     assert cli.main([*BENCH, "--model", model, "--out", str(out), "--resume", "--top-p",
                      "0.9"]) == 2
     (line,) = capsys.readouterr().err.splitlines()

@@ -1,14 +1,29 @@
 """Plans of a batch whose rows come and go: a sparse plan is row-independent (each row's
 indices, recent range and budget depend on that row alone), so joining sequences' plans are
 appended to the running rows' plans, which stay as they are, and the rows of sequences that
-leave between rounds are cut out of it."""
+leave between rounds are cut out of it. `selection_input` is what every plan is made from,
+on the dynamic path and inside a round's graph alike."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from vegas_spec.attention.context import SparsePlan
-from vegas_spec.speculative.policies import QuestSelector
+from vegas_spec.speculative.policies import Policy, QuestSelector, SelectionInput
+
+
+def selection_input(policy: Policy, backend: Any, scores: torch.Tensor | None,
+                    row: torch.Tensor, accepted: torch.Tensor, lengths: torch.Tensor,
+                    gamma: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                    page_table: torch.Tensor, page_size: int) -> SelectionInput:
+    """A policy's input after a full pass (row [B]: its query row 0; accepted [B]; lengths
+    [B] committed): the scores summed over the tensor-parallel ranks' heads, ranked with the
+    attention backend's top-k kernels."""
+    scores = backend.tp.sum_scores(scores, policy.per_kv_head)
+    return SelectionInput(scores, row, accepted, lengths, gamma, kv_caches, page_table,
+                          page_size, topk=backend.topk, topk_sum=backend.topk_sum)
 
 
 def cat_plans(a: SparsePlan | None, b: SparsePlan | None) -> SparsePlan | None:
