@@ -15,8 +15,9 @@ reading and writing a reserved scratch page, their outputs ignored. Before a ste
 engine's tensors are copied into the buffers (device to device, no host read); the step then
 replays its graph (CUDA) or runs eagerly on the same buffers (CPU), so both paths share every
 line of the buffer logic. quest selects inside every draft step: its page bounds and counts
-live in a `QuestState` of fixed shape (all pages of the static key width), which each plan
-fills and the captured draft step's selector reads.
+live in the state its policy makes (`Policy.step_state`, a `QuestState` of fixed shape: all
+pages of the static key width), which each plan fills and the captured draft step's selector
+(`Policy.step_selector`) reads; the buffers only keep it with its rows.
 
 The key axis is the page table's full width, so `kv_len_max` never changes; the kernels stop
 at each row's position, and the reference masks the rest. The kinds of `shapes.kinds` are
@@ -27,7 +28,6 @@ put back after the warm-up."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +40,7 @@ from vegas_spec.cache import slots_of
 from vegas_spec.models.decoder import Decoder
 from vegas_spec.sampling import BatchSampling
 from vegas_spec.speculative.planning import selection_input
-from vegas_spec.speculative.policies import Policy, QuestState, SelectionInput
+from vegas_spec.speculative.policies import Policy, SelectionInput
 from vegas_spec.speculative.round import speculate
 
 
@@ -99,7 +99,6 @@ class StaticShapes:
     recent_max:   2γ+1, the widest recent range a draft step reads.
     score_rows:   verify rows whose selection scores the policy wants (() = none).
     score_groups: G of the scores [layers, B, R, G, W].
-    quest_pages:  NP of quest's page bounds (0 = the method does not select in its steps).
     draft_kind:   the step a `spec` round drafts with ("draft", or "plain" for full drafts).
     plans:        a `spec` round ends with the selection of the next round's plan.
     """
@@ -116,8 +115,6 @@ class StaticShapes:
     score_groups: int = 1
     score_mode: str = "weight"
     per_kv_head: bool = False
-    quest_pages: int = 0  # pages of quest's page bounds (0: not quest)
-    quest_page: int = 16  # tokens per quest page
     draft_kind: str = "draft"
     plans: bool = False
 
@@ -126,12 +123,13 @@ class StaticBuffers:
     """The inputs of every decode-loop forward, `capacity` rows each; a bucket reads the first
     rows. tokens, positions: {n: [C, n] int64} for n = 1 and γ+1; page_table [C, P] int32;
     indices [layers, C, G, K] int64; recent_start, budget [C] int64; score_rows [R] int64;
-    scores [layers, C, R, G, W] float32 (W = P * page_size); quest: its QuestState;
+    scores [layers, C, R, G, W] float32 (W = P * page_size); state: the policy's in-step
+    selection state (`Policy.step_state`: quest's page bounds; None for the others);
     last, lengths [C] int64: a round's newest tokens and committed lengths; temperature,
     top_k, top_p, seeds [C]: each row's sampling settings (a sampled round's)."""
 
     def __init__(self, shapes: StaticShapes, capacity: int, kv_cache: torch.Tensor, layers: int,
-                 page_size: int, scratch_page: int) -> None:
+                 page_size: int, scratch_page: int, policy: Policy | None = None) -> None:
         device = kv_cache.device
         i64 = dict(dtype=torch.long, device=device)
         widths = {1, shapes.verify_rows} - {0}
@@ -147,8 +145,8 @@ class StaticBuffers:
         self.scores = torch.zeros(layers, capacity, len(shapes.score_rows), shapes.score_groups,
                                   shapes.pages * page_size if shapes.score_rows else 0,
                                   dtype=torch.float32, device=device)
-        self.quest = QuestState.empty(layers, capacity, shapes.quest_pages, *kv_cache.shape[1:],
-                                      device, kv_cache.dtype) if shapes.quest_pages else None
+        self.state = None if policy is None else \
+            policy.step_state(layers, capacity, shapes.pages * page_size, kv_cache)
         self.last = torch.zeros(capacity, **i64)
         self.lengths = torch.zeros(capacity, **i64)
         self.temperature = torch.zeros(capacity, device=device)
@@ -174,14 +172,12 @@ class StaticBuffers:
         self.top_k[rows].zero_()
         self.top_p[rows].fill_(1.0)
         self.seeds[rows].zero_()
-        if self.quest is not None:
-            self.quest.rankable[rows].zero_()
-            self.quest.pages[rows].zero_()
-            self.quest.n_pages[rows].zero_()
+        if self.state is not None:
+            self.state.reset(rows)
 
     def move_rows(self, src: torch.Tensor, rows: int) -> None:
         """Row src[j] -> row j for j < rows (src [rows] int64 on the device): a sequence's
-        page table, plan and quest state move with it; scores and the step inputs are
+        page table, plan and in-step selection state move with it; scores and the step inputs are
         rewritten by every step, so they stay."""
         self.page_table[:rows] = self.page_table[src]
         self.indices[:, :rows] = self.indices[:, src]
@@ -190,11 +186,8 @@ class StaticBuffers:
         for name in ("temperature", "top_k", "top_p", "seeds"):
             values = getattr(self, name)
             values[:rows] = values[src]
-        if self.quest is not None:
-            q = self.quest
-            q.lo[:, :rows], q.hi[:, :rows] = q.lo[:, src], q.hi[:, src]
-            q.rankable[:rows], q.n_pages[:rows] = q.rankable[src], q.n_pages[src]
-            q.pages[:rows] = q.pages[src]
+        if self.state is not None:
+            self.state.move_rows(src, rows)
 
 
 @dataclass
@@ -224,7 +217,7 @@ class GraphRunner:
         self.shapes, self.capacity, self.page_size = shapes, capacity, page_size
         self.kv_len = shapes.pages * page_size
         self.buf = StaticBuffers(shapes, capacity, kv_caches[0][0], len(kv_caches), page_size,
-                                 scratch_page)
+                                 scratch_page, policy)
         self.rows, self.bucket = capacity, capacity
         # The runner's own memory pool (made by its first capture): a pool shared with an
         # earlier runner could outlive that runner's graphs while its blocks are still held,
@@ -271,7 +264,7 @@ class GraphRunner:
 
     def set_plan(self, plan: SparsePlan | None) -> None:
         """Copy the next draft round's selection into the buffers (None: full drafts; quest's
-        plan has already filled `buf.quest`)."""
+        plan has already filled `buf.state`)."""
         self._write_plan(plan, self.rows)
 
     def set_plan_rows(self, plan: SparsePlan | None, start: int) -> None:
@@ -384,8 +377,8 @@ class GraphRunner:
         `start`: the plan is for the rows that joined there)."""
         inp.kmax, inp.recent_max = self.shapes.kmax, self.shapes.recent_max
         inp.rank_width = self.shapes.rank_width or None
-        quest = self.buf.quest
-        inp.quest_state = quest if quest is None or start == 0 else quest.from_row(start)
+        state = self.buf.state
+        inp.quest_state = state if state is None or start == 0 else state.from_row(start)
         return inp
 
     def _forward(self, kind: str, rows: int, raw: bool = False) -> torch.Tensor:
@@ -415,10 +408,11 @@ class GraphRunner:
 
     def _plan(self, rows: int) -> SparsePlan:
         b, s = self.buf, self.shapes
-        if b.quest is None:
+        if b.state is None:
             return SparsePlan(b.indices[:, :rows], b.recent_start[:rows], s.recent_max,
                               b.budget[:rows])
-        selector = b.quest.selector(rows, s.quest_page, math.ceil(s.kmax / s.quest_page))
+        assert self.policy is not None
+        selector = self.policy.step_selector(b.state, rows, s.kmax)
         return SparsePlan(None, b.recent_start[:rows], s.recent_max, b.budget[:rows], selector)
 
     # --- capture ----------------------------------------------------------------------------
@@ -450,16 +444,11 @@ class GraphRunner:
         repeats, so the plan buffers are put back as they were: the replay drafts from the
         plan the eager path would (the KV it writes, the replay writes again)."""
         b = self.buf
-        saved = [t.clone() for t in (b.indices, b.recent_start, b.budget)]
-        quest = None if b.quest is None else \
-            [t.clone() for t in (b.quest.lo, b.quest.hi, b.quest.rankable, b.quest.pages,
-                                 b.quest.n_pages)]
+        plan = (b.indices, b.recent_start, b.budget) + \
+            (() if b.state is None else b.state.tensors())
+        saved = [t.clone() for t in plan]
         with torch.cuda.device(b.page_table.device):
             graph = self._capture(kind, bucket)
-        for dst, src in zip((b.indices, b.recent_start, b.budget), saved):
+        for dst, src in zip(plan, saved):
             dst.copy_(src)
-        if quest is not None and b.quest is not None:
-            for dst, src in zip((b.quest.lo, b.quest.hi, b.quest.rankable, b.quest.pages,
-                                 b.quest.n_pages), quest):
-                dst.copy_(src)
         return graph

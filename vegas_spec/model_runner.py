@@ -14,7 +14,6 @@ under static shapes is one graph, greedy or sampled; each iteration reads the de
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -254,7 +253,6 @@ class ModelRunner:
         gamma, hkv = spec.gamma, self.local_config.num_kv_heads
         kmax = max_budget(spec, self.max_model_len)
         width = policy.index_width(kmax)
-        dynamic = policy.selects_in_step
         pages = self.cache.pages_for(self.max_model_len + gamma + 1)
         return StaticShapes(
             kinds=("spec",), verify_rows=gamma + 1,
@@ -265,9 +263,7 @@ class ModelRunner:
             recent_max=2 * gamma + 1,
             score_rows=tuple(policy.score_rows(gamma + 1, False)) if policy.wants_scores else (),
             score_groups=hkv if policy.per_kv_head else 1, score_mode=policy.score_mode,
-            per_kv_head=policy.per_kv_head,
-            quest_pages=math.ceil(pages * self.config.page_size / spec.page) if dynamic else 0,
-            quest_page=spec.page)
+            per_kv_head=policy.per_kv_head)
 
     def clear(self) -> None:
         """Forget every row (after a failure: the caller releases the sequences' pages)."""

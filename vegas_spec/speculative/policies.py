@@ -98,6 +98,20 @@ class QuestState:
         return QuestSelector(bounds, self.rankable[:rows], self.n_pages[:rows], page, max_pages,
                              self.pages[:rows])
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.lo, self.hi, self.rankable, self.pages, self.n_pages)
+
+    def reset(self, rows: slice) -> None:
+        """Rows with nothing to rank (dummy rows of a batch bucket)."""
+        for counts in (self.rankable, self.pages, self.n_pages):
+            counts[rows].zero_()
+
+    def move_rows(self, src: torch.Tensor, rows: int) -> None:
+        """Row src[j] -> row j for j < rows: each sequence's state moves with it."""
+        self.lo[:, :rows], self.hi[:, :rows] = self.lo[:, src], self.hi[:, src]
+        for counts in (self.rankable, self.pages, self.n_pages):
+            counts[:rows] = counts[src]
+
 
 def budget(cfg: SpecConfig, lengths: torch.Tensor, rankable: torch.Tensor) -> torch.Tensor:
     """k = clamp(ceil(ratio * L), min_tokens, rankable): [B] int64."""
@@ -176,6 +190,16 @@ class Policy:
 
     def selector(self, inp: SelectionInput, rankable: torch.Tensor, k: torch.Tensor):  # noqa: ANN201
         return None
+
+    def step_state(self, layers: int, rows: int, tokens: int,
+                   kv_cache: torch.Tensor) -> QuestState | None:
+        """The fixed-shape state a captured draft step's in-step selection reads, for `rows`
+        rows of up to `tokens` positions (None: the policy selects outside its steps)."""
+        return None
+
+    def step_selector(self, state: QuestState, rows: int, kmax: int) -> Any:
+        """The per-layer selector of the first `rows` rows over that state."""
+        raise NotImplementedError
 
 
 POLICIES: dict[str, type[Policy]] = {}
@@ -381,6 +405,14 @@ class Quest(Policy):
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor | None:
         return None
+
+    def step_state(self, layers: int, rows: int, tokens: int,
+                   kv_cache: torch.Tensor) -> QuestState:
+        return QuestState.empty(layers, rows, math.ceil(tokens / self.cfg.page),
+                                *kv_cache.shape[1:], kv_cache.device, kv_cache.dtype)
+
+    def step_selector(self, state: QuestState, rows: int, kmax: int) -> QuestSelector:
+        return state.selector(rows, self.cfg.page, math.ceil(kmax / self.cfg.page))
 
     def selector(self, inp: SelectionInput, rankable: torch.Tensor,
                  k: torch.Tensor) -> QuestSelector:
