@@ -33,8 +33,9 @@ rank 0; ranks 1..N-1 are workers that mirror each `ModelRunner` call rank 0 make
 start, prefill pieces, join, decode, select, drop, clear), sent as small host messages over
 a gloo group before the call, so every rank runs the same forwards on the same shapes (one
 CUDA graph per rank, the collectives captured inside). Greedy and sampled tokens come from
-logits that are identical on every rank, with generators seeded alike (rank 0 seeds unseeded
-requests), so all ranks accept the same drafts and workers take their tokens from their own
+logits that are identical on every rank, with the same counter-based draws (rank 0 seeds
+unseeded requests; rank 0 decides where to speculate and sends it with the decode call), so
+all ranks accept the same drafts and workers take their tokens from their own
 outputs; which rows finish (EOS, stop strings, aborts) rank 0 decides and sends. Selection
 reads each rank's
 own heads' scores: per-KV-head selection (`granularity="kv_head"`) is local by nature;
