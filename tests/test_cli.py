@@ -272,7 +272,15 @@ def test_stats_follow_the_text(model: Path, capsys: pytest.CaptureFixture[str]) 
     assert lines[2].startswith("    batch: prefill ") and lines[2].endswith(" tokens/s)")
     assert re.fullmatch(r"    \d+ iterations?, [\d.]+ tokens per iteration; acceptance per "
                         r"draft position: [\d. ]+; mean budget \d+ tokens", lines[3])
-    assert lines[5].startswith("--- vegas (prompt 2 of 2): 1 prompt tokens")
+    rest = lines[4:]
+    if rest[0].startswith("    plain steps where a round would not pay: "):  # adaptive
+        assert re.fullmatch(r"    plain steps where a round would not pay: \d+% of the "
+                            r"batch's row iterations", rest[0]), rest[0]
+        rest = rest[1:]
+    assert rest[1].startswith("--- vegas (prompt 2 of 2): 1 prompt tokens")
+    assert cli.main(["generate", "--model", str(model), "--prompt", "w1 w2", "--ignore-eos",
+                     "--max-tokens", "9", "--method", "vegas", "--stats", "--fixed-gamma"]) == 0
+    assert "plain steps" not in capsys.readouterr().out  # a round every iteration
 
 
 @pytest.mark.parametrize("command", ["generate", "compare", "bench", "tune", "serve"])
@@ -362,3 +370,19 @@ def test_ctrl_c_is_one_line_and_exit_code_130(model: Path, tmp_path: Path) -> No
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert err.splitlines() == ["vegas: interrupted"] and not out
+
+
+def test_stats_say_how_many_iterations_were_plain_steps() -> None:
+    from types import SimpleNamespace
+
+    seq = {"iterations": 4, "tokens_per_iteration": 3.5,
+           "acceptance_rate_per_position": [0.75, 0.5]}
+    stats = {"method": "vegas", "prefill_s": 0.1, "decode_s": 0.2, "decode_tokens_per_s": 70.0,
+             "plain_steps": 4, "speculative_share": 0.5, "sequence": seq}
+    out = SimpleNamespace(stats=stats, prompt_token_ids=[1, 2], token_ids=[3] * 14,
+                          finish_reason="length")
+    lines = cli._stats_text(out, 0, 1).splitlines()
+    assert lines[-1] == "    plain steps where a round would not pay: 50% of the batch's row " \
+        "iterations"
+    assert "plain steps" not in cli._stats_text(
+        SimpleNamespace(**{**vars(out), "stats": {**stats, "plain_steps": 0}}), 0, 1)

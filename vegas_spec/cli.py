@@ -321,6 +321,9 @@ def _stats_text(out, index: int, n: int) -> str:  # noqa: ANN001 - a RequestOutp
         if "budget_mean" in seq:
             line += f"; mean budget {seq['budget_mean']:.0f} tokens"
         lines.append(line)
+        if s.get("plain_steps"):
+            lines.append(f"    plain steps where a round would not pay: "
+                         f"{1 - s['speculative_share']:.0%} of the batch's row iterations")
     else:
         n = seq["iterations"]
         lines.append(f"    {n} decode step{'s' * (n != 1)}")
