@@ -453,3 +453,50 @@ def sync_mode(fn: Callable, mode: str) -> Callable:
             torch.cuda.set_sync_debug_mode(before)
 
     return call
+
+
+class _EagerGraph:
+    """A stand-in for a captured graph on CPU: replay runs the body again into the tensors
+    the capture returned, as a replay rewrites them."""
+
+    def __init__(self, body: Callable[[], tuple[torch.Tensor, ...]]) -> None:
+        self.body = body
+
+    def replay(self) -> None:
+        for dst, src in zip(self.out, self.body()):
+            dst.copy_(src)
+
+
+@pytest.mark.parametrize("method", ["vegas", "quest"])
+def test_a_kind_first_met_while_rows_decode_is_captured_for_every_bucket(
+        tiny: Path, eager: LLM, prompts: list[list[int]], method: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampled rounds and the adaptive plain step are captured at their first use, on the
+    live buffers, for every bucket at once (rows that leave later meet no capture); the
+    capture's warm-up run (here: the body run once more) leaves the plans as they were, so
+    the tokens are the eager path's."""
+    from vegas_spec.graphs import _Graph
+
+    captured: list[tuple[str, int]] = []
+
+    def fake_capture(self: GraphRunner, kind: str, bucket: int) -> _Graph:
+        captured.append((kind, bucket))
+        self._body(kind, bucket)  # the warm-up run a capture makes
+        graph = _EagerGraph(lambda: self._body(kind, bucket))
+        graph.out = tuple(t.clone() for t in self._body(kind, bucket))
+        return _Graph(graph, graph.out)  # type: ignore[arg-type]
+
+    init = GraphRunner.__init__
+
+    def capturing(self: GraphRunner, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.capturing = True  # as on CUDA, every kind captured at its first use
+
+    monkeypatch.setattr(GraphRunner, "_capture", fake_capture)
+    monkeypatch.setattr(GraphRunner, "__init__", capturing)
+    static = LLM(str(tiny), static_shapes=True, **ENGINE)
+    params = [SamplingParams(temperature=0.8, top_k=20, max_tokens=n, seed=i, ignore_eos=True)
+              for i, n in enumerate((14, 6, 10))]
+    same_tokens(eager, static, prompts, params, {"method": method})
+    assert [k for k, _ in captured].count("topk") == 3  # buckets 4, 2 and 1, at the first
+    assert {b for k, b in captured if k == "topk"} == {1, 2, 4}

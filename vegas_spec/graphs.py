@@ -23,11 +23,12 @@ The key axis is the page table's full width, so `kv_len_max` never changes; the 
 at each row's position, and the reference masks the rest. The kinds of `shapes.kinds` are
 captured for every bucket up to the capacity when the runner is built (largest first, one
 shared memory pool), each after a warm-up run, on dummy buffers that only touch the scratch
-page; any other kind (the sampled rounds) at its first use, on the live buffers, its plan
-put back after the warm-up."""
+page; any other kind (the sampled rounds, the adaptive plain step) at its first use, for
+every bucket at once, on the live buffers, the plans put back after the warm-up runs."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -318,7 +319,8 @@ class GraphRunner:
     def _replay(self, kind: str) -> tuple[torch.Tensor, ...]:
         graph = self.graphs.get((kind, self.bucket))
         if graph is None and self.capturing:
-            graph = self.graphs[(kind, self.bucket)] = self._capture_now(kind, self.bucket)
+            self._capture_now(kind)
+            graph = self.graphs[(kind, self.bucket)]
         if graph is None:
             return self._body(kind, self.bucket)
         graph.graph.replay()
@@ -420,7 +422,8 @@ class GraphRunner:
     def _capture_all(self, kinds: tuple[str, ...] | None = None) -> None:
         """Every (bucket, kind) not yet captured, largest bucket first so the smaller ones
         reuse its pool (kinds None: shapes.kinds)."""
-        with torch.cuda.device(self.buf.page_table.device):
+        device = self.buf.page_table.device
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             for bucket in reversed(buckets_upto(self.capacity)):
                 for kind in self.shapes.kinds if kinds is None else kinds:
                     if (kind, bucket) not in self.graphs:
@@ -438,17 +441,16 @@ class GraphRunner:
             self.pool = graph.pool()
         return _Graph(graph, out)
 
-    def _capture_now(self, kind: str, bucket: int) -> _Graph:
-        """A kind first met while rows decode (a sampled round, a profiled step): captured
-        on the live buffers. Its warm-up run makes a plan from a verify pass the replay then
-        repeats, so the plan buffers are put back as they were: the replay drafts from the
-        plan the eager path would (the KV it writes, the replay writes again)."""
+    def _capture_now(self, kind: str) -> None:
+        """A kind first met while rows decode (a sampled round, the adaptive plain step, a
+        profiled step): captured for every bucket at once, so that rows leaving later meet no
+        capture, on the live buffers. The warm-up runs write only KV past the committed
+        lengths (rewritten before it is read) and plans, which are put back as they were: the
+        replays draft from the plans the eager path would."""
         b = self.buf
         plan = (b.indices, b.recent_start, b.budget) + \
             (() if b.state is None else b.state.tensors())
         saved = [t.clone() for t in plan]
-        with torch.cuda.device(b.page_table.device):
-            graph = self._capture(kind, bucket)
+        self._capture_all((kind,))
         for dst, src in zip(plan, saved):
             dst.copy_(src)
-        return graph
