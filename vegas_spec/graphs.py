@@ -120,6 +120,9 @@ class StaticShapes:
     plans: bool = False
 
 
+SAMPLING = ("temperature", "top_k", "top_p", "seeds")  # per-row settings, as BatchSampling
+
+
 class StaticBuffers:
     """The inputs of every decode-loop forward, `capacity` rows each; a bucket reads the first
     rows. tokens, positions: {n: [C, n] int64} for n = 1 and γ+1; page_table [C, P] int32;
@@ -184,7 +187,7 @@ class StaticBuffers:
         self.indices[:, :rows] = self.indices[:, src]
         self.recent_start[:rows] = self.recent_start[src]
         self.budget[:rows] = self.budget[src]
-        for name in ("temperature", "top_k", "top_p", "seeds"):
+        for name in SAMPLING:
             values = getattr(self, name)
             values[:rows] = values[src]
         if self.state is not None:
@@ -247,7 +250,7 @@ class GraphRunner:
         b.reset(start, end)
         b.page_table[start:end, :width].copy_(page_table)
         if sampling is not None:
-            for name in ("temperature", "top_k", "top_p", "seeds"):
+            for name in SAMPLING:
                 getattr(b, name)[start:end].copy_(getattr(sampling, name))
         self._resize(end)
 

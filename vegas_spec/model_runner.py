@@ -676,25 +676,14 @@ class ModelRunner:
     def _host_len(self, batch: Batch) -> int:
         return max(s.committed for s in batch.seqs)
 
-    def _kv_bound(self, batch: Batch, ahead: int) -> int | None:
-        """The dynamic path's key bound: `ahead` positions past the longest committed row
-        (None under static shapes, whose key axis is fixed)."""
-        return None if self.graphs is not None else self._host_len(batch) + ahead
-
-    def _step(self, batch: Batch, kind: str, tokens: torch.Tensor, positions: torch.Tensor,
-              kv_len: int | None) -> torch.Tensor:
-        """A one-token step ("plain" or "draft" over batch.plan): tokens, positions [B, 1]
-        -> logits [B, V]; kv_len: the dynamic path's key bound (`_kv_bound`)."""
-        if self.graphs is not None:
-            return self.graphs.run(kind, tokens, positions)[:, -1]
-        assert kv_len is not None
-        sparse = batch.plan if kind == "draft" else None
-        ctx = self._ctx(batch.page_table, positions, kv_len, sparse=sparse)
-        return self._forward(tokens, ctx, last_only=True)[:, -1]
-
     def _plain_step(self, batch: Batch) -> torch.Tensor:
-        logits = self._step(batch, "plain", batch.last[:, None], batch.lengths[:, None],
-                            self._kv_bound(batch, 1))
+        """One token a row with full attention -> the next tokens [B]."""
+        tokens, positions = batch.last[:, None], batch.lengths[:, None]
+        if self.graphs is not None:
+            logits = self.graphs.run("plain", tokens, positions)[:, -1]
+        else:  # keys up to one past the longest committed row
+            ctx = self._ctx(batch.page_table, positions, self._host_len(batch) + 1)
+            logits = self._forward(tokens, ctx, last_only=True)[:, -1]
         return next_tokens(logits, batch.sampling, batch.lengths + 1)
 
     def _speculate(self, batch: Batch, policy: Policy,

@@ -240,7 +240,7 @@ class Vegas(Policy):
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
         top = inp.topk or topk_positions
-        if self.cfg.window == 0 and self.cfg.pool == 1:  # pure top-k
+        if not _local(self.cfg):  # pure top-k
             if inp.topk_sum is not None:
                 return inp.topk_sum(_ranked(inp), rankable, k, inp.kmax)
             return top(_ranked(inp).sum(2), rankable, k, inp.kmax)
@@ -269,9 +269,14 @@ class LastQ(Vegas):
                 k: torch.Tensor) -> torch.Tensor:
         top = inp.topk or topk_positions
         scores = _row(_ranked(inp), inp.accepted)
-        if self.cfg.window or self.cfg.pool > 1:
+        if _local(self.cfg):
             scores = local_scores(scores, rankable, k, self.cfg.window, self.cfg.pool)
         return top(scores, rankable, k, inp.kmax)
+
+
+def _local(cfg: SpecConfig) -> bool:
+    """Local context asked for (a window or a pool): else the pure top-k."""
+    return cfg.window > 0 or cfg.pool > 1
 
 
 # Above every score a selection ranks, finite so that the top-k kernels' float-to-key order
