@@ -45,9 +45,10 @@ from vegas_spec.config import (
     spec_config,
 )
 from vegas_spec.executor import make_runner
-from vegas_spec.graphs import GraphRunner, StaticShapes, bucket_for
+from vegas_spec.graphs import GraphRunner, StaticShapes, bucket_for, round_kind_of
 from vegas_spec.models.loader import resolve
 from vegas_spec.prefill_graphs import bucket_floor
+from vegas_spec.sampling import host_flags
 from vegas_spec.scheduler import PrefillPacer, Scheduler
 from vegas_spec.sequence import Detokenizer, Sequence
 from vegas_spec.speculative.adaptive import SpeculationController
@@ -442,6 +443,8 @@ class LLM:
         # Buffers (and CUDA graphs) for the largest batch these prompts can form, made once:
         # sized from the first admission, they would hold a later, larger batch to its rows.
         self.runner.reserve(engine.scheduler.max_resident(seqs))
+        if spec.speculative:  # a sampled batch's round graph too, before the decode loop
+            self.runner.warm_rounds((round_kind_of(*host_flags(params_list)),))
         stats, wall, iterations = self._start_stats(spec, seqs)
         try:
             for seq in seqs:

@@ -367,8 +367,8 @@ class RunnerProxy:
     def warm_prefill(self, max_pieces: int) -> int:
         return self._run("warm_prefill", (max_pieces,), max_pieces)
 
-    def warm_rounds(self) -> None:
-        self._run("warm_rounds", ())
+    def warm_rounds(self, kinds: tuple[str, ...] | None = None) -> None:
+        self._run("warm_rounds", (kinds,), kinds)
 
     def set_spec(self, spec: SpecConfig) -> None:
         self._run("set_spec", (spec,), spec)

@@ -68,11 +68,18 @@ ROUNDS = ("spec", "sampled", "filtered", "topk")
 
 def round_kind(sampling: BatchSampling | None) -> str:
     """The round graph a batch of these sampling settings runs."""
-    if sampling is None or sampling.all_greedy:
+    if sampling is None:
         return "spec"
-    if not sampling.filters:
+    return round_kind_of(sampling.greedy, sampling.filtered, sampling.bounded)
+
+
+def round_kind_of(greedy: list[bool], filtered: list[bool], bounded: list[bool]) -> str:
+    """`round_kind` from the rows' host flags (`sampling.host_flags`)."""
+    if all(greedy):
+        return "spec"
+    if not any(filtered):
         return "sampled"
-    return "topk" if sampling.candidates else "filtered"
+    return "topk" if all(bounded) else "filtered"
 
 
 def bucket_for(rows: int) -> int:
@@ -432,11 +439,13 @@ class GraphRunner:
                     if (kind, bucket) not in self.graphs:
                         self.graphs[(kind, bucket)] = self._capture(kind, bucket)
 
-    def warm(self) -> None:
-        """Before any row joins (a server's start): the sampled rounds and the plain step
-        too, on the dummy buffers, so that no request waits for their capture."""
+    def warm(self, kinds: tuple[str, ...] | None = None) -> None:
+        """Before any row joins: `kinds` (None: the sampled rounds and the plain step, what
+        a server may meet) captured for every bucket on the dummy buffers, so that no
+        request waits for their capture."""
         if self.capturing and self.shapes.verify_rows:
-            self._capture_all(("sampled", "filtered", "topk", "plain"))
+            self._capture_all(("sampled", "filtered", "topk", "plain") if kinds is None
+                              else kinds)
 
     def _capture(self, kind: str, bucket: int) -> _Graph:
         graph, out = capture(lambda: self._body(kind, bucket), self.pool)

@@ -213,12 +213,13 @@ class ModelRunner:
         if self.config.static and self.batch is None and rows > 0:
             self.graphs = self._graph_runner(self.spec, self.policy, rows)
 
-    def warm_rounds(self) -> None:
-        """After `reserve` and before any row joins: every decode graph a request can need
-        (greedy and sampled rounds, the adaptive plain step) captured now."""
+    def warm_rounds(self, kinds: tuple[str, ...] | None = None) -> None:
+        """After `reserve` and before any row joins: the decode graphs of `kinds` (None:
+        every one a request can need, greedy and sampled rounds and the adaptive plain step)
+        captured now, for every batch bucket, so that no decode loop meets a capture."""
         if self.graphs is not None and self.batch is None:
             with torch.inference_mode():
-                self.graphs.warm()
+                self.graphs.warm(kinds)
 
     def warm_prefill(self, max_pieces: int) -> int:
         """Capture every prefill bucket this method's chunks can meet (up to the prefill
@@ -254,13 +255,14 @@ class ModelRunner:
         kmax = max_budget(spec, self.max_model_len)
         width = policy.index_width(kmax)
         pages = self.cache.pages_for(self.max_model_len + gamma + 1)
+        # adaptive speculation runs plain steps where a round would not pay
         return StaticShapes(
-            kinds=("spec",), verify_rows=gamma + 1,
+            kinds=("spec", "plain") if spec.adaptive else ("spec",), verify_rows=gamma + 1,
             draft_kind="plain" if policy.full_drafts else "draft",
             plans=not policy.full_drafts,
             pages=pages, kmax=kmax, rank_width=self.max_model_len,
             index_width=width, index_groups=hkv if policy.per_kv_head else 1,
-            recent_max=2 * gamma + 1,
+            recent_max=policy.recent_max(gamma),
             score_rows=tuple(policy.score_rows(gamma + 1, False)) if policy.wants_scores else (),
             score_groups=hkv if policy.per_kv_head else 1, score_mode=policy.score_mode,
             per_kv_head=policy.per_kv_head)

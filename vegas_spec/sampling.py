@@ -8,6 +8,11 @@ draws the same numbers alone or in any batch, eagerly or inside a CUDA graph, an
 keeps no generator state and needs no host synchronisation. A sample is argmax(p / E) with
 E ~ Exp(1) per token (the exponential trick); on CUDA one Triton kernel hashes, draws and
 reduces a row in one read of p (`kernels.sample`), elsewhere `exponential_argmax_ref`.
+Where every row of a batch is greedy or filters to a top-k of at most CANDIDATES tokens,
+`dist` keeps each distribution as those candidates (`Candidates`: probabilities and token
+ids) rather than a vocabulary-wide row, so a draft step's sampling touches 64 values a row,
+not the vocabulary; its draws are the dense row's to the bit (the same hash per token id,
+the same ratio, ties to the lowest id).
 
 Slots: a target sample (plain decoding, a round's recovered or bonus token), the uniform
 that accepts or rejects a draft, and a draft sample are three independent streams, so the
@@ -52,14 +57,13 @@ class BatchSampling:
     def build(cls, params: list[SamplingParams], device: torch.device) -> BatchSampling:
         seeds = [_signed64(p.seed if p.seed is not None else int(torch.randint(2**62, ())))
                  for p in params]
+        greedy, filtered, bounded = host_flags(params)
         return cls(
             temperature=torch.tensor([p.temperature for p in params], device=device),
             top_k=torch.tensor([p.top_k for p in params], device=device),
             top_p=torch.tensor([p.top_p for p in params], device=device),
             seeds=torch.tensor(seeds, dtype=torch.long, device=device),
-            greedy=[p.greedy for p in params],
-            filtered=[p.top_k > 0 or p.top_p < 1.0 for p in params],
-            bounded=[p.greedy or 0 < p.top_k <= CANDIDATES for p in params],
+            greedy=greedy, filtered=filtered, bounded=bounded,
         )
 
     @property
@@ -92,10 +96,79 @@ class BatchSampling:
                              self.bounded + other.bounded)
 
 
+def host_flags(params: list[SamplingParams]) -> tuple[list[bool], list[bool], list[bool]]:
+    """BatchSampling's host flags of these rows: greedy, filtered, bounded."""
+    return ([p.greedy for p in params], [p.top_k > 0 or p.top_p < 1.0 for p in params],
+            [p.greedy or 0 < p.top_k <= CANDIDATES for p in params])
+
+
 def _signed64(seed: int) -> int:
     """A seed in [-2^63, 2^64) as the int64 with the same low 64 bits."""
     seed &= (1 << 64) - 1
     return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+@dataclass
+class Candidates:
+    """A distribution over at most W tokens of the vocabulary: probabilities values [..., W]
+    float32 of the token ids index [..., W] int64 (the rest of the vocabulary has
+    probability 0; an id may recur with probability 0)."""
+
+    values: torch.Tensor
+    index: torch.Tensor
+
+    def __getitem__(self, key: object) -> Candidates:
+        return Candidates(self.values[key], self.index[key])
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def dense(self, vocab: int) -> torch.Tensor:
+        """The same distribution as a vocabulary-wide row [..., vocab] (a reference)."""
+        out = torch.zeros(*self.values.shape[:-1], vocab, device=self.values.device)
+        return out.scatter_add_(-1, self.index, self.values)
+
+
+Dist = torch.Tensor | Candidates  # a dense row [..., V] or candidates
+
+
+def stack(dists: list[Dist], dim: int) -> Dist:
+    if isinstance(dists[0], Candidates):
+        return Candidates(torch.stack([d.values for d in dists], dim),  # type: ignore[union-attr]
+                          torch.stack([d.index for d in dists], dim))  # type: ignore[union-attr]
+    return torch.stack(dists, dim)  # type: ignore[arg-type]
+
+
+def cat(dists: list[Dist], dim: int) -> Dist:
+    if isinstance(dists[0], Candidates):
+        return Candidates(torch.cat([d.values for d in dists], dim),  # type: ignore[union-attr]
+                          torch.cat([d.index for d in dists], dim))  # type: ignore[union-attr]
+    return torch.cat(dists, dim)  # type: ignore[arg-type]
+
+
+def prob_at(d: Dist, tokens: torch.Tensor) -> torch.Tensor:
+    """d [B, n, W or V]; tokens [B, n] -> [B, n], or tokens [B, n, m] -> [B, n, m]: the
+    probability of each token."""
+    many = tokens.dim() == d.shape.__len__()
+    if isinstance(d, Candidates):
+        values, index = d.values, d.index
+        if many:
+            values, index = values[..., None, :], index[..., None, :]
+        return (values * (index == tokens[..., None])).sum(-1)  # one match; + 0.0 is exact
+    return d.gather(-1, tokens) if many else d.gather(-1, tokens[..., None])[..., 0]
+
+
+def residual(p: Dist, q: Dist) -> Dist:
+    """max(0, p - q), unnormalised, where it has mass, else p (where p == q a rejection has
+    probability 0): the recovered token's weights, which the exponential trick samples as
+    they are (a row's scale does not move its argmax). p [B, n, *], q [B, n, *]."""
+    if isinstance(p, Candidates):
+        left = (p.values - prob_at(q, p.index)).clamp(min=0)
+        mass = left.sum(-1, keepdim=True)
+        return Candidates(torch.where(mass > 0, left, p.values), p.index)
+    left = (p - q).clamp(min=0)  # type: ignore[operator]
+    return torch.where(left.sum(-1, keepdim=True) > 0, left, p)
 
 
 # --- counter-based draws ------------------------------------------------------------------
@@ -131,29 +204,43 @@ def vocab_hash(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return mix32(keys[..., None] ^ token)
 
 
-def exponential_argmax_ref(p: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """p [R, V] float32 probabilities, keys [R] -> tokens [R]: argmax(p / E), E = -log(u) with
-    u the counter-based uniforms of (key, token index). The reference of
+def exponential_argmax_ref(p: torch.Tensor, keys: torch.Tensor,
+                           index: torch.Tensor | None = None) -> torch.Tensor:
+    """p [R, V] float32 weights, keys [R] -> tokens [R]: argmax(p / E), E = -log(u) with u
+    the counter-based uniforms of (key, token id), ties to the lowest id; with index [R, W]
+    p [R, W] are the weights of those token ids (candidates). The reference of
     `kernels.sample.exponential_argmax`."""
-    noise = -torch.log(to_uniform(vocab_hash(keys, p.shape[-1])))
-    return (p / noise).argmax(-1)
+    if index is None:
+        noise = -torch.log(to_uniform(vocab_hash(keys, p.shape[-1])))
+        return (p / noise).argmax(-1)
+    token = mix32(index + _GOLDEN)
+    noise = -torch.log(to_uniform(mix32(keys[:, None] ^ token)))
+    ratio = p / noise
+    best = ratio.max(-1, keepdim=True).values
+    return torch.where(ratio == best, index, torch.iinfo(torch.long).max).min(-1).values
 
 
-def exponential_argmax(p: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def exponential_argmax(p: torch.Tensor, keys: torch.Tensor,
+                       index: torch.Tensor | None = None) -> torch.Tensor:
     if p.is_cuda:
         from vegas_spec.kernels.sample import exponential_argmax as kernel
 
-        return kernel(p, keys)
-    return exponential_argmax_ref(p, keys)
+        return kernel(p, keys, index)
+    return exponential_argmax_ref(p, keys, index)
 
 
-def sample(p: torch.Tensor, s: BatchSampling, positions: torch.Tensor,
+def sample(p: Dist, s: BatchSampling, positions: torch.Tensor,
            slot: int = TARGET) -> torch.Tensor:
-    """p [B, ..., V] probabilities, positions [B, ...] (the positions of the tokens drawn)
-    -> token ids [B, ...]."""
-    keys = draw_keys(s.seeds, positions, slot)
+    """p [B, ..., V] weights (or candidates), positions [B, ...] (the positions of the
+    tokens drawn) -> token ids [B, ...]."""
+    keys = draw_keys(s.seeds, positions, slot).reshape(-1)
+    if isinstance(p, Candidates):
+        width = p.values.shape[-1]
+        return exponential_argmax(p.values.reshape(-1, width).contiguous(), keys,
+                                  p.index.reshape(-1, width).contiguous()
+                                  ).view(p.values.shape[:-1])
     flat = p.reshape(-1, p.shape[-1])
-    return exponential_argmax(flat.contiguous(), keys.reshape(-1)).view(p.shape[:-1])
+    return exponential_argmax(flat.contiguous(), keys).view(p.shape[:-1])
 
 
 def uniform(s: BatchSampling, positions: torch.Tensor, slot: int = ACCEPT) -> torch.Tensor:
@@ -213,13 +300,36 @@ def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     return torch.empty_like(x).scatter_(-1, order, _nucleus(sorted_x, top_k, top_p))
 
 
+def _candidates(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                width: int) -> Candidates:
+    """x [B, n, V] -> the filtered distribution where every row's top-k is at most width:
+    the width likeliest tokens ranked by torch.topk, as candidates."""
+    values, index = torch.topk(x, width, dim=-1)  # sorted, descending
+    return Candidates(torch.softmax(_nucleus(values, top_k, top_p), dim=-1), index)
+
+
 def _candidate_probs(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                      width: int) -> torch.Tensor:
-    """x [B, n, V] -> the filtered probabilities where every row's top-k is at most width:
-    the width likeliest tokens ranked by torch.topk, the rest of the vocabulary zero."""
-    values, index = torch.topk(x, width, dim=-1)  # sorted, descending
-    kept = torch.softmax(_nucleus(values, top_k, top_p), dim=-1)
-    return torch.zeros_like(x).scatter_(-1, index, kept)
+    """`_candidates` as a vocabulary-wide row, the rest of the vocabulary zero."""
+    c = _candidates(x, top_k, top_p, width)
+    return torch.zeros_like(x).scatter_(-1, c.index, c.values)
+
+
+def dist(logits: torch.Tensor, s: BatchSampling) -> Dist:
+    """`probs` as the sampler and the acceptance read it: where every row is greedy or
+    filters to a top-k of at most CANDIDATES tokens, candidates [B, ..., CANDIDATES] (greedy
+    rows one-hot at the argmax in the first slot), else the dense row."""
+    if not (s.filters and s.candidates):
+        return probs(logits, s)
+    shape, width = logits.shape, min(CANDIDATES, logits.shape[-1])
+    flat = logits.reshape(shape[0], -1, shape[-1])
+    x = flat / s.temperature.clamp(min=1e-5)[:, None, None]
+    c = _candidates(x, s.top_k, s.top_p, width)
+    greedy = (s.temperature == 0)[:, None, None]
+    first = torch.arange(width, device=logits.device) == 0
+    values = torch.where(greedy, first.float(), c.values)
+    index = torch.where(greedy & first, flat.argmax(-1, keepdim=True), c.index)
+    return Candidates(values.reshape(*shape[:-1], width), index.reshape(*shape[:-1], width))
 
 
 def next_tokens(logits: torch.Tensor, s: BatchSampling, positions: torch.Tensor) -> torch.Tensor:
@@ -227,4 +337,4 @@ def next_tokens(logits: torch.Tensor, s: BatchSampling, positions: torch.Tensor)
     greedy fast path skips the transform."""
     if s.all_greedy:
         return logits.argmax(-1)
-    return sample(probs(logits, s), s, positions)
+    return sample(dist(logits, s), s, positions)

@@ -338,30 +338,29 @@ def test_specextend_chunks_of_the_last_layer_row() -> None:
 
 
 def local_expected(values: np.ndarray | list[float], rankable: int, k: int, window: int,
-                   pool: int) -> tuple[list[float], list[int]]:
-    """By hand: each position < rankable scores the max over its pool // 2 neighbours each
-    side that are < rankable, the last min(window, k) positions score +inf; the k best
-    (ties to the lowest positions, as the Triton kernel breaks them). -> (the pooled
-    scores, the selection)."""
-    half = pool // 2
-    pooled = [max(float(values[j]) for j in range(max(0, i - half), min(rankable, i + half + 1)))
-              for i in range(rankable)]
-    for i in range(rankable - min(window, k), rankable):
-        pooled[i] = math.inf
-    return pooled, best(pooled, range(rankable), k)
+                   pool: int) -> tuple[list[float], list[int], int]:
+    """By hand: the last min(window, k) positions before the selection row are the start of
+    the recent range, so the ranked ones are those before it; each of them scores the max
+    over its pool // 2 neighbours each side that are ranked too; the k - min(window, k) best
+    (ties to the lowest positions, as the Triton kernel breaks them). -> (the pooled scores,
+    the selection, the recent range's start)."""
+    half, near = pool // 2, min(window, k)
+    ranked = rankable - near
+    pooled = [max(float(values[j]) for j in range(max(0, i - half), min(ranked, i + half + 1)))
+              for i in range(ranked)]
+    return pooled, best(pooled, range(ranked), k - near), ranked
 
 
-def check_local_row(row: torch.Tensor, pooled: list[float], want: list[int], rankable: int,
-                    window: int, exact: bool) -> None:
+def check_local_row(row: torch.Tensor, pooled: list[float], want: list[int], ranked: int,
+                    exact: bool) -> None:
     """A top-k set of the pooled scores (the hand's own selection when `exact`; torch.topk
-    may break ties at the threshold otherwise) that holds the window."""
+    may break ties at the threshold otherwise), all before the recent range."""
     got = [v for v in row.tolist() if v >= 0]
     assert len(got) == len(want)
-    assert set(range(rankable - min(window, len(want)), rankable)) <= set(got)
     if exact:
-        check_row(row, want, rankable)
+        check_row(row, want, ranked)
     else:
-        check_row(row, got, rankable)  # ascending, -1 padded, nothing >= rankable
+        check_row(row, got, ranked)  # ascending, -1 padded, nothing in the recent range
         assert sorted(pooled[i] for i in got) == sorted(pooled[i] for i in want)
 
 
@@ -398,10 +397,10 @@ def aggregated(method: str, case: Case, scores: np.ndarray, layer: int, b: int,
 def test_local_context_keeps_the_window_and_pools_inside_the_budget(
         backend: str, method: str, granularity: str, prefill: bool, window: int,
         pool: int) -> None:
-    """The last min(window, k) positions before the selection row are always selected, the
-    rest are the top of the max-pooled scores, the budget is the pure top-k's, nothing at or
-    past the selection row is taken; the Triton top-k (the interpreter here) selects what the
-    hand does, ties included."""
+    """The last min(window, k) positions before the selection row start the recent range,
+    the rest of the budget is the top of the max-pooled scores before them, the budget is
+    the pure top-k's, so the drafts read as many positions; the Triton top-k (the
+    interpreter here) selects what the hand does, ties included."""
     from vegas_spec.attention.triton_backend import topk_by_width, topk_sum_by_width
 
     base, case, start, scores = local_case(method, granularity, prefill, 20)
@@ -413,48 +412,77 @@ def test_local_context_keeps_the_window_and_pools_inside_the_budget(
     pure = make_policy(base).plan(case.selection_input(scores))
     assert plan is not None and pure is not None
     k = [expected_budget(cfg, n, r) for n, r in zip(case.lengths, start)]
-    check_plan(plan, case, start, k)
+    ranked = [r - min(window, kb) for r, kb in zip(start, k)]
+    check_plan(plan, case, ranked, k)
     assert torch.equal(plan.budget, pure.budget)
-    assert plan.indices.shape == pure.indices.shape
+    assert plan.indices.shape[:3] == pure.indices.shape[:3]
+    assert plan.indices.shape[3] <= pure.indices.shape[3]
     assert k[0] < start[0] and 40 == k[1] < start[1] and k[2] == start[2]  # sparse, dense
+    for b in range(3):  # listed + the window: the pure top-k's count
+        assert int((plan.indices[0, b, 0] >= 0).sum()) + start[b] - ranked[b] == k[b]
     for layer in range(LAYERS):
         for b in range(3):
             for g in range(plan.indices.shape[2]):
                 values = aggregated(method, case, scores, layer, b, g)
-                pooled, want = local_expected(values, start[b], k[b], window, pool)
-                check_local_row(plan.indices[layer, b, g], pooled, want, start[b], window,
+                pooled, want, first = local_expected(values, start[b], k[b], window, pool)
+                assert first == ranked[b]
+                check_local_row(plan.indices[layer, b, g], pooled, want, first,
                                 exact=backend == "triton")
 
 
 def test_pooling_and_the_window_rank_as_the_hand_says() -> None:
-    """One row of 12 scores, 10 rankable: a peak of 9 at 5 with a 3 at 4, and 100s at and past
-    the selection row, which must neither be taken nor pooled into position 9."""
+    """One row of 12 scores, 10 before the selection row: a peak of 9 at 5 with a 3 at 4, and
+    100s at and past the selection row, which must neither be taken nor pooled in. With a
+    window the plan's recent range starts that many positions earlier and the rest of the
+    budget is ranked before it."""
     from vegas_spec.kernels.topk import topk_positions_triton
-    from vegas_spec.speculative.policies import local_scores
+    from vegas_spec.speculative.policies import pooled
 
     row = [1.0, 0.0, 0.0, 0.0, 3.0, 9.0, 0.0, 0.0, 2.0, 0.5, 100.0, 100.0]
     scores = torch.tensor(row).view(1, 1, 1, 12)
-    rankable, k3, k4 = torch.tensor([10]), torch.tensor([3]), torch.tensor([4])
+    rankable = torch.tensor([10])
     for top in (topk_positions, topk_positions_triton):
-        def pick(window: int, pool: int, k: torch.Tensor, top=top) -> list[int]:
-            return top(local_scores(scores, rankable, k, window, pool), rankable, k).view(
-                -1).tolist()
+        def pick(pool: int, k: int, ranked: int = 10, top=top) -> list[int]:
+            r, kk = torch.tensor([ranked]), torch.tensor([k])
+            s = scores if pool == 1 else pooled(scores, r, pool)
+            return top(s, r, kk).view(-1).tolist()
 
-        assert pick(0, 1, k3) == [4, 5, 8]  # pure top-k
-        assert pick(0, 3, k3) == [4, 5, 6]  # the peak and its neighbours
-        assert pick(0, 5, torch.tensor([5])) == [3, 4, 5, 6, 7]  # 9 over 3..7
-        assert pick(1, 3, k4) == [4, 5, 6, 9]  # the window: position 9, then the peak
-        assert pick(2, 1, k3) == [5, 8, 9]
-        assert pick(5, 7, k3) == [7, 8, 9]  # a window past k: the last k positions
-    pooled = local_scores(scores, rankable, k3, 0, 3).view(-1)[:10].tolist()
-    assert pooled == [1.0, 1.0, 0.0, 3.0, 9.0, 9.0, 9.0, 2.0, 2.0, 2.0]
+        assert pick(1, 3) == [4, 5, 8]  # pure top-k
+        assert pick(3, 3) == [4, 5, 6]  # the peak and its neighbours
+        assert pick(5, 5) == [3, 4, 5, 6, 7]  # 9 over 3..7
+        assert pick(3, 3, ranked=9) == [4, 5, 6]  # a window of 1: 9 is recent, 8 not pooled
+        assert pick(1, 1, ranked=8) == [5]  # a window of 2
+    assert pooled(scores, rankable, 3).view(-1)[:10].tolist() == \
+        [1.0, 1.0, 0.0, 3.0, 9.0, 9.0, 9.0, 2.0, 2.0, 2.0]
+    assert pooled(scores, torch.tensor([9]), 3).view(-1)[:9].tolist()[-1] == 2.0
+
+
+@pytest.mark.parametrize("method", ["vegas", "lastq"])
+@pytest.mark.parametrize("window", [1, 4, 10**6])
+def test_the_window_starts_the_recent_range(method: str, window: int) -> None:
+    """The plan's recent range starts min(window, k) positions before the selection row, its
+    host bound grows by the window, and the pure top-k's budget is spent the same."""
+    case = make_case(33, prefill=False)
+    cfg = SpecConfig(method=method, window=window, **BASE)
+    policy = make_policy(cfg)
+    scores = random_scores(34, len(policy.score_rows(GAMMA + 1, False)), 1, case.width,
+                           case.row_pos)
+    plan = policy.plan(case.selection_input(scores))
+    start = case.row_pos if method == "vegas" else \
+        [r + a for r, a in zip(case.row_pos, case.accepted)]
+    k = [expected_budget(cfg, n, r) for n, r in zip(case.lengths, start)]
+    assert plan is not None
+    assert plan.recent_start.tolist() == [r - min(window, kb) for r, kb in zip(start, k)]
+    assert policy.recent_max(GAMMA) == 2 * GAMMA + 1 + window
+    listed = (plan.indices[0, :, 0] >= 0).sum(-1).tolist()
+    assert [n + min(window, kb) for n, kb in zip(listed, k)] == k
 
 
 @pytest.mark.parametrize("method", ["vegas", "lastq"])
 def test_pure_top_k_is_todays_path(method: str) -> None:
     """window 0 and pool 1 take today's path: vegas hands its collected rows to the
-    backend's row-summing top-k unsummed; with a window or pooling the sum is ranked by the
-    plain top-k."""
+    backend's row-summing top-k unsummed, with a window too (it only moves the ranked range);
+    with pooling the sum is ranked by the plain top-k."""
     case = make_case(30, prefill=False)
     policy = make_policy(SpecConfig(method=method, **BASE))
     scores = random_scores(31, len(policy.score_rows(GAMMA + 1, False)), 1, case.width,
@@ -477,7 +505,8 @@ def test_pure_top_k_is_todays_path(method: str) -> None:
         plan = make_policy(cfg).plan(inp)
         assert plan is not None
         pure = window == 0 and pool == 1
-        assert calls == [("topk_sum", 5) if pure and method == "vegas" else ("topk", 4)]
+        # a window only moves the ranked range: the row-summing top-k still ranks it
+        assert calls == [("topk_sum", 5) if pool == 1 and method == "vegas" else ("topk", 4)]
         if pure:
             want = policy.plan(case.selection_input(scores))
             assert want is not None and torch.equal(plan.indices, want.indices)

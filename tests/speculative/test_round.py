@@ -111,6 +111,29 @@ def test_greedy_rows_of_a_mixed_round_are_argmax() -> None:
         assert emitted[row, : greedy_drafts + 1].tolist() == chain[: greedy_drafts + 1]
 
 
+@pytest.mark.parametrize("vocab", [VOCAB, 300])
+def test_a_round_of_candidates_emits_the_dense_rounds_tokens(
+        vocab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows greedy or within sampling.CANDIDATES draft, accept and recover from candidates;
+    the same round over vocabulary-wide rows (`probs`) emits the same tokens, row for row."""
+    g = torch.Generator().manual_seed(vocab)
+    target = torch.randn(vocab, vocab, generator=g) * 2
+    draft = target + torch.randn(vocab, vocab, generator=g)
+    params = [SamplingParams(seed=i) if i % 5 == 0 else
+              SamplingParams(seed=i, temperature=0.6, top_k=20, top_p=0.95) for i in range(600)]
+    s = BatchSampling.build(params, torch.device("cpu"))
+    last = torch.arange(600) % vocab
+    lengths = torch.arange(600) % 97 + 5
+    step = bigram_step(target, draft)
+    sparse = speculate(step, last, lengths, GAMMA, "draft", s)
+    monkeypatch.setattr(round_module, "dist", probs)
+    dense = speculate(step, last, lengths, GAMMA, "draft", s)
+    assert torch.equal(sparse[0], dense[0])
+    keep = torch.arange(GAMMA + 1)[None, :] <= sparse[0][:, None]
+    assert torch.equal(sparse[1][keep], dense[1][keep])
+    assert 0 < float(sparse[0].double().mean()) < GAMMA  # rejections and acceptances
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_captured_sampled_round_replays_the_eager_tokens() -> None:
     device = torch.device("cuda")

@@ -208,3 +208,29 @@ def test_cat_appends_rows_with_their_seeds() -> None:
     assert not joined.all_greedy and joined.filters
     assert joined.top_k.tolist() == [0, 0, 5]
     assert torch.equal(draws(joined, flat(50, 3), 4), draws(whole, flat(50, 3), 4))
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.95, 1.0])
+def test_candidates_are_the_dense_distribution(top_p: float) -> None:
+    """`dist` of a batch whose rows are greedy or top-k within CANDIDATES keeps candidates:
+    scattered into the vocabulary they are `probs` to the bit (greedy rows one-hot at the
+    argmax, also where the top logits tie), and they draw the dense row's tokens."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 3, 3000, generator=g) * 3
+    logits[1, 0, [5, 17]] = logits[1, 0].max() + 1.0  # a tie at the top of a greedy row
+    params = [SamplingParams(temperature=0.6, top_k=k, top_p=top_p, seed=k)
+              for k in (20, 1, 64, 5, 2, 20)]
+    params[1] = SamplingParams()
+    s = batch(params)
+    got = sampling.dist(logits, s)
+    assert isinstance(got, sampling.Candidates) and got.shape == (6, 3, sampling.CANDIDATES)
+    want = probs(logits, s)
+    assert torch.equal(got.dense(3000), want)
+    assert int(got.index[1, 0, 0]) == 5 == int(logits[1, 0].argmax())
+    positions = torch.arange(18).view(6, 3) + 100
+    for slot in (sampling.TARGET, sampling.DRAFT):
+        assert torch.equal(sample(got, s, positions, slot), sample(want, s, positions, slot))
+    # a batch with a row past CANDIDATES, or with no filter, keeps the dense rows
+    assert torch.is_tensor(sampling.dist(logits, batch(params[:5] + [
+        SamplingParams(temperature=0.6, top_k=65)])))
+    assert torch.is_tensor(sampling.dist(logits, batch([SamplingParams(temperature=0.6)] * 6)))

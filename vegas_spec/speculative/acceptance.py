@@ -7,7 +7,17 @@ from __future__ import annotations
 
 import torch
 
-from vegas_spec.sampling import ACCEPT, TARGET, BatchSampling, sample, uniform
+from vegas_spec.sampling import (
+    ACCEPT,
+    TARGET,
+    BatchSampling,
+    Dist,
+    cat,
+    prob_at,
+    residual,
+    sample,
+    uniform,
+)
 
 
 def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor,
@@ -22,26 +32,23 @@ def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor,
     return accepted, target
 
 
-def accept_sampling(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
-                    s: BatchSampling, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_sampling(draft: torch.Tensor, q: Dist, p: Dist, s: BatchSampling,
+                    start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """draft [B, γ]; q [B, γ, V] draft distributions; p [B, γ+1, V] target distributions
-    (both after the same temperature/top-k/top-p transform); start [B] the position of the
-    round's first verify row, so that d_i is the token at start + i (its draws are keyed so).
+    (both after the same temperature/top-k/top-p transform; both dense rows or both
+    candidates, `sampling.dist`); start [B] the position of the round's first verify row, so
+    that d_i is the token at start + i (its draws are keyed so).
 
     d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection
     the recovered token comes from normalize(max(0, p_i - q_i)); the bonus from p_γ."""
     gamma = draft.shape[1]
     positions = start[:, None] + torch.arange(1, gamma + 2, device=draft.device)  # [B, γ+1]
-    p_d = p[:, :gamma].gather(-1, draft[..., None])[..., 0]
-    q_d = q.gather(-1, draft[..., None])[..., 0]
+    head = p[:, :gamma]
+    p_d, q_d = prob_at(head, draft), prob_at(q, draft)
     u = uniform(s, positions[:, :gamma], ACCEPT)
     ok = (u * q_d < p_d).long()  # u < p/q without dividing by a zero q
     accepted = ok.cumprod(-1).sum(-1)
-    residual = (p[:, :gamma] - q).clamp(min=0)
-    mass = residual.sum(-1, keepdim=True)
-    # If p == q at a position, rejection there has probability 0; keep p to stay finite.
-    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p[:, :gamma])
-    recovered = sample(torch.cat([residual, p[:, gamma:]], dim=1), s, positions, TARGET)
+    recovered = sample(cat([residual(head, q), p[:, gamma:]], 1), s, positions, TARGET)
     tokens = torch.cat([draft, draft[:, :1]], dim=1)
     pick = torch.arange(gamma + 1, device=draft.device)[None, :] == accepted[:, None]
     return accepted, torch.where(pick, recovered, tokens)

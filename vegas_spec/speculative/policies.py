@@ -154,6 +154,17 @@ class Policy:
         self.cfg = cfg
 
     @property
+    def window(self) -> int:
+        """Positions just before the selection row that every plan keeps, inside the
+        budget, as the start of its recent range (0: none)."""
+        return 0
+
+    def recent_max(self, gamma: int) -> int:
+        """Host bound on a plan's recent range: the 2γ+1 positions from the selection row to
+        the last draft step's, and the window before it."""
+        return 2 * gamma + 1 + self.window
+
+    @property
     def score_mode(self) -> str:
         return "weight"
 
@@ -175,14 +186,18 @@ class Policy:
         tokens), keeps the sink and the most recent positions for that round, as stream."""
         start = self.selection_row(inp)
         k = budget(self.cfg, inp.lengths, start)
-        recent = inp.recent_max if inp.recent_max is not None \
-            else recent_bound(inp.lengths, start, inp.gamma)
         if self.wants_scores and inp.scores is None:
             groups = inp.kv_caches[0][0].shape[1] if self.per_kv_head else 1
             indices = recent_positions(inp, start, k, self.cfg.sink).expand(-1, -1, groups, -1)
+            ranked, listed = start, k
         else:
-            indices = self.indices(inp, start, k)
-        return SparsePlan(indices, start, recent, k, self.selector(inp, start, k))
+            # the window's positions join the recent range; the rest of the budget is ranked
+            near = torch.clamp(k, max=self.window) if self.window else 0
+            ranked, listed = start - near, k - near
+            indices = self.indices(inp, ranked, listed)
+        recent = inp.recent_max if inp.recent_max is not None \
+            else recent_bound(inp.lengths, ranked, inp.gamma)
+        return SparsePlan(indices, ranked, recent, k, self.selector(inp, ranked, listed))
 
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor | None:
@@ -217,12 +232,16 @@ def make_policy(cfg: SpecConfig) -> Policy:
 @register
 class Vegas(Policy):
     """Top-k of the verify pass's attention, aggregated over query heads and the collected
-    rows (first and last, or all), per layer or per kv head; with SpecConfig's window or
-    pool, of those scores max-pooled over neighbours, the window before the selection row
-    always taken (`local_scores`)."""
+    rows (first and last, or all), per layer or per kv head; with SpecConfig's pool, of those
+    scores max-pooled over neighbours (`pooled`); with its window, the positions just
+    before the selection row kept in the recent range and the rest of the budget ranked."""
 
     name = "vegas"
     wants_scores = True
+
+    @property
+    def window(self) -> int:  # type: ignore[override]
+        return self.cfg.window
 
     @property
     def per_kv_head(self) -> bool:  # type: ignore[override]
@@ -240,12 +259,11 @@ class Vegas(Policy):
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
         top = inp.topk or topk_positions
-        if not _local(self.cfg):  # pure top-k
+        if self.cfg.pool == 1:
             if inp.topk_sum is not None:
                 return inp.topk_sum(_ranked(inp), rankable, k, inp.kmax)
             return top(_ranked(inp).sum(2), rankable, k, inp.kmax)
-        scores = local_scores(_ranked(inp).sum(2), rankable, k, self.cfg.window, self.cfg.pool)
-        return top(scores, rankable, k, inp.kmax)
+        return top(pooled(_ranked(inp).sum(2), rankable, self.cfg.pool), rankable, k, inp.kmax)
 
 
 @register
@@ -269,39 +287,21 @@ class LastQ(Vegas):
                 k: torch.Tensor) -> torch.Tensor:
         top = inp.topk or topk_positions
         scores = _row(_ranked(inp), inp.accepted)
-        if _local(self.cfg):
-            scores = local_scores(scores, rankable, k, self.cfg.window, self.cfg.pool)
+        if self.cfg.pool > 1:
+            scores = pooled(scores, rankable, self.cfg.pool)
         return top(scores, rankable, k, inp.kmax)
 
 
-def _local(cfg: SpecConfig) -> bool:
-    """Local context asked for (a window or a pool): else the pure top-k."""
-    return cfg.window > 0 or cfg.pool > 1
-
-
-# Above every score a selection ranks, finite so that the top-k kernels' float-to-key order
-# and threshold search (`kernels.topk`) take it as any other value.
-FORCED = torch.finfo(torch.float32).max
-
-
-def local_scores(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
-                 window: int, pool: int) -> torch.Tensor:
-    """Aggregated scores [layers, B, G, W] float32 -> the same ranked for local context:
-    each position < rankable[b] scores the max over its `pool` neighbours (pool // 2 each
-    side) of the positions < rankable[b] (SnapKV's pooling; pool odd), then the last
-    min(window, k[b]) positions before rankable[b] score FORCED, so that a top-k of k[b]
-    always takes them (inside the budget). Fixed shapes, no host sync (capturable)."""
+def pooled(scores: torch.Tensor, rankable: torch.Tensor, pool: int) -> torch.Tensor:
+    """Aggregated scores [layers, B, G, W] float32 -> each position's max over its `pool`
+    neighbours (pool // 2 each side, pool odd) among the positions < rankable[b] (SnapKV's
+    pooling), so that a top-k takes the neighbours of a strong position too. Fixed shapes,
+    no host sync (capturable); positions from rankable on are left to the top-k's mask."""
     pos = torch.arange(scores.shape[-1], device=scores.device)
     visible = (pos < rankable[:, None])[None, :, None]  # [1, B, 1, W]
-    if pool > 1:
-        masked = torch.where(visible, scores, float("-inf"))  # no pooling past rankable
-        flat = masked.reshape(-1, 1, scores.shape[-1])
-        scores = F.max_pool1d(flat, pool, stride=1, padding=pool // 2).view(scores.shape)
-    if window:
-        first = rankable - torch.clamp(k, max=window)  # [B]
-        near = visible & (pos >= first[:, None])[None, :, None]
-        scores = torch.where(near, FORCED, scores)
-    return scores
+    masked = torch.where(visible, scores, float("-inf"))  # no pooling past rankable
+    flat = masked.reshape(-1, 1, scores.shape[-1])
+    return F.max_pool1d(flat, pool, stride=1, padding=pool // 2).view(scores.shape)
 
 
 def _ranked(inp: SelectionInput) -> torch.Tensor:

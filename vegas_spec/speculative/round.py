@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from vegas_spec.sampling import DRAFT, BatchSampling, probs, sample
+from vegas_spec.sampling import DRAFT, BatchSampling, Dist, dist, sample, stack
 from vegas_spec.speculative.acceptance import accept_greedy, accept_sampling
 
 # step(kind, tokens [B, n], positions [B, n], raw) -> logits [B, n, V]: float32, or with raw
@@ -30,20 +30,21 @@ def _no_phase(name: str) -> AbstractContextManager:
 
 def draft_tokens(step: StepFn, last: torch.Tensor, lengths: torch.Tensor, gamma: int,
                  kind: str, sampling: BatchSampling | None,
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 ) -> tuple[torch.Tensor, Dist | None]:
     """γ one-token steps of `kind` from last [B] at lengths [B] -> drafts [B, γ] and, when
-    sampling, their distributions q [B, γ, V] (None: greedy drafts)."""
+    sampling, their distributions q [B, γ, V] or candidates (`sampling.dist`; None: greedy
+    drafts)."""
     token, drafts, qs = last, [], []
     for j in range(gamma):
         logits = step(kind, token[:, None], (lengths + j)[:, None], sampling is None)[:, -1]
         if sampling is None:
             token = logits.argmax(-1)
         else:
-            q = probs(logits, sampling)
+            q = dist(logits, sampling)
             token = sample(q, sampling, lengths + j + 1, DRAFT)
             qs.append(q)
         drafts.append(token)
-    return torch.stack(drafts, 1), torch.stack(qs, 1) if qs else None
+    return torch.stack(drafts, 1), stack(qs, 1) if qs else None
 
 
 def speculate(step: StepFn, last: torch.Tensor, lengths: torch.Tensor, gamma: int,
@@ -62,4 +63,4 @@ def speculate(step: StepFn, last: torch.Tensor, lengths: torch.Tensor, gamma: in
         if sampling is None:
             return accept_greedy(draft, logits)
         assert q is not None
-        return accept_sampling(draft, q, probs(logits, sampling), sampling, lengths)
+        return accept_sampling(draft, q, dist(logits, sampling), sampling, lengths)
