@@ -109,6 +109,18 @@ def weight_bytes(llm: LLM) -> int:
     return total - (embed.numel() * embed.element_size() if untied else 0)
 
 
+def draft_weight_bytes(llm: LLM) -> int:
+    """Bytes of weights a draft step reads: `weight_bytes`, with the projections' FP8 copies
+    in place of the model's projections where the engine made them."""
+    total = weight_bytes(llm)
+    for layer in llm.model.layers:
+        if layer.drafts is not None:
+            for name, copy in layer.drafts.items():
+                w = getattr(layer, name).weight
+                total += copy.nbytes - w.numel() * w.element_size()
+    return total
+
+
 def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.Namespace,
             bandwidth: float, rank_width: str = "library") -> dict:
     cfg, dev = llm.model_config, llm.device
@@ -213,7 +225,7 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         # the verify step with scores also writes and reads back its rows' logits
         out["floor_verify_ms"] = 1e3 * (wbytes + full_kv + score_bytes) / bandwidth
         out["score_bytes"] = score_bytes
-        out["floor_draft_ms"] = 1e3 * (wbytes + sparse_kv) / bandwidth
+        out["floor_draft_ms"] = 1e3 * (draft_weight_bytes(llm) + sparse_kv) / bandwidth
         out["weight_bytes"], out["kv_bytes"] = wbytes, full_kv
         for k in ("plain", "verify", "draft"):
             out[f"{k}_vs_floor"] = out[f"{k}_ms"] / out[f"floor_{k}_ms"]
@@ -472,6 +484,9 @@ def main() -> None:
                          "BLOCK_K:STAGES[:STORE[:SPLIT_MAX[:MAXNREG]]] (STORE one of "
                          f"{', '.join(pa.SCORE_STORES)}; 0: no split cap, ptxas's registers; "
                          "omitted parts: the library's), each in graphs of its own")
+    ap.add_argument("--draft-weights", nargs="+", default=["model"], choices=["model", "fp8"],
+                    help="the draft steps' weights, each in an engine of its own: the "
+                         "model's, or FP8 copies (`quant`)")
     ap.add_argument("--max-model-len", type=int, default=0,
                     help="the engines' max_model_len, which sizes the static key width "
                          "(0: context + gamma + 64)")
@@ -531,14 +546,16 @@ def main() -> None:
     library_verify = dict(pa.VERIFY_TILES)
     bandwidth = copy_bandwidth() if cuda else 1e10
     rows = []
-    for context, mode in ((c, m) for c in args.contexts for m in args.modes):
-        # One engine per context and mode, its static key axis sized for this context.
+    for context, mode, drafts in itertools.product(args.contexts, args.modes,
+                                                   args.draft_weights):
+        # One engine per context, mode and draft weights, its static key axis sized for this
+        # context.
         slots = max(args.batches) * (context + 128) + 4096
         kv = slots * kv_bytes_per_token(model, 2 if cuda else 4)
         llm = LLM(str(args.config), load_format="dummy", device="cuda" if cuda else "cpu",
                   dtype="bfloat16" if cuda else "float32", kv_cache_bytes=kv,
                   max_model_len=args.max_model_len or context + args.gamma + 64,
-                  exact=mode == "exact")
+                  exact=mode == "exact", draft_weights=drafts)
         for k, v in llm.cache.layers:
             k.normal_()
             v.normal_()
@@ -567,7 +584,8 @@ def main() -> None:
             pa.VERIFY_TILES = library_verify if chosen is None else {dim: chosen}
             verify_now = pa.VERIFY_TILES.get(dim)
             llm.graphs = None
-            row = {"mode": mode, "skinny_rows": skinny, "sparse_rope": fused,
+            row = {"mode": mode, "draft_weights": drafts, "skinny_rows": skinny,
+                   "sparse_rope": fused,
                    "max_lanes": split_merge.MAX_LANES,
                    "verify_tiles": "tile_config" if verify_now is None else
                    f"{verify_now.block_k}:{verify_now.stages}:{verify_now.maxnreg or 0}",

@@ -189,6 +189,11 @@ def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
                         "the number of rows in a step: greedy output of every method is plain "
                         "decoding's token for token in bfloat16 too, and a prompt gives the "
                         "same tokens alone or in a batch (slower)")
+    g.add_argument("--draft-weights", default="auto", choices=["auto", "fp8", "model"],
+                   help="the draft steps' copy of the projection weights: fp8 (e4m3, one "
+                        "scale per output row: half the bytes a draft step streams; lossless, "
+                        "drafts are verified by the model's own weights), model (none); "
+                        "auto: fp8 on a GPU with FP8 conversions (compute capability 8.9+)")
     g.add_argument("--gamma", type=int, default=DEFAULT_SPEC.gamma,
                    help="draft tokens per speculative iteration (1 to 32)")
     g.add_argument("--ratio", type=float, default=DEFAULT_SPEC.ratio,
@@ -225,11 +230,18 @@ def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
     return g
 
 
+def _draft_weights_text(nbytes: int) -> str:
+    from vegas_spec.cache import fmt_bytes
+
+    return f"draft weights: fp8, {fmt_bytes(nbytes)} beside the model's" if nbytes \
+        else "draft weights: the model's"
+
+
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     from vegas_spec.config import ConfigError
 
     kwargs = {"device": args.device, "dtype": args.dtype, "backend": args.backend,
-              "load_format": args.load_format}
+              "load_format": args.load_format, "draft_weights": args.draft_weights}
     if args.kv_cache_gb is not None:
         if not math.isfinite(args.kv_cache_gb) or args.kv_cache_gb <= 0:
             raise ConfigError(f"--kv-cache-gb must be a positive number of GiB, got "
@@ -405,6 +417,7 @@ def serve(args: argparse.Namespace) -> int:
     made = engine.warm_up(args.max_num_seqs)  # every bucket's graphs, before the first request
     print(f"vegas: graphs ready in {time.perf_counter() - started:.1f} s "
           f"({made} prefill shapes)", file=sys.stderr)
+    print(f"vegas: {_draft_weights_text(engine.runner.draft_weight_bytes)}", file=sys.stderr)
     freeze_heap()
     name = args.served_model_name or engine.source.path.name
     run(engine, name, args.host, args.port, args.max_queue, args.api_key)

@@ -360,6 +360,10 @@ class EngineConfig:
     # that greedy speculative output is plain output token for token in bf16 too, and a prompt
     # gives the same tokens alone or in a batch (slower; see docs/method.md).
     exact: bool = False
+    # The draft steps' copy of the projection weights: "fp8" (e4m3, a scale per output row;
+    # lossless: drafts are verified by the model's own weights), "model" (none: drafts read
+    # the model's weights), "auto" (fp8 on a GPU with FP8 conversions, else model).
+    draft_weights: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -389,6 +393,9 @@ class EngineConfig:
                               f"got {self.prefix_cache_bytes!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.draft_weights not in ("auto", "fp8", "model"):
+            raise ConfigError(f"draft_weights must be auto, fp8 or model, got "
+                              f"{self.draft_weights!r}")
         if self.backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"backend must be auto, torch or triton, got {self.backend!r}")
         for name in ("cuda_graphs", "static_shapes", "exact"):

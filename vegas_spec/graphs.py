@@ -409,7 +409,7 @@ class GraphRunner:
             slot_mapping=slots_of(table, positions, self.page_size), page_table=table,
             page_size=self.page_size, kv_len_max=self.kv_len,
             scores=self._score_request(rows) if kind == "verify" else None,
-            sparse=self._plan(rows) if kind == "draft" else None)
+            sparse=self._plan(rows) if kind == "draft" else None, draft=kind == "draft")
 
     def _score_request(self, rows: int) -> ScoreRequest | None:
         s = self.shapes

@@ -34,6 +34,7 @@ from vegas_spec.models.decoder import build_model
 from vegas_spec.models.loader import ModelSource, dummy_weights, load_config, load_weights
 from vegas_spec.prefill_graphs import Chunk, PrefillGraphs, ScoreKind
 from vegas_spec.prefix_cache import PrefixCache, PrefixEntry
+from vegas_spec.quant import fp8_supported
 from vegas_spec.sampling import BatchSampling, next_tokens
 from vegas_spec.scheduler import Piece
 from vegas_spec.sequence import Sequence
@@ -151,6 +152,8 @@ class ModelRunner:
             weights = load_weights(source, cfg, self.tp)
         self.model = build_model(local, weights, config.torch_dtype, self.device)
         del weights
+        # the draft copy before the KV budget, which the memory it takes then leaves out
+        self.draft_weight_bytes = self._draft_weights()
         self.backend = make_backend(config.resolved_backend, config.exact)
         self.backend.tp = self.tp
         self.cache = PagedKVCache.from_budget(local, self._kv_budget(), config.page_size,
@@ -173,6 +176,14 @@ class ModelRunner:
         self._ready: tuple[list[Sequence], torch.Tensor, BatchSampling,
                            torch.Tensor | None, torch.Tensor] | None = None
         self.set_spec(spec)
+
+    def _draft_weights(self) -> int:
+        """The model's FP8 draft copy where `draft_weights` asks for one ("auto": on a GPU
+        with FP8 conversions) -> its bytes (0: drafts read the model's weights)."""
+        mode = self.config.draft_weights
+        if mode == "auto":
+            mode = "fp8" if fp8_supported(self.device) else "model"
+        return self.model.make_draft_weights() if mode == "fp8" else 0
 
     @property
     def max_model_len(self) -> int:
@@ -709,6 +720,7 @@ class ModelRunner:
             verify = kind == "verify"  # drafts read up to bound + γ - 1, verify bound + γ
             ctx = self._ctx(batch.page_table, positions, bound + gamma + verify,
                             req if verify else None, batch.plan if kind == "draft" else None)
+            ctx.draft = kind == "draft"
             return self._forward(tokens, ctx, last_only=not verify)
 
         accepted, emitted = speculate(step, batch.last, batch.lengths, gamma,

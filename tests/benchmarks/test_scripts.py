@@ -74,6 +74,20 @@ def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> No
     assert row["byte_ideal_speedup"] > 0 and isinstance(row["host_gap_ms"], float)
 
 
+def test_step_profile_draft_weights_side_by_side(tmp_path: Path) -> None:
+    """An engine with FP8 draft copies beside one drafting on the model's weights: the FP8
+    draft step's byte floor counts one byte per projection weight."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    out = tmp_path / "steps.json"
+    run("step_profile.py", "--config", str(tmp_path), "--contexts", "64", "--batches", "2",
+        "--reps", "1", "--min-tokens", "16", "--host-gap-tokens", "4", "--brief",
+        "--draft-weights", "model", "fp8", "--out", str(out))
+    model, fp8 = json.loads(out.read_text())["rows"]
+    assert (model["draft_weights"], fp8["draft_weights"]) == ("model", "fp8")
+    assert fp8["floor_draft_ms"] < model["floor_draft_ms"]
+    assert fp8["floor_plain_ms"] == model["floor_plain_ms"] and fp8["draft_ms"] > 0
+
+
 def test_step_profile_measures_exact_mode_against_the_default(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     out = tmp_path / "exact.json"

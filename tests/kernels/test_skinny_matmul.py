@@ -11,12 +11,14 @@ from kernel_cases import CUDA, DEVICE, generator, nan_empty, randn
 
 from vegas_spec.kernels.skinny_matmul import (
     GPU_SMS,
+    MAX_FP8_ROWS,
     MAX_ROWS,
     SkinnyTiles,
     skinny_linear,
     skinny_linear_ref,
     skinny_tiles,
 )
+from vegas_spec.quant import fp8_linear_ref, quantize_fp8
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 # Relative error bounds (Frobenius norms): an fp32 sum of products rounded once to the dtype.
@@ -91,3 +93,58 @@ def test_8b_shapes_in_bfloat16_match_cublas(n: int, k: int) -> None:
             got = skinny_linear(x, w, tiles=tiles).float()
             err = float((got - want).norm() / want.norm())
             assert err < 1e-2, (m, tiles, err)
+
+
+# --- FP8 weights (a draft step's copy) ---------------------------------------------------
+
+# (rows, N, K, bias, split_k): 1..128 rows, a partial column block (N = 96 in blocks of 64),
+# a partial K step (K = 200 in steps of 64), K split with an empty split.
+FP8_CASES = [(1, 96, 256, False, 1), (7, 96, 200, True, 2), (16, 80, 256, True, 3),
+             (64, 96, 200, False, 1), (128, 96, 128, True, 1), (37, 33, 72, False, 1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,n,k,bias,split_k", FP8_CASES)
+def test_fp8_weights_match_their_reference(m: int, n: int, k: int, bias: bool, split_k: int,
+                                           dtype: torch.dtype) -> None:
+    """e4m3 values times x summed in float32 and scaled per column: the reference's product
+    to the dtype's rounding (how close the copy is to the weight: the next test)."""
+    gen = generator(m * n + k)
+    x = randn(m, k, gen=gen, dtype=dtype)
+    w = randn(n, k, gen=gen) / k ** 0.5
+    w[3] *= 50.0  # rows of different magnitudes get scales of their own
+    q = quantize_fp8(w.to(DEVICE))
+    b = randn(n, gen=gen, dtype=dtype) if bias else None
+    with nan_empty():
+        got = skinny_linear(x, q, b, tiles=SkinnyTiles(64, 64, 4, 2, split_k))
+    assert got.shape == (m, n) and got.dtype == dtype
+    want = fp8_linear_ref(x.double(), q, None if b is None else b.double())
+    assert float((got.double() - want).norm() / want.norm()) < REL_TOL[dtype]
+
+
+def test_fp8_rows_past_a_block_run_in_chunks() -> None:
+    """300 rows of an FP8 weight: three launches of at most MAX_FP8_ROWS, the leading dims
+    kept; default tiles."""
+    gen = generator(300)
+    x = randn(3, 100, 64, gen=gen)
+    q = quantize_fp8(randn(48, 64, gen=gen) / 8)
+    with nan_empty():
+        got = skinny_linear(x, q)
+    assert got.shape == (3, 100, 48) and MAX_FP8_ROWS < 300
+    want = fp8_linear_ref(x.double(), q)
+    assert float((got.double() - want).norm() / want.norm()) < REL_TOL[torch.float32]
+
+
+def test_quantize_fp8_per_output_row() -> None:
+    """Each row's largest magnitude maps to 448; a zero row keeps scale 1; dequantised rows
+    are within e4m3's relative step (2^-3) of the weight."""
+    w = torch.randn(6, 40, generator=generator(2))
+    w[1] *= 1e3
+    w[4] = 0.0
+    q = quantize_fp8(w)
+    assert q.data.dtype == torch.float8_e4m3fn and q.scale.dtype == torch.float32
+    assert torch.allclose(q.data.float().abs().amax(1)[[0, 1, 2, 3, 5]], torch.tensor(448.0))
+    assert q.scale[4] == 1.0 and bool((q.data[4].float() == 0).all())
+    back = q.dequantize(torch.float32)
+    assert bool(((back - w).abs() <= w.abs() * 2 ** -3 + q.scale[:, None] * 2 ** -9).all())
+    assert q.nbytes == 6 * 40 + 6 * 4

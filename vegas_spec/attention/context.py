@@ -107,6 +107,8 @@ class StepContext:
     kv_len_max:   host bound on seq_lens (the key axis of the reference gather).
     prefill:      set for a packed prefill step (B = 1, n = T; page_table and seq_lens
                   then have one row per piece; `scores` then covers prefill.last's rows).
+    draft:        a draft step: the projections read the model's draft copy of their
+                  weights where it has one (`quant`).
     """
 
     positions: torch.Tensor
@@ -118,3 +120,4 @@ class StepContext:
     scores: ScoreRequest | None = None
     sparse: SparsePlan | None = None
     prefill: PrefillPlan | None = None
+    draft: bool = False

@@ -27,6 +27,7 @@ from vegas_spec.kernels.rms_norm import rms_norm
 from vegas_spec.kernels.rope_store import rope_store
 from vegas_spec.kernels.silu_mul import silu_mul
 from vegas_spec.kernels.skinny_matmul import MAX_ROWS, skinny_linear
+from vegas_spec.quant import Fp8Weight
 from vegas_spec.kernels.sparse_attention import NewKV, sparse_attention
 from vegas_spec.kernels.store_kv import store_kv
 
@@ -74,7 +75,8 @@ def topk_sum_by_width(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Ten
 
 
 class TritonBackend(AttentionBackend):
-    """In the default mode a projection of few rows may run `skinny_linear` (`uses_skinny`).
+    """In the default mode a projection of few rows may run `skinny_linear` (`uses_skinny`);
+    a draft step's FP8 copy of a weight always does (any rows, in chunks of MAX_FP8_ROWS).
     In exact mode the projections and the LM head run `exact_linear` and full attention
     one tiling for every step (`paged_attention(exact=True)`). The prefill kernel then keeps
     one program per tile along the keys: its tiles depend on the head dim only, and a row
@@ -120,8 +122,11 @@ class TritonBackend(AttentionBackend):
         """The seam's plain store (no RoPE); `attend` goes through the fused `rope_store`."""
         store_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, Fp8Weight):  # a draft copy: the FP8 kernel on a GPU
+            return skinny_linear(x, weight, bias) if x.is_cuda else \
+                super().linear(x, weight, bias)
         if self.exact:
             return exact_linear(x, weight, bias)
         if uses_skinny(math.prod(x.shape[:-1]), x, weight):

@@ -219,6 +219,7 @@ def plan(args: argparse.Namespace, spec: SpecConfig, argv: list[str], kind: str)
                         "dtype": args.dtype, "device": args.device, "backend": args.backend,
                         "load_format": args.load_format, "eager": args.eager,
                         "exact": getattr(args, "exact", False),
+                        "draft_weights": getattr(args, "draft_weights", "auto"),
                         "temperature": settings.temperature, "top_p": settings.top_p,
                         "top_k": settings.top_k, "seed": settings.seed,
                         "tokenizer": "the model's" if own else "the embedded default's",

@@ -18,7 +18,13 @@ bytes per weight byte.
 The grid is cdiv(N, BLOCK_N) programs. Where that is few against the SMs (N = 4096: 128
 programs of 32 columns on an H200's 132 SMs), `split_k` programs share a column block, each
 walking 1/split_k of K, and write float32 partials [split_k, M, N] that a second small kernel
-sums in a fixed order (plus bias, cast): 2·split_k·M·N·4 more bytes, mostly in L2."""
+sums in a fixed order (plus bias, cast): 2·split_k·M·N·4 more bytes, mostly in L2.
+
+FP8 weights (`quant.Fp8Weight`, a draft step's copy: e4m3 values and one scale per output
+row) stream one byte a weight: each W tile is converted to x's dtype in registers (exact:
+e4m3 values are bf16, fp16 and fp32 values), the products accumulate in float32, and the
+column's scale multiplies the sum. They take up to MAX_FP8_ROWS rows. Oracle:
+`quant.fp8_linear_ref`."""
 
 from __future__ import annotations
 
@@ -29,8 +35,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from vegas_spec.quant import Fp8Weight
+
 # Rows the kernel takes at most (one row block); callers fall back to F.linear beyond.
 MAX_ROWS = 64
+# Rows of one FP8 call (a draft step of up to 128 sequences); more go in chunks of these.
+MAX_FP8_ROWS = 128
 # Streaming multiprocessors of an H200, for the default tiles' occupancy guess.
 GPU_SMS = 132
 # Column blocks the default tiles aim for (about two programs per SM).
@@ -53,33 +63,36 @@ class SkinnyTiles:
         assert self.num_warps > 0 and self.num_stages > 0 and self.split_k > 0
 
 
-def block_rows(m: int) -> int:
+def block_rows(m: int, most: int = MAX_ROWS) -> int:
     """BLOCK_M: the rows padded to a power of two, at least 16 (the smallest dot tile); more
-    than MAX_ROWS rows are a ValueError."""
-    if m > MAX_ROWS:
-        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, not {m}")
+    than `most` rows are a ValueError."""
+    if m > most:
+        raise ValueError(f"skinny_linear takes at most {most} rows, not {m}")
     return max(16, triton.next_power_of_2(m))
 
 
 def skinny_tiles(m: int, n: int, k: int) -> SkinnyTiles:
     """Default tiles for M rows of an [N, K] weight (guesses, to be replaced by measured ones):
     64 columns a program where N still gives COLUMN_PROGRAMS programs, else 32; 256-element
-    K steps up to 32 rows, 128 at 64 (the shared memory of 4 stages of x and W tiles stays
-    under 200 KB); two splits of K where the column blocks are fewer than the SMs."""
+    K steps up to 32 rows, 128 at 64 and 64 at 128 (the shared memory of 4 stages of x and W
+    tiles stays under 200 KB); two splits of K where the column blocks are fewer than the
+    SMs."""
     block_n = 64 if triton.cdiv(n, 64) >= COLUMN_PROGRAMS else 32
-    block_k = 256 if block_rows(m) <= 32 else 128
+    rows = block_rows(m, MAX_FP8_ROWS)
+    block_k = 256 if rows <= 32 else 128 if rows <= 64 else 64
     split_k = 2 if triton.cdiv(n, block_n) < GPU_SMS and k >= 4 * block_k else 1
     return SkinnyTiles(block_n, block_k, num_warps=4, num_stages=4, split_k=split_k)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_wn,
+def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_wn,
                    stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr):
     """Program (j, s): rows 0..M-1 x columns j*BLOCK_N.. over K range s*k_split.. (all of K
     when SPLIT_K is 1). With SPLIT_K > 1, y is the float32 partials [SPLIT_K, M, N] and the
-    bias waits for the sum."""
+    bias waits for the sum. SCALED: W holds FP8 values, converted to x's dtype as loaded,
+    and s_ptr the per-column scales that multiply the sums."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -98,7 +111,11 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, k_split, stride_xm, stri
             k_ok = k < k_hi
             x = tl.load(x_row + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if SCALED:
+            w = w.to(x_ptr.dtype.element_ty)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if SCALED:
+        acc *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS and SPLIT_K == 1:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_block = y_ptr + tl.program_id(1).to(tl.int64) * M * stride_ym
@@ -120,39 +137,52 @@ def _sum_splits_kernel(p_ptr, b_ptr, y_ptr, MN, N, HAS_BIAS: tl.constexpr,
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
+                  bias: torch.Tensor | None = None, *,
                   tiles: SkinnyTiles | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, for at most
-    MAX_ROWS rows in all (a ValueError beyond: callers take F.linear there). `tiles`: by
-    default `skinny_tiles` of the shape."""
-    assert weight.dim() == 2 and x.shape[-1] == weight.shape[1]
-    assert weight.stride(-1) == 1 and x.dtype == weight.dtype and x.device == weight.device
-    assert bias is None or (bias.shape == (weight.shape[0],) and bias.is_contiguous())
+    MAX_ROWS rows in all (a ValueError beyond: callers take F.linear there); an FP8 weight
+    takes any number of rows, MAX_FP8_ROWS a launch. `tiles`: by default `skinny_tiles` of
+    the shape."""
+    scaled = isinstance(weight, Fp8Weight)
+    w = weight.data if isinstance(weight, Fp8Weight) else weight
+    assert w.dim() == 2 and x.shape[-1] == w.shape[1] and w.stride(-1) == 1
+    assert x.device == w.device and (scaled or x.dtype == w.dtype)
+    assert bias is None or (bias.shape == (w.shape[0],) and bias.is_contiguous())
     rows = x.reshape(-1, x.shape[-1])
-    (m, k), n = rows.shape, weight.shape[0]
-    block_m = block_rows(m)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out.view(*x.shape[:-1], n)
+    out = torch.empty(rows.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    step = MAX_FP8_ROWS if scaled else max(rows.shape[0], 1)
+    for start in range(0, rows.shape[0], step):  # one launch unless FP8 rows exceed a block
+        _launch(rows[start:start + step], weight, bias, out[start:start + step], tiles)
+    return out.view(*x.shape[:-1], w.shape[0])
+
+
+def _launch(rows: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None,
+            out: torch.Tensor, tiles: SkinnyTiles | None) -> None:
+    """One launch: rows [M, K] (M <= one row block) into out [M, N]."""
+    scaled = isinstance(weight, Fp8Weight)
+    w, scale = (weight.data, weight.scale) if isinstance(weight, Fp8Weight) else (weight, None)
+    (m, k), n = rows.shape, w.shape[0]
+    block_m = block_rows(m, MAX_FP8_ROWS if scaled else MAX_ROWS)
     cfg = tiles or skinny_tiles(m, n, k)
     # K per split, a whole number of K steps; trailing splits may be empty (they write zeros).
     k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     partials = out if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32,
-                                                        device=x.device)
-    b = weight if bias is None else bias
+                                                        device=rows.device)
+    b = w if bias is None else bias
     _skinny_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
-        rows, weight, b, partials, m, n, k, k_split, rows.stride(0), weight.stride(0), n,
+        rows, w, w if scale is None else scale, b, partials, m, n, k, k_split, rows.stride(0),
+        w.stride(0), out.stride(0) if cfg.split_k == 1 else n,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, EVEN_K=k % cfg.block_k == 0,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if rows.dtype == torch.float32 else "tf32", SCALED=scaled,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             partials, b, out, m * n, n, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
             BLOCK=SUM_BLOCK, num_warps=4)
-    return out.view(*x.shape[:-1], n)
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor,

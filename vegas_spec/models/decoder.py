@@ -10,6 +10,9 @@ residual stream runs beside the hidden states (as vLLM's): each norm also adds t
 before it, so the backend can fuse add + norm, RoPE + KV store and SiLU * up into one kernel
 each.
 
+A model may also hold draft copies of its projections (`make_draft_weights`: FP8, one scale
+per output row), which the projections of draft steps (`ctx.draft`) read instead.
+
 The plain-PyTorch references of those steps live in `vegas_spec.ops`."""
 
 from __future__ import annotations
@@ -21,10 +24,14 @@ from torch import nn
 
 from vegas_spec.config import MAX_GAMMA, ModelConfig
 from vegas_spec.models.rope import rope_table
+from vegas_spec.quant import Fp8Weight, quantize_fp8
 
 if TYPE_CHECKING:  # the seam's types only: models and attention do not import each other
     from vegas_spec.attention.backend import AttentionBackend
     from vegas_spec.attention.context import StepContext
+
+
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # a layer's fused projections
 
 
 class Layer(nn.Module):
@@ -41,12 +48,20 @@ class Layer(nn.Module):
         self.post_norm = nn.Parameter(torch.ones(h))
         self.q_norm = nn.Parameter(torch.ones(d)) if cfg.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(d)) if cfg.qk_norm else None
+        self.drafts: dict[str, Fp8Weight] | None = None  # the draft steps' copies
+
+    def weight(self, name: str, ctx: StepContext) -> torch.Tensor | Fp8Weight:
+        """Projection `name`'s weight for this step: its draft copy in a draft step where the
+        model made one (`Decoder.make_draft_weights`), else the model's."""
+        if ctx.draft and self.drafts is not None:
+            return self.drafts[name]
+        return getattr(self, name).weight
 
     def attention(self, h: torch.Tensor, rope: torch.Tensor, cache: tuple[torch.Tensor, ...],
                   backend: AttentionBackend, ctx: StepContext) -> torch.Tensor:
         cfg = self.cfg
         bsz, n, _ = h.shape
-        qkv = backend.linear(h, self.qkv.weight, self.qkv.bias)
+        qkv = backend.linear(h, self.weight("qkv", ctx), self.qkv.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(bsz, n, cfg.num_heads, cfg.head_dim)
         k = k.view(bsz, n, cfg.num_kv_heads, cfg.head_dim)
@@ -55,12 +70,12 @@ class Layer(nn.Module):
             q = backend.norm(q, self.q_norm, cfg.rms_norm_eps)
             k = backend.norm(k, self.k_norm, cfg.rms_norm_eps)
         out = backend.attend(self.index, q, k, v, cache[0], cache[1], ctx, rope)
-        return backend.row_linear(out.reshape(bsz, n, self.q_size), self.o_proj.weight,
+        return backend.row_linear(out.reshape(bsz, n, self.q_size), self.weight("o_proj", ctx),
                                   self.o_proj.bias)
 
-    def mlp(self, h: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        up = backend.silu_mul(backend.linear(h, self.gate_up.weight, self.gate_up.bias))
-        return backend.row_linear(up, self.down.weight, self.down.bias)
+    def mlp(self, h: torch.Tensor, backend: AttentionBackend, ctx: StepContext) -> torch.Tensor:
+        up = backend.silu_mul(backend.linear(h, self.weight("gate_up", ctx), self.gate_up.bias))
+        return backend.row_linear(up, self.weight("down", ctx), self.down.bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: torch.Tensor,
                 cache: tuple[torch.Tensor, ...], backend: AttentionBackend, ctx: StepContext,
@@ -74,7 +89,7 @@ class Layer(nn.Module):
             h, residual = backend.add_norm(x, residual, self.input_norm, eps)
         h, residual = backend.add_norm(self.attention(h, rope, cache, backend, ctx), residual,
                                        self.post_norm, eps)
-        return self.mlp(h, backend), residual
+        return self.mlp(h, backend, ctx), residual
 
 
 class Decoder(nn.Module):
@@ -99,6 +114,16 @@ class Decoder(nn.Module):
             x, residual = layer(x, residual, self.rope, cache, backend, ctx)
         assert residual is not None, "a decoder has layers"
         return backend.add_norm(x, residual, self.norm, self.cfg.rms_norm_eps)[0]
+
+    def make_draft_weights(self) -> int:
+        """FP8 copies of every layer's projections for the draft steps (embeddings, norms and
+        the LM head stay the model's) -> their bytes."""
+        total = 0
+        for layer in self.layers:
+            layer.drafts = {name: quantize_fp8(getattr(layer, name).weight)
+                            for name in PROJECTIONS}
+            total += sum(w.nbytes for w in layer.drafts.values())
+        return total
 
     def head(self, hidden: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., V] in the model's dtype."""
