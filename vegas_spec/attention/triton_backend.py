@@ -27,9 +27,9 @@ from vegas_spec.kernels.rms_norm import rms_norm
 from vegas_spec.kernels.rope_store import rope_store
 from vegas_spec.kernels.silu_mul import silu_mul
 from vegas_spec.kernels.skinny_matmul import MAX_ROWS, skinny_linear
-from vegas_spec.quant import Fp8Weight
 from vegas_spec.kernels.sparse_attention import NewKV, sparse_attention
 from vegas_spec.kernels.store_kv import store_kv
+from vegas_spec.quant import Fp8Weight
 
 # Projections of at most this many rows (0: none, at most MAX_ROWS) run `skinny_linear` in
 # the default mode instead of cuBLAS. Off until GPU timings show where it is faster.
