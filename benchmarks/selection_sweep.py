@@ -148,7 +148,9 @@ def main() -> None:
             plain = None
             if sampling == "greedy":
                 plain = run(llm, prompts, params, SpecConfig(method="vanilla"))["token_ids"]
-            todo = ([] if args.no_stream else [dataclasses.replace(base, method="stream")])
+            # stream reads neither setting: recorded as the pure top-k's
+            todo = ([] if args.no_stream else
+                    [dataclasses.replace(base, method="stream", window=0, pool=1)])
             for spec in todo + specs:
                 row = run(llm, prompts, params, spec)
                 if plain is not None:

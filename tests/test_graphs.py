@@ -199,10 +199,11 @@ def test_host_bounds_give_the_same_selection(method: str) -> None:
     inp = SelectionInput(scores, row, accepted, lengths, gamma, caches, table, page)
     kmax = max_budget(cfg, 64)
     dynamic = policy.plan(inp)
-    static = policy.plan(dataclasses.replace(inp, kmax=kmax, recent_max=2 * gamma + 1,
+    bound = policy.recent_max(gamma)  # 2γ+1, and vegas's and lastq's window before it
+    static = policy.plan(dataclasses.replace(inp, kmax=kmax, recent_max=bound,
                                              max_len=int(lengths.max())))
     assert dynamic is not None and static is not None
-    assert static.recent_max == 2 * gamma + 1 >= dynamic.recent_max
+    assert static.recent_max == bound >= dynamic.recent_max
     assert torch.equal(static.recent_start, dynamic.recent_start)
     assert torch.equal(static.budget, dynamic.budget)
     if dynamic.indices is not None:
@@ -213,7 +214,7 @@ def test_host_bounds_give_the_same_selection(method: str) -> None:
     assert static.selector is not None and dynamic.selector is not None
     # quest's captured form: page bounds of every page of the key width in a QuestState
     state = QuestState.empty(layers, 4, 64 // page, hkv, dim, torch.device("cpu"))
-    fixed = policy.plan(dataclasses.replace(inp, kmax=kmax, recent_max=2 * gamma + 1,
+    fixed = policy.plan(dataclasses.replace(inp, kmax=kmax, recent_max=bound,
                                             quest_state=state))
     assert fixed is not None and fixed.selector is not None
     q = torch.randn(3, 1, 2 * hkv, dim, generator=g)

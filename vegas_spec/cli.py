@@ -192,8 +192,9 @@ def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
     g.add_argument("--draft-weights", default="auto", choices=["auto", "fp8", "model"],
                    help="the draft steps' copy of the projection weights: fp8 (e4m3, one "
                         "scale per output row: half the bytes a draft step streams; lossless, "
-                        "drafts are verified by the model's own weights), model (none); "
-                        "auto: fp8 on a GPU with FP8 conversions (compute capability 8.9+)")
+                        "drafts are verified by the model's own weights; a GPU of compute "
+                        "capability 8.9+, or the CPU's reference path), model (none); auto: "
+                        "model, until the FP8 kernel measures faster")
     g.add_argument("--gamma", type=int, default=DEFAULT_SPEC.gamma,
                    help="draft tokens per speculative iteration (1 to 32)")
     g.add_argument("--ratio", type=float, default=DEFAULT_SPEC.ratio,
@@ -417,7 +418,7 @@ def serve(args: argparse.Namespace) -> int:
     made = engine.warm_up(args.max_num_seqs)  # every bucket's graphs, before the first request
     print(f"vegas: graphs ready in {time.perf_counter() - started:.1f} s "
           f"({made} prefill shapes)", file=sys.stderr)
-    print(f"vegas: {_draft_weights_text(engine.runner.draft_weight_bytes)}", file=sys.stderr)
+    print(f"vegas: {_draft_weights_text(engine.draft_weight_bytes)}", file=sys.stderr)
     freeze_heap()
     name = args.served_model_name or engine.source.path.name
     run(engine, name, args.host, args.port, args.max_queue, args.api_key)

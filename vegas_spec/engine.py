@@ -176,6 +176,11 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 
+    @property
+    def draft_weight_bytes(self) -> int:
+        """Bytes of the draft steps' FP8 weight copies (0: drafts read the model's)."""
+        return self.runner.draft_weight_bytes
+
     def has_tokenizer(self) -> bool:
         """A GGUF file or an HF folder with tokenizer files (token-id prompts on a
         checkpoint without one give no text)."""

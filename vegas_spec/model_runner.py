@@ -133,6 +133,12 @@ class _Round:
     planned: bool = False
 
 
+# "auto" draft weights are FP8 on GPUs that have FP8 conversions once this is True: on an
+# H200 the FP8 kernel still streams its weights no faster than cuBLAS streams bf16 ones, so a
+# draft step with FP8 copies is slower (BENCHMARKS.md §0).
+FP8_DRAFTS_BY_DEFAULT = False
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, spec: SpecConfig) -> None:
         self.config = config
@@ -178,11 +184,15 @@ class ModelRunner:
         self.set_spec(spec)
 
     def _draft_weights(self) -> int:
-        """The model's FP8 draft copy where `draft_weights` asks for one ("auto": on a GPU
-        with FP8 conversions) -> its bytes (0: drafts read the model's weights)."""
+        """The model's FP8 draft copy where `draft_weights` asks for one -> its bytes (0:
+        drafts read the model's weights). "auto" makes none until FP8 drafts measure faster
+        than the model's weights (`FP8_DRAFTS_BY_DEFAULT`)."""
         mode = self.config.draft_weights
         if mode == "auto":
-            mode = "fp8" if fp8_supported(self.device) else "model"
+            mode = "fp8" if FP8_DRAFTS_BY_DEFAULT and fp8_supported(self.device) else "model"
+        if mode == "fp8" and self.device.type == "cuda" and not fp8_supported(self.device):
+            raise ConfigError("draft_weights fp8 needs a GPU with FP8 conversions (compute "
+                              "capability 8.9 or newer)")
         return self.model.make_draft_weights() if mode == "fp8" else 0
 
     @property

@@ -349,6 +349,8 @@ def test_cli_serve_freezes_the_heap_after_its_warm_up(monkeypatch: pytest.Monkey
     calls: list[str] = []
 
     class Engine:
+        draft_weight_bytes = 0
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             self.source = type("Source", (), {"path": cli.Path("model.gguf")})()
 

@@ -22,7 +22,7 @@ from vegas_spec.speculative.policies import POLICIES, SelectionInput, budget, ma
 
 LAYERS, HKV, GROUP, DIM, GAMMA, PAGE_SIZE = 3, 2, 2, 8, 4, 8
 HEADS = HKV * GROUP
-BASE = dict(gamma=GAMMA, ratio=0.07, min_tokens=40)
+BASE = dict(gamma=GAMMA, ratio=0.07, min_tokens=40, window=0)  # pure top-k unless set
 
 
 @dataclass
@@ -463,7 +463,7 @@ def test_the_window_starts_the_recent_range(method: str, window: int) -> None:
     """The plan's recent range starts min(window, k) positions before the selection row, its
     host bound grows by the window, and the pure top-k's budget is spent the same."""
     case = make_case(33, prefill=False)
-    cfg = SpecConfig(method=method, window=window, **BASE)
+    cfg = SpecConfig(**{**BASE, **dict(method=method, window=window)})
     policy = make_policy(cfg)
     scores = random_scores(34, len(policy.score_rows(GAMMA + 1, False)), 1, case.width,
                            case.row_pos)
@@ -501,7 +501,7 @@ def test_pure_top_k_is_todays_path(method: str) -> None:
         calls.clear()
         inp = case.selection_input(scores)
         inp.topk, inp.topk_sum = top, top_sum
-        cfg = SpecConfig(method=method, window=window, pool=pool, **BASE)
+        cfg = SpecConfig(**{**BASE, **dict(method=method, window=window, pool=pool)})
         plan = make_policy(cfg).plan(inp)
         assert plan is not None
         pure = window == 0 and pool == 1
@@ -519,7 +519,7 @@ def test_local_context_with_host_bounds_is_the_dynamic_selection(method: str) ->
     ties at the threshold do not depend on the row's width as torch.topk's may)."""
     from vegas_spec.attention.triton_backend import topk_by_width
 
-    cfg = SpecConfig(method=method, window=16, pool=5, **BASE)
+    cfg = SpecConfig(**{**BASE, **dict(method=method, window=16, pool=5)})
     policy = make_policy(cfg)
     case = make_case(40, prefill=False)
     start = case.row_pos if method == "vegas" else \

@@ -1,0 +1,72 @@
+"""Tokens per iteration with FP8 draft weights against drafts on the model's own weights, for
+every sparse policy, greedy and sampled (temperature 0.6, top-p 0.95, top-k 20), on essay
+prompts of the embedded model (or --model), each setting in an engine of its own.
+
+    python benchmarks/draft_weights_acceptance.py --device cpu --out acceptance.json
+    python benchmarks/draft_weights_acceptance.py --device cuda --dtype bfloat16 \\
+        --prompts 16 --max-tokens 256 --out acceptance.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from common import essays
+
+from vegas_spec import LLM, SamplingParams, SpecConfig
+
+METHODS = ("vegas", "lastq", "stream", "quest", "specextend")
+SAMPLED = dict(temperature=0.6, top_p=0.95, top_k=20)
+
+
+def prompt_ids(llm: LLM, texts: list[str], count: int, tokens: int) -> list[list[int]]:
+    """`count` prompts of about `tokens` tokens, each from another essay onwards."""
+    out = []
+    for i in range(count):
+        text = "\n\n".join(texts[i:] + texts[:i])
+        ids = llm.tokenizer(text[: 8 * tokens], add_special_tokens=False)["input_ids"]
+        out.append(ids[: tokens + 100 * i])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=1500, help="prompt tokens (+100 per prompt)")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--kv-cache-gb", type=float, default=0.25)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    texts = essays()
+    cells = []
+    for drafts in ("model", "fp8"):
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, draft_weights=drafts,
+                  kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)))
+        prompts = prompt_ids(llm, texts, args.prompts, args.tokens)
+        for method in METHODS:
+            for sampling in ("greedy", "sampled"):
+                params = [SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=i,
+                                         **({} if sampling == "greedy" else SAMPLED))
+                          for i in range(len(prompts))]
+                spec = SpecConfig(method=method, gamma=6, ratio=0.05, min_tokens=128,
+                                  adaptive=False)
+                stats = llm.generate(prompts, params, speculative=spec)[0].stats
+                cell = {"draft_weights": drafts, "method": method, "sampling": sampling,
+                        "tokens_per_iteration": stats["tokens_per_iteration"],
+                        "acceptance_rate_per_position": stats["acceptance_rate_per_position"]}
+                cells.append(cell)
+                print(json.dumps(cell), flush=True)
+        del llm
+    meta = {"date": time.strftime("%Y-%m-%d"), "args": {k: str(v) for k, v in vars(args).items()}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "cells": cells}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The projections of a draft step with FP8 weights against the model's bf16 weights, per
+8B projection shape and row count: µs per call and the weight bytes' share of the card's
+copy bandwidth.
+
+Each cell cycles through `--layers` weights of its own (as a model's layers do, so that no
+call finds its weight in L2), in a CUDA graph of one call per weight, median over replays.
+Rows: `skinny_linear` on the FP8 copy (`quant.Fp8Weight`) with the default tiles and every
+`--tiles` setting, and cuBLAS (`F.linear`) on the bf16 weight beside it.
+
+    python benchmarks/fp8_gemm.py --out fp8_gemm.json
+    python benchmarks/fp8_gemm.py --rows 16 32 --tiles 64:256:4:4:1 32:512:4:3:2 --out t.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from common import copy_bandwidth, graph_us
+
+from vegas_spec.kernels.skinny_matmul import SkinnyTiles, skinny_linear, skinny_tiles
+from vegas_spec.quant import quantize_fp8
+
+# (name, N, K) of Llama-3.1-8B's fused projections (Qwen3-8B: the same but gate_up 24576 and
+# down K 12288).
+SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096),
+          ("down", 4096, 14336), ("qwen3 gate_up", 24576, 4096), ("qwen3 down", 4096, 12288)]
+
+
+def tiles_arg(text: str) -> SkinnyTiles:
+    n, k, warps, stages, split = (int(v) for v in text.split(":"))
+    return SkinnyTiles(n, k, warps, stages, split)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32, 64, 128])
+    ap.add_argument("--tiles", type=tiles_arg, nargs="*", default=[],
+                    help="BLOCK_N:BLOCK_K:WARPS:STAGES:SPLIT_K settings beside the default")
+    ap.add_argument("--layers", type=int, default=8, help="weights a cell cycles through")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    bandwidth = copy_bandwidth()
+    rows = []
+    for name, n, k in SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(n + k)
+        weights = [(torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5)
+                   .to(torch.bfloat16) for _ in range(args.layers)]
+        copies = [quantize_fp8(w) for w in weights]
+        for m in args.rows:
+            x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+            calls = [("cublas bf16", None, lambda i: F.linear(x, weights[i]), 2 * n * k)]
+            for t in [None, *args.tiles]:
+                label = "fp8 " + ("default" if t is None else
+                                  f"{t.block_n}:{t.block_k}:{t.num_warps}:{t.num_stages}:"
+                                  f"{t.split_k}")
+                calls.append((label, t, lambda i, t=t: skinny_linear(x, copies[i], tiles=t),
+                              n * k + 4 * n))
+            for label, t, fn, nbytes in calls:
+                state = {"i": 0}
+
+                def one(fn=fn, state=state) -> None:
+                    fn(state["i"] % args.layers)
+                    state["i"] += 1
+
+                us = graph_us(one, calls=args.layers, reps=20)
+                chosen = t or (skinny_tiles(m, n, k) if label.startswith("fp8") else None)
+                row = {"shape": name, "n": n, "k": k, "rows": m, "kernel": label, "us": us,
+                       "share_of_copy_bandwidth": nbytes / (us * 1e-6) / bandwidth,
+                       "tiles": None if chosen is None else chosen.__dict__}
+                rows.append(row)
+                print(json.dumps({k2: round(v, 3) if isinstance(v, float) else v
+                                  for k2, v in row.items()}), flush=True)
+        del weights, copies
+        torch.cuda.empty_cache()
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "copy_bandwidth_bytes_per_s": bandwidth}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
