@@ -53,13 +53,14 @@ def main() -> None:
         copies = [quantize_fp8(w) for w in weights]
         for m in args.rows:
             x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
-            calls = [("cublas bf16", None, lambda i: F.linear(x, weights[i]), 2 * n * k)]
+            calls = [("cublas bf16", None, lambda i, x=x, ws=weights: F.linear(x, ws[i]),
+                      2 * n * k)]
             for t in [None, *args.tiles]:
                 label = "fp8 " + ("default" if t is None else
                                   f"{t.block_n}:{t.block_k}:{t.num_warps}:{t.num_stages}:"
                                   f"{t.split_k}")
-                calls.append((label, t, lambda i, t=t: skinny_linear(x, copies[i], tiles=t),
-                              n * k + 4 * n))
+                calls.append((label, t, lambda i, t=t, x=x, cs=copies:
+                              skinny_linear(x, cs[i], tiles=t), n * k + 4 * n))
             for label, t, fn, nbytes in calls:
                 state = {"i": 0}
 
