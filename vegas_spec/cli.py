@@ -406,8 +406,14 @@ def freeze_heap() -> None:
 
 def serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted."""
+    from vegas_spec.config import ConfigError
     from vegas_spec.engine import LLMEngine
-    from vegas_spec.serve.app import serve as run
+
+    try:
+        from vegas_spec.serve.app import serve as run
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"vegas serve needs the serve extra ({e.name} is not installed): "
+                          "pip install 'vegas-spec[serve]'") from None
 
     # a --config settings file has set the speculative options' defaults
     pacing = args.prefill_pacing or None  # 0: off

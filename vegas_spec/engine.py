@@ -299,6 +299,10 @@ class LLMEngine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    @property
+    def max_num_seqs(self) -> int:
+        return self.scheduler.max_num_seqs
+
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.seqs.pop(seq.request_id, None)

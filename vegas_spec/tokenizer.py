@@ -73,7 +73,18 @@ def text_decoder(tok) -> Callable[[list[int]], str]:  # noqa: ANN001
                              clean_up_tokenization_spaces=False)
 
 
+def check_text(text: str, what: str = "the prompt") -> None:
+    """A ConfigError naming the first lone surrogate (a UTF-16 half, which JSON's \\uD800
+    escapes can carry) in text: it is no Unicode text, and no tokenizer takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{what} holds a lone surrogate (U+{ord(text[e.start]):04X} at "
+                          f"character {e.start}), which is not valid Unicode text") from None
+
+
 def encode(tok, prompt: str, chat: bool) -> list[int]:  # noqa: ANN001
+    check_text(prompt)
     if not chat:
         return tok(prompt, add_special_tokens=True)["input_ids"]
     return encode_chat(tok, [{"role": "user", "content": prompt}])
@@ -84,5 +95,8 @@ def encode_chat(tok, messages: list[dict[str, str]]) -> list[int]:  # noqa: ANN0
     ending where the assistant's answer begins."""
     if tok.chat_template is None:
         raise ConfigError("chat mode needs a tokenizer with a chat template; this model has none")
+    for i, m in enumerate(messages):
+        if isinstance(m.get("content"), str):
+            check_text(m["content"], f"message {i}'s content")
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

@@ -225,6 +225,9 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("logprobs", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs"),
     ("missing prompt", {"model": MODEL}, 400, "prompt"),
     ("token id out of range", {"model": MODEL, "prompt": [10**7]}, 400, "prompt"),
+    # JSON's \\ud800 escape decodes to a lone surrogate: no Unicode text, no tokenizer takes it
+    ("lone surrogate", b'{"model": "smollm2", "prompt": "abc\\ud800", "max_tokens": 4}', 400,
+     "prompt"),
 ]
 
 
@@ -243,6 +246,13 @@ def test_bad_input_gets_its_status_and_an_openai_error(served: Running, name: st
 
 
 def test_bad_chat_input(served: Running) -> None:
+    for stream in ("false", "true"):  # a lone surrogate in a message: 400, streamed or not
+        body = ('{"model": "smollm2", "max_tokens": 4, "stream": ' + stream + ', "messages": '
+                '[{"role": "user", "content": "hi \\udfff"}]}').encode()
+        response = httpx.post(f"{served.url}/v1/chat/completions", content=body, timeout=300,
+                              headers={"content-type": "application/json"})
+        assert response.status_code == 400, response.text
+        assert "surrogate" in response.json()["error"]["message"]
     client = served.client()
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
@@ -288,6 +298,7 @@ def test_a_full_queue_answers_429() -> None:
             refused = httpx.post(url, json={**long, "stream": False}, timeout=300)
             assert refused.status_code == 429, refused.text
             assert refused.json()["error"]["type"] == "rate_limit_exceeded"
+            assert refused.headers["retry-after"] == "1"
             with pytest.raises(openai.RateLimitError):
                 running.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
         assert queued.result().status_code == 200  # the first left: the queued one ran
@@ -296,6 +307,84 @@ def test_a_full_queue_answers_429() -> None:
         assert free_pages(running) == running.engine.runner.cache.num_pages
     finally:
         running.stop()
+
+
+def test_a_burst_waits_while_rows_are_free(served: Running, offline: LLM) -> None:
+    """16 requests that arrive together (the engine thread held until all 16 are queued) on
+    8 free rows and a queue bound of 8: none is refused, every answer is offline's."""
+    gate = threading.Event()
+    engine_side = served.app.state.server.engine
+    old_bound, engine_side.max_queue = engine_side.max_queue, 8
+    held = cf.ThreadPoolExecutor(1).submit(
+        lambda: __import__("asyncio").run(engine_side.run(lambda e: gate.wait(60))))
+    try:
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
+        with cf.ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(httpx.post, f"{served.url}/v1/completions", timeout=300,
+                                   json={"model": MODEL, "prompt": p, "max_tokens": 6,
+                                         "temperature": 0}) for p in prompts]
+            for _ in range(400):  # every request's command waits behind the held thread
+                if engine_side._commands.qsize() >= 16:
+                    break
+                time.sleep(0.02)
+            assert engine_side._commands.qsize() >= 16
+            gate.set()
+            answers = [f.result() for f in futures]
+        assert [a.status_code for a in answers] == [200] * 16, [a.text for a in answers]
+        want = offline_texts(offline, prompts, [{"max_tokens": 6}] * 16)
+        assert [a.json()["choices"][0]["text"] for a in answers] == [w for w, _ in want]
+    finally:
+        gate.set()
+        held.result()
+        engine_side.max_queue = old_bound
+    settle(served)
+
+
+def test_a_queued_client_that_leaves_gives_its_place_up() -> None:
+    """A request waiting for the only row whose client disconnects leaves the queue at once
+    (it is never prefilled), so the bound counts only clients that still wait."""
+    running = Running(engine(max_num_seqs=1), max_queue=1)
+    try:
+        url = f"{running.url}/v1/completions"
+        long = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url, json=long, timeout=300) as first:
+            lines = first.iter_lines()
+            assert next(lines).startswith("data: ")  # it holds the only row
+            with pytest.raises(httpx.ReadTimeout):  # waits, then its client gives up
+                httpx.post(url, json={**long, "stream": False, "max_tokens": 3}, timeout=1.0)
+            for _ in range(100):
+                if running.engine.num_waiting == 0:
+                    break
+                time.sleep(0.05)
+            assert running.engine.num_waiting == 0
+            with cf.ThreadPoolExecutor(1) as pool:  # its place is free for the next one
+                nxt = pool.submit(httpx.post, url, timeout=300,
+                                  json={**long, "stream": False, "max_tokens": 3})
+                for _ in range(100):
+                    if running.engine.num_waiting == 1:
+                        break
+                    time.sleep(0.05)
+                assert running.engine.num_waiting == 1
+                first.close()
+                assert nxt.result().status_code == 200
+        settle(running)
+        assert free_pages(running) == running.engine.runner.cache.num_pages
+    finally:
+        running.stop()
+
+
+def test_cli_serve_without_the_serve_extra_says_what_to_install(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from vegas_spec import cli
+    from vegas_spec.config import ConfigError
+
+    monkeypatch.setitem(sys.modules, "vegas_spec.serve.app", None)
+    args = cli._parser().parse_args(["serve"])
+    with pytest.raises(ConfigError, match=r"pip install 'vegas-spec\[serve\]'"):
+        cli.serve(args)
 
 
 def test_api_key() -> None:

@@ -39,6 +39,7 @@ from vegas_spec.serve.protocol import (
 from vegas_spec.tokenizer import encode_chat
 
 DISCONNECT_POLL_S = 0.25
+RETRY_AFTER_S = 1  # a refused request's Retry-After: the queue moves every step
 
 
 class Server:
@@ -125,12 +126,15 @@ async def _serve(server: Server, request: Request, build: Callable[[LLMEngine], 
     """Queue the request; its first output (or its error) arrives before the response
     starts, so that a refused request gets its status code."""
     outputs = server.engine.generate(build)
-    try:
-        first = await anext(outputs)
+    try:  # queued until a row is free: a client that leaves meanwhile gives its place up
+        first = await _next(outputs, request)
     except QueueFull as e:
-        raise APIError(429, str(e), "rate_limit_exceeded", None, "queue_full") from None
+        raise APIError(429, str(e), "rate_limit_exceeded", None, "queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except ConfigError as e:  # the prompt checks (PromptError too)
         raise APIError(400, str(e), param="messages" if chat else "prompt") from None
+    if first is None:  # the client went away
+        return Response(status_code=499)
     rid = new_id("chatcmpl" if chat else "cmpl")
     if body.stream:
         with_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -142,19 +146,29 @@ async def _serve(server: Server, request: Request, build: Callable[[LLMEngine], 
     return JSONResponse(_final(server, last, rid, chat))
 
 
+async def _next(outputs: AsyncIterator[RequestOutput],
+                request: Request) -> RequestOutput | None:
+    """The request's next output (its errors raised), or None once the client disconnects:
+    the request is then aborted, queued or running."""
+    nxt = asyncio.ensure_future(anext(outputs))
+    while not nxt.done():
+        await asyncio.wait([nxt], timeout=DISCONNECT_POLL_S)
+        if not nxt.done() and await request.is_disconnected():
+            nxt.cancel()  # the generator's own clean-up aborts the request
+            with contextlib.suppress(asyncio.CancelledError):
+                await nxt
+            return None
+    return nxt.result()
+
+
 async def _last(server: Server, outputs: AsyncIterator[RequestOutput], out: RequestOutput,
                 request: Request) -> RequestOutput | None:
     """The final output, or None once the client disconnects (the request is aborted)."""
     while not out.finished:
-        nxt = asyncio.ensure_future(anext(outputs))
-        while not nxt.done():
-            await asyncio.wait([nxt], timeout=DISCONNECT_POLL_S)
-            if not nxt.done() and await request.is_disconnected():
-                nxt.cancel()  # the generator's own clean-up aborts the request
-                with contextlib.suppress(asyncio.CancelledError):
-                    await nxt
-                return None
-        out = nxt.result()
+        nxt = await _next(outputs, request)
+        if nxt is None:
+            return None
+        out = nxt
     _count(server, out)
     return out
 
@@ -202,7 +216,7 @@ def _sse(body: dict[str, Any]) -> str:
 
 
 def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 def _errors(app: FastAPI) -> None:

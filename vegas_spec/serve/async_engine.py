@@ -42,7 +42,11 @@ class AsyncEngine:
         added: asyncio.Future[str] = loop.create_future()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._call(lambda: self._add(build, loop, outputs, added))
-        rid = await added
+        try:
+            rid = await asyncio.shield(added)
+        except asyncio.CancelledError:  # gone before its id came back: abort it once it does
+            added.add_done_callback(self._abort_when_added)
+            raise
         finished = False
         try:
             while not finished:
@@ -69,6 +73,11 @@ class AsyncEngine:
         self._call(call)
         return await done
 
+    def _abort_when_added(self, added: asyncio.Future) -> None:
+        if not added.cancelled() and added.exception() is None:
+            rid = added.result()
+            self._call(lambda: self._abort(rid))
+
     def shutdown(self) -> None:
         self._stop.set()
         self._wake.set()
@@ -83,8 +92,11 @@ class AsyncEngine:
     def _add(self, build: Callable[[LLMEngine], Sequence], loop: asyncio.AbstractEventLoop,
              outputs: asyncio.Queue, added: asyncio.Future) -> None:
         try:
-            if self.engine.num_waiting >= self.max_queue:
-                raise QueueFull(f"{self.engine.num_waiting} requests are waiting, the most "
+            # requests that arrived since the last step wait only for it while rows are free:
+            # the bound counts those that no free row will take
+            free = max(self.engine.max_num_seqs - self.engine.num_running, 0)
+            if self.engine.num_waiting - free >= self.max_queue:
+                raise QueueFull(f"{self.max_queue} requests are waiting for a row, the most "
                                 "this server queues; retry later")
             seq = build(self.engine)
             self.engine.add_request(seq)

@@ -16,10 +16,12 @@ class APIError(Exception):
     """An error answered with an OpenAI-style body: {"error": {message, type, param, code}}."""
 
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = (
             status, message, kind, param, code)
+        self.headers = headers  # sent with the answer (429: Retry-After)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
