@@ -5,6 +5,7 @@ behave as documented."""
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
@@ -201,3 +202,21 @@ def test_generate_leaves_no_cyclic_garbage(llm) -> None:
         llm.generate(SHORT[:2], SamplingParams(max_tokens=12, ignore_eos=True),
                      speculative=spec)
         assert gc.collect() == 0, spec
+
+
+def test_a_text_longer_than_any_context_is_refused_before_tokenizing(llm) -> None:
+    """10 M characters cannot fit the 8K-token context whatever the tokens (none is longer
+    than the vocabulary's longest): refused from its length, without tokenizing (seconds
+    and gigabytes for a text this long)."""
+    from vegas_spec.config import PromptError
+    from vegas_spec.tokenizer import longest_token
+
+    text = "word " * 2_000_000
+    assert len(text) > llm.max_model_len * longest_token(llm.tokenizer)
+    started = time.perf_counter()
+    with pytest.raises(PromptError, match="10,000,000 characters"):
+        llm.generate(text)
+    assert time.perf_counter() - started < 1.0
+    # a text under that bound is tokenized and refused by its token count, as before
+    with pytest.raises(PromptError, match="tokens but the model's context is"):
+        llm.generate("word " * 9000)

@@ -54,7 +54,7 @@ from vegas_spec.sequence import Detokenizer, Sequence
 from vegas_spec.speculative.adaptive import SpeculationController
 from vegas_spec.speculative.policies import Policy
 from vegas_spec.stats import PhaseTimer, RunStats, SeqStats
-from vegas_spec.tokenizer import encode, load_tokenizer, text_decoder
+from vegas_spec.tokenizer import encode, load_tokenizer, longest_token, text_decoder
 
 
 @dataclass
@@ -219,8 +219,13 @@ class LLMEngine:
                  text: bool = True) -> Sequence:
         """A checked request (not yet queued); index: the prompt's place in a batch, named
         by the errors; text: detokenize its output (where the model has a tokenizer)."""
-        ids = encode(self.tokenizer, prompt, chat) if isinstance(prompt, str) else list(prompt)
         cfg, context = self.runner.model_config, self.max_model_len
+        if isinstance(prompt, str) and len(prompt) > context * longest_token(self.tokenizer):
+            # refused before tokenizing: so many characters take more tokens than the context
+            raise PromptError(f"has {len(prompt):,} characters, more than any {context}-token "
+                              "context holds (it would need over "
+                              f"{len(prompt) // longest_token(self.tokenizer):,} tokens)", index)
+        ids = encode(self.tokenizer, prompt, chat) if isinstance(prompt, str) else list(prompt)
         vocab = cfg.vocab_size
         if not ids:
             raise PromptError("is empty (no tokens)", index)

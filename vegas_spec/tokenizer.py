@@ -83,6 +83,17 @@ def check_text(text: str, what: str = "the prompt") -> None:
                           f"character {e.start}), which is not valid Unicode text") from None
 
 
+def longest_token(tok) -> int:  # noqa: ANN001
+    """Characters of the vocabulary's longest token as the tokenizer writes it (a byte-level
+    BPE: one character a byte; SentencePiece: one a character, byte tokens longer), so that a
+    text of n characters takes at least n / longest_token(tok) tokens."""
+    longest = getattr(tok, "_vegas_longest_token", None)
+    if longest is None:
+        longest = max((len(t) for t in tok.get_vocab()), default=1)
+        tok._vegas_longest_token = longest
+    return longest
+
+
 def encode(tok, prompt: str, chat: bool) -> list[int]:  # noqa: ANN001
     check_text(prompt)
     if not chat:

@@ -340,6 +340,27 @@ def test_a_burst_waits_while_rows_are_free(served: Running, offline: LLM) -> Non
     settle(served)
 
 
+def test_a_huge_prompt_is_refused_at_once_beside_a_stream(served: Running) -> None:
+    """A 5 MB prompt holds more characters than the 8K context's tokens can: refused (400)
+    without being tokenized, while a stream goes on; the tokenizing of any prompt runs on a
+    worker thread, not the engine's."""
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body,
+                      timeout=300) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")
+        started = time.perf_counter()
+        huge = httpx.post(f"{served.url}/v1/completions", timeout=300,
+                          json={"model": MODEL, "prompt": "word " * 1_000_000, "max_tokens": 2})
+        took = time.perf_counter() - started
+        assert huge.status_code == 400, huge.text
+        assert "characters" in huge.json()["error"]["message"]
+        assert took < 2.0, took  # was 11.6 s of tokenizing in the engine thread
+        assert [line for line in lines if line][-1] == "data: [DONE]"  # it ran to its end
+    settle(served)
+
+
 def test_a_queued_client_that_leaves_gives_its_place_up() -> None:
     """A request waiting for the only row whose client disconnects leaves the queue at once
     (it is never prefilled), so the bound counts only clients that still wait."""

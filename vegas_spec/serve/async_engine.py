@@ -1,7 +1,9 @@
 """The engine behind the event loop: one thread owns the `LLMEngine` and steps it while
 requests are in flight; coroutines hand it work through a command queue and receive each
-step's outputs on a per-request asyncio queue. Nothing but that thread touches the engine
-(tokenizer included), so requests are checked there too and their errors travel back."""
+step's outputs on a per-request asyncio queue. A request is built (tokenized and checked:
+`LLMEngine.sequence`, which reads the engine's settings and changes nothing) by a pool of
+worker threads, so that a large prompt stalls neither the event loop nor the steps; only
+queueing it, stepping and aborting touch the engine's state, in its thread."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import asyncio
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vegas_spec.engine import LLMEngine, RequestOutput
@@ -21,8 +24,10 @@ class QueueFull(Exception):
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queue: int,
-                 on_step: Callable[[LLMEngine], None] | None = None) -> None:
+                 on_step: Callable[[LLMEngine], None] | None = None, workers: int = 2) -> None:
         self.engine, self.max_queue, self.on_step = engine, max_queue, on_step
+        engine.tokenizer  # loaded once, here, before any worker reads it  # noqa: B018
+        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="vegas-tokenize")
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
@@ -35,13 +40,14 @@ class AsyncEngine:
 
     async def generate(self, build: Callable[[LLMEngine], Sequence],
                        ) -> AsyncIterator[RequestOutput]:
-        """Queue the request that build(engine) makes (in the engine thread: its errors are
+        """Queue the request that build(engine) makes (in a worker thread: its errors are
         raised here) -> its outputs, step by step. Leaving the iteration early (a client
         that disconnects) aborts the request, which frees its row and pages."""
         loop = asyncio.get_running_loop()
+        seq = await loop.run_in_executor(self._workers, build, self.engine)
         added: asyncio.Future[str] = loop.create_future()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._call(lambda: self._add(build, loop, outputs, added))
+        self._call(lambda: self._add(seq, loop, outputs, added))
         try:
             rid = await asyncio.shield(added)
         except asyncio.CancelledError:  # gone before its id came back: abort it once it does
@@ -82,6 +88,7 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=30)
+        self._workers.shutdown(wait=False, cancel_futures=True)
 
     # --- in the engine thread -----------------------------------------------------------
 
@@ -89,7 +96,7 @@ class AsyncEngine:
         self._commands.put(command)
         self._wake.set()
 
-    def _add(self, build: Callable[[LLMEngine], Sequence], loop: asyncio.AbstractEventLoop,
+    def _add(self, seq: Sequence, loop: asyncio.AbstractEventLoop,
              outputs: asyncio.Queue, added: asyncio.Future) -> None:
         try:
             # requests that arrived since the last step wait only for it while rows are free:
@@ -98,7 +105,6 @@ class AsyncEngine:
             if self.engine.num_waiting - free >= self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests are waiting for a row, the most "
                                 "this server queues; retry later")
-            seq = build(self.engine)
             self.engine.add_request(seq)
         except Exception as e:  # noqa: BLE001 - handed to the request's coroutine
             loop.call_soon_threadsafe(_settle, added, None, e)
