@@ -126,7 +126,11 @@ def _serve_parser(sub: argparse._SubParsersAction, methods: tuple[str, ...],
                    help="requests decoding at once (rows of the batch)")
     s.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting for a row; past it the server answers 429")
-    s.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1")
+    s.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but "
+                   "/health and /metrics (also from --api-key-file or $VEGAS_API_KEY, which "
+                   "keep it out of the process list)")
+    s.add_argument("--api-key-file", type=Path,
+                   help="a file whose first line is the API key")
     s.add_argument("--prefill-pacing", type=float, default=2.0,
                    help="while requests decode, prefill about this many decode iterations' "
                         "time of prompt tokens per step, so arriving prompts stretch "
@@ -415,6 +419,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"vegas serve needs the serve extra ({e.name} is not installed): "
                           "pip install 'vegas-spec[serve]'") from None
 
+    key = _api_key(args)  # before loading anything
     # a --config settings file has set the speculative options' defaults
     pacing = args.prefill_pacing or None  # 0: off
     engine = LLMEngine(args.model, speculative=_spec(args, args.method),
@@ -427,8 +432,31 @@ def serve(args: argparse.Namespace) -> int:
     print(f"vegas: {_draft_weights_text(engine.draft_weight_bytes)}", file=sys.stderr)
     freeze_heap()
     name = args.served_model_name or engine.source.path.name
-    run(engine, name, args.host, args.port, args.max_queue, args.api_key)
+    run(engine, name, args.host, args.port, args.max_queue, key)
     return 0
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else the first line of --api-key-file, else $VEGAS_API_KEY (None: no key);
+    two of them given is an error, as is an empty key."""
+    from vegas_spec.config import ConfigError
+
+    given = [name for name, value in (("--api-key", args.api_key),
+                                      ("--api-key-file", args.api_key_file)) if value]
+    if len(given) > 1:
+        raise ConfigError("give the API key once: --api-key or --api-key-file")
+    if args.api_key_file is not None:
+        try:
+            lines = args.api_key_file.read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise ConfigError(f"cannot read --api-key-file {args.api_key_file}: "
+                              f"{e.strerror or e}") from None
+        key = lines[0].strip() if lines else ""
+    else:
+        key = args.api_key if args.api_key is not None else os.environ.get("VEGAS_API_KEY")
+    if key is not None and not key:
+        raise ConfigError("the API key is empty")
+    return key
 
 
 def _comparison(method: str, stats: dict, tokens: list[list[int]], base: list[list[int]],

@@ -37,9 +37,10 @@ class Running:
     """A server on a free loopback port, in a thread."""
 
     def __init__(self, engine: LLMEngine, max_queue: int = 64,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, max_body: int | None = None) -> None:
         self.engine = engine
-        self.app = build_app(Server(engine, MODEL, max_queue, api_key))
+        self.app = build_app(Server(engine, MODEL, max_queue, api_key,
+                                    **({} if max_body is None else {"max_body": max_body})))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -395,6 +396,30 @@ def test_a_queued_client_that_leaves_gives_its_place_up() -> None:
         running.stop()
 
 
+def test_cli_api_key_from_a_file_or_the_environment(tmp_path: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from vegas_spec import cli
+    from vegas_spec.config import ConfigError
+
+    def key(*argv: str) -> str | None:
+        return cli._api_key(cli._parser().parse_args(["serve", *argv]))
+
+    monkeypatch.delenv("VEGAS_API_KEY", raising=False)
+    assert key() is None and key("--api-key", "a") == "a"
+    secret = tmp_path / "key"
+    secret.write_text("from-file\nignored\n")
+    assert key("--api-key-file", str(secret)) == "from-file"
+    monkeypatch.setenv("VEGAS_API_KEY", "from-env")
+    assert key() == "from-env" and key("--api-key", "a") == "a"
+    with pytest.raises(ConfigError, match="once"):
+        key("--api-key", "a", "--api-key-file", str(secret))
+    with pytest.raises(ConfigError, match="cannot read"):
+        key("--api-key-file", str(tmp_path / "missing"))
+    secret.write_text("")
+    with pytest.raises(ConfigError, match="empty"):
+        key("--api-key-file", str(secret))
+
+
 def test_cli_serve_without_the_serve_extra_says_what_to_install(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
@@ -409,8 +434,29 @@ def test_cli_serve_without_the_serve_extra_says_what_to_install(
 
 
 def test_api_key() -> None:
-    running = Running(engine(max_num_seqs=2), api_key="sesame")
+    running = Running(engine(max_num_seqs=2), api_key="sesame", max_body=1 << 20)
     try:
+        # refused from the headers: the body is never read or parsed, whatever it is
+        url, json_type = f"{running.url}/v1/completions", {"content-type": "application/json"}
+        for body in (b"{not json", b"x" * (8 << 20)):
+            started = time.perf_counter()
+            refused = httpx.post(url, content=body, headers=json_type, timeout=300)
+            assert refused.status_code == 401 and time.perf_counter() - started < 5.0
+            assert refused.json()["error"]["type"] == "authentication_error"
+        for path in ("/v1/nonexistent", "/docs", "/openapi.json", "/redoc"):
+            assert httpx.get(running.url + path, timeout=300).status_code == 401, path
+        # with the key: a body past the limit is 413, by its length or as it arrives
+        keyed = {**json_type, "authorization": "Bearer sesame"}
+        big = httpx.post(url, content=b"x" * (2 << 20), headers=keyed, timeout=300)
+        assert big.status_code == 413 and big.json()["error"]["code"] == "body_too_large"
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: chunked transfer
+            for _ in range(40):
+                yield b" " * (64 << 10)
+
+        streamed = httpx.post(url, content=chunks(), headers=keyed, timeout=300)
+        assert streamed.status_code == 413, streamed.text
+        assert httpx.get(f"{running.url}/metrics", timeout=300).status_code == 200
         with pytest.raises(openai.AuthenticationError):
             running.client("wrong").models.list()
         response = httpx.post(f"{running.url}/v1/completions",

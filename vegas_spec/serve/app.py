@@ -39,6 +39,8 @@ from vegas_spec.serve.protocol import (
 from vegas_spec.tokenizer import encode_chat
 
 DISCONNECT_POLL_S = 0.25
+OPEN_PATHS = ("/health", "/metrics")
+MAX_BODY_BYTES = 32 << 20  # a request body past this is 413 before it is read (or as it is)
 RETRY_AFTER_S = 1  # a refused request's Retry-After: the queue moves every step
 
 
@@ -46,11 +48,11 @@ class Server:
     """The state one app serves from: the engine thread, the model's name, the metrics."""
 
     def __init__(self, engine: LLMEngine, model_name: str, max_queue: int,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, max_body: int = MAX_BODY_BYTES) -> None:
         self.metrics = Metrics()
         self.metrics.gauges(engine)
         self.engine = AsyncEngine(engine, max_queue, self.metrics.step)
-        self.model_name, self.api_key = model_name, api_key
+        self.model_name, self.api_key, self.max_body = model_name, api_key, max_body
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -63,8 +65,57 @@ class Server:
             return
         given = request.headers.get("authorization", "")
         if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-            raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer "
-                           "<key>`", "authentication_error", None, "invalid_api_key")
+            raise _key_error()
+
+
+class Gate:
+    """ASGI middleware in front of every route: without the key (where the server has one) a
+    request is answered 401 from its headers alone, its body never read; a body longer than
+    max_body (by Content-Length, or as it arrives) is answered 413."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body: int) -> None:
+        self.app, self.api_key, self.max_body = app, api_key, max_body
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+            given = headers.get("authorization", b"")
+            if not secrets.compare_digest(given, f"Bearer {self.api_key}".encode()):
+                return await _send(send, _key_error())
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            return await _send(send, _too_large(self.max_body))
+        seen = 0
+
+        async def limited() -> dict:  # a body without a length: counted as it arrives
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body:
+                raise HTTPException(413, _too_large(self.max_body).message)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _key_error() -> APIError:
+    return APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                    "authentication_error", None, "invalid_api_key")
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than this server takes ({limit} bytes)",
+                    code="body_too_large")
+
+
+async def _send(send: Callable, e: APIError) -> None:
+    body = json.dumps(e.body()).encode()
+    await send({"type": "http.response.start", "status": e.status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def build_app(server: Server) -> FastAPI:
@@ -73,10 +124,15 @@ def build_app(server: Server) -> FastAPI:
         yield
         server.engine.shutdown()
 
-    app = FastAPI(title="vegas-spec", lifespan=lifespan)
+    # With a key, only /health and /metrics answer without it (probes and scrapers); the
+    # API's documentation and schema are off: they describe what the key guards.
+    keyed = server.api_key is not None
+    app = FastAPI(title="vegas-spec", lifespan=lifespan,
+                  **({"docs_url": None, "redoc_url": None, "openapi_url": None} if keyed else {}))
     app.state.server = server
     _errors(app)
-    # The key guards /v1 only: /health and /metrics stay open to probes and scrapers.
+    # Checked by the gate before the body is read; the dependency keeps each route's own check.
+    app.add_middleware(Gate, api_key=server.api_key, max_body=server.max_body)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(server.check_key)])
 
     @app.get("/health")
