@@ -341,6 +341,38 @@ def test_a_burst_waits_while_rows_are_free(served: Running, offline: LLM) -> Non
     settle(served)
 
 
+def metric(running: Running, name: str) -> dict[str, float]:
+    """The samples of one metric from /metrics: {labels (or ""): value}."""
+    text = httpx.get(f"{running.url}/metrics", timeout=300).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            head, value = line.rsplit(" ", 1)
+            out[head[len(name):]] = float(value)
+    return out
+
+
+def test_disconnects_show_in_the_metrics_at_once(served: Running) -> None:
+    """Two requests that finish and two whose clients leave mid-stream: within a second of
+    the last one, no request runs, every page is free, and the request counter went up by
+    four, two of them with finish reason abort."""
+    before = metric(served, "vegas_requests_total")
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    for _ in range(2):
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=body,
+                          timeout=300) as response:
+            assert next(response.iter_lines()).startswith("data: ")
+        served.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    settle(served)
+    time.sleep(0.5)  # no step runs once idle: the gauges must already be right
+    after = metric(served, "vegas_requests_total")
+    added = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    assert added.get('{finish_reason="abort"}') == 2 and sum(added.values()) == 4, added
+    assert metric(served, "vegas_num_requests_running")[""] == 0
+    assert metric(served, "vegas_kv_free_pages")[""] == served.engine.runner.cache.num_pages
+
+
 def test_a_huge_prompt_is_refused_at_once_beside_a_stream(served: Running) -> None:
     """A 5 MB prompt holds more characters than the 8K context's tokens can: refused (400)
     without being tokenized, while a stream goes on; the tokenizing of any prompt runs on a

@@ -51,7 +51,7 @@ class Server:
                  api_key: str | None = None, max_body: int = MAX_BODY_BYTES) -> None:
         self.metrics = Metrics()
         self.metrics.gauges(engine)
-        self.engine = AsyncEngine(engine, max_queue, self.metrics.step)
+        self.engine = AsyncEngine(engine, max_queue, self.metrics.step, self.metrics.abort)
         self.model_name, self.api_key, self.max_body = model_name, api_key, max_body
 
     def check_model(self, name: str) -> None:

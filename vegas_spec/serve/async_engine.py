@@ -24,8 +24,10 @@ class QueueFull(Exception):
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queue: int,
-                 on_step: Callable[[LLMEngine], None] | None = None, workers: int = 2) -> None:
-        self.engine, self.max_queue, self.on_step = engine, max_queue, on_step
+                 on_step: Callable[[LLMEngine], None] | None = None,
+                 on_abort: Callable[[LLMEngine], None] | None = None, workers: int = 2) -> None:
+        self.engine, self.max_queue = engine, max_queue
+        self.on_step, self.on_abort = on_step, on_abort
         engine.tokenizer  # loaded once, here, before any worker reads it  # noqa: B018
         self._workers = ThreadPoolExecutor(workers, thread_name_prefix="vegas-tokenize")
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -113,7 +115,8 @@ class AsyncEngine:
         loop.call_soon_threadsafe(_settle, added, seq.request_id, None)
 
     def _abort(self, rid: str) -> None:
-        self.engine.abort(rid)
+        if self.engine.abort(rid) and self.on_abort is not None:
+            self.on_abort(self.engine)
         self._streams.pop(rid, None)
 
     def _loop(self) -> None:

@@ -53,6 +53,12 @@ class Metrics:
         self.step_seconds.observe(info.seconds)
         self.gauges(engine)
 
+    def abort(self, engine: LLMEngine) -> None:
+        """After a request is aborted (its client left; in the engine thread): counted with
+        finish reason "abort", and the gauges at once, not at the next step."""
+        self.requests.labels("abort").inc()
+        self.gauges(engine)
+
     def gauges(self, engine: LLMEngine) -> None:
         self.waiting.set(engine.num_waiting)
         self.running.set(engine.num_running)
