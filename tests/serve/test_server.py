@@ -20,6 +20,7 @@ import uvicorn
 from vegas_spec.config import SamplingParams
 from vegas_spec.engine import LLM, LLMEngine
 from vegas_spec.serve.app import Server, build_app
+from vegas_spec.tokenizer import encode_chat
 
 pytestmark = pytest.mark.slow
 
@@ -226,6 +227,23 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("logprobs", {"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs"),
     ("missing prompt", {"model": MODEL}, 400, "prompt"),
     ("token id out of range", {"model": MODEL, "prompt": [10**7]}, 400, "prompt"),
+    # the API's options this server does not implement, refused by name (true is not 1)
+    ("echo", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
+    ("tools", {"model": MODEL, "prompt": "x", "tools": [{"type": "function"}]}, 400, "tools"),
+    ("best_of true", {"model": MODEL, "prompt": "x", "best_of": True}, 400, "best_of"),
+    ("json mode", {"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}},
+     400, "response_format"),
+    ("n = 0", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    # strict types: no string for a number, no bool for an int or a token id
+    ("max_tokens string", {"model": MODEL, "prompt": "x", "max_tokens": "10"}, 400,
+     "max_tokens"),
+    ("max_tokens bool", {"model": MODEL, "prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+    ("temperature string", {"model": MODEL, "prompt": "x", "temperature": "0.5"}, 400,
+     "temperature"),
+    ("temperature NaN", b'{"model": "smollm2", "prompt": "x", "temperature": NaN}', 400,
+     "temperature"),
+    ("stream yes", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("bool token ids", {"model": MODEL, "prompt": [True, False]}, 400, "prompt"),
     # JSON's \\ud800 escape decodes to a lone surrogate: no Unicode text, no tokenizer takes it
     ("lone surrogate", b'{"model": "smollm2", "prompt": "abc\\ud800", "max_tokens": 4}', 400,
      "prompt"),
@@ -244,6 +262,23 @@ def test_bad_input_gets_its_status_and_an_openai_error(served: Running, name: st
     assert error["message"] and error["type"] and error["param"] == param
     ok = served.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     assert ok.choices[0].finish_reason in ("stop", "length")  # everyone else is still served
+
+
+def test_forms_the_api_accepts(served: Running, offline: LLM) -> None:
+    """null sampling settings (the defaults), a developer message (a system message), content
+    as text parts, a message without content from the assistant."""
+    client = served.client()
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4,
+                                    extra_body={"temperature": None, "top_p": None, "n": None})
+    assert out.choices[0].finish_reason == "length"
+    parts = [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}]
+    chat = client.chat.completions.create(
+        model=MODEL, max_tokens=4, temperature=0,
+        messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": parts}])
+    ids = encode_chat(offline.tokenizer, [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Name a colour."}])
+    want = offline.generate(ids, SamplingParams(max_tokens=4))[0].text
+    assert chat.choices[0].message.content == want
 
 
 def test_bad_chat_input(served: Running) -> None:

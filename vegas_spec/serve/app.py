@@ -162,7 +162,7 @@ def build_app(server: Server) -> FastAPI:
         server.check_model(body.model)
         body.check_supported()
         params = _params(body)
-        messages = [m.model_dump() for m in body.messages]
+        messages = [m.template_message() for m in body.messages]
         build = lambda e: e.sequence(encode_chat(e.tokenizer, messages), params)  # noqa: E731
         return await _serve(server, request, build, body, True)
 
@@ -287,10 +287,15 @@ def _errors(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":
             return _error(APIError(400, "The body is not valid JSON"))
-        where = ".".join(loc) or None
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else \
-            first.get("msg", "invalid request")
-        return _error(APIError(400, message, param=where))
+        field = loc[0] if loc else None  # the request's field, as OpenAI names `param`
+        message = first.get("msg", "invalid request")
+        if field is not None:
+            # a field of several accepted forms (a prompt: text, ids, ...) fails each of them
+            forms = sum(1 for err in errors if tuple(err.get("loc", ()))[1:2] == (field,))
+            message = f"{field}: {message}" + (
+                f" (the value fits none of the field's {forms} accepted forms)"
+                if forms > 1 else "")
+        return _error(APIError(400, message, param=field))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:

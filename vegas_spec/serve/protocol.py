@@ -29,50 +29,75 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False  # one more chunk before [DONE]: no choices, the usage
 
 
+# Request fields are strict (no "10" for 10, no true for 1, no "yes" for true); floats finite.
+_STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+# Fields the API defines that this server does not implement: refused by name unless they
+# carry their "off" value.
+_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+                "best_of", "logit_bias", "suffix", "echo", "top_logprobs", "response_format")
+
+
+def _off(name: str, value: Any) -> bool:
+    """Whether an unsupported field's value asks for nothing (a bool is no count: true is
+    not best_of 1)."""
+    if value is None or value is False or value == [] or value == {}:
+        return True
+    if name == "best_of":
+        return type(value) is int and value == 1
+    if name == "response_format":
+        return value == {"type": "text"}
+    return name in ("tool_choice", "function_call") and value == "none"
+
+
 class _Request(BaseModel):
-    # Fields the API defines but this server does not implement are refused by name below;
-    # anything else unknown is ignored, as OpenAI's own server does with e.g. `user`.
-    model_config = ConfigDict(extra="allow")
+    # Unknown fields are ignored, as OpenAI's own server does with e.g. `user`; the API's
+    # fields this server does not implement are refused by name (`check_supported`).
+    model_config = _STRICT
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
+    # null is the default, as in OpenAI's API
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     seed: int | None = None
-    n: int = 1
+    n: int | None = None
     ignore_eos: bool = False
     logprobs: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true",
                            param="stream_options")
-        if self.n != 1:
-            raise APIError(400, "n > 1 is not supported: one choice per request", param="n")
+        if self.n is not None and self.n != 1:
+            raise APIError(400, f"n must be 1 (one choice per request), got {self.n}", param="n")
         if self.logprobs not in (None, False):
             raise APIError(400, "logprobs are not supported", param="logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
+            if getattr(self, name) not in (None, 0):
                 raise APIError(400, f"{name} is not supported", param=name)
-        for name in ("tools", "functions", "best_of", "logit_bias", "suffix", "echo"):
-            if (self.model_extra or {}).get(name) not in (None, False, 1, [], {}):
+        for name in _UNSUPPORTED:
+            if not _off(name, (self.model_extra or {}).get(name)):
                 raise APIError(400, f"{name} is not supported", param=name)
 
     def sampling(self, default_max: int) -> SamplingParams:
         """The request's sampling settings, checked by SamplingParams itself."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_tokens=self.max_tokens or default_max, stop=tuple(stop),
-                              seed=self.seed, ignore_eos=self.ignore_eos)
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+            max_tokens=self.max_tokens or default_max, stop=tuple(stop), seed=self.seed,
+            ignore_eos=self.ignore_eos)
 
 
 class CompletionRequest(_Request):
@@ -89,9 +114,28 @@ class CompletionRequest(_Request):
         return p  # type: ignore[return-value]
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    """A message; `developer` is a system message (OpenAI's newer name), content a string or
+    a list of text parts (joined), null only for an assistant's message."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None
+
+    def template_message(self) -> dict[str, str]:
+        if self.content is None and self.role != "assistant":
+            raise APIError(400, f"a {self.role} message needs content", param="messages")
+        text = self.content if isinstance(self.content, str) else \
+            "".join(part.text for part in self.content or [])
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
 class ChatRequest(_Request):
