@@ -274,7 +274,8 @@ def test_forms_the_api_accepts(served: Running, offline: LLM) -> None:
     parts = [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}]
     chat = client.chat.completions.create(
         model=MODEL, max_tokens=4, temperature=0,
-        messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": parts}])
+        messages=[{"role": "developer", "content": "Be brief."},
+                  {"role": "user", "content": parts}])
     ids = encode_chat(offline.tokenizer, [{"role": "system", "content": "Be brief."},
                                           {"role": "user", "content": "Name a colour."}])
     want = offline.generate(ids, SamplingParams(max_tokens=4))[0].text
