@@ -131,6 +131,10 @@ def _serve_parser(sub: argparse._SubParsersAction, methods: tuple[str, ...],
                    "keep it out of the process list)")
     s.add_argument("--api-key-file", type=Path,
                    help="a file whose first line is the API key")
+    s.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds the requests in flight get to finish after SIGINT or SIGTERM "
+                        "before each ends with finish reason abort; a second signal ends "
+                        "them at once")
     s.add_argument("--prefill-pacing", type=float, default=2.0,
                    help="while requests decode, prefill about this many decode iterations' "
                         "time of prompt tokens per step, so arriving prompts stretch "
@@ -420,6 +424,9 @@ def serve(args: argparse.Namespace) -> int:
                           "pip install 'vegas-spec[serve]'") from None
 
     key = _api_key(args)  # before loading anything
+    if not math.isfinite(args.shutdown_timeout) or args.shutdown_timeout < 0:
+        raise ConfigError(f"--shutdown-timeout must be a number of seconds >= 0, got "
+                          f"{args.shutdown_timeout:g}")
     # a --config settings file has set the speculative options' defaults
     pacing = args.prefill_pacing or None  # 0: off
     engine = LLMEngine(args.model, speculative=_spec(args, args.method),
@@ -432,7 +439,8 @@ def serve(args: argparse.Namespace) -> int:
     print(f"vegas: {_draft_weights_text(engine.draft_weight_bytes)}", file=sys.stderr)
     freeze_heap()
     name = args.served_model_name or engine.source.path.name
-    run(engine, name, args.host, args.port, args.max_queue, key)
+    ended = run(engine, name, args.host, args.port, args.max_queue, key, args.shutdown_timeout)
+    print(f"vegas: {ended}", file=sys.stderr)
     return 0
 
 

@@ -594,3 +594,78 @@ def test_cli_serve_freezes_the_heap_after_its_warm_up(monkeypatch: pytest.Monkey
     finally:
         gc.unfreeze()
     assert calls == ["warm_up 4", "serve, frozen True"]
+
+
+# --- shutdown -------------------------------------------------------------------------------
+
+def serve_process(*extra: str) -> tuple[Any, str]:
+    """`vegas serve` in a process of its own on a free loopback port, once it answers."""
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from vegas_spec.cli import main; sys.exit(main())",
+         "serve", "--port", str(port), "--max-num-seqs", "2", "--kv-cache-gb", "0.25",
+         "--method", "vanilla", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(1200):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.25)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+    proc.kill()
+    raise AssertionError("vegas serve did not start")
+
+
+def stream_through(url: str, on_first: Any) -> list[str]:
+    """A long greedy stream; on_first() after its first chunk -> every line it sent."""
+    body = {"model": "SmolLM2-135M-Instruct.Q4_1.gguf", "prompt": PROMPTS[0],
+            "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        lines = response.iter_lines()
+        got = [next(lines)]
+        on_first()
+        got += [line for line in lines if line]
+    return got
+
+
+@pytest.mark.parametrize("second", [False, True], ids=["grace", "second-signal"])
+def test_a_signal_ends_requests_cleanly_and_the_process_with_one_line(second: bool) -> None:
+    """SIGTERM: the stream in flight gets the grace period (1 s here), then ends with finish
+    reason abort and [DONE]; the process exits 0 with one line. With a long grace period, a
+    second signal (SIGINT) ends it at once, as cleanly."""
+    import json
+    import signal
+
+    proc, url = serve_process("--shutdown-timeout", "60" if second else "1")
+    try:
+        def signal_it() -> None:
+            proc.send_signal(signal.SIGTERM)
+            if second:
+                time.sleep(0.5)
+                proc.send_signal(signal.SIGINT)
+
+        started = time.perf_counter()
+        lines = stream_through(url, signal_it)
+        took = time.perf_counter() - started
+        assert lines[-1] == "data: [DONE]"
+        last = json.loads(lines[-2][len("data: "):])
+        assert last["choices"][0]["finish_reason"] == "abort"
+        assert took < 30.0
+        code = proc.wait(timeout=60)
+        err = proc.stderr.read() if proc.stderr else ""
+        assert code == 0, err[-3000:]
+        assert "Traceback" not in err and "terminate called" not in err, err[-3000:]
+        ended = [line for line in err.splitlines() if line.startswith("vegas: shut down")]
+        assert ended == [f"vegas: shut down after SIGTERM (1 request(s) aborted"
+                         f"{', at a second signal' if second else ''})"], err[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

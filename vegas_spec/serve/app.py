@@ -10,10 +10,13 @@ import asyncio
 import contextlib
 import json
 import secrets
+import signal
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -308,9 +311,47 @@ def _errors(app: FastAPI) -> None:
 
 
 def serve(engine: LLMEngine, model_name: str, host: str, port: int, max_queue: int,
-          api_key: str | None = None) -> None:
-    """Run the server until interrupted (uvicorn handles Ctrl-C)."""
-    import uvicorn
+          api_key: str | None = None, shutdown_timeout: float = 5.0) -> str:
+    """Run the server until a signal (SIGINT, SIGTERM) -> how it ended, one line. The first
+    signal stops accepting requests and gives those in flight `shutdown_timeout` seconds to
+    finish, then ends each with finish reason "abort"; a second signal ends them at once.
+    Either way the engine thread stops before this returns."""
+    server = Server(engine, model_name, max_queue, api_key)
+    config = uvicorn.Config(build_app(server), host=host, port=port, log_level="info",
+                            timeout_graceful_shutdown=shutdown_timeout + 2.0)
+    runner = _Graceful(config, server, shutdown_timeout)
+    runner.run()
+    server.engine.shutdown()  # also when forced: no step runs on past the interpreter's exit
+    if runner.signals:
+        return (f"shut down after {runner.signals[0]} ({runner.aborted} request(s) aborted"
+                f"{', at a second signal' if len(runner.signals) > 1 else ''})")
+    return "shut down"
 
-    app = build_app(Server(engine, model_name, max_queue, api_key))
-    uvicorn.run(app, host=host, port=port, log_level="info")
+
+class _Graceful(uvicorn.Server):
+    """uvicorn's server with a bounded grace period and a second signal that ends every
+    request at once (a third stops waiting even for their connections); signals are not
+    raised again after the shutdown, so the exit code is one."""
+
+    def __init__(self, config: Any, server: Server, grace: float) -> None:
+        super().__init__(config)
+        self.server, self.grace = server, grace
+        self.signals: list[str] = []
+        self.timer: threading.Timer | None = None
+
+    @property
+    def aborted(self) -> int:
+        return self.server.engine.ended
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.signals.append(signal.Signals(sig).name)
+        if len(self.signals) > 2:  # a third: uvicorn stops waiting for anything
+            self.force_exit = True
+            return
+        if self.should_exit:  # a second signal: every request ends now, then the shutdown
+            self.server.engine.end_all()
+            return
+        self.should_exit = True
+        self.timer = threading.Timer(self.grace, self.server.engine.end_all)
+        self.timer.daemon = True
+        self.timer.start()

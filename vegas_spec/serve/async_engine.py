@@ -35,6 +35,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.error: BaseException | None = None
+        self.ended = 0  # requests `end_all` aborted
         self._thread = threading.Thread(target=self._loop, name="vegas-engine", daemon=True)
         self._thread.start()
 
@@ -80,6 +81,25 @@ class AsyncEngine:
 
         self._call(call)
         return await done
+
+    def end_all(self) -> None:
+        """Abort every request (a shutdown's grace period is over): each gets its last
+        output, finish reason "abort", so its response ends cleanly. Thread-safe."""
+        self._call(self._end_all)
+
+    def _end_all(self) -> None:
+        for rid in list(self._streams):
+            seq = self.engine.seqs.get(rid)
+            if seq is None or not self.engine.abort(rid):
+                continue
+            loop, outputs = self._streams.pop(rid)
+            text, ids = seq.delta()
+            out = RequestOutput(seq.prompt, seq.prompt_ids, seq.text, list(seq.output), "abort",
+                                {}, rid, text, ids)
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+            self.ended += 1
+            if self.on_abort is not None:
+                self.on_abort(self.engine)
 
     def _abort_when_added(self, added: asyncio.Future) -> None:
         if not added.cancelled() and added.exception() is None:
