@@ -38,10 +38,9 @@ class Running:
     """A server on a free loopback port, in a thread."""
 
     def __init__(self, engine: LLMEngine, max_queue: int = 64,
-                 api_key: str | None = None, max_body: int | None = None) -> None:
+                 api_key: str | None = None, **limits: Any) -> None:
         self.engine = engine
-        self.app = build_app(Server(engine, MODEL, max_queue, api_key,
-                                    **({} if max_body is None else {"max_body": max_body})))
+        self.app = build_app(Server(engine, MODEL, max_queue, api_key, **limits))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -502,7 +501,8 @@ def test_cli_serve_without_the_serve_extra_says_what_to_install(
 
 
 def test_api_key() -> None:
-    running = Running(engine(max_num_seqs=2), api_key="sesame", max_body=1 << 20)
+    running = Running(engine(max_num_seqs=2), api_key="sesame", max_body=1 << 20,
+                      body_timeout=1.0)
     try:
         # refused from the headers: the body is never read or parsed, whatever it is
         url, json_type = f"{running.url}/v1/completions", {"content-type": "application/json"}
@@ -524,6 +524,13 @@ def test_api_key() -> None:
 
         streamed = httpx.post(url, content=chunks(), headers=keyed, timeout=300)
         assert streamed.status_code == 413, streamed.text
+        # a body shorter than its Content-Length: 408 once it stops arriving, not a hang
+        with socket.create_connection(("127.0.0.1", int(running.url.rsplit(":", 1)[1]))) as raw:
+            raw.settimeout(30)
+            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                        b"Authorization: Bearer sesame\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 100\r\n\r\n{\"model\": ")
+            assert raw.recv(4096).startswith(b"HTTP/1.1 408")
         assert httpx.get(f"{running.url}/metrics", timeout=300).status_code == 200
         with pytest.raises(openai.AuthenticationError):
             running.client("wrong").models.list()

@@ -44,6 +44,7 @@ from vegas_spec.tokenizer import encode_chat
 DISCONNECT_POLL_S = 0.25
 OPEN_PATHS = ("/health", "/metrics")
 MAX_BODY_BYTES = 32 << 20  # a request body past this is 413 before it is read (or as it is)
+BODY_TIMEOUT_S = 30.0  # a body that stops arriving for this long is 408 (a slow client)
 RETRY_AFTER_S = 1  # a refused request's Retry-After: the queue moves every step
 
 
@@ -51,11 +52,13 @@ class Server:
     """The state one app serves from: the engine thread, the model's name, the metrics."""
 
     def __init__(self, engine: LLMEngine, model_name: str, max_queue: int,
-                 api_key: str | None = None, max_body: int = MAX_BODY_BYTES) -> None:
+                 api_key: str | None = None, max_body: int = MAX_BODY_BYTES,
+                 body_timeout: float = BODY_TIMEOUT_S) -> None:
         self.metrics = Metrics()
         self.metrics.gauges(engine)
         self.engine = AsyncEngine(engine, max_queue, self.metrics.step, self.metrics.abort)
         self.model_name, self.api_key, self.max_body = model_name, api_key, max_body
+        self.body_timeout = body_timeout
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -74,10 +77,13 @@ class Server:
 class Gate:
     """ASGI middleware in front of every route: without the key (where the server has one) a
     request is answered 401 from its headers alone, its body never read; a body longer than
-    max_body (by Content-Length, or as it arrives) is answered 413."""
+    max_body (by Content-Length, or as it arrives) is answered 413, one that stops arriving
+    for body_timeout seconds 408."""
 
-    def __init__(self, app: Any, api_key: str | None, max_body: int) -> None:
+    def __init__(self, app: Any, api_key: str | None, max_body: int,
+                 body_timeout: float = BODY_TIMEOUT_S) -> None:
         self.app, self.api_key, self.max_body = app, api_key, max_body
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -94,7 +100,11 @@ class Gate:
 
         async def limited() -> dict:  # a body without a length: counted as it arrives
             nonlocal seen
-            message = await receive()
+            try:  # a client that stops sending (or sends less than its length) times out
+                message = await asyncio.wait_for(receive(), self.body_timeout)
+            except TimeoutError:
+                raise HTTPException(408, f"The request body stopped arriving for "
+                                         f"{self.body_timeout:g} s") from None
             seen += len(message.get("body", b""))
             if seen > self.max_body:
                 raise HTTPException(413, _too_large(self.max_body).message)
@@ -135,7 +145,8 @@ def build_app(server: Server) -> FastAPI:
     app.state.server = server
     _errors(app)
     # Checked by the gate before the body is read; the dependency keeps each route's own check.
-    app.add_middleware(Gate, api_key=server.api_key, max_body=server.max_body)
+    app.add_middleware(Gate, api_key=server.api_key, max_body=server.max_body,
+                       body_timeout=server.body_timeout)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(server.check_key)])
 
     @app.get("/health")
