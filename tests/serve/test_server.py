@@ -364,9 +364,16 @@ def test_a_burst_waits_while_rows_are_free(served: Running, offline: LLM) -> Non
                     break
                 time.sleep(0.02)
             assert engine_side._commands.qsize() >= 16
+            # the bound reached, with the engine thread still held: refused at once
+            started = time.perf_counter()
+            bounced = [httpx.post(f"{served.url}/v1/completions", timeout=300,
+                                  json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+                       for _ in range(3)]
+            assert time.perf_counter() - started < 3.0
             gate.set()
             answers = [f.result() for f in futures]
         assert [a.status_code for a in answers] == [200] * 16, [a.text for a in answers]
+        assert bounced and all(r.status_code == 429 for r in bounced), bounced
         want = offline_texts(offline, prompts, [{"max_tokens": 6}] * 16)
         assert [a.json()["choices"][0]["text"] for a in answers] == [w for w, _ in want]
     finally:

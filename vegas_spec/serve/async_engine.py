@@ -36,6 +36,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self.error: BaseException | None = None
         self.ended = 0  # requests `end_all` aborted
+        self._pending = 0  # requests being built or queued on their way in (event loop only)
         self._thread = threading.Thread(target=self._loop, name="vegas-engine", daemon=True)
         self._thread.start()
 
@@ -47,15 +48,23 @@ class AsyncEngine:
         raised here) -> its outputs, step by step. Leaving the iteration early (a client
         that disconnects) aborts the request, which frees its row and pages."""
         loop = asyncio.get_running_loop()
-        seq = await loop.run_in_executor(self._workers, build, self.engine)
-        added: asyncio.Future[str] = loop.create_future()
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._call(lambda: self._add(seq, loop, outputs, added))
+        # refused here, at once, when the queue is already full: not after the step in flight
+        # (the engine thread checks again, with the engine's own counts, as it queues it)
+        if self._pending + self._beyond_free_rows() >= self.max_queue:
+            raise self._full()
+        self._pending += 1
         try:
-            rid = await asyncio.shield(added)
-        except asyncio.CancelledError:  # gone before its id came back: abort it once it does
-            added.add_done_callback(self._abort_when_added)
-            raise
+            seq = await loop.run_in_executor(self._workers, build, self.engine)
+            added: asyncio.Future[str] = loop.create_future()
+            outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+            self._call(lambda: self._add(seq, loop, outputs, added))
+            try:
+                rid = await asyncio.shield(added)
+            except asyncio.CancelledError:  # gone before its id came back: abort it once it is
+                added.add_done_callback(self._abort_when_added)
+                raise
+        finally:
+            self._pending -= 1
         finished = False
         try:
             while not finished:
@@ -81,6 +90,17 @@ class AsyncEngine:
 
         self._call(call)
         return await done
+
+    def _beyond_free_rows(self) -> int:
+        """Waiting requests that no free row will take: those that arrived since the last
+        step wait only for it while rows are free, so the queue bound counts these. Read
+        from the event loop too (two list lengths: a count a step may move by one)."""
+        free = max(self.engine.max_num_seqs - self.engine.num_running, 0)
+        return self.engine.num_waiting - free
+
+    def _full(self) -> QueueFull:
+        return QueueFull(f"{self.max_queue} requests are waiting for a row, the most this "
+                         "server queues; retry later")
 
     def end_all(self) -> None:
         """Abort every request (a shutdown's grace period is over): each gets its last
@@ -121,12 +141,8 @@ class AsyncEngine:
     def _add(self, seq: Sequence, loop: asyncio.AbstractEventLoop,
              outputs: asyncio.Queue, added: asyncio.Future) -> None:
         try:
-            # requests that arrived since the last step wait only for it while rows are free:
-            # the bound counts those that no free row will take
-            free = max(self.engine.max_num_seqs - self.engine.num_running, 0)
-            if self.engine.num_waiting - free >= self.max_queue:
-                raise QueueFull(f"{self.max_queue} requests are waiting for a row, the most "
-                                "this server queues; retry later")
+            if self._beyond_free_rows() >= self.max_queue:
+                raise self._full()
             self.engine.add_request(seq)
         except Exception as e:  # noqa: BLE001 - handed to the request's coroutine
             loop.call_soon_threadsafe(_settle, added, None, e)
