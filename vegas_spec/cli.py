@@ -424,6 +424,8 @@ def serve(args: argparse.Namespace) -> int:
                           "pip install 'vegas-spec[serve]'") from None
 
     key = _api_key(args)  # before loading anything
+    if not 0 <= args.port <= 65535:  # else uvicorn's OverflowError, after the model loaded
+        raise ConfigError(f"--port must be a TCP port in [0, 65535], got {args.port}")
     if not math.isfinite(args.shutdown_timeout) or args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout must be a number of seconds >= 0, got "
                           f"{args.shutdown_timeout:g}")

@@ -494,6 +494,21 @@ def test_cli_api_key_from_a_file_or_the_environment(tmp_path: Any,
         key("--api-key-file", str(secret))
 
 
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_cli_serve_refuses_a_bad_port_before_loading(port: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import vegas_spec.engine
+    from vegas_spec import cli
+    from vegas_spec.config import ConfigError
+
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(vegas_spec.engine, "LLMEngine", never)
+    with pytest.raises(ConfigError, match="--port must be a TCP port"):
+        cli.serve(cli._parser().parse_args(["serve", "--port", port]))
+
+
 def test_cli_serve_without_the_serve_extra_says_what_to_install(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
