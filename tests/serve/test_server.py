@@ -6,6 +6,7 @@ status and OpenAI-style body; the queue bound; the API key; every page free afte
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import socket
 import threading
 import time
@@ -88,6 +89,19 @@ def offline_texts(llm: LLM, prompts: list[str], params: list[dict[str, Any]],
 
 def offline_text(llm: LLM, prompt: str, chat: bool = False, **params: Any) -> tuple[str, str]:
     return offline_texts(llm, [prompt], [params], chat)[0]
+
+
+@contextlib.contextmanager
+def streaming(running: Running, prompt: str, max_tokens: int) -> Iterator[Iterator[str]]:
+    """A greedy stream of max_tokens (end of sequence ignored), open from its first chunk:
+    its remaining lines."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{running.url}/v1/completions", json=body,
+                      timeout=300) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        yield lines
 
 
 def free_pages(running: Running) -> int:
@@ -201,12 +215,8 @@ def test_a_disconnect_mid_stream_aborts_only_that_request(served: Running,
     with cf.ThreadPoolExecutor(1) as pool:
         other = pool.submit(lambda: served.client().completions.create(
             model=MODEL, prompt=PROMPTS[2], max_tokens=24, temperature=0).choices[0].text)
-        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0,
-                "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{served.url}/v1/completions", json=body,
-                          timeout=300) as response:
-            lines = response.iter_lines()
-            assert next(lines).startswith("data: ")
+        with streaming(served, PROMPTS[0], 400):
+            pass  # closed after its first chunk
         assert other.result() == want
     settle(served)
     assert free_pages(served) == before
@@ -419,12 +429,7 @@ def test_a_huge_prompt_is_refused_at_once_beside_a_stream(served: Running) -> No
     """A 5 MB prompt holds more characters than the 8K context's tokens can: refused (400)
     without being tokenized, while a stream goes on; the tokenizing of any prompt runs on a
     worker thread, not the engine's."""
-    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{served.url}/v1/completions", json=body,
-                      timeout=300) as stream:
-        lines = stream.iter_lines()
-        assert next(lines).startswith("data: ")
+    with streaming(served, PROMPTS[0], 200) as lines:
         started = time.perf_counter()
         huge = httpx.post(f"{served.url}/v1/completions", timeout=300,
                           json={"model": MODEL, "prompt": "word " * 1_000_000, "max_tokens": 2})
@@ -546,6 +551,16 @@ def test_api_key() -> None:
 
         streamed = httpx.post(url, content=chunks(), headers=keyed, timeout=300)
         assert streamed.status_code == 413, streamed.text
+        # a response that outlives the body timeout is not cut: the body came whole
+        with httpx.stream("POST", url, headers=keyed, timeout=300, json={
+                "model": MODEL, "prompt": "Hi", "max_tokens": 60, "ignore_eos": True,
+                "stream": True}) as response:
+            got = []
+            for line in response.iter_lines():
+                got.append(line)
+                if len(got) == 2:
+                    time.sleep(1.5)  # the stream goes on past body_timeout (1 s)
+        assert [line for line in got if line][-1] == "data: [DONE]"
         # a body shorter than its Content-Length: 408 once it stops arriving, not a hang
         with socket.create_connection(("127.0.0.1", int(running.url.rsplit(":", 1)[1]))) as raw:
             raw.settimeout(30)

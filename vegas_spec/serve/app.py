@@ -96,15 +96,18 @@ class Gate:
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
             return await _send(send, _too_large(self.max_body))
-        seen = 0
+        seen, whole = 0, False
 
         async def limited() -> dict:  # a body without a length: counted as it arrives
-            nonlocal seen
+            nonlocal seen, whole
+            if whole:  # after the body: a streaming response waits here for a disconnect
+                return await receive()
             try:  # a client that stops sending (or sends less than its length) times out
                 message = await asyncio.wait_for(receive(), self.body_timeout)
             except TimeoutError:
                 raise HTTPException(408, f"The request body stopped arriving for "
                                          f"{self.body_timeout:g} s") from None
+            whole = message["type"] != "http.request" or not message.get("more_body", False)
             seen += len(message.get("body", b""))
             if seen > self.max_body:
                 raise HTTPException(413, _too_large(self.max_body).message)
