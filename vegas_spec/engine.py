@@ -220,11 +220,12 @@ class LLMEngine:
         """A checked request (not yet queued); index: the prompt's place in a batch, named
         by the errors; text: detokenize its output (where the model has a tokenizer)."""
         cfg, context = self.runner.model_config, self.max_model_len
-        if isinstance(prompt, str) and len(prompt) > context * longest_token(self.tokenizer):
+        longest = longest_token(self.tokenizer) if isinstance(prompt, str) else 0
+        if isinstance(prompt, str) and len(prompt) > context * longest:
             # refused before tokenizing: so many characters take more tokens than the context
             raise PromptError(f"has {len(prompt):,} characters, more than any {context}-token "
-                              "context holds (it would need over "
-                              f"{len(prompt) // longest_token(self.tokenizer):,} tokens)", index)
+                              f"context holds (it would need over {len(prompt) // longest:,} "
+                              "tokens)", index)
         ids = encode(self.tokenizer, prompt, chat) if isinstance(prompt, str) else list(prompt)
         vocab = cfg.vocab_size
         if not ids:

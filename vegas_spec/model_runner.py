@@ -677,11 +677,12 @@ class ModelRunner:
     # --- steps --------------------------------------------------------------------------
 
     def _ctx(self, page_table: torch.Tensor, positions: torch.Tensor, kv_len_max: int,
-             scores: ScoreRequest | None = None, sparse: SparsePlan | None = None) -> StepContext:
+             scores: ScoreRequest | None = None, sparse: SparsePlan | None = None,
+             draft: bool = False) -> StepContext:
         return StepContext(positions=positions, seq_lens=positions[:, -1] + 1,
                            slot_mapping=slots_of(page_table, positions, self.config.page_size),
                            page_table=page_table, page_size=self.config.page_size,
-                           kv_len_max=kv_len_max, scores=scores, sparse=sparse)
+                           kv_len_max=kv_len_max, scores=scores, sparse=sparse, draft=draft)
 
     def _forward(self, tokens: torch.Tensor, ctx: StepContext,
                  last_only: bool = False) -> torch.Tensor:
@@ -728,9 +729,9 @@ class ModelRunner:
         def step(kind: str, tokens: torch.Tensor, positions: torch.Tensor,
                  raw: bool) -> torch.Tensor:
             verify = kind == "verify"  # drafts read up to bound + γ - 1, verify bound + γ
+            draft = kind == "draft"
             ctx = self._ctx(batch.page_table, positions, bound + gamma + verify,
-                            req if verify else None, batch.plan if kind == "draft" else None)
-            ctx.draft = kind == "draft"
+                            req if verify else None, batch.plan if draft else None, draft)
             return self._forward(tokens, ctx, last_only=not verify)
 
         accepted, emitted = speculate(step, batch.last, batch.lengths, gamma,

@@ -150,7 +150,7 @@ def cat(dists: list[Dist], dim: int) -> Dist:
 def prob_at(d: Dist, tokens: torch.Tensor) -> torch.Tensor:
     """d [B, n, W or V]; tokens [B, n] -> [B, n], or tokens [B, n, m] -> [B, n, m]: the
     probability of each token."""
-    many = tokens.dim() == d.shape.__len__()
+    many = tokens.dim() == len(d.shape)
     if isinstance(d, Candidates):
         values, index = d.values, d.index
         if many:

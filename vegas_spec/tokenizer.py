@@ -95,8 +95,8 @@ def longest_token(tok) -> int:  # noqa: ANN001
 
 
 def encode(tok, prompt: str, chat: bool) -> list[int]:  # noqa: ANN001
-    check_text(prompt)
-    if not chat:
+    if not chat:  # a chat's messages are checked by encode_chat
+        check_text(prompt)
         return tok(prompt, add_special_tokens=True)["input_ids"]
     return encode_chat(tok, [{"role": "user", "content": prompt}])
 
