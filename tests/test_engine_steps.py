@@ -264,3 +264,59 @@ def test_offline_buffers_are_sized_for_the_largest_batch_the_prompts_form(
     assert [o.token_ids for o in outs] == want
     assert len({id(r) for r in runners}) == 1 and runners[0].capacity == 4
     assert max(running) == 4
+
+
+def _page_bytes(tiny: Path) -> int:
+    return LLM(str(tiny), **ENGINE).cache.bytes_per_page
+
+
+@pytest.mark.parametrize(("static", "prefix_cache"), [(False, 0), (True, 0), (False, 1 << 22)],
+                         ids=["dynamic", "static", "prefix-cache"])
+@pytest.mark.parametrize("method", METHODS, ids=IDS)
+def test_preempted_requests_resume_and_give_their_alone_tokens(
+        tiny: Path, prompts: list[list[int]], method: dict[str, Any] | None,
+        static: bool, prefix_cache: int) -> None:
+    """Pages grow as the rows decode: three requests that need 22 pages by their end share a
+    pool of 14, so the newest are preempted (their pages back, to be prefilled again with
+    their output so far, from the prefix cache where it has them) and resume; every request
+    still gets its alone tokens and every page comes back."""
+    spec, n = tiny_spec(method), 60
+    solo = LLM(str(tiny), **ENGINE)
+    want = [solo.generate([p], params(n), speculative=spec)[0].token_ids for p in prompts[:3]]
+    engine = LLMEngine(str(tiny), speculative=spec, static_shapes=static, max_num_seqs=3,
+                       load_format="dummy", kv_cache_bytes=15 * solo.cache.bytes_per_page,
+                       prefix_cache_bytes=prefix_cache)
+    engine.scheduler.grow_tokens = 4  # pages asked for every page_size tokens or so
+    cache = engine.runner.cache
+    free = len(cache.free_pages)
+    final: dict[str, RequestOutput] = {}
+    rids = [engine.add_request(p, params(n)) for p in prompts[:3]]
+    while engine.has_unfinished():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+        held = sum(len(s.pages) for s in engine.scheduler.running)
+        assert held + len(cache.free_pages) == free  # the waiting hold none
+        assert not any(s.pages for s in engine.scheduler.waiting)
+    assert [final[r].token_ids for r in rids] == want
+    assert engine.num_preemptions > 0
+    assert len(cache.free_pages) == free and not engine.seqs and engine.runner.batch is None
+
+
+def test_a_short_request_runs_beside_long_ones_that_have_not_used_their_pages(
+        tiny: Path, prompts: list[list[int]]) -> None:
+    """Five requests that may each grow to the whole context (33 pages) hold only the pages
+    they have written, so in a pool of 100 pages all five run, and a short request that
+    arrives behind them is admitted at the next step, not after one of them finishes."""
+    engine = LLMEngine(str(tiny), max_num_seqs=8, load_format="dummy",
+                       kv_cache_bytes=100 * _page_bytes(tiny))
+    long = [engine.add_request(p, SamplingParams(max_tokens=10**9, ignore_eos=True))
+            for p in prompts]
+    engine.step()
+    assert engine.num_running == 5 and engine.num_waiting == 0
+    short = engine.add_request(prompts[0][:3], params(8))
+    engine.step()
+    assert engine.num_running == 6 and engine.num_waiting == 0
+    while short in engine.seqs:
+        engine.step()
+    for rid in long:
+        assert engine.abort(rid)
+    assert len(engine.runner.cache.free_pages) == engine.runner.cache.num_pages

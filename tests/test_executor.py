@@ -94,6 +94,24 @@ def engine_with_abort(model: str, prompts: list[list[int]]) -> dict[str, list[in
     return out
 
 
+def preempted_tokens(model: str, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    """Greedy vegas over a pool that cannot hold every request to its end, pages asked for
+    a few tokens ahead -> each request's tokens and how many preemptions it took."""
+    probe = LLM(model, **ENGINE)
+    page_bytes = probe.cache.bytes_per_page
+    del probe
+    engine = LLMEngine(model, speculative=METHODS["vegas"], max_num_seqs=3,
+                       **{**ENGINE, "kv_cache_bytes": 10 * page_bytes})
+    engine.scheduler.grow_tokens = 4
+    ids = [engine.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True))
+           for p in prompts]
+    out: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.delta_token_ids
+    return list(out.values()), engine.num_preemptions
+
+
 def kill_a_worker(model: str, prompt: list[int]) -> tuple[str, float]:
     """Rank 1 killed between two steps -> rank 0's error and the seconds it took."""
     engine = LLMEngine(model, **ENGINE)
@@ -125,6 +143,7 @@ def engine_runs(model: str, three_heads: str, prompts: list[list[int]],
     worker is killed last, when every other check has run."""
     return {"greedy": greedy_tokens(model, prompts),
             "abort": engine_with_abort(model, abort_prompts), "refused": refused(three_heads),
+            "preempted": preempted_tokens(model, abort_prompts),
             "killed": kill_a_worker(model, kill_prompt)}
 
 
@@ -162,6 +181,14 @@ def test_an_abort_is_mirrored(tiny: Path, two_ranks: dict) -> None:
     one, two = engine_with_abort(str(tiny), ABORT_PROMPTS), two_ranks["abort"]
     assert list(two.values()) == list(one.values())
     assert [len(t) for t in two.values()][::2] == [8, 8]
+
+
+def test_a_preemption_is_mirrored(tiny: Path, two_ranks: dict) -> None:
+    """Preempted sequences restart on every rank (their output so far prefilled again) and
+    their grown pages reach the workers: the tokens are one rank's."""
+    one, two = preempted_tokens(str(tiny), ABORT_PROMPTS), two_ranks["preempted"]
+    assert one[1] > 0 and two[1] > 0  # how many: as adaptive speculation's timings fall
+    assert two[0] == one[0] and all(len(t) == 40 for t in two[0])
 
 
 def test_a_killed_worker_is_a_clear_error_within_seconds(two_ranks: dict) -> None:

@@ -114,8 +114,13 @@ class PagedKVCache:
                 "lower the batch size or max_tokens, or raise the KV budget")
 
     def allocate(self, tokens: int) -> list[int]:
+        """Pages for `tokens` slots."""
         self.check_fits([tokens])
-        return [self.free_pages.pop() for _ in range(self.pages_for(tokens))]
+        return self.take(self.pages_for(tokens))
+
+    def take(self, pages: int) -> list[int]:
+        """`pages` free pages (the caller has checked that they are free)."""
+        return [self.free_pages.pop() for _ in range(pages)]
 
     def release(self, pages: list[int]) -> None:
         self.free_pages.extend(reversed(pages))

@@ -2,10 +2,11 @@
 
 One engine step: the scheduler admits waiting requests (rows and KV pages permitting), the
 model runner prefills the next pieces of the admitted prompts (at most one prefill budget of
-tokens), the prompts that complete give their first token and join the input batch, then one
-decode iteration runs over every row (one token each, or a draft-verify-accept round of 1 to
-γ+1 tokens). Each request that got tokens gets a `RequestOutput` with its text delta;
-finished requests give their pages back. The offline `LLM.generate` and the server are loops
+tokens), the prompts that complete give their first token and join the input batch, the rows
+get the KV pages their iteration writes (the newest sequences preempted where the pool runs
+out), then one decode iteration runs over every row (one token each, or a draft-verify-accept
+round of 1 to γ+1 tokens). Each request that got tokens gets a `RequestOutput` with its text
+delta; finished requests give their pages back. The offline `LLM.generate` and the server are loops
 over `step()`; offline, more prompts than fit at once simply queue, the admitted prompts are
 all prefilled before their rows decode (`step(prefill_first=True)`: every decode iteration
 then runs the whole batch), and no step makes outputs (each request's text is decoded once,
@@ -67,6 +68,7 @@ class StepInfo:
     emitted: list[int] = field(default_factory=list)
     gamma: int = 0
     drafted: bool = False  # the decode iteration was a round (False: a plain step)
+    preempted: int = 0  # sequences preempted for the pages of this iteration
     seconds: float = 0.0
     prefill_seconds: float = 0.0  # of which admission and prefill (the rest: the iteration)
 
@@ -309,6 +311,11 @@ class LLMEngine:
     def max_num_seqs(self) -> int:
         return self.scheduler.max_num_seqs
 
+    @property
+    def num_preemptions(self) -> int:
+        """Sequences preempted (their pages given back, to be prefilled again) so far."""
+        return self.scheduler.preemptions
+
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.seqs.pop(seq.request_id, None)
@@ -370,7 +377,22 @@ class LLMEngine:
         tokens = self.pacer.budget(decoding=self.runner.batch is not None)
         return min(tokens, bucket_floor(tokens))
 
+    def _grow(self, info: StepInfo) -> bool:
+        """Pages for every row's next iteration: rows that took pages get them in the page
+        tables, preempted ones leave theirs -> whether rows are left to decode."""
+        runner = self.runner
+        assert runner.batch is not None
+        grown, preempted = self.scheduler.grow(list(runner.batch.seqs))
+        info.preempted = len(preempted)
+        for seq in preempted:
+            runner.drop(seq)
+        if grown:
+            runner.grow(grown)
+        return runner.batch is not None
+
     def _decode_step(self, touched: dict[str, Sequence], info: StepInfo) -> None:
+        if not self._grow(info):
+            return
         controller, bucket = self.controller, bucket_for(self.runner.rows)
         draft = controller is None or controller.choose(bucket)
         started = time.perf_counter()

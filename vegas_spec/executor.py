@@ -6,12 +6,12 @@ its model runner.
 NCCL on CUDA, with a gloo group of its own for control messages) and watches the workers.
 An engine built while a launch is active wraps its `ModelRunner` in a `RunnerProxy`: before
 each runner call that touches the device (reserve, warm_prefill, warm_rounds, set_spec, start,
-prefill, join, decode, select, drop, clear, logits, next_token_logits) rank 0 broadcasts a
-`Call`,
-a method name and plain host arguments, and every worker makes the same call on its own
-runner, so all ranks run the same forwards on the same shapes and meet in the same
-collectives. A sequence is sent whole once (`SeqSpec`: request id, prompt ids, sampling,
-limit, headroom, pages) and by request id thereafter; workers append the tokens of their own
+prefill, join, grow, decode, select, drop, clear, logits, next_token_logits) rank 0
+broadcasts a `Call`, a method name and plain host arguments, and every worker makes the same
+call on its own runner, so all ranks run the same forwards on the same shapes and meet in
+the same collectives. A sequence is sent whole when it starts (`SeqSpec`: request id, prompt
+ids, sampling, limit, headroom, pages, and a preempted one's output so far), its new pages
+with each `grow`, and by request id otherwise; workers append the tokens of their own
 decode outputs (equal on every rank: the logits are), and rank 0 sends which rows finished
 with the `select` that drops them, so EOS, stop strings and aborts are decided in rank 0
 only. Unseeded sampling gets a seed from rank 0, so every rank draws the same tokens.
@@ -64,15 +64,17 @@ class SeqSpec:
     limit: int
     headroom: int
     pages: list[int]
+    output: list[int]  # a preempted sequence's output so far, prefilled again
 
     @classmethod
     def of(cls, seq: Sequence) -> SeqSpec:
         return cls(seq.request_id, list(seq.prompt_ids), seq.params, seq.limit, seq.headroom,
-                   list(seq.pages))
+                   list(seq.pages), list(seq.output))
 
     def mirror(self) -> Sequence:
         return Sequence(self.request_id, self.prompt_ids, self.prompt_ids, self.params,
-                        self.limit, self.headroom, pages=list(self.pages))
+                        self.limit, self.headroom, pages=list(self.pages),
+                        output=list(self.output), prefill_ids=self.prompt_ids + self.output)
 
 
 @dataclass(frozen=True)
@@ -389,6 +391,9 @@ class RunnerProxy:
     def join(self, seqs: list[Sequence]) -> None:
         self._run("join", ([s.request_id for s in seqs],), seqs)
 
+    def grow(self, seqs: list[Sequence]) -> None:
+        self._run("grow", ([(s.request_id, list(s.pages)) for s in seqs],), seqs)
+
     def decode(self, draft: bool = True) -> StepOutput:
         return self._run("decode", (draft,), draft)
 
@@ -473,6 +478,11 @@ class Mirror:
                 if seq.request_id not in keep:
                     self.seqs.pop(seq.request_id, None)
             self.done = []
+        elif method == "grow":
+            seqs = [self.seqs[rid] for rid, _ in args[0]]
+            for seq, (_, pages) in zip(seqs, args[0]):
+                seq.pages = pages
+            runner.grow(seqs)
         elif method == "decode":
             out = runner.decode(*args)
             for seq, tokens in zip(out.seqs, out.tokens):

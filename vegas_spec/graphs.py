@@ -261,6 +261,11 @@ class GraphRunner:
                 getattr(b, name)[start:end].copy_(getattr(sampling, name))
         self._resize(end)
 
+    def set_pages(self, rows: torch.Tensor, page_table: torch.Tensor) -> None:
+        """Rows `rows` [n] (of the batch) took more pages: page_table [n, P'] (P' <= P)."""
+        assert page_table.shape[1] <= self.shapes.pages
+        self.buf.page_table[rows, : page_table.shape[1]] = page_table
+
     def condense(self, keep: list[int], src: torch.Tensor) -> None:
         """Only rows `keep` (src: the same on the device) stay, moved to rows 0.. in order,
         each with its plan; the rows past them become dummy rows."""

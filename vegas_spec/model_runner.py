@@ -304,7 +304,7 @@ class ModelRunner:
         for seq in seqs:
             done, entry = self._restore_prefix(seq, self._page_table([seq])[0])
             seq.prefilled = done
-            if entry is not None and done == len(seq.prompt_ids):
+            if entry is not None and done == len(seq.prefill_ids):
                 self._whole[id(seq)] = (seq, entry)
 
     @torch.inference_mode()
@@ -323,14 +323,14 @@ class ModelRunner:
             logits, scores = self._prefill(seqs, spans, whole, self.policy)
         for p in pieces:
             p.seq.prefilled = p.end
-        ready = [i for i, s in enumerate(seqs) if s.prefilled == len(s.prompt_ids)]
+        ready = [i for i, s in enumerate(seqs) if s.prefilled == len(s.prefill_ids)]
         if not ready:
             return [], []
         done = [seqs[i] for i in ready]
         idx = self._upload(ready)
         sampling = BatchSampling.build([s.params for s in done], self.device)
-        lengths = self._upload([len(s.prompt_ids) for s in done])
-        first = next_tokens(logits[idx], sampling, lengths)  # the token at position len(prompt)
+        lengths = self._upload([len(s.prefill_ids) for s in done])
+        first = next_tokens(logits[idx], sampling, lengths)  # the token after prefill_ids
         self._ready = (done, first, sampling, None if scores is None else scores[:, idx],
                        lengths)
         return done, first.tolist()
@@ -363,7 +363,7 @@ class ModelRunner:
         the prompts restored whole from the prefix cache -> the next-token logits [B, V] and,
         if the policy selects from them, the scores [layers, B, 1, G, W] of the last rows of
         the prompts that end here (other rows: undefined)."""
-        prompts = [s.prompt_ids for s in seqs]
+        prompts = [s.prefill_ids for s in seqs]
         page_table = self._page_table(seqs)
         sink = _PrefillSink(
             logits=torch.empty(len(seqs), self.model_config.vocab_size, device=self.device),
@@ -388,10 +388,10 @@ class ModelRunner:
         spans = []
         for i, seq in enumerate(seqs):
             done, entry = self._restore_prefix(seq, self._page_table([seq])[0])
-            if entry is not None and done == len(seq.prompt_ids):
+            if entry is not None and done == len(seq.prefill_ids):
                 whole.append((i, entry))
             else:
-                spans.append((i, done, len(seq.prompt_ids)))
+                spans.append((i, done, len(seq.prefill_ids)))
         return self._prefill(seqs, spans, whole, None)[0]
 
     @torch.inference_mode()
@@ -527,7 +527,7 @@ class ModelRunner:
         positions it covers and its entry ((0, None) without a hit)."""
         if self.prefix_cache is None:
             return 0, None
-        length, entry = self.prefix_cache.longest(seq.prompt_ids)
+        length, entry = self.prefix_cache.longest(seq.prefill_ids)
         if entry is None:
             return 0, None
         slots = self._prefix_slots(page_table, length)
@@ -540,15 +540,33 @@ class ModelRunner:
         if self.prefix_cache is None or sink.q_last is None or row not in sink.q_last:
             return
         assert sink.logits is not None
-        slots = self._prefix_slots(page_table, len(seq.prompt_ids))
+        slots = self._prefix_slots(page_table, len(seq.prefill_ids))
         kv = [(k[slots], v[slots]) for k, v in self.cache.layers]
-        self.prefix_cache.put(tuple(seq.prompt_ids),
+        self.prefix_cache.put(tuple(seq.prefill_ids),
                               PrefixEntry(kv, sink.logits[row].clone(), sink.q_last[row]))
 
     def _page_table(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[len(seqs), P] int32: each sequence's pages, 0 past them (P: the most pages)."""
         width = max(len(s.pages) for s in seqs)
         rows = [s.pages + [0] * (width - len(s.pages)) for s in seqs]
-        return torch.tensor(rows, dtype=torch.int32, device=self.device)
+        return self._upload(rows).to(torch.int32)
+
+    @torch.inference_mode()
+    def grow(self, seqs: list[Sequence]) -> None:
+        """Rows whose sequences took more pages (`Scheduler.grow`): their page-table rows
+        rewritten, the batch's table widened where they outgrow it."""
+        batch = self.batch
+        assert batch is not None
+        where = {id(s): i for i, s in enumerate(batch.seqs)}
+        idx = self._upload([where[id(s)] for s in seqs])
+        table = self._page_table(seqs)
+        width = table.shape[1]
+        if width > batch.page_table.shape[1]:
+            batch.page_table = torch.nn.functional.pad(
+                batch.page_table, (0, width - batch.page_table.shape[1]))
+        batch.page_table[idx, :width] = table
+        if self.graphs is not None:
+            self.graphs.set_pages(idx, table)
 
     # --- decode -------------------------------------------------------------------------
 

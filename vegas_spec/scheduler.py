@@ -1,10 +1,14 @@
 """Waiting and running queues: which requests run, and which prompt positions are prefilled
 in the next step.
 
-Requests are admitted first come, first served while a row is free (`row_limit`) and their
-KV pages fit in the pool: a sequence takes every page it may write (prompt, output and the
-drafts' headroom) at admission and gives them back when it finishes or is aborted, so a
-running sequence never waits for memory. Prompts are prefilled in pieces under a per-step
+Requests are admitted first come, first served while a row is free (`row_limit`) and the
+pages of their prompt fit in the pool. A sequence's pages grow as it decodes (`grow`, before
+each decode iteration: the slots its next iteration writes, the drafts' headroom included,
+and `grow_tokens` more, so that it asks only every few iterations); when the pool runs out,
+the most recently admitted sequence is preempted: its pages go back and it returns to the
+head of the queue, to be prefilled again with its output so far (vLLM's recompute), so every
+admitted request keeps making progress and none holds pages it has not yet written. Pages go
+back when a sequence finishes or is aborted. Prompts are prefilled in pieces under a per-step
 token budget, oldest first, so a long prompt cannot stall the running sequences for more
 than one budget's forward; `PrefillPacer` can size that budget from measured step times
 while rows decode. Knows nothing of tensors. Imports `sequence`."""
@@ -26,12 +30,14 @@ class PagePool(Protocol):
 
     def allocate(self, tokens: int) -> list[int]: ...
 
+    def take(self, pages: int) -> list[int]: ...
+
     def release(self, pages: list[int]) -> None: ...
 
 
 @dataclass
 class Piece:
-    """Positions start..end-1 of seq's prompt, prefilled in this step."""
+    """Positions start..end-1 of seq's prefill_ids, prefilled in this step."""
 
     seq: Sequence
     start: int
@@ -122,11 +128,20 @@ class PrefillPacer:
                                    self.smoothing)
 
 
+GROW_TOKENS = 64  # slots a sequence takes beyond what its next iteration writes
+WATERMARK = 0.01  # of the pool, kept free at admission for the running sequences to grow
+
+
 class Scheduler:
-    def __init__(self, pool: PagePool, max_num_seqs: int, prefill_budget: int) -> None:
+    def __init__(self, pool: PagePool, max_num_seqs: int, prefill_budget: int,
+                 grow_tokens: int = GROW_TOKENS) -> None:
         self.pool, self.max_num_seqs, self.prefill_budget = pool, max_num_seqs, prefill_budget
+        self.grow_tokens = grow_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.preemptions = 0
+        # pages the queue's head may not take while sequences run
+        self.watermark = math.ceil(WATERMARK * len(pool.free_pages))
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -134,27 +149,79 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _tokens(self, seq: Sequence) -> int:
+        """The KV slots seq takes when it gets pages: those its next iteration writes (after
+        the prefill of prefill_ids, or the decode of its newest token) and grow_tokens more,
+        within what it may ever write."""
+        return min(seq.kv_tokens, seq.num_tokens + seq.headroom + self.grow_tokens)
+
+    def footprint(self, seq: Sequence) -> int:
+        """Pages seq takes at admission."""
+        return self.pool.pages_for(self._tokens(seq))
+
     def admit(self, row_limit: int) -> list[Sequence]:
         """Move waiting sequences to running, oldest first, while fewer than row_limit (and
-        max_num_seqs) run and their pages fit; each takes its pages now."""
+        max_num_seqs) run and their first pages fit (beside the watermark, while others
+        run); each takes them now."""
         admitted = []
         limit = min(row_limit, self.max_num_seqs)
         while self.waiting and len(self.running) < limit:
             seq = self.waiting[0]
-            if self.pool.pages_for(seq.kv_tokens) > len(self.pool.free_pages):
+            spare = self.watermark if self.running else 0
+            if self.footprint(seq) + spare > len(self.pool.free_pages):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            seq.pages = self.pool.allocate(seq.kv_tokens)
+            seq.pages = self.pool.allocate(self._tokens(seq))
             seq.status = Status.RUNNING
             self.running.append(seq)
             admitted.append(seq)
         return admitted
 
+    def grow(self, rows: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        """Before a decode iteration over `rows` (running sequences, oldest first): each gets
+        the pages its iteration writes, preempting the most recently admitted sequences
+        (itself last) while the pool is short -> (the rows that got pages, the preempted)."""
+        grown: list[Sequence] = []
+        preempted: list[Sequence] = []
+        for seq in rows:
+            if seq.status is not Status.RUNNING or seq.finished:
+                continue
+            need = self.pool.pages_for(min(seq.kv_tokens, seq.num_tokens + seq.headroom))
+            if len(seq.pages) >= need:
+                continue
+            while need - len(seq.pages) > len(self.pool.free_pages):
+                victim = self._victim(seq)
+                self.preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                more = self.pool.pages_for(self._tokens(seq)) - len(seq.pages)
+                seq.pages += self.pool.take(min(more, len(self.pool.free_pages)))
+                grown.append(seq)
+        return [s for s in grown if s.status is Status.RUNNING], preempted
+
+    def _victim(self, seq: Sequence) -> Sequence:
+        """The most recently admitted unfinished running sequence other than seq (seq if
+        none is left)."""
+        for other in reversed(self.running):
+            if other is not seq and not other.finished:
+                return other
+        return seq
+
+    def preempt(self, seq: Sequence) -> None:
+        """A running sequence gives its pages back and waits at the head of the queue."""
+        self.running.remove(seq)
+        self.pool.release(seq.pages)
+        seq.requeue()
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
     def max_resident(self, seqs: list[Sequence]) -> int:
-        """The most of `seqs` that could ever run at once: at most max_num_seqs, and no more
-        than the free pages hold, the smallest sequences counted first."""
+        """The most of `seqs` that could run at once: at most max_num_seqs, and no more
+        than the free pages admit, the smallest sequences counted first."""
         left, count = len(self.pool.free_pages), 0
-        for need in sorted(self.pool.pages_for(s.kv_tokens) for s in seqs):
+        for need in sorted(self.footprint(s) for s in seqs):
             if need > left or count == self.max_num_seqs:
                 break
             left -= need
@@ -163,7 +230,7 @@ class Scheduler:
 
     def prefilling(self) -> bool:
         """Whether a running sequence still has prompt positions to prefill."""
-        return any(seq.prefilled < len(seq.prompt_ids) for seq in self.running)
+        return any(seq.prefilled < len(seq.prefill_ids) for seq in self.running)
 
     def prefill_pieces(self, budget: int | None = None) -> list[Piece]:
         """The prompt positions to prefill in this step: at most `budget` (default
@@ -171,7 +238,7 @@ class Scheduler:
         budget ends."""
         pieces, left = [], self.prefill_budget if budget is None else budget
         for seq in self.running:
-            todo = len(seq.prompt_ids) - seq.prefilled
+            todo = len(seq.prefill_ids) - seq.prefilled
             if todo <= 0 or left <= 0:
                 continue
             take = min(todo, left)

@@ -4,7 +4,10 @@ without decoding the whole output again (and, without stop strings, are decoded 
 text is read).
 
 A sequence goes WAITING (queued) -> RUNNING (pages held: prefilling while `prefilled` is
-short of the prompt, then decoding) -> FINISHED (pages released). Imports `config`, `stats`."""
+short of `prefill_ids`, then decoding) -> FINISHED (pages released). A running sequence that
+the pool cannot grow is preempted back to WAITING (`requeue`): its pages go back, and when it
+runs again its prompt and the output so far are prefilled together (recomputed), after which
+it decodes on from where it stopped. Imports `config`, `stats`."""
 
 from __future__ import annotations
 
@@ -133,7 +136,10 @@ class Sequence:
     detok: Detokenizer | None = None
     status: Status = Status.WAITING
     pages: list[int] = field(default_factory=list)
-    prefilled: int = 0  # prompt positions whose K/V are in the cache
+    prefilled: int = 0  # positions of prefill_ids whose K/V are in the cache
+    # the ids a prefill runs over: the prompt, or after a preemption the prompt and output
+    prefill_ids: list[int] = field(default_factory=list)
+    preemptions: int = 0
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_at: int | None = None  # where a stop string begins in the text
@@ -146,6 +152,13 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self._stop = StopChecker(self.params.stop or [])
+        if not self.prefill_ids:
+            self.prefill_ids = self.prompt_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and output tokens so far."""
+        return len(self.prompt_ids) + len(self.output)
 
     @property
     def committed(self) -> int:
@@ -154,7 +167,8 @@ class Sequence:
 
     @property
     def kv_tokens(self) -> int:
-        """KV slots the sequence may write: the pages it needs from admission to finish."""
+        """KV slots the sequence may write by the time it finishes (its pages grow to
+        these as it decodes)."""
         return self.limit + self.headroom
 
     @property
@@ -214,6 +228,13 @@ class Sequence:
         at = self._stop.find(self.detok.text, added)
         if at is not None:
             self.stop_at, self.finish_reason = at, "stop"
+
+    def requeue(self) -> None:
+        """Preempted (its pages already released): waiting again, to prefill its prompt and
+        the output so far before it decodes on."""
+        self.status, self.prefilled, self.pages = Status.WAITING, 0, []
+        self.prefill_ids = self.prompt_ids + self.output
+        self.preemptions += 1
 
     def finish(self, reason: str) -> None:
         if self.finish_reason is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import itertools
 import socket
 import threading
 import time
@@ -63,7 +64,7 @@ class Running:
 
 
 def engine(**kw: Any) -> LLMEngine:
-    return LLMEngine(None, speculative=SPEC, kv_cache_bytes=256 << 20, **kw)
+    return LLMEngine(None, speculative=SPEC, **{"kv_cache_bytes": 256 << 20, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -469,6 +470,40 @@ def test_a_queued_client_that_leaves_gives_its_place_up() -> None:
                 assert running.engine.num_waiting == 1
                 first.close()
                 assert nxt.result().status_code == 200
+        settle(running)
+        assert free_pages(running) == running.engine.runner.cache.num_pages
+    finally:
+        running.stop()
+
+
+def test_requests_that_may_fill_the_context_do_not_block_a_short_one() -> None:
+    """Five streams with max_tokens 10^9 (capped to a 1K context: said in a warning header)
+    hold only the pages they have written, so in a pool of 100 pages (a whole context is 65)
+    all five decode at once and a short request behind them is answered while they stream,
+    the pool preempting and resuming the newest streams as they grow."""
+    probe = LLM(None, max_model_len=1024, kv_cache_bytes=1 << 22)
+    page = probe.cache.bytes_per_page
+    del probe
+    running = Running(engine(max_num_seqs=8, max_model_len=1024, kv_cache_bytes=101 * page))
+    body = {"model": MODEL, "max_tokens": 10**9, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    try:
+        with contextlib.ExitStack() as stack:
+            streams = [stack.enter_context(httpx.stream(
+                "POST", f"{running.url}/v1/completions", json={**body, "prompt": p},
+                timeout=300)) for p in PROMPTS[:5]]
+            lines = [s.iter_lines() for s in streams]
+            assert all(next(it).startswith("data: ") for it in lines)
+            for s in streams:
+                assert "capped to" in s.headers["x-vegas-warning"]
+            started = time.perf_counter()
+            short = running.client().completions.create(model=MODEL, prompt="Hi",
+                                                        max_tokens=4, temperature=0)
+            assert short.choices[0].finish_reason in ("length", "stop")
+            assert time.perf_counter() - started < 60
+            assert running.engine.num_running == 5  # the streams are still decoding
+            for it in lines:  # each goes on streaming
+                assert any(line.startswith("data: {") for line in itertools.islice(it, 4))
         settle(running)
         assert free_pages(running) == running.engine.runner.cache.num_pages
     finally:

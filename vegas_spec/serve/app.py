@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import signal
 import threading
@@ -46,6 +47,8 @@ OPEN_PATHS = ("/health", "/metrics")
 MAX_BODY_BYTES = 32 << 20  # a request body past this is 413 before it is read (or as it is)
 BODY_TIMEOUT_S = 30.0  # a body that stops arriving for this long is 408 (a slow client)
 RETRY_AFTER_S = 1  # a refused request's Retry-After: the queue moves every step
+WARNING_HEADER = "X-Vegas-Warning"  # what the server changed in a request (max_tokens capped)
+_log = logging.getLogger("uvicorn.error")  # uvicorn's own log: its handlers, its format
 
 
 class Server:
@@ -194,11 +197,31 @@ def _params(body: CompletionRequest | ChatRequest) -> Any:
         raise APIError(400, str(e)) from None
 
 
+def _capped(seq: Sequence, context: int) -> str | None:
+    """Why seq will stop before its max_tokens (None: it may reach them)."""
+    room = seq.limit - len(seq.prompt_ids)
+    if seq.params.max_tokens <= room:
+        return None
+    return (f"max_tokens {seq.params.max_tokens} capped to {room}: the prompt's "
+            f"{len(seq.prompt_ids)} tokens leave no more room in the model's {context}-token "
+            "context (finish_reason \"length\" there)")
+
+
 async def _serve(server: Server, request: Request, build: Callable[[LLMEngine], Sequence],
                  body: CompletionRequest | ChatRequest, chat: bool) -> Response:
     """Queue the request; its first output (or its error) arrives before the response
-    starts, so that a refused request gets its status code."""
-    outputs = server.engine.generate(build)
+    starts, so that a refused request gets its status code. A max_tokens that the context
+    caps is said in a warning header and a log line."""
+    notes: list[str] = []
+
+    def checked(engine: LLMEngine) -> Sequence:
+        seq = build(engine)
+        note = _capped(seq, engine.max_model_len)
+        if note is not None:
+            notes.append(note)
+        return seq
+
+    outputs = server.engine.generate(checked)
     try:  # queued until a row is free: a client that leaves meanwhile gives its place up
         first = await _next(outputs, request)
     except QueueFull as e:
@@ -209,14 +232,18 @@ async def _serve(server: Server, request: Request, build: Callable[[LLMEngine], 
     if first is None:  # the client went away
         return Response(status_code=499)
     rid = new_id("chatcmpl" if chat else "cmpl")
+    headers = {}
+    if notes:
+        _log.warning("%s: %s", rid, notes[0])
+        headers[WARNING_HEADER] = notes[0]
     if body.stream:
         with_usage = body.stream_options is not None and body.stream_options.include_usage
         events = _events(server, outputs, first, rid, chat, with_usage)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     last = await _last(server, outputs, first, request)
     if last is None:  # the client went away
         return Response(status_code=499)
-    return JSONResponse(_final(server, last, rid, chat))
+    return JSONResponse(_final(server, last, rid, chat), headers=headers)
 
 
 async def _next(outputs: AsyncIterator[RequestOutput],

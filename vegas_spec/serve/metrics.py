@@ -22,6 +22,9 @@ class Metrics:
         self.plain_steps = Counter(
             "vegas_plain_steps", "Decode iterations of a speculative method run as plain "
             "steps, where the engine measured that a round would not pay", registry=r)
+        self.preemptions = Counter(
+            "vegas_preemptions", "Requests preempted where the KV pool ran out: their pages "
+            "given back, their prompt and output prefilled again when they resume", registry=r)
         self.rounds = Counter("vegas_speculative_rounds", "Draft-verify rounds run",
                               registry=r)
         self.tokens_per_iteration = Histogram(
@@ -50,6 +53,7 @@ class Metrics:
                 self.accepted_tokens.inc(sum(n - 1 for n in info.emitted))
             else:
                 self.plain_steps.inc()
+        self.preemptions.inc(info.preempted)
         self.step_seconds.observe(info.seconds)
         self.gauges(engine)
 
