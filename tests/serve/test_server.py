@@ -21,7 +21,7 @@ import uvicorn
 
 from vegas_spec.config import SamplingParams
 from vegas_spec.engine import LLM, LLMEngine
-from vegas_spec.serve.app import Server, build_app
+from vegas_spec.serve.app import HEADER_TIMEOUT_S, Server, build_app, http_protocol
 from vegas_spec.tokenizer import encode_chat
 
 pytestmark = pytest.mark.slow
@@ -40,15 +40,18 @@ class Running:
     """A server on a free loopback port, in a thread."""
 
     def __init__(self, engine: LLMEngine, max_queue: int = 64,
-                 api_key: str | None = None, **limits: Any) -> None:
+                 api_key: str | None = None, header_timeout: float = HEADER_TIMEOUT_S,
+                 **limits: Any) -> None:
         self.engine = engine
         self.app = build_app(Server(engine, MODEL, max_queue, api_key, **limits))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
+        self.port = port
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port,
-                                                    log_level="warning"))
+                                                    log_level="warning",
+                                                    http=http_protocol(header_timeout)))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:
@@ -564,7 +567,7 @@ def test_cli_serve_without_the_serve_extra_says_what_to_install(
 
 def test_api_key() -> None:
     running = Running(engine(max_num_seqs=2), api_key="sesame", max_body=1 << 20,
-                      body_timeout=1.0)
+                      body_timeout=1.0, header_timeout=1.0)
     try:
         # refused from the headers: the body is never read or parsed, whatever it is
         url, json_type = f"{running.url}/v1/completions", {"content-type": "application/json"}
@@ -594,7 +597,7 @@ def test_api_key() -> None:
             for line in response.iter_lines():
                 got.append(line)
                 if len(got) == 2:
-                    time.sleep(1.5)  # the stream goes on past body_timeout (1 s)
+                    time.sleep(1.5)  # the stream goes on past both timeouts (1 s)
         assert [line for line in got if line][-1] == "data: [DONE]"
         # a body shorter than its Content-Length: 408 once it stops arriving, not a hang
         with socket.create_connection(("127.0.0.1", int(running.url.rsplit(":", 1)[1]))) as raw:
@@ -603,6 +606,29 @@ def test_api_key() -> None:
                         b"Authorization: Bearer sesame\r\nContent-Type: application/json\r\n"
                         b"Content-Length: 100\r\n\r\n{\"model\": ")
             assert raw.recv(4096).startswith(b"HTTP/1.1 408")
+        # silent, slow headers, slow headers on a kept-alive connection: 408 and closed
+        for first, trickle in ((b"", b""), (b"", b"GET /health HTTP/1.1\r\nHost: x\r\n"),
+                               (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /hea")):
+            with socket.create_connection(("127.0.0.1", running.port)) as raw:
+                raw.settimeout(30)
+                started = time.perf_counter()
+                if first:
+                    raw.sendall(first)
+                    answer = b""
+                    while not answer.endswith(b'{"status":"ok"}'):
+                        answer += raw.recv(4096)
+                    assert answer.startswith(b"HTTP/1.1 200")
+                    started = time.perf_counter()
+                for byte in trickle:  # a byte every 0.1 s: never a whole header block
+                    try:
+                        raw.sendall(bytes([byte]))
+                    except OSError:  # closed by the server meanwhile
+                        break
+                    time.sleep(0.1)
+                reply = b"".join(iter(lambda: raw.recv(4096), b""))  # until it is closed
+                assert reply.startswith(b"HTTP/1.1 408"), reply
+                assert b"headers within 1 s" in reply
+                assert 0.9 < time.perf_counter() - started < 5.0
         assert httpx.get(f"{running.url}/metrics", timeout=300).status_code == 200
         with pytest.raises(openai.AuthenticationError):
             running.client("wrong").models.list()

@@ -17,12 +17,14 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import h11
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from vegas_spec.config import ConfigError
 from vegas_spec.engine import LLMEngine, RequestOutput
@@ -46,6 +48,7 @@ DISCONNECT_POLL_S = 0.25
 OPEN_PATHS = ("/health", "/metrics")
 MAX_BODY_BYTES = 32 << 20  # a request body past this is 413 before it is read (or as it is)
 BODY_TIMEOUT_S = 30.0  # a body that stops arriving for this long is 408 (a slow client)
+HEADER_TIMEOUT_S = 10.0  # a connection whose request line and headers take longer is 408
 RETRY_AFTER_S = 1  # a refused request's Retry-After: the queue moves every step
 WARNING_HEADER = "X-Vegas-Warning"  # what the server changed in a request (max_tokens capped)
 _log = logging.getLogger("uvicorn.error")  # uvicorn's own log: its handlers, its format
@@ -351,6 +354,59 @@ def _errors(app: FastAPI) -> None:
         return _error(APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
 
 
+_TIMED_OUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+              b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
+
+
+def http_protocol(header_timeout: float = HEADER_TIMEOUT_S) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 protocol with a header timeout: a connection that has not sent a
+    whole request line and headers `header_timeout` seconds after it opened (or after its
+    last response, kept alive) is answered 408 and closed, so that slow or silent clients
+    cannot hold connections open (uvicorn times only the idle keep-alive wait, and that
+    timer stops at the first byte)."""
+
+    class TimedH11Protocol(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # the request's headers are in
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self._arm()  # the next request on this connection: timed again
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(header_timeout, self._late)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _late(self) -> None:
+            self._deadline = None
+            if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+                return
+            body = json.dumps(APIError(408, f"no whole request line and headers within "
+                                       f"{header_timeout:g} s").body()).encode()
+            self.transport.write(_TIMED_OUT % (len(body), body))
+            self.transport.close()
+
+    return TimedH11Protocol
+
+
 def serve(engine: LLMEngine, model_name: str, host: str, port: int, max_queue: int,
           api_key: str | None = None, shutdown_timeout: float = 5.0) -> str:
     """Run the server until a signal (SIGINT, SIGTERM) -> how it ended, one line. The first
@@ -359,7 +415,7 @@ def serve(engine: LLMEngine, model_name: str, host: str, port: int, max_queue: i
     Either way the engine thread stops before this returns."""
     server = Server(engine, model_name, max_queue, api_key)
     config = uvicorn.Config(build_app(server), host=host, port=port, log_level="info",
-                            timeout_graceful_shutdown=shutdown_timeout + 2.0)
+                            http=http_protocol(), timeout_graceful_shutdown=shutdown_timeout + 2.0)
     runner = _Graceful(config, server, shutdown_timeout)
     runner.run()
     server.engine.shutdown()  # also when forced: no step runs on past the interpreter's exit
