@@ -168,9 +168,9 @@ class StepLog:
     paced_parts: list[tuple[float, float]] = field(default_factory=list)  # prefill, decode s
     ceiling: int = 0  # the engine's prefill budget: a paced step that took all of it
 
-    def after(self, then: Callable[[Any], None]) -> Callable[[Any], None]:
+    def after(self, then: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
         """An on_step hook that records the step, then calls `then` (the server's metrics)."""
-        def hook(engine: Any) -> None:
+        def hook(engine: Any, outs: Any) -> None:
             info, device = engine.last_step, decode_device_s(engine)
             if info.prefill_tokens:
                 self.prefill_ends.append(time.perf_counter())
@@ -183,7 +183,7 @@ class StepLog:
                 self.decode_s.append(info.seconds)
                 self.decode_device += device - self.device_mark
             self.device_mark = device
-            then(engine)
+            then(engine, outs)
         return hook
 
     def clear(self, engine: Any) -> None:

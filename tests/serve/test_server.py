@@ -5,9 +5,12 @@ status and OpenAI-style body; the queue bound; the API key; every page free afte
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import contextlib
 import itertools
+import json
+import logging
 import socket
 import threading
 import time
@@ -277,6 +280,83 @@ def test_bad_input_gets_its_status_and_an_openai_error(served: Running, name: st
     assert ok.choices[0].finish_reason in ("stop", "length")  # everyone else is still served
 
 
+def _bad_inputs() -> list[tuple[str, str, Any]]:
+    """(name, path, body) of every bad request below: each field of both endpoints given
+    each wrong type or value, bodies that are not a JSON object, and broken chat messages."""
+    comp, chat = "/v1/completions", "/v1/chat/completions"
+    base = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    msgs = [{"role": "user", "content": "x"}]
+    wrong: dict[str, list[Any]] = {
+        "model": [None, 1, [], {}, True, "gpt-4", ""],
+        "max_tokens": [0, -1, 1.5, "10", True, [], {}, 10**30],
+        "temperature": [-1, 2.5, "0.5", True, [], {}, 10**400],
+        "top_p": [0, -0.5, 1.5, "x", True, []],
+        "top_k": [-2, 1.5, "x", True, []],
+        "n": [0, 2, 1.5, "1", True],
+        "stream": ["yes", 1, [], {}],
+        "stream_options": [{"include_usage": "yes"}, "x", 1],
+        "stop": [1, [1], [None], {"a": 1}, True],
+        "seed": [1.5, "x", True, [], 2**70],
+        "ignore_eos": ["yes", 1, []],
+        "logprobs": [2, True],
+        "presence_penalty": [0.5, "x"],
+        "frequency_penalty": [0.5, "x"],
+        "echo": [True], "tools": [[{"type": "function"}]], "functions": [[{"name": "f"}]],
+        "best_of": [True, 2], "logit_bias": [{"1": 5}], "suffix": ["x"],
+        "response_format": [{"type": "json_object"}], "top_logprobs": [2],
+        "tool_choice": ["auto"], "function_call": ["auto"],
+    }
+    out: list[tuple[str, str, Any]] = []
+    for field, values in wrong.items():
+        for value in values:
+            out.append((f"completion {field}={value!r:.20}", comp, {**base, field: value}))
+            out.append((f"chat {field}={value!r:.20}", chat,
+                        {"model": MODEL, "messages": msgs, "max_tokens": 2, field: value}))
+    prompts = [None, "", [], [[]], [-1], [10**7], [1.5], [True], {"a": 1}, True, 1,
+               ["a", "b"], [[1], [2]], [5] * 9000, "word " * 1_000_000]
+    out += [(f"prompt={p!r:.20}", comp, {**base, "prompt": p}) for p in prompts]
+    messages = [None, [], "x", [{}], [{"role": "x", "content": "y"}], [{"role": "user"}],
+                [{"role": "user", "content": 1}], [{"content": "x"}],
+                [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}],
+                [{"role": "user", "content": [{"type": "text"}]}],
+                [{"role": "system", "content": None}], [{"role": "user", "content": "x" * 50_000}]]
+    out += [(f"messages={m!r:.20}", chat, {"model": MODEL, "messages": m}) for m in messages]
+    raw = [b"", b"null", b"[]", b"1", b'"x"', b"{", b"\xff\xfe", b"[" * 100_000,
+           b'{"model": "smollm2", "prompt": "x", "max_tokens": NaN}',
+           b'{"model": "smollm2", "prompt": "x", "temperature": Infinity}',
+           b'{"model": "smollm2", "prompt": "abc\\ud800"}',
+           b'{"model": "smollm2", "prompt": "x", "model": 1}']
+    out += [(f"body {r[:12]!r}", path, r) for r in raw for path in (comp, chat)]
+    return out
+
+
+BAD_INPUTS = _bad_inputs()
+
+
+def test_no_bad_input_is_a_500_or_a_traceback(served: Running,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Every one of the bad requests above is a 4xx with an OpenAI-style error body, none
+    logs an error, and the server goes on answering."""
+    assert len(BAD_INPUTS) >= 134
+    failures = []
+    uvicorn_log = logging.getLogger("uvicorn.error")  # it does not propagate to the root
+    uvicorn_log.addHandler(caplog.handler)
+    with caplog.at_level("ERROR"), contextlib.ExitStack() as stack:
+        stack.callback(uvicorn_log.removeHandler, caplog.handler)
+        for name, path, body in BAD_INPUTS:
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            response = httpx.post(served.url + path, content=data, timeout=300,
+                                  headers={"content-type": "application/json"})
+            error = response.json().get("error", {}) if response.content[:1] == b"{" else {}
+            if not 400 <= response.status_code < 500 or not error.get("message"):
+                failures.append((name, response.status_code, response.text[:200]))
+    assert not failures, failures
+    assert not [r for r in caplog.records if r.levelno >= 40], caplog.text
+    ok = served.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    settle(served)
+
+
 def test_forms_the_api_accepts(served: Running, offline: LLM) -> None:
     """null sampling settings (the defaults), a developer message (a system message), content
     as text parts, a message without content from the assistant."""
@@ -397,6 +477,103 @@ def test_a_burst_waits_while_rows_are_free(served: Running, offline: LLM) -> Non
     settle(served)
 
 
+async def _burst(url: str, bodies: list[dict]) -> list[tuple[int, float, str]]:
+    """Every body posted at once -> (status, seconds to the answer, text) of each."""
+    limits = httpx.Limits(max_connections=len(bodies))
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        async def one(body: dict) -> tuple[int, float, str]:
+            started = time.perf_counter()
+            response = await client.post(url, json=body)
+            return response.status_code, time.perf_counter() - started, response.text
+
+        return list(await asyncio.gather(*(one(b) for b in bodies)))
+
+
+def test_bursts_of_64_wait_and_of_200_are_bounded(served: Running, offline: LLM) -> None:
+    """At 8 rows and a queue bound of 64: a burst of 64 requests is answered in full, each
+    as offline; of a burst of 200 while 8 streams decode, the queue takes 64 and the rest
+    are refused (429), as is every request after them, each within 100 ms (the check does
+    not wait for the engine's step), and every request the queue took is answered."""
+    url = f"{served.url}/v1/completions"
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
+    bodies = [{"model": MODEL, "prompt": p, "max_tokens": 3, "temperature": 0} for p in prompts]
+    answers = asyncio.run(_burst(url, bodies))
+    assert [status for status, _, _ in answers] == [200] * 64
+    want = offline_texts(offline, prompts, [{"max_tokens": 3}] * 64)
+    assert [json.loads(t)["choices"][0]["text"] for _, _, t in answers] == [w for w, _ in want]
+    with contextlib.ExitStack() as stack:  # 8 streams of 60 tokens hold the 8 rows
+        lines = [stack.enter_context(streaming(served, PROMPTS[i], 60)) for i in range(8)]
+        assert served.engine.num_running == 8
+        pool = stack.enter_context(cf.ThreadPoolExecutor(1))
+        burst = pool.submit(asyncio.run, _burst(url, bodies * 3 + bodies[:8]))
+        for _ in range(400):
+            if served.engine.num_waiting == 64 or burst.done():
+                break
+            time.sleep(0.02)
+        late = []  # one at a time, the queue full and the rows decoding: each refused at once
+        for _ in range(10):
+            started = time.perf_counter()
+            status = httpx.post(url, json=bodies[0], timeout=300).status_code
+            late.append((status, time.perf_counter() - started))
+        assert served.engine.num_running == 8 and not burst.done()
+        answers = burst.result()
+        assert sorted({status for status, _, _ in answers}) == [200, 429]
+        assert sum(status == 429 for status, _, _ in answers) == 200 - 64  # the queue took 64
+        assert [status for status, _ in late] == [429] * 10
+        seconds = sorted(t for _, t in late)
+        assert seconds[5] < 0.1 and seconds[-1] < 0.5, seconds
+        for it in lines:  # the streams ran to their end meanwhile
+            assert [line for line in it if line][-1] == "data: [DONE]"
+    settle(served)
+    assert free_pages(served) == served.engine.runner.cache.num_pages
+
+
+def test_random_disconnects_leave_gauges_and_counters_right(served: Running) -> None:
+    """200 requests, 32 at a time: non-streamed ones run to their end, streams are closed
+    after 1-4 chunks (of 300 tokens: they cannot finish first). Within a second of the last,
+    no request runs, every page is free, and the request counter went up by 200: the closed
+    streams as finish reason abort, the rest as stop or length."""
+    import random
+
+    rng = random.Random(0)
+    before = metric(served, "vegas_requests_total")
+    url = f"{served.url}/v1/completions"
+    plan = [rng.random() < 0.4 for _ in range(200)]  # True: a stream closed early
+
+    async def one(client: httpx.AsyncClient, gate: asyncio.Semaphore, i: int,
+                  close: bool) -> None:
+        body = {"model": MODEL, "prompt": PROMPTS[i % len(PROMPTS)], "temperature": 0,
+                "max_tokens": 300 if close else 1 + i % 4, "stream": close,
+                "ignore_eos": close}
+        async with gate:
+            if not close:
+                assert (await client.post(url, json=body)).status_code == 200
+                return
+            async with client.stream("POST", url, json=body) as response:
+                assert response.status_code == 200
+                chunks, keep = 0, 1 + i % 4
+                async for line in response.aiter_lines():
+                    chunks += line.startswith("data: {")
+                    if chunks == keep:
+                        break
+
+    async def run() -> None:
+        gate = asyncio.Semaphore(32)
+        async with httpx.AsyncClient(timeout=300) as client:
+            await asyncio.gather(*(one(client, gate, i, c) for i, c in enumerate(plan)))
+
+    asyncio.run(run())
+    settle(served)
+    time.sleep(1.0)
+    after = metric(served, "vegas_requests_total")
+    added = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    assert added.get('{finish_reason="abort"}') == sum(plan), added
+    assert sum(added.values()) == 200, added
+    assert metric(served, "vegas_num_requests_running")[""] == 0
+    assert metric(served, "vegas_num_requests_waiting")[""] == 0
+    assert metric(served, "vegas_kv_free_pages")[""] == served.engine.runner.cache.num_pages
+
+
 def metric(running: Running, name: str) -> dict[str, float]:
     """The samples of one metric from /metrics: {labels (or ""): value}."""
     text = httpx.get(f"{running.url}/metrics", timeout=300).text
@@ -431,17 +608,32 @@ def test_disconnects_show_in_the_metrics_at_once(served: Running) -> None:
 
 def test_a_huge_prompt_is_refused_at_once_beside_a_stream(served: Running) -> None:
     """A 5 MB prompt holds more characters than the 8K context's tokens can: refused (400)
-    without being tokenized, while a stream goes on; the tokenizing of any prompt runs on a
-    worker thread, not the engine's."""
-    with streaming(served, PROMPTS[0], 200) as lines:
+    in under 0.5 s without being tokenized, while a stream goes on with no chunk gap above
+    twice its median; the tokenizing of any prompt runs on a worker thread, not the
+    engine's."""
+    huge = {"model": MODEL, "prompt": "word " * 1_000_000, "max_tokens": 2}
+
+    def refuse() -> tuple[httpx.Response, float, float]:
         started = time.perf_counter()
-        huge = httpx.post(f"{served.url}/v1/completions", timeout=300,
-                          json={"model": MODEL, "prompt": "word " * 1_000_000, "max_tokens": 2})
-        took = time.perf_counter() - started
-        assert huge.status_code == 400, huge.text
-        assert "characters" in huge.json()["error"]["message"]
-        assert took < 2.0, took  # was 11.6 s of tokenizing in the engine thread
-        assert [line for line in lines if line][-1] == "data: [DONE]"  # it ran to its end
+        response = httpx.post(f"{served.url}/v1/completions", json=huge, timeout=300)
+        return response, started, time.perf_counter()
+
+    arrivals = []
+    with streaming(served, PROMPTS[0], 80) as lines, cf.ThreadPoolExecutor(1) as pool:
+        for line in lines:
+            if line:
+                arrivals.append(time.perf_counter())
+            if len(arrivals) == 12:  # the stream's pace is known: the big request now
+                refusal = pool.submit(refuse)
+        response, started, ended = refusal.result()
+    assert response.status_code == 400, response.text
+    assert "characters" in response.json()["error"]["message"]
+    assert ended - started < 0.5, ended - started  # was 11.6 s of tokenizing in the engine
+    gaps = [(b, b - a) for a, b in itertools.pairwise(arrivals)]
+    median = sorted(g for _, g in gaps)[len(gaps) // 2]
+    during = [g for at, g in gaps if started <= at <= ended + median]
+    assert during and max(during) <= 2 * median, (during, median)
+    assert len(arrivals) > 20  # it ran to its end
     settle(served)
 
 

@@ -242,11 +242,24 @@ async def _serve(server: Server, request: Request, build: Callable[[LLMEngine], 
     if body.stream:
         with_usage = body.stream_options is not None and body.stream_options.include_usage
         events = _events(server, outputs, first, rid, chat, with_usage)
-        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    last = await _last(server, outputs, first, request)
+        return _Stream(events, media_type="text/event-stream", headers=headers)
+    last = await _last(outputs, first, request)
     if last is None:  # the client went away
         return Response(status_code=499)
     return JSONResponse(_final(server, last, rid, chat), headers=headers)
+
+
+class _Stream(StreamingResponse):
+    """A stream whose events are closed however it ends: when its client disconnects,
+    starlette cancels the sending and leaves the event generator suspended for the garbage
+    collector, so without this the request would decode on, unread and uncounted, until it
+    finished or the generator happened to be collected."""
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 async def _next(outputs: AsyncIterator[RequestOutput],
@@ -264,7 +277,7 @@ async def _next(outputs: AsyncIterator[RequestOutput],
     return nxt.result()
 
 
-async def _last(server: Server, outputs: AsyncIterator[RequestOutput], out: RequestOutput,
+async def _last(outputs: AsyncIterator[RequestOutput], out: RequestOutput,
                 request: Request) -> RequestOutput | None:
     """The final output, or None once the client disconnects (the request is aborted)."""
     while not out.finished:
@@ -272,7 +285,6 @@ async def _last(server: Server, outputs: AsyncIterator[RequestOutput], out: Requ
         if nxt is None:
             return None
         out = nxt
-    _count(server, out)
     return out
 
 
@@ -301,17 +313,12 @@ async def _events(server: Server, outputs: AsyncIterator[RequestOutput], out: Re
             if out.finished:
                 break
             out = await anext(outputs)
-        _count(server, out)
         if with_usage:
             use = usage(len(out.prompt_token_ids), len(out.token_ids))
             yield _sse(usage_chunk(rid, model, chat, use))
         yield "data: [DONE]\n\n"
     finally:
         await outputs.aclose()
-
-
-def _count(server: Server, out: RequestOutput) -> None:
-    server.metrics.requests.labels(out.finish_reason or "unknown").inc()
 
 
 def _sse(body: dict[str, Any]) -> str:

@@ -24,7 +24,7 @@ class QueueFull(Exception):
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queue: int,
-                 on_step: Callable[[LLMEngine], None] | None = None,
+                 on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
                  on_abort: Callable[[LLMEngine], None] | None = None, workers: int = 2) -> None:
         self.engine, self.max_queue = engine, max_queue
         self.on_step, self.on_abort = on_step, on_abort
@@ -36,7 +36,11 @@ class AsyncEngine:
         self._wake = threading.Event()
         self.error: BaseException | None = None
         self.ended = 0  # requests `end_all` aborted
-        self._pending = 0  # requests being built or queued on their way in (event loop only)
+        # requests on their way in (being built, or their command queued): counted until
+        # the engine thread queues or refuses them, so that none counts twice, here and as
+        # a waiting request
+        self._pending = 0
+        self._pending_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="vegas-engine", daemon=True)
         self._thread.start()
 
@@ -52,19 +56,19 @@ class AsyncEngine:
         # (the engine thread checks again, with the engine's own counts, as it queues it)
         if self._pending + self._beyond_free_rows() >= self.max_queue:
             raise self._full()
-        self._pending += 1
+        ticket = self._arrive()
         try:
             seq = await loop.run_in_executor(self._workers, build, self.engine)
             added: asyncio.Future[str] = loop.create_future()
             outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-            self._call(lambda: self._add(seq, loop, outputs, added))
+            self._call(lambda: self._add(seq, loop, outputs, added, ticket))
             try:
                 rid = await asyncio.shield(added)
             except asyncio.CancelledError:  # gone before its id came back: abort it once it is
                 added.add_done_callback(self._abort_when_added)
                 raise
         finally:
-            self._pending -= 1
+            self._arrived(ticket)  # refused or failed before the engine thread saw it
         finished = False
         try:
             while not finished:
@@ -90,6 +94,19 @@ class AsyncEngine:
 
         self._call(call)
         return await done
+
+    def _arrive(self) -> list[bool]:
+        """A request on its way in: counted in `_pending` until `_arrived(ticket)`."""
+        with self._pending_lock:
+            self._pending += 1
+        return [True]
+
+    def _arrived(self, ticket: list[bool]) -> None:
+        """The request is queued in the engine or refused (once per ticket, either thread)."""
+        with self._pending_lock:
+            if ticket[0]:
+                ticket[0] = False
+                self._pending -= 1
 
     def _beyond_free_rows(self) -> int:
         """Waiting requests that no free row will take: those that arrived since the last
@@ -139,7 +156,7 @@ class AsyncEngine:
         self._wake.set()
 
     def _add(self, seq: Sequence, loop: asyncio.AbstractEventLoop,
-             outputs: asyncio.Queue, added: asyncio.Future) -> None:
+             outputs: asyncio.Queue, added: asyncio.Future, ticket: list[bool]) -> None:
         try:
             if self._beyond_free_rows() >= self.max_queue:
                 raise self._full()
@@ -147,6 +164,8 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - handed to the request's coroutine
             loop.call_soon_threadsafe(_settle, added, None, e)
             return
+        finally:
+            self._arrived(ticket)
         self._streams[seq.request_id] = (loop, outputs)
         loop.call_soon_threadsafe(_settle, added, seq.request_id, None)
 
@@ -169,7 +188,7 @@ class AsyncEngine:
                 self._fail_all()
                 continue
             if self.on_step is not None:
-                self.on_step(self.engine)
+                self.on_step(self.engine, outs)
             self._deliver(outs)
 
     def _drain(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from vegas_spec.engine import LLMEngine
+from vegas_spec.engine import LLMEngine, RequestOutput
 
 
 class Metrics:
@@ -39,8 +39,12 @@ class Metrics:
                              registry=r)
         self.free_pages = Gauge("vegas_kv_free_pages", "Free KV cache pages", registry=r)
 
-    def step(self, engine: LLMEngine) -> None:
-        """After each engine step (in the engine thread)."""
+    def step(self, engine: LLMEngine, outs: list[RequestOutput]) -> None:
+        """After each engine step (in the engine thread), with its outputs: the requests
+        that finished are counted here, whether or not their clients read the end."""
+        for out in outs:
+            if out.finished:
+                self.requests.labels(out.finish_reason).inc()
         info = engine.last_step
         self.prompt_tokens.inc(info.prefill_tokens)
         self.generation_tokens.inc(sum(info.emitted) + info.first_tokens)
