@@ -1,6 +1,6 @@
 """Local context in vegas's selection: tokens per iteration over a (window, pool) grid.
 
-SpecConfig's `window` always selects the positions just before the selection row (inside the
+vegas's and lastq's `window` always selects the positions just before the selection row (inside the
 budget k), and `pool` max-pools the aggregated scores over neighbouring positions before the
 top-k (SnapKV's trick); window 0 and pool 1 are the paper's pure top-k. This script runs, per
 workload (essays and code at --context tokens, generation: a chat question and a long
@@ -150,17 +150,18 @@ def main() -> None:
                 plain = run(llm, prompts, params, SpecConfig(method="vanilla"))["token_ids"]
             # stream reads neither setting: recorded as the pure top-k's
             todo = ([] if args.no_stream else
-                    [dataclasses.replace(base, method="stream", window=0, pool=1)])
+                    [dataclasses.replace(base, method="stream")])
             for spec in todo + specs:
+                window = getattr(spec.options, "window", 0)  # stream: the pure top-k's
+                pool = getattr(spec.options, "pool", 1)
                 row = run(llm, prompts, params, spec)
                 if plain is not None:
                     row["same_as_vanilla"] = sum(a == b for a, b in
                                                  zip(row["token_ids"], plain))
                 cells.append({"workload": workload, "sampling": sampling,
-                              "method": spec.method, "window": spec.window,
-                              "pool": spec.pool, **row})
-                print(f"{workload} {sampling} {spec.method} window {spec.window} pool "
-                      f"{spec.pool}: {_f(row['tokens_per_iteration'])} tokens/iteration"
+                              "method": spec.method, "window": window, "pool": pool, **row})
+                print(f"{workload} {sampling} {spec.method} window {window} pool "
+                      f"{pool}: {_f(row['tokens_per_iteration'])} tokens/iteration"
                       + ("" if plain is None else
                          f", {row['same_as_vanilla']}/{len(plain)} = vanilla"), flush=True)
                 save()

@@ -165,8 +165,14 @@ BAD_COMMANDS = [
      rf"prompt 3 of 3 has {WORDS} tokens but the model's context is 64"),
     ("gamma-zero", "compare --model {model}/nowhere --prompt a --gamma 0",
      r"gamma must be an integer in \[1, 32\], got 0$"),
-    ("pool-even", "generate --model {model}/nowhere --prompt a --pool 4",
+    ("pool-even", "generate --model {model}/nowhere --prompt a --method vegas --pool 4",
      r"pool must be an odd integer >= 1 \(1: no pooling\), got 4$"),
+    ("another-methods-setting", "generate --model {model}/nowhere --prompt a --method stream "
+     "--page 32", r"method 'stream' has no setting 'page' \(its own: sink; methods that have "
+     r"it: quest\)$"),
+    ("setting-of-no-compared-method", "compare --model {model}/nowhere --prompt a --methods "
+     "stream quest --pool 3", r"--pool is a setting of none of the methods compared "
+     r"\(stream, quest\)$"),
     ("window-negative", "compare --model {model}/nowhere --prompt a --window -1",
      "window must be an integer >= 0, got -1$"),
     ("empty-prompt", "generate --model {model} --prompt=", r"prompt is empty \(no tokens\)$"),
@@ -300,17 +306,20 @@ def test_window_and_pool_reach_the_settings(command: str, tmp_path: Path) -> Non
         args = cli._parser(cli._settings_file(given)).parse_args([command, *given])
         return cli._spec(args, "lastq")
 
-    assert (spec().window, spec().pool) == (DEFAULT_WINDOW, DEFAULT_POOL)
-    assert (spec("--window", "64", "--pool", "7").window, spec("--pool", "7").pool) == (64, 7)
+    def window_pool(s: SpecConfig) -> tuple[int, int]:
+        return s.options.window, s.options.pool
+
+    assert window_pool(spec()) == (DEFAULT_WINDOW, DEFAULT_POOL)
+    assert window_pool(spec("--window", "64", "--pool", "7")) == (64, 7)
     path = tmp_path / "config.json"
     write_config(path, SpecConfig(window=32, pool=3), {})
     assert read_config(path) == SpecConfig(window=32, pool=3)
     got = spec("--config", str(path)), spec("--config", str(path), "--pool", "5")
-    assert [(s.window, s.pool) for s in got] == [(32, 3), (32, 5)]
+    assert [window_pool(s) for s in got] == [(32, 3), (32, 5)]
     data = json_.loads(path.read_text())
     del data["speculative"]["window"], data["speculative"]["pool"]
     path.write_text(json_.dumps(data))
-    assert (read_config(path).window, read_config(path).pool) == (DEFAULT_WINDOW, DEFAULT_POOL)
+    assert window_pool(read_config(path)) == (DEFAULT_WINDOW, DEFAULT_POOL)
 
 
 @pytest.mark.parametrize("command", ["generate", "compare"])
@@ -331,9 +340,12 @@ def test_every_option_explains_itself(command: str) -> None:
     if command == "generate":
         assert "0 decodes greedily (default: 0.0)" in text
     assert "weight = softmax probability per head" in text and "logit = raw q.k" in text
-    assert "2 = the first and the last row, all = all gamma+1 rows" in text
-    assert "layer = one selection per layer shared by all heads, kv_head = one per KV head" \
-        in text
+    assert "2 = the first and the last row (the default), all = all gamma+1 rows" in text
+    assert "layer = one selection per layer shared by all heads (the default), kv_head = one " \
+        "per KV head" in text
+    for flag, methods in (("--window", "vegas, lastq, specextend:"), ("--page", "quest:"),
+                          ("--chunk", "specextend:"), ("--pool", "vegas, lastq:")):
+        assert f"{flag} {flag[2:].upper()} {methods}" in text  # which methods take it
 
 
 # --- through the console entry point: exit codes, one line, no traceback ----------------------

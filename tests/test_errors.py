@@ -3,6 +3,7 @@ touched where possible; and the KV page pool is shared and returned intact."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -17,12 +18,18 @@ from safetensors.torch import load_file, save_file
 
 from vegas_spec.cache import OutOfMemoryError, PagedKVCache
 from vegas_spec.config import (
+    METHODS,
     ConfigError,
     EngineConfig,
+    LastqOptions,
     LengthCapWarning,
     ModelConfig,
+    QuestOptions,
     SamplingParams,
     SpecConfig,
+    VegasOptions,
+    option_names,
+    spec_config,
 )
 from vegas_spec.engine import LLM
 from vegas_spec.models.loader import WeightError
@@ -253,10 +260,18 @@ def test_single_stop_string_becomes_a_tuple() -> None:
     ({"collect": 3}, "collect must be one of 2, all, got '3'"),
     ({"granularity": "head"}, "granularity must be one of layer, kv_head, got 'head'"),
     ({"min_tokens": 0}, "min_tokens must be an integer >= 1, got 0"),
-    ({"page": 0}, "page must be an integer >= 1, got 0"),
+    ({"method": "quest", "page": 0}, "page must be an integer >= 1, got 0"),
     ({"sink": -1}, "sink must be an integer >= 0, got -1"),
     ({"gamma": True}, r"gamma must be an integer in \[1, 32\], got True"),
-    ({"chunk": False}, "chunk must be an integer >= 1, got False"),
+    ({"method": "specextend", "chunk": False}, "chunk must be an integer >= 1, got False"),
+    # a setting of another method: named, with the methods that have it
+    ({"page": 32}, r"method 'vegas' has no setting 'page' \(its own: sink, window, pool, "
+                   r"score, collect, granularity; methods that have it: quest\)"),
+    ({"method": "stream", "window": 8, "score": "logit"},
+     r"method 'stream' has no setting 'window', 'score' \(its own: sink; methods that have "
+     "them: lastq, specextend, vegas\\)"),
+    ({"method": "full", "sink": 2}, r"method 'full' has no setting 'sink' \(its own: none;"),
+    ({"method": "vanilla", "window": 0}, r"method 'vanilla' has no setting 'window'"),
     ({"sink": True}, "sink must be an integer >= 0, got True"),
     ({"window": -1}, "window must be an integer >= 0, got -1"),
     ({"window": 2.0}, "window must be an integer >= 0, got 2.0"),
@@ -271,10 +286,28 @@ def test_invalid_spec_config(kwargs: dict, message: str) -> None:
 
 
 def test_spec_config_accepts_its_documented_range() -> None:
-    assert SpecConfig(gamma=1, ratio=1.0, collect=2).collect == "2"
     assert SpecConfig(gamma=32, ratio=1e-3, granularity="kv_head", score="logit").speculative
     assert not SpecConfig(method="vanilla").speculative
-    assert (SpecConfig(window=0, pool=1).window, SpecConfig(window=64, pool=7).pool) == (0, 7)
+    assert SpecConfig(gamma=1, ratio=1.0, collect=2).options.collect == "2"
+    assert (SpecConfig(window=0, pool=1).options.window,
+            SpecConfig(window=64, pool=7).options.pool) == (0, 7)
+    assert SpecConfig(method="quest", page=32).options == QuestOptions(page=32)
+
+
+def test_each_method_has_its_own_settings() -> None:
+    """A method's settings are its own object; replacing the method keeps those the new
+    method shares and drops the rest; the flat form (a config file's) round-trips."""
+    spec = SpecConfig(method="vegas", window=16, score="logit", gamma=4)
+    assert spec.options == VegasOptions(window=16, score="logit")
+    lastq = dataclasses.replace(spec, method="lastq")
+    assert lastq.options == LastqOptions(window=16) and lastq.gamma == 4
+    assert dataclasses.replace(spec, method="quest").options == QuestOptions()
+    assert dataclasses.replace(spec, ratio=0.5).options == spec.options
+    for method in METHODS:
+        flat = SpecConfig(method=method).as_dict()
+        assert spec_config(flat) == SpecConfig(method=method)
+        assert set(flat) == {"method", "gamma", "ratio", "min_tokens", "adaptive",
+                             *option_names(method)}
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -162,10 +162,11 @@ def _common(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001 - SpecCon
 
 def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
     """Options of every command: model, engine and speculative settings."""
-    from vegas_spec.config import DTYPES, SpecConfig
+    from vegas_spec.config import DEFAULT_WINDOW, DTYPES, SpecConfig
 
     DEFAULT_SPEC = settings or SpecConfig()  # noqa: N806
     g = argparse.ArgumentParser(add_help=False)
+    g.set_defaults(settings=settings)  # its method's own settings: the defaults of _spec
     g.add_argument("--model", help="HF folder (config.json + *.safetensors) or .gguf file "
                    "(default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--config", type=Path, metavar="FILE",
@@ -211,16 +212,15 @@ def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
     g.add_argument("--min-tokens", type=int, default=DEFAULT_SPEC.min_tokens,
                    help="smallest selection budget in tokens; shorter contexts draft with "
                         "full attention")
-    g.add_argument("--score", default=DEFAULT_SPEC.score, choices=["weight", "logit"],
-                   help="how the verify pass ranks cached positions: weight = softmax "
-                        "probability per head (heads comparable), logit = raw q.k")
-    g.add_argument("--collect", default=DEFAULT_SPEC.collect, choices=["2", "all"],
-                   help="verify rows whose scores select: 2 = the first and the last row, "
-                        "all = all gamma+1 rows")
-    g.add_argument("--granularity", default=DEFAULT_SPEC.granularity,
-                   choices=["layer", "kv_head"],
-                   help="layer = one selection per layer shared by all heads, kv_head = one "
-                        "per KV head")
+    g.add_argument("--score", choices=["weight", "logit"],
+                   help="vegas: how the verify pass ranks cached positions: weight = softmax "
+                        "probability per head (heads comparable; the default), logit = raw q.k")
+    g.add_argument("--collect", choices=["2", "all"],
+                   help="vegas: verify rows whose scores select: 2 = the first and the last "
+                        "row (the default), all = all gamma+1 rows")
+    g.add_argument("--granularity", choices=["layer", "kv_head"],
+                   help="vegas: layer = one selection per layer shared by all heads (the "
+                        "default), kv_head = one per KV head")
     g.add_argument("--fixed-gamma", dest="adaptive", action="store_false",
                    default=DEFAULT_SPEC.adaptive,
                    help="draft --gamma tokens every iteration; by default a round runs only "
@@ -228,14 +228,20 @@ def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
     g.add_argument("--adaptive", dest="adaptive", action="store_true",
                    help="the default: speculate only where it pays (overrides a settings "
                         "file's fixed gamma)")
-    g.add_argument("--sink", type=int, default=DEFAULT_SPEC.sink,
-                   help="stream: first tokens always attended to (attention sink)")
-    g.add_argument("--window", type=int, default=DEFAULT_SPEC.window,
-                   help="vegas, lastq: positions just before the selection row always "
-                        "selected, inside the budget (0: pure top-k)")
-    g.add_argument("--pool", type=int, default=DEFAULT_SPEC.pool,
+    g.add_argument("--sink", type=int,
+                   help="stream, vegas, lastq, specextend: first tokens always attended to "
+                        "(attention sink; default 4)")
+    g.add_argument("--window", type=int,
+                   help="vegas, lastq, specextend: positions just before the selection row "
+                        f"always selected, inside the budget (0: pure top-k; default "
+                        f"{DEFAULT_WINDOW})")
+    g.add_argument("--pool", type=int,
                    help="vegas, lastq: odd width of a max-pool of the scores over "
-                        "neighbouring positions before the top-k (1: none)")
+                        "neighbouring positions before the top-k (1: none, the default)")
+    g.add_argument("--page", type=int,
+                   help="quest: tokens per page whose min and max keys are scored (default 16)")
+    g.add_argument("--chunk", type=int,
+                   help="specextend: tokens per scored chunk (default 32)")
     return g
 
 
@@ -293,13 +299,37 @@ def _read_prompt(path: Path) -> str:
                           f"at offset {err.start}); convert it, e.g. with iconv") from None
 
 
-def _spec(args: argparse.Namespace, method: str):  # noqa: ANN202 - a SpecConfig
-    from vegas_spec.config import SpecConfig
+OPTION_FLAGS = ("score", "collect", "granularity", "sink", "window", "pool", "page", "chunk")
 
-    return SpecConfig(method=method, gamma=args.gamma, ratio=args.ratio,
-                      min_tokens=args.min_tokens, score=args.score, collect=args.collect,
-                      granularity=args.granularity, sink=args.sink, window=args.window,
-                      pool=args.pool, adaptive=args.adaptive)
+
+def _spec(args: argparse.Namespace, method: str, strict: bool = True):  # noqa: ANN202
+    """The SpecConfig of `method` from the flags, over a settings file's (`--config`): its
+    method's own settings carry over where `method` has them. A method's setting flag given
+    for a method without it is an error (strict), or left to the methods that have it."""
+    import dataclasses
+
+    from vegas_spec.config import SpecConfig, option_names
+
+    given = {name: getattr(args, name) for name in OPTION_FLAGS
+             if getattr(args, name, None) is not None}
+    mine = set(option_names(method))
+    if strict and set(given) - mine:
+        SpecConfig(method=method, **given)  # raises: the error names the method's own
+    base = getattr(args, "settings", None) or SpecConfig(method=method)
+    return dataclasses.replace(base, method=method, gamma=args.gamma, ratio=args.ratio,
+                               min_tokens=args.min_tokens, adaptive=args.adaptive,
+                               **{k: v for k, v in given.items() if k in mine})
+
+
+def _check_options(args: argparse.Namespace, methods: list[str]) -> None:
+    """A method's setting flag that none of `methods` has is an error."""
+    from vegas_spec.config import ConfigError, option_names
+
+    for name in OPTION_FLAGS:
+        if getattr(args, name, None) is not None and \
+                not any(name in option_names(m) for m in methods):
+            raise ConfigError(f"--{name} is a setting of none of the methods compared "
+                              f"({', '.join(methods)})")
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -357,7 +387,8 @@ def compare(args: argparse.Namespace) -> int:
     from vegas_spec.config import SamplingParams
     from vegas_spec.engine import LLM
 
-    specs = [_spec(args, method) for method in ["vanilla", *args.methods]]
+    specs = [_spec(args, method, strict=False) for method in ["vanilla", *args.methods]]
+    _check_options(args, args.methods)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     kwargs, prompts = _engine_kwargs(args), _prompts(args)
     llm = LLM(args.model, **kwargs)

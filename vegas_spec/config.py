@@ -257,7 +257,7 @@ class SamplingParams:
 
 
 MAX_GAMMA = 32
-# vegas's and lastq's local context by default (SpecConfig.window, .pool; 0, 1: the paper's
+# vegas's and lastq's local context by default (their options' window, pool; 0, 1: the paper's
 # pure top-k): the 64 positions before the selection row, no pooling, from
 # benchmarks/selection_sweep.py on an H200 (BENCHMARKS.md §0: window 64 drafted more tokens
 # per iteration than the pure top-k in long generation and on essays, greedy and sampled).
@@ -265,56 +265,159 @@ DEFAULT_WINDOW, DEFAULT_POOL = 64, 1
 METHODS = ("vanilla", "vegas", "stream", "quest", "lastq", "specextend", "full")
 
 
+def _int_at_least(name: str, value: Any, low: int) -> None:
+    if not is_int(value) or value < low:
+        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
 @dataclass(frozen=True)
+class PolicyOptions:
+    """A selection policy's own settings (the base: a method that has none)."""
+
+    def __post_init__(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class SinkOptions(PolicyOptions):
+    # the first positions every recent-range selection keeps (the attention sink)
+    sink: int = 4
+
+    def __post_init__(self) -> None:
+        _int_at_least("sink", self.sink, 0)
+
+
+@dataclass(frozen=True)
+class WindowOptions(SinkOptions):
+    # the positions just before the selection row always selected (inside the budget k:
+    # min(window, k) of them), as the start of the recent range; 0: none
+    window: int = DEFAULT_WINDOW
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _int_at_least("window", self.window, 0)
+
+
+@dataclass(frozen=True)
+class LastqOptions(WindowOptions):
+    # the odd width of a max-pool over neighbouring positions of the scores before the
+    # top-k (1: none)
+    pool: int = DEFAULT_POOL
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not is_int(self.pool) or self.pool < 1 or self.pool % 2 == 0:
+            raise ConfigError(f"pool must be an odd integer >= 1 (1: no pooling), got "
+                              f"{self.pool!r}")
+
+
+@dataclass(frozen=True)
+class VegasOptions(LastqOptions):
+    score: str = "weight"  # the verify pass's attention weights, or its raw logits
+    collect: str = "2"  # the verify rows aggregated: the first and last, or all
+    granularity: str = "layer"  # one selection per layer, or per kv head
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "collect", str(self.collect))
+        super().__post_init__()
+        _choice("score", self.score, ("weight", "logit"))
+        _choice("collect", self.collect, ("2", "all"))
+        _choice("granularity", self.granularity, ("layer", "kv_head"))
+
+
+@dataclass(frozen=True)
+class SpecExtendOptions(WindowOptions):
+    chunk: int = 32  # tokens per scored chunk
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _int_at_least("chunk", self.chunk, 1)
+
+
+@dataclass(frozen=True)
+class QuestOptions(PolicyOptions):
+    page: int = 16  # tokens per page whose min and max keys are scored
+
+    def __post_init__(self) -> None:
+        _int_at_least("page", self.page, 1)
+
+
+# Each method's settings, beside the ones every method shares (SpecConfig's fields).
+POLICY_OPTIONS: dict[str, type[PolicyOptions]] = {
+    "vanilla": PolicyOptions, "vegas": VegasOptions, "stream": SinkOptions,
+    "quest": QuestOptions, "lastq": LastqOptions, "specextend": SpecExtendOptions,
+    "full": PolicyOptions}
+
+
+def option_names(method: str) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(POLICY_OPTIONS[method]))
+
+
+@dataclass(frozen=True, init=False)
 class SpecConfig:
-    """Self-speculative decoding settings (see METHOD.md)."""
+    """Self-speculative decoding settings (see docs/method.md): the method and what every
+    method shares (γ, the budget's ratio and floor, adaptive speculation), and the method's
+    own settings (`options`, a `POLICY_OPTIONS` class), given as a PolicyOptions or as
+    keywords: `SpecConfig(method="quest", page=32)`. A keyword that is not one of the
+    method's settings is an error that names the method's own."""
 
     method: str = "vegas"
     gamma: int = 6
     ratio: float = 0.05
     min_tokens: int = 256
-    score: str = "weight"
-    collect: str = "2"
-    granularity: str = "layer"
-    sink: int = 4
-    page: int = 16
-    chunk: int = 32
-    # vegas and lastq: the positions just before the selection row always selected (inside
-    # the budget k: min(window, k) of them), and the odd width of a max-pool over neighbouring
-    # positions of the aggregated scores before the top-k (1: none). 0 and 1: pure top-k.
-    window: int = DEFAULT_WINDOW
-    pool: int = DEFAULT_POOL
     # Per iteration, a round only where the engine's own timings say it beats a plain step
     # (`speculative.adaptive`); False: always γ drafts (benchmarks of a fixed γ).
     adaptive: bool = True
+    options: PolicyOptions = PolicyOptions()
+
+    def __init__(self, method: str = "vegas", gamma: int = 6, ratio: float = 0.05,
+                 min_tokens: int = 256, adaptive: bool = True,
+                 options: PolicyOptions | None = None, **settings: Any) -> None:
+        if method not in METHODS:
+            raise ConfigError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        for name, value in (("method", method), ("gamma", gamma), ("ratio", ratio),
+                            ("min_tokens", min_tokens), ("adaptive", adaptive)):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "options", _options(method, options, settings))
+        self.__post_init__()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "collect", str(self.collect))
-        if self.method not in METHODS:
-            raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
         if not is_int(self.gamma) or not 1 <= self.gamma <= MAX_GAMMA:
             raise ConfigError(f"gamma must be an integer in [1, {MAX_GAMMA}], got {self.gamma!r}")
         if not _is_number(self.ratio) or not 0.0 < self.ratio <= 1.0:
             raise ConfigError(f"ratio must be a number in (0, 1], got {self.ratio!r}")
-        if not is_int(self.min_tokens) or self.min_tokens < 1:
-            raise ConfigError(f"min_tokens must be an integer >= 1, got {self.min_tokens!r}")
-        _choice("score", self.score, ("weight", "logit"))
-        _choice("collect", self.collect, ("2", "all"))
-        _choice("granularity", self.granularity, ("layer", "kv_head"))
-        for name in ("sink", "page", "chunk", "window"):
-            value = getattr(self, name)
-            low = 0 if name in ("sink", "window") else 1
-            if not is_int(value) or value < low:
-                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        _int_at_least("min_tokens", self.min_tokens, 1)
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"adaptive must be True or False, got {self.adaptive!r}")
-        if not is_int(self.pool) or self.pool < 1 or self.pool % 2 == 0:
-            raise ConfigError(f"pool must be an odd integer >= 1 (1: no pooling), got "
-                              f"{self.pool!r}")
 
     @property
     def speculative(self) -> bool:
         return self.method != "vanilla"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as one flat dict (a config file's "speculative" object): the shared
+        fields and the method's own."""
+        shared = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "options"}
+        return {**shared, **{f.name: getattr(self.options, f.name)
+                             for f in fields(self.options)}}
+
+
+def _options(method: str, options: PolicyOptions | None,
+             settings: dict[str, Any]) -> PolicyOptions:
+    """The method's settings: `options` (another method's: those of its fields this method
+    has, as `dataclasses.replace(spec, method=...)` gives), with `settings` over them."""
+    kind = POLICY_OPTIONS[method]
+    names = option_names(method)
+    unknown = [k for k in settings if k not in names]
+    if unknown:
+        owners = sorted(m for m in METHODS if any(k in option_names(m) for k in unknown))
+        where = f"; methods that have {'it' if len(unknown) == 1 else 'them'}: " \
+            f"{', '.join(owners)}" if owners else ""
+        raise ConfigError(f"method {method!r} has no setting {', '.join(map(repr, unknown))} "
+                          f"(its own: {', '.join(names) or 'none'}{where})")
+    carried = {} if options is None else {
+        f.name: getattr(options, f.name) for f in fields(options) if f.name in names}
+    return kind(**{**carried, **settings})
 
 
 def is_int(value: Any) -> bool:
@@ -503,10 +606,11 @@ def spec_config(spec: Any) -> SpecConfig:
         raise ConfigError("speculative must be a SpecConfig, a dict of its fields or None, got "
                           f"{type(spec).__name__} {spec!r} (a method by name: "
                           "{'method': 'vegas'})")
-    known = [f.name for f in fields(SpecConfig)]
-    unknown = [k for k in spec if k not in known]
+    known = [f.name for f in fields(SpecConfig) if f.name != "options"]
+    every = known + sorted({n for m in METHODS for n in option_names(m)})
+    unknown = [k for k in spec if k not in every]
     if unknown:
-        raise _unknown("speculative setting", unknown, known)
+        raise _unknown("speculative setting", unknown, every)
     return SpecConfig(**spec)
 
 

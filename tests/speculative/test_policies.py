@@ -6,9 +6,11 @@ one long (sparse), one medium (budget = min_tokens) and one shorter than the bud
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,13 +18,23 @@ import torch
 
 from vegas_spec.attention.context import SparsePlan, StepContext
 from vegas_spec.attention.torch_backend import paged_attention_ref
-from vegas_spec.config import METHODS, SpecConfig
+from vegas_spec.config import METHODS, ConfigError, SpecConfig, option_names
 from vegas_spec.ops import topk_positions
 from vegas_spec.speculative.policies import POLICIES, SelectionInput, budget, make_policy
 
 LAYERS, HKV, GROUP, DIM, GAMMA, PAGE_SIZE = 3, 2, 2, 8, 4, 8
 HEADS = HKV * GROUP
-BASE = dict(gamma=GAMMA, ratio=0.07, min_tokens=40, window=0)  # pure top-k unless set
+BASE = dict(gamma=GAMMA, ratio=0.07, min_tokens=40)
+
+
+def spec(method: str = "vegas", granularity: str | None = None, **settings: Any) -> SpecConfig:
+    """BASE's settings, the pure top-k (window 0) unless set where the method has a window,
+    and a granularity where the method has one (vegas)."""
+    if "window" in option_names(method):
+        settings.setdefault("window", 0)
+    if granularity is not None and "granularity" in option_names(method):
+        settings["granularity"] = granularity
+    return SpecConfig(method=method, **BASE, **settings)
 
 
 @dataclass
@@ -139,8 +151,7 @@ def test_budget_is_clamped_ceil_of_ratio(ratio: float, min_tokens: int) -> None:
 @pytest.mark.parametrize("score", ["weight", "logit"])
 def test_vegas_is_top_k_of_aggregated_scores(score: str, collect: str, granularity: str,
                                              prefill: bool) -> None:
-    cfg = SpecConfig(method="vegas", score=score, collect=collect, granularity=granularity,
-                     **BASE)
+    cfg = spec("vegas", granularity, score=score, collect=collect)
     policy = make_policy(cfg)
     n = GAMMA + 1
     rows = policy.score_rows(n, prefill)
@@ -174,8 +185,7 @@ def test_vegas_is_top_k_of_aggregated_scores(score: str, collect: str, granulari
 def test_vegas_through_attention_scores(score: str, collect: str, granularity: str) -> None:
     """Scores emitted by the reference attention for the rows and mode the policy asks for
     select the top-k of the definition computed from q and k directly."""
-    cfg = SpecConfig(method="vegas", score=score, collect=collect, granularity=granularity,
-                     **BASE)
+    cfg = spec("vegas", granularity, score=score, collect=collect)
     policy = make_policy(cfg)
     case = make_case(3, prefill=False)
     n, scale = GAMMA + 1, DIM ** -0.5
@@ -235,7 +245,7 @@ def test_the_backends_top_k_selects_what_the_reference_selects(method: str, gran
     from vegas_spec.attention.triton_backend import topk_sum_by_width
     from vegas_spec.kernels.topk import topk_positions_triton
 
-    policy = make_policy(SpecConfig(method=method, granularity=granularity, **BASE))
+    policy = make_policy(spec(method, granularity))
     case = make_case(3, False)
     rows = policy.score_rows(GAMMA + 1, False)
     groups = HKV if policy.per_kv_head else 1
@@ -256,7 +266,7 @@ def test_the_backends_top_k_selects_what_the_reference_selects(method: str, gran
 def test_a_rank_width_narrows_the_top_k_rows_not_the_plan(method: str, prefill: bool) -> None:
     """rank_width (a host bound >= every rankable position) hands the top-k rows of that
     width, and the plan is the one ranked over the whole key width."""
-    policy = make_policy(SpecConfig(method=method, **BASE))
+    policy = make_policy(spec(method))
     case = make_case(8, prefill)
     rows = policy.score_rows(GAMMA + 1, prefill)
     start = case.row_pos if method == "vegas" or prefill else \
@@ -284,7 +294,10 @@ def test_a_rank_width_narrows_the_top_k_rows_not_the_plan(method: str, prefill: 
 
 @pytest.mark.parametrize("prefill", [False, True])
 def test_lastq_uses_the_last_committed_row(prefill: bool) -> None:
-    cfg = SpecConfig(method="lastq", score="logit", granularity="kv_head", **BASE)
+    for setting in ({"score": "logit"}, {"granularity": "kv_head"}, {"collect": "all"}):
+        with pytest.raises(ConfigError, match="method 'lastq' has no setting"):
+            SpecConfig(method="lastq", **setting)  # its own rows, weights, layers: not vegas's
+    cfg = spec("lastq")
     policy = make_policy(cfg)
     n = GAMMA + 1
     assert policy.score_rows(n, prefill) == ([n - 1] if prefill else list(range(n)))
@@ -305,9 +318,9 @@ def test_lastq_uses_the_last_committed_row(prefill: bool) -> None:
 
 
 def test_specextend_chunks_of_the_last_layer_row() -> None:
-    cfg = SpecConfig(method="specextend", **BASE)
+    cfg = spec("specextend")
     policy = make_policy(cfg)
-    n, c = GAMMA + 1, cfg.chunk
+    n, c = GAMMA + 1, cfg.options.chunk
     assert policy.score_rows(n, False) == list(range(n)) and not policy.per_kv_head
 
     case = make_case(7, prefill=False, row_pos=[900, 420, 20])
@@ -369,7 +382,7 @@ LOCAL = [(8, 1), (0, 3), (8, 7), (64, 3), (10**6, 5)]  # 64 and 10**6: windows p
 
 def local_case(method: str, granularity: str, prefill: bool, seed: int
                ) -> tuple[SpecConfig, Case, list[int], np.ndarray]:
-    cfg = SpecConfig(method=method, granularity=granularity, **BASE)
+    cfg = spec(method, granularity)
     policy = make_policy(cfg)
     case = make_case(seed, prefill)
     start = case.row_pos if method == "vegas" or prefill else \
@@ -404,7 +417,7 @@ def test_local_context_keeps_the_window_and_pools_inside_the_budget(
     from vegas_spec.attention.triton_backend import topk_by_width, topk_sum_by_width
 
     base, case, start, scores = local_case(method, granularity, prefill, 20)
-    cfg = SpecConfig(**{**base.__dict__, "window": window, "pool": pool})
+    cfg = dataclasses.replace(base, window=window, pool=pool)
     inp = case.selection_input(scores)
     if backend == "triton":
         inp.topk, inp.topk_sum = topk_by_width, topk_sum_by_width
@@ -463,7 +476,7 @@ def test_the_window_starts_the_recent_range(method: str, window: int) -> None:
     """The plan's recent range starts min(window, k) positions before the selection row, its
     host bound grows by the window, and the pure top-k's budget is spent the same."""
     case = make_case(33, prefill=False)
-    cfg = SpecConfig(**{**BASE, **dict(method=method, window=window)})
+    cfg = spec(method, window=window)
     policy = make_policy(cfg)
     scores = random_scores(34, len(policy.score_rows(GAMMA + 1, False)), 1, case.width,
                            case.row_pos)
@@ -484,7 +497,7 @@ def test_pure_top_k_is_todays_path(method: str) -> None:
     backend's row-summing top-k unsummed, with a window too (it only moves the ranked range);
     with pooling the sum is ranked by the plain top-k."""
     case = make_case(30, prefill=False)
-    policy = make_policy(SpecConfig(method=method, **BASE))
+    policy = make_policy(spec(method))
     scores = random_scores(31, len(policy.score_rows(GAMMA + 1, False)), 1, case.width,
                            case.row_pos)
     calls: list[tuple[str, int]] = []
@@ -501,7 +514,7 @@ def test_pure_top_k_is_todays_path(method: str) -> None:
         calls.clear()
         inp = case.selection_input(scores)
         inp.topk, inp.topk_sum = top, top_sum
-        cfg = SpecConfig(**{**BASE, **dict(method=method, window=window, pool=pool)})
+        cfg = spec(method, window=window, pool=pool)
         plan = make_policy(cfg).plan(inp)
         assert plan is not None
         pure = window == 0 and pool == 1
@@ -519,7 +532,7 @@ def test_local_context_with_host_bounds_is_the_dynamic_selection(method: str) ->
     ties at the threshold do not depend on the row's width as torch.topk's may)."""
     from vegas_spec.attention.triton_backend import topk_by_width
 
-    cfg = SpecConfig(**{**BASE, **dict(method=method, window=16, pool=5)})
+    cfg = spec(method, window=16, pool=5)
     policy = make_policy(cfg)
     case = make_case(40, prefill=False)
     start = case.row_pos if method == "vegas" else \
@@ -545,7 +558,7 @@ def test_local_context_with_host_bounds_is_the_dynamic_selection(method: str) ->
 
 @pytest.mark.parametrize("sink", [0, 4, 64])
 def test_stream_is_sink_plus_window(sink: int) -> None:
-    cfg = SpecConfig(method="stream", sink=sink, **BASE)
+    cfg = spec("stream", sink=sink)
     policy = make_policy(cfg)
     assert not policy.wants_scores and not policy.per_kv_head
     case = make_case(9, prefill=False)
@@ -565,7 +578,7 @@ def test_stream_is_sink_plus_window(sink: int) -> None:
 def test_quest_pages_by_min_max_bound(prefill: bool, row_pos: list[int] | None) -> None:
     """Quest pages (16 tokens) are larger than cache pages (8 slots); with row_pos 881 the
     last quest page runs past the cache pages the sequence holds."""
-    cfg = SpecConfig(method="quest", page=16, **BASE)
+    cfg = spec("quest", page=16)
     policy = make_policy(cfg)
     assert not policy.wants_scores and policy.per_kv_head
     case = make_case(11, prefill, row_pos)
@@ -588,7 +601,7 @@ def test_quest_pages_by_min_max_bound(prefill: bool, row_pos: list[int] | None) 
         for b in range(3):
             for h in range(HKV):
                 want = _quest_expected(case, layer, b, h, q[b, 0].double().numpy(), k[b],
-                                       cfg.page)
+                                       cfg.options.page)
                 check_row(got[b, h], want, case.row_pos[b])
 
 
@@ -610,7 +623,7 @@ def _quest_expected(case: Case, layer: int, b: int, h: int, q: np.ndarray, k: in
 
 
 def test_full_drafts_with_full_attention() -> None:
-    policy = make_policy(SpecConfig(method="full", **BASE))
+    policy = make_policy(spec("full"))
     assert not policy.wants_scores
     assert policy.plan(make_case(13, prefill=False).selection_input(None)) is None
 

@@ -194,7 +194,7 @@ def test_invalid_spec_config(kwargs: dict, field: str) -> None:
 
 
 def test_valid_settings_are_kept() -> None:
-    assert SpecConfig(collect=2).collect == "2"  # the number is accepted as the option "2"
+    assert SpecConfig(collect=2).options.collect == "2"  # the number is accepted as the option "2"
     assert SamplingParams(stop="END").stop == ("END",)
     assert SamplingParams().greedy and not SamplingParams(temperature=0.5).greedy
     assert issubclass(ConfigError, ValueError)

@@ -223,7 +223,7 @@ def plan(args: argparse.Namespace, spec: SpecConfig, argv: list[str], kind: str)
                         "temperature": settings.temperature, "top_p": settings.top_p,
                         "top_k": settings.top_k, "seed": settings.seed,
                         "tokenizer": "the model's" if own else "the embedded default's",
-                        "spec": {k: v for k, v in dataclasses.asdict(spec).items()
+                        "spec": {k: v for k, v in spec.as_dict().items()
                                  if k not in ("method", "gamma", "ratio")}}}
     kv = None if args.kv_cache_gb is not None else kv_bytes(cfg, cells, texts, args.dtype,
                                                             max_len)

@@ -152,6 +152,7 @@ class Policy:
 
     def __init__(self, cfg: SpecConfig) -> None:
         self.cfg = cfg
+        self.options: Any = cfg.options  # the method's own settings (config.POLICY_OPTIONS)
 
     @property
     def window(self) -> int:
@@ -188,7 +189,7 @@ class Policy:
         k = budget(self.cfg, inp.lengths, start)
         if self.wants_scores and inp.scores is None:
             groups = inp.kv_caches[0][0].shape[1] if self.per_kv_head else 1
-            indices = recent_positions(inp, start, k, self.cfg.sink).expand(-1, -1, groups, -1)
+            indices = recent_positions(inp, start, k, self.options.sink).expand(-1, -1, groups, -1)
             ranked, listed = start, k
         else:
             # the window's positions join the recent range; the rest of the budget is ranked
@@ -232,7 +233,7 @@ def make_policy(cfg: SpecConfig) -> Policy:
 @register
 class Vegas(Policy):
     """Top-k of the verify pass's attention, aggregated over query heads and the collected
-    rows (first and last, or all), per layer or per kv head; with SpecConfig's pool, of those
+    rows (first and last, or all), per layer or per kv head; with its options' pool, of those
     scores max-pooled over neighbours (`pooled`); with its window, the positions just
     before the selection row kept in the recent range and the rest of the budget ranked."""
 
@@ -241,29 +242,29 @@ class Vegas(Policy):
 
     @property
     def window(self) -> int:  # type: ignore[override]
-        return self.cfg.window
+        return self.options.window
 
     @property
     def per_kv_head(self) -> bool:  # type: ignore[override]
-        return self.cfg.granularity == "kv_head"
+        return self.options.granularity == "kv_head"
 
     @property
     def score_mode(self) -> str:
-        return self.cfg.score
+        return self.options.score
 
     def score_rows(self, n: int, prefill: bool) -> list[int]:
         if prefill:
             return [n - 1]
-        return list(range(n)) if self.cfg.collect == "all" else sorted({0, n - 1})
+        return list(range(n)) if self.options.collect == "all" else sorted({0, n - 1})
 
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
         top = inp.topk or topk_positions
-        if self.cfg.pool == 1:
+        if self.options.pool == 1:
             if inp.topk_sum is not None:
                 return inp.topk_sum(_ranked(inp), rankable, k, inp.kmax)
             return top(_ranked(inp).sum(2), rankable, k, inp.kmax)
-        return top(pooled(_ranked(inp).sum(2), rankable, self.cfg.pool), rankable, k, inp.kmax)
+        return top(pooled(_ranked(inp).sum(2), rankable, self.options.pool), rankable, k, inp.kmax)
 
 
 @register
@@ -287,8 +288,8 @@ class LastQ(Vegas):
                 k: torch.Tensor) -> torch.Tensor:
         top = inp.topk or topk_positions
         scores = _row(_ranked(inp), inp.accepted)
-        if self.cfg.pool > 1:
-            scores = pooled(scores, rankable, self.cfg.pool)
+        if self.options.pool > 1:
+            scores = pooled(scores, rankable, self.options.pool)
         return top(scores, rankable, k, inp.kmax)
 
 
@@ -329,12 +330,12 @@ class SpecExtend(LastQ):
     name = "specextend"
 
     def index_width(self, kmax: int) -> int:
-        return math.ceil(kmax / self.cfg.chunk) * self.cfg.chunk
+        return math.ceil(kmax / self.options.chunk) * self.options.chunk
 
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
         assert inp.scores is not None
-        c = self.cfg.chunk
+        c = self.options.chunk
         last = _row(inp.scores[-1:], inp.accepted)[0, :, 0]  # [B, W]
         chunk_scores = _chunk_means(last, rankable, c)  # [B, C]
         n_chunks = units(k, rankable, c)
@@ -377,7 +378,7 @@ class Stream(Policy):
 
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
-        return recent_positions(inp, rankable, k, self.cfg.sink)
+        return recent_positions(inp, rankable, k, self.options.sink)
 
 
 @register
@@ -413,15 +414,15 @@ class Quest(Policy):
 
     def step_state(self, layers: int, rows: int, tokens: int,
                    kv_cache: torch.Tensor) -> QuestState:
-        return QuestState.empty(layers, rows, math.ceil(tokens / self.cfg.page),
+        return QuestState.empty(layers, rows, math.ceil(tokens / self.options.page),
                                 *kv_cache.shape[1:], kv_cache.device, kv_cache.dtype)
 
     def step_selector(self, state: QuestState, rows: int, kmax: int) -> QuestSelector:
-        return state.selector(rows, self.cfg.page, math.ceil(kmax / self.cfg.page))
+        return state.selector(rows, self.options.page, math.ceil(kmax / self.options.page))
 
     def selector(self, inp: SelectionInput, rankable: torch.Tensor,
                  k: torch.Tensor) -> QuestSelector:
-        page = self.cfg.page
+        page = self.options.page
         most = None if inp.kmax is None else math.ceil(inp.kmax / page)
         n_pages, pages = units(k, rankable, page), pages_of(rankable, page)
         state = inp.quest_state
