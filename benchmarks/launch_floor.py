@@ -6,7 +6,7 @@ counts (1 program: launch latency alone; a few per SM: the block scheduling too)
     python benchmarks/launch_floor.py --launches 100 400 --programs 1 132 528 --out floor.json
 
 A decode step of k kernels costs at least k times this on top of its bytes' time, whatever
-the kernels do (BENCHMARKS.md §2.19)."""
+the kernels do (BENCHMARKS.md §2.1)."""
 
 from __future__ import annotations
 

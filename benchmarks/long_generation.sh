@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# BENCHMARKS.md §0, long generation on a GPU: the step profile (greedy and sampled rounds),
+# BENCHMARKS.md §1, long generation on a GPU: the step profile (greedy and sampled rounds),
 # `vegas bench --workload generation` greedy and sampled at the reference setting, and the
 # selection sweep of vegas's local window, each writing under OUT (default ./long_generation).
 #

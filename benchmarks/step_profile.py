@@ -511,7 +511,7 @@ def main() -> None:
     side_by_side(ap, "--merge-steps", type=int, default=[0],
                  text="key splits the split merge loads at once "
                       "(split_merge.MERGE_SPLITS_PER_STEP; 0: the library's rule, 1: one "
-                      "by one in 4 warps, the merge before BENCHMARKS.md 2.25)")
+                      "by one in 4 warps, the merge before BENCHMARKS.md 2.3)")
     side_by_side(ap, "--split-fill", default=["library"],
                  text="the decode kernels' split: library (the paged kernel by whole "
                       "waves of its resident programs, split_merge.SPLIT_WAVE_FILL), or "

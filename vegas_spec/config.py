@@ -259,7 +259,7 @@ class SamplingParams:
 MAX_GAMMA = 32
 # vegas's and lastq's local context by default (their options' window, pool; 0, 1: the paper's
 # pure top-k): the 64 positions before the selection row, no pooling, from
-# benchmarks/selection_sweep.py on an H200 (BENCHMARKS.md §0: window 64 drafted more tokens
+# benchmarks/selection_sweep.py on an H200 (BENCHMARKS.md §1.4: window 64 drafted more tokens
 # per iteration than the pure top-k in long generation and on essays, greedy and sampled).
 DEFAULT_WINDOW, DEFAULT_POOL = 64, 1
 METHODS = ("vanilla", "vegas", "stream", "quest", "lastq", "specextend", "full")
@@ -468,7 +468,7 @@ class EngineConfig:
     # The draft steps' copy of the projection weights: "fp8" (e4m3, a scale per output row;
     # lossless: drafts are verified by the model's own weights), "model" (none: drafts read
     # the model's weights), "auto" (today "model": the FP8 kernel does not yet stream its
-    # weights faster than cuBLAS streams bf16 ones, BENCHMARKS.md §0).
+    # weights faster than cuBLAS streams bf16 ones, BENCHMARKS.md §1.2).
     draft_weights: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 

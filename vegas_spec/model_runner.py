@@ -135,7 +135,7 @@ class _Round:
 
 # "auto" draft weights are FP8 on GPUs that have FP8 conversions once this is True: on an
 # H200 the FP8 kernel still streams its weights no faster than cuBLAS streams bf16 ones, so a
-# draft step with FP8 copies is slower (BENCHMARKS.md §0).
+# draft step with FP8 copies is slower (BENCHMARKS.md §1.2).
 FP8_DRAFTS_BY_DEFAULT = False
 
 

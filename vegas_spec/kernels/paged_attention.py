@@ -81,7 +81,7 @@ def score_bytes_per_key(mode: str, heads: int, kv_heads: int, rows: int, groups:
 # pointers 255 with 76 B of spill stores (no scores: 199). The whole verify step on an H200
 # (benchmarks/step_profile.py --score-tiles 128:3 128:3:f32-pointers, one engine): 8B shape
 # 16 x 32K 27.98 against 28.24 ms, SmolLM2 64 x 7.5K 6.57 against 6.50: level within a
-# percent; the float16 stores were slower (BENCHMARKS.md §2.6, §2.10). Which store a head dim
+# percent; the float16 stores were slower (BENCHMARKS.md §2.3). Which store a head dim
 # uses: SCORE_TILES below.
 # Pointer stores go through a blocked layout of several consecutive keys per thread (4 in
 # float32); masked per key (the last block of a split), each element is its own scalar
@@ -138,16 +138,16 @@ class ScoreTiles:
 #   703.8 µs for 128/3 with ptxas's 205. The occupancy split was slower there (705.1), and a
 #   cap of 128 spills at 128-key blocks (924.7).
 # * any other head dim: 128-key blocks, 3 stages, ptxas's registers, splits of at most 2048.
-# The logit store, swept again at these tiles (BENCHMARKS.md §2.13, µs per layer): at 64
+# The logit store, swept again at these tiles (BENCHMARKS.md §2.3, µs per layer): at 64
 # float32 through pointers, 143.9 against 151.3 for the float32 descriptor; at 128 (and any
 # other head dim) the float32 descriptor, 666.0 against 683.7 for pointers. The float16
 # stores lost at both.
 # The keys are read in the same order whichever tiles run, so results change only by the
 # float summation order of the online softmax.
-# At 64 the "blocks" store then replaced float32 pointers (§2.22): 138.2-138.7 against
+# At 64 the "blocks" store then replaced float32 pointers (§2.3): 138.2-138.7 against
 # 143.0-143.3 µs; at 128 it was level with the descriptor (681.8, 699.6 against 683.3, 684.7).
 # At 128 the cap of 2048 keys went once decode calls were split by whole waves of their
-# resident programs (§2.27, whole verify steps of the 8B shape: 26.10 against 26.31 and 26.61
+# resident programs (§2.3, whole verify steps of the 8B shape: 26.10 against 26.31 and 26.61
 # ms at 16 x 32K, 25.23 against 25.98 and 25.77 at 4 x 128K), and the "blocks" store then
 # beat the descriptor there (25.30 against 25.90 ms, 24.69 against 25.23).
 SCORE_TILES: dict[int, ScoreTiles] = {64: ScoreTiles(128, 3, None, 168, "f32-blocks"),
@@ -182,7 +182,7 @@ class VerifyTiles:
 # registers a thread, two programs per SM (benchmarks/kernel_regs.py --heads 9 --kv-heads 3
 # --head-dim 64 --n 7 --block-k 128 --stages 2 --maxnreg 0), so the wave rule splits a
 # sequence four ways; 3 stages compile to 168, three per SM, and stream's verify at SmolLM2
-# 64 x 7.5K takes 4.68-4.74 ms against 5.84-6.24 (BENCHMARKS.md §2.28). At head dim 128 the
+# 64 x 7.5K takes 4.68-4.74 ms against 5.84-6.24 (BENCHMARKS.md §2.3). At head dim 128 the
 # plain step's tiles (64-key blocks, 2 stages) are already the fastest of block_k 32/64 x
 # stages 2/3/4 for seven rows.
 VERIFY_TILES: dict[int, VerifyTiles] = {64: VerifyTiles(128, 3)}
@@ -196,16 +196,16 @@ def verify_tiles(q: torch.Tensor, scored: bool) -> VerifyTiles | None:
 
 
 # The logits are computed in the attention loop, on the key block it has just loaded, so K is
-# read once. Measured slower and dropped (BENCHMARKS.md §2.9, §2.10): a second loop over the
+# read once. Measured slower and dropped (BENCHMARKS.md §2.3): a second loop over the
 # split's K blocks after the partials are stored (1062 against 708 µs per layer at the 8B
 # shape), a sibling program per attention program (1010), and score lanes gathered from the
 # attention tile's products (789 against 781 µs with the float32 descriptor).
 # The finalise kernel on a side stream, to overlap the next layer's projections, gained
-# nothing (BENCHMARKS.md §2.29): level with one program a tile, slower with fewer programs.
+# nothing (BENCHMARKS.md §2.3): level with one program a tile, slower with fewer programs.
 # Logits stored straight from the dot's registers (inline st.global, no shared-memory round
-# trip into a blocked layout) were slower at both head dims (§2.30). The finalise kernel's
+# trip into a blocked layout) were slower at both head dims (§2.3). The finalise kernel's
 # 512 keys and 4 warps a program, its kv-head loop rolled, were the fastest or within 2% of
-# them among 256-2048 keys, 2-8 warps, rolled or unrolled (§2.31).
+# them among 256-2048 keys, 2-8 warps, rolled or unrolled (§2.3).
 # Exact mode: one tiling for every full-attention step, plain or verify, scored or not, at any
 # batch size and context: EXACT_TILES (ptxas's registers, logits through the float32
 # descriptor) and splits of exactly EXACT_SPLIT keys on a GPU (the interpreter: its own small

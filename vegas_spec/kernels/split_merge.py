@@ -27,7 +27,7 @@ import triton.language as tl
 
 MIN_DOT = 16  # tl.dot's smallest tile side on GPUs
 # (64 would make the decode products warpgroup MMAs on sm_90: 25-45% slower in every pass,
-# for their registers and shared memory, BENCHMARKS.md §2.33)
+# for their registers and shared memory, BENCHMARKS.md §2.3)
 MAX_LANES = 64  # query rows x padded heads per program: a 64 x D float32 accumulator
 # The merge's tiling (`merge_tiling`). A program folds its row's splits, MERGE_MAX_STEP at
 # a time, into a [heads, D] state, with as few heads as keep a step's tile [splits, heads,
@@ -37,7 +37,7 @@ MAX_LANES = 64  # query rows x padded heads per program: a 64 x D float32 accumu
 # took 21.3 µs for 16 splits x 112 rows (the verify step at 8B 16 x 32K) and 75.5 µs for 64
 # splits x 28 rows (4 x 128K), against 9.8 and 11.3 µs now; with two splits it is as fast
 # (SmolLM2's 2 x 448 rows: 3.42 against 3.56 µs), so a row of at most
-# MERGE_SERIAL_MAX_SPLITS splits is still merged one split at a time (BENCHMARKS.md §2.25).
+# MERGE_SERIAL_MAX_SPLITS splits is still merged one split at a time (BENCHMARKS.md §2.3).
 # MERGE_SPLITS_PER_STEP / MERGE_WARPS, when set, force the splits a step and the warps
 # (benchmarks).
 MERGE_MAX_STEP = 16
