@@ -20,11 +20,14 @@ from test_errors import tiny_checkpoint
 
 from vegas_spec import cli
 
+# A KV pool for the few short prompts of these tests (default: half the available memory).
+SMALL_KV = ["--kv-cache-gb", "0.05"]
+
 
 def test_compare_runs_vanilla_then_each_method(capsys: pytest.CaptureFixture[str]) -> None:
     code = cli.main(["compare", "--prompt", "The history of the printing press begins",
                      "--max-tokens", "8", "--ignore-eos", "--min-tokens", "4", "--methods",
-                     "vegas", "--json"])
+                     "vegas", "--json", *SMALL_KV])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert code == 0
     assert [r["method"] for r in rows] == ["vanilla", "vegas"]
@@ -156,12 +159,14 @@ BAD_COMMANDS = [
     ("weights-not-safetensors", "generate --model {badweights} --prompt a",
      r"badweights/model\.safetensors is not a readable safetensors file"),
     ("batch-file-too-long",
-     "generate --model {model} --prompt-file {short_txt} --prompt-file {long_txt}",
+     "generate --model {model} --prompt-file {short_txt} --prompt-file {long_txt} "
+     "--kv-cache-gb 0.01",
      rf"prompt 2 of 2 \(.*long\.txt\) has {WORDS} tokens but the model's context is 64: "
      "nothing is left to generate$"),
-    ("file-too-long", "generate --model {model} --prompt-file {long_txt}",
+    ("file-too-long", "generate --model {model} --prompt-file {long_txt} --kv-cache-gb 0.01",
      rf"prompt file .*long\.txt has {WORDS} tokens but the model's context is 64"),
-    ("batch-prompt-too-long", "compare --model {model} --prompt w1 --prompt w2 --prompt {LONG}",
+    ("batch-prompt-too-long", "compare --model {model} --prompt w1 --prompt w2 --prompt {LONG} "
+     "--kv-cache-gb 0.01",
      rf"prompt 3 of 3 has {WORDS} tokens but the model's context is 64"),
     ("gamma-zero", "compare --model {model}/nowhere --prompt a --gamma 0",
      r"gamma must be an integer in \[1, 32\], got 0$"),
@@ -169,7 +174,8 @@ BAD_COMMANDS = [
      r"pool must be an odd integer >= 1 \(1: no pooling\), got 4$"),
     ("window-negative", "compare --model {model}/nowhere --prompt a --window -1",
      "window must be an integer >= 0, got -1$"),
-    ("empty-prompt", "generate --model {model} --prompt=", r"prompt is empty \(no tokens\)$"),
+    ("empty-prompt", "generate --model {model} --kv-cache-gb 0.01 --prompt=",
+     r"prompt is empty \(no tokens\)$"),
     ("triton-without-gpu", "generate --model {model}/nowhere --prompt a --backend triton",
      "backend triton runs its kernels on a GPU"),
 ]
@@ -236,7 +242,7 @@ def test_bad_input_is_one_line(bad_runs: dict[str, subprocess.CompletedProcess],
 def test_max_tokens_beyond_the_context_is_capped_and_said(
         model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = cli.main(["generate", "--model", str(model), "--prompt", "w1 w2", "--max-tokens",
-                     "1000000000", "--ignore-eos", "--json"])
+                     "1000000000", "--ignore-eos", "--json", *SMALL_KV])
     out, err = capsys.readouterr()
     assert code == 0
     assert err.splitlines() == ["vegas: warning: prompt leaves room for 62 new tokens in the "
@@ -246,7 +252,7 @@ def test_max_tokens_beyond_the_context_is_capped_and_said(
     (tmp_path / "a.txt").write_text("w1")
     (tmp_path / "b.txt").write_text(" ".join(["w2"] * 60))
     code = cli.main(["generate", "--model", str(model), "--prompt-file", str(tmp_path / "a.txt"),
-                     "--prompt-file", str(tmp_path / "b.txt"), "--max-tokens", "5"])
+                     "--prompt-file", str(tmp_path / "b.txt"), "--max-tokens", "5", *SMALL_KV])
     assert code == 0
     assert capsys.readouterr().err.splitlines() == [
         f"vegas: warning: prompt 2 of 2 ({tmp_path / 'b.txt'}) leaves room for 4 new tokens in "
@@ -257,7 +263,7 @@ def test_json_statistics_of_short_and_plain_runs(model: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     for max_tokens, rate in ((1, False), (2, False), (5, True)):
         assert cli.main(["generate", "--model", str(model), "--prompt", "w1 w2", "--ignore-eos",
-                         "--max-tokens", str(max_tokens), "--json"]) == 0
+                         "--max-tokens", str(max_tokens), "--json", *SMALL_KV]) == 0
         stats = json.loads(capsys.readouterr().out)["stats"]
         assert (stats["decode_tokens_per_s"] is not None) == rate, stats
         # vanilla: one decode step per token after the prefill's
@@ -266,7 +272,8 @@ def test_json_statistics_of_short_and_plain_runs(model: Path,
 
 def test_stats_follow_the_text(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["generate", "--model", str(model), "--prompt", "w1 w2", "--prompt", "w3",
-                     "--ignore-eos", "--max-tokens", "5", "--method", "vegas", "--stats"]) == 0
+                     "--ignore-eos", "--max-tokens", "5", "--method", "vegas", "--stats",
+                     *SMALL_KV]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == "--- vegas (prompt 1 of 2): 2 prompt tokens, 5 generated (finish: length)"
     assert lines[2].startswith("    batch: prefill ") and lines[2].endswith(" tokens/s)")
@@ -279,7 +286,8 @@ def test_stats_follow_the_text(model: Path, capsys: pytest.CaptureFixture[str]) 
         rest = rest[1:]
     assert rest[1].startswith("--- vegas (prompt 2 of 2): 1 prompt tokens")
     assert cli.main(["generate", "--model", str(model), "--prompt", "w1 w2", "--ignore-eos",
-                     "--max-tokens", "9", "--method", "vegas", "--stats", "--fixed-gamma"]) == 0
+                     "--max-tokens", "9", "--method", "vegas", "--stats", "--fixed-gamma",
+                     *SMALL_KV]) == 0
     assert "plain steps" not in capsys.readouterr().out  # a round every iteration
 
 

@@ -188,7 +188,7 @@ def test_tune_recommends_the_best_cell_of_its_sweep(tmp_path: Path, model: str,
     assert "## 2. γ sweep" in (out / "tune.md").read_text()
     # the saved setting is what generate and compare then run with; options still win
     argv = ["--model", model, "--prompt", "The capital of France is", "--max-tokens", "3",
-            "--config", str(out / "config.json")]
+            "--config", str(out / "config.json"), "--kv-cache-gb", "0.05"]
     assert cli.main(["generate", *argv, "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert (stats["method"], stats["gamma"]) == ("vegas", fastest["gamma"])
