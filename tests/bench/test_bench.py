@@ -484,6 +484,7 @@ def test_repeats_give_the_median_and_the_range_of_each_speedup(
     shown = f"| {line['speedup']:.2f}x ({low:.2f}-{high:.2f}){' ~' if line['noise'] else ''} |"
     report = (out / "report.md").read_text()
     assert shown in report and "Each cell was timed 3 times" in report
+    assert "graph" not in report  # a CPU run replays none
     # on a CPU a cell runs once by default: no range to judge a speedup by
     once = _results(bench_dir)
     assert once["meta"]["repeats"] == 1

@@ -161,17 +161,20 @@ def split_section(lines: list[dict[str, Any]]) -> list[str]:
     rows = [r for r in lines if r["time_split"] and r["method"] != "vanilla"]
     if not rows:
         return []
+    # a round replayed as one CUDA graph is timed whole; without graphs (a CPU) there is none
+    graphs = any(r["time_split"].get("round", 0.0) > 0 for r in rows)
+    parts = ("draft", "verify", *(("round",) if graphs else ()), "selection", "acceptance",
+             "other")
     out = ["## Where the decode time goes", "",
-           "Share of the decode loop's time. `round` is a greedy round replayed as one CUDA "
-           "graph (drafts, verify, acceptance and the next selection together: the engine "
-           "does not time its parts); `other` is what no phase timer covers (host work, "
-           "launches).", "",
-           "| workload | context | batch | method | draft | verify | round | selection | "
-           "acceptance | other |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+           "Share of the decode loop's time. " + (
+               "`round` is a greedy round replayed as one CUDA graph (drafts, verify, "
+               "acceptance and the next selection together: the engine does not time its "
+               "parts); " if graphs else "") + "`other` is what no phase timer covers (host "
+           "work, launches).", "",
+           "| workload | context | batch | method | " + " | ".join(parts) + " |",
+           "|---|---:|---:|---|" + "---:|" * len(parts)]
     for r in rows:
-        s = r["time_split"]
-        shares = " | ".join(_f(100 * s.get(k, 0.0), 1, "%") for k in
-                            ("draft", "verify", "round", "selection", "acceptance", "other"))
+        shares = " | ".join(_f(100 * r["time_split"].get(k, 0.0), 1, "%") for k in parts)
         out.append(f"| {r['workload']} | {_ctx(r['context'])} | {r['batch']} | "
                    f"{r['method']} | {shares} |")
     return out + [""]
