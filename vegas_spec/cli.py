@@ -1,8 +1,10 @@
 """`vegas generate`, `vegas compare`, `vegas bench` and `vegas tune`: the command line over
 `LLM.generate` (bench and tune live in `vegas_spec.bench`).
 
-Every input the engine refuses ends in one line `vegas: error: ...` and exit code 2; Ctrl-C in
-one line `vegas: interrupted` and exit code 130."""
+Every input the engine refuses ends in one line `vegas: error: ...` and exit code 2, as does
+every argument argparse refuses (`vegas generate: error: ... (see vegas generate --help)`);
+Ctrl-C in one line `vegas: interrupted` and exit code 130. `vegas --help` and the argument
+errors answer without importing torch."""
 
 from __future__ import annotations
 
@@ -385,7 +387,8 @@ def generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, speculative=spec, **kwargs)
     display = _display(args, stream=len(prompts) == 1)
     try:
-        outs = llm.generate(prompts, params, chat=args.chat, on_step=display,
+        outs = llm.generate(prompts, params, chat=args.chat,
+                            on_step=display if display.active else None,
                             stream=display.out is not None)
     finally:
         display.clear()
@@ -505,7 +508,7 @@ def compare(args: argparse.Namespace) -> int:
         display = _display(args, stream=False, label=spec.method)
         try:
             outs = llm.generate(prompts, params, chat=args.chat, speculative=spec,
-                                on_step=display)
+                                on_step=display if display.active else None)
         finally:
             display.clear()
         tokens = [o.token_ids for o in outs]

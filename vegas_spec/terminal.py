@@ -33,6 +33,11 @@ class Display:
         self.decoding: tuple[float, int] | None = None  # (when, tokens) decoding began
         self.phase = ""  # of the line last shown: prefill or decode
 
+    @property
+    def active(self) -> bool:
+        """Whether it shows anything (else the run need not call it)."""
+        return self.out is not None or self.line is not None
+
     def __call__(self, progress: Progress) -> None:
         if self.out is not None and any(o.delta_text for o in progress.outputs):
             self.clear()
