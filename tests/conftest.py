@@ -1,5 +1,10 @@
 """Shared fixtures: the real SmolLM2 model (ours and the transformers oracle), Paul Graham
-essays as long text, and tiny random checkpoints of every supported family."""
+essays as long text, and tiny random checkpoints of every supported family.
+
+Every engine a test builds sizes its KV pool to what its prompts need (`kv_bytes`), and the
+memory an engine may count on is capped at `MEMORY_CEILING` (`memory_ceiling`): the suite then
+passes on a machine where other processes leave only ~3 GB free, and a test that asks for
+more fails here rather than on a busy machine."""
 
 from __future__ import annotations
 
@@ -54,6 +59,27 @@ TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": TINY_VOCAB,
 # Engine options of the tiny model: dummy weights, a 4 MiB KV cache.
 TINY_ENGINE: dict[str, Any] = dict(load_format="dummy", kv_cache_bytes=1 << 22)
 
+# KV bytes of one SmolLM2-135M position in float32: 30 layers x (K, V) x 3 KV heads x 64 x 4.
+SMOLLM_TOKEN_BYTES = 30 * 2 * 3 * 64 * 4
+# What one test process may allocate for KV pools and caches: about what each of two workers
+# has left beside its weights when ~3 GB of the machine is free.
+MEMORY_CEILING = 512 << 20
+
+
+def kv_bytes(lengths: list[int], token_bytes: int = SMOLLM_TOKEN_BYTES,
+             page_size: int = 16) -> int:
+    """A KV pool for sequences of `lengths` positions resident at once (prompt, new tokens and
+    the γ + 1 positions a round's drafts write), in whole pages, plus the scratch page of the
+    static shapes."""
+    pages = sum(-(-n // page_size) for n in lengths) + 1
+    return pages * page_size * token_bytes
+
+
+# The largest batch the shared `llm` engine runs (test_lossless's three essays of 2,000 to
+# 2,700 tokens, 16 new tokens and a round of γ 6 each): its pool and its prefix cache, which
+# then holds one such batch's prompts.
+SHARED_BATCH = [2700 + 32, 2300 + 32, 2000 + 32]
+
 
 def randomize_norms_and_biases(model: torch.nn.Module) -> None:
     """Norm weights uniform in [0.5, 1.5] and biases N(0, 0.2), where init leaves 1 and 0."""
@@ -104,12 +130,31 @@ def smollm_gguf() -> Path:
     return default_model_path()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def memory_ceiling() -> Iterator[None]:
+    """The CPU memory an engine sees as available (for its default KV pool and the check of
+    an explicit one) is at most MEMORY_CEILING."""
+    from vegas_spec import cache, model_runner
+
+    real = cache.available_bytes
+
+    def capped(device: torch.device) -> int | None:
+        avail = real(device)
+        return avail if device.type != "cpu" or avail is None else min(avail, MEMORY_CEILING)
+
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (cache, model_runner):
+            patch.setattr(module, "available_bytes", capped)
+        yield
+
+
 @pytest.fixture(scope="session")
 def llm():
     """Our engine on the embedded default model, float32 on CPU."""
     from vegas_spec.engine import LLM
 
-    return LLM(kv_cache_bytes=1 << 30, prefix_cache_bytes=2 << 30)
+    return LLM(kv_cache_bytes=kv_bytes(SHARED_BATCH),
+               prefix_cache_bytes=kv_bytes(SHARED_BATCH) + (4 << 20))
 
 
 @pytest.fixture(autouse=True)

@@ -20,11 +20,14 @@ from test_errors import tiny_checkpoint
 
 from vegas_spec import cli
 
+# A KV pool for the few short prompts of these tests (default: half the available memory).
+SMALL_KV = ["--kv-cache-gb", "0.05"]
+
 
 def test_compare_runs_vanilla_then_each_method(capsys: pytest.CaptureFixture[str]) -> None:
     code = cli.main(["compare", "--prompt", "The history of the printing press begins",
                      "--max-tokens", "8", "--ignore-eos", "--min-tokens", "4", "--methods",
-                     "vegas", "--json"])
+                     "vegas", "--json", *SMALL_KV])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert code == 0
     assert [r["method"] for r in rows] == ["vanilla", "vegas"]
@@ -44,7 +47,7 @@ class FakeLLM:
         self.prompt = [5, 6]
 
     def generate(self, prompts: list, params: Any, chat: bool = False,
-                 speculative: Any = None) -> list:
+                 speculative: Any = None, **display: Any) -> list:
         tokens = [1, 2, 3] if speculative.method == "vanilla" else [1, 2, 4]
         stats = {"decode_tokens_per_s": 10.0, "tokens_per_iteration": None, "ttft_s": 0.5,
                  "total_s": 2.0}
@@ -156,12 +159,14 @@ BAD_COMMANDS = [
     ("weights-not-safetensors", "generate --model {badweights} --prompt a",
      r"badweights/model\.safetensors is not a readable safetensors file"),
     ("batch-file-too-long",
-     "generate --model {model} --prompt-file {short_txt} --prompt-file {long_txt}",
+     "generate --model {model} --prompt-file {short_txt} --prompt-file {long_txt} "
+     "--kv-cache-gb 0.01",
      rf"prompt 2 of 2 \(.*long\.txt\) has {WORDS} tokens but the model's context is 64: "
      "nothing is left to generate$"),
-    ("file-too-long", "generate --model {model} --prompt-file {long_txt}",
+    ("file-too-long", "generate --model {model} --prompt-file {long_txt} --kv-cache-gb 0.01",
      rf"prompt file .*long\.txt has {WORDS} tokens but the model's context is 64"),
-    ("batch-prompt-too-long", "compare --model {model} --prompt w1 --prompt w2 --prompt {LONG}",
+    ("batch-prompt-too-long", "compare --model {model} --prompt w1 --prompt w2 --prompt {LONG} "
+     "--kv-cache-gb 0.01",
      rf"prompt 3 of 3 has {WORDS} tokens but the model's context is 64"),
     ("gamma-zero", "compare --model {model}/nowhere --prompt a --gamma 0",
      r"gamma must be an integer in \[1, 32\], got 0$"),
@@ -175,7 +180,8 @@ BAD_COMMANDS = [
      r"\(stream, quest\)$"),
     ("window-negative", "compare --model {model}/nowhere --prompt a --window -1",
      "window must be an integer >= 0, got -1$"),
-    ("empty-prompt", "generate --model {model} --prompt=", r"prompt is empty \(no tokens\)$"),
+    ("empty-prompt", "generate --model {model} --kv-cache-gb 0.01 --prompt=",
+     r"prompt is empty \(no tokens\)$"),
     ("triton-without-gpu", "generate --model {model}/nowhere --prompt a --backend triton",
      "backend triton runs its kernels on a GPU"),
 ]
@@ -242,7 +248,7 @@ def test_bad_input_is_one_line(bad_runs: dict[str, subprocess.CompletedProcess],
 def test_max_tokens_beyond_the_context_is_capped_and_said(
         model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = cli.main(["generate", "--model", str(model), "--prompt", "w1 w2", "--max-tokens",
-                     "1000000000", "--ignore-eos", "--json"])
+                     "1000000000", "--ignore-eos", "--json", *SMALL_KV])
     out, err = capsys.readouterr()
     assert code == 0
     assert err.splitlines() == ["vegas: warning: prompt leaves room for 62 new tokens in the "
@@ -252,7 +258,7 @@ def test_max_tokens_beyond_the_context_is_capped_and_said(
     (tmp_path / "a.txt").write_text("w1")
     (tmp_path / "b.txt").write_text(" ".join(["w2"] * 60))
     code = cli.main(["generate", "--model", str(model), "--prompt-file", str(tmp_path / "a.txt"),
-                     "--prompt-file", str(tmp_path / "b.txt"), "--max-tokens", "5"])
+                     "--prompt-file", str(tmp_path / "b.txt"), "--max-tokens", "5", *SMALL_KV])
     assert code == 0
     assert capsys.readouterr().err.splitlines() == [
         f"vegas: warning: prompt 2 of 2 ({tmp_path / 'b.txt'}) leaves room for 4 new tokens in "
@@ -263,7 +269,7 @@ def test_json_statistics_of_short_and_plain_runs(model: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     for max_tokens, rate in ((1, False), (2, False), (5, True)):
         assert cli.main(["generate", "--model", str(model), "--prompt", "w1 w2", "--ignore-eos",
-                         "--max-tokens", str(max_tokens), "--json"]) == 0
+                         "--max-tokens", str(max_tokens), "--json", *SMALL_KV]) == 0
         stats = json.loads(capsys.readouterr().out)["stats"]
         assert (stats["decode_tokens_per_s"] is not None) == rate, stats
         # vanilla: one decode step per token after the prefill's
@@ -272,7 +278,8 @@ def test_json_statistics_of_short_and_plain_runs(model: Path,
 
 def test_stats_follow_the_text(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["generate", "--model", str(model), "--prompt", "w1 w2", "--prompt", "w3",
-                     "--ignore-eos", "--max-tokens", "5", "--method", "vegas", "--stats"]) == 0
+                     "--ignore-eos", "--max-tokens", "5", "--method", "vegas", "--stats",
+                     *SMALL_KV]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == "--- vegas (prompt 1 of 2): 2 prompt tokens, 5 generated (finish: length)"
     assert lines[2].startswith("    batch: prefill ") and lines[2].endswith(" tokens/s)")
@@ -283,9 +290,11 @@ def test_stats_follow_the_text(model: Path, capsys: pytest.CaptureFixture[str]) 
         assert re.fullmatch(r"    plain steps where a round would not pay: \d+% of the "
                             r"batch's row iterations", rest[0]), rest[0]
         rest = rest[1:]
-    assert rest[1].startswith("--- vegas (prompt 2 of 2): 1 prompt tokens")
+    assert rest[0].startswith("    dense drafts for every decoded token: ")  # 2 + 5 < 256
+    assert rest[2].startswith("--- vegas (prompt 2 of 2): 1 prompt tokens")
     assert cli.main(["generate", "--model", str(model), "--prompt", "w1 w2", "--ignore-eos",
-                     "--max-tokens", "9", "--method", "vegas", "--stats", "--fixed-gamma"]) == 0
+                     "--max-tokens", "9", "--method", "vegas", "--stats", "--fixed-gamma",
+                     *SMALL_KV]) == 0
     assert "plain steps" not in capsys.readouterr().out  # a round every iteration
 
 
@@ -398,3 +407,309 @@ def test_stats_say_how_many_iterations_were_plain_steps() -> None:
         "iterations"
     assert "plain steps" not in cli._stats_text(
         SimpleNamespace(**{**vars(out), "stats": {**stats, "plain_steps": 0}}), 0, 1)
+
+
+# --- argparse's own errors: one line, exit code 2, no torch imported -----------------------
+
+ARGPARSE_ERRORS = [
+    (["generate", "--prompt", "a", "--max-tokens", "abc"],
+     "vegas generate: error: argument --max-tokens: invalid int value: 'abc' "
+     "(see vegas generate --help)"),
+    (["generate", "--prompt", "a", "--gamma", "2.5"], "argument --gamma: invalid int value"),
+    (["generate", "--prompt", "a", "--method", "nonsense"], "argument --method: invalid choice"),
+    (["compare", "--prompt", "a", "--dtype", "int8"], "argument --dtype: invalid choice"),
+    (["generate"], "one of the arguments --prompt --prompt-file is required"),
+    (["generate", "--prompt", "a", "--prompt-file", "b"],
+     "argument --prompt-file: not allowed with argument --prompt"),
+    (["generate", "--prompt", "a", "--json", "--stats"], "not allowed with argument --json"),
+    (["frobnicate"], "vegas: error: argument command: invalid choice: 'frobnicate'"),
+    ([], "vegas: error: the following arguments are required: command (see vegas --help)"),
+    (["generate", "--prompt", "a", "--config"], "argument --config: expected one argument"),
+    (["bench", "--out"], "vegas bench: error: argument --out: expected one argument"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), ARGPARSE_ERRORS,
+                         ids=[" ".join(a) or "nothing" for a, _ in ARGPARSE_ERRORS])
+def test_argparse_errors_are_one_line(argv: list[str], message: str) -> None:
+    run = in_this_process(argv)
+    assert run.returncode == 2 and not run.stdout
+    (line,) = run.stderr.splitlines()
+    assert re.fullmatch(r"vegas( \w+)?: error: .+ \(see vegas( \w+)? --help\)", line), line
+    assert message in line
+
+
+def _imported(*argv: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """`python -m vegas_spec ARGV` -> the process and the modules it imported."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "vegas_spec", *argv],
+                          capture_output=True, text=True, timeout=120)
+    modules = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()
+               if line.startswith("import time:")}
+    return done, modules
+
+
+def test_help_and_argument_errors_do_not_import_torch() -> None:
+    """torch takes seconds to import: `vegas --help`, a subcommand's help and an argument
+    error answer without it."""
+    for argv, code in ((["--help"], 0), (["generate", "--help"], 0),
+                       (["bench", "--help"], 0),
+                       (["generate", "--prompt", "a", "--max-tokens", "abc"], 2)):
+        done, modules = _imported(*argv)
+        assert done.returncode == code, done.stderr[-2000:]
+        assert "vegas_spec.cli" in modules
+        heavy = modules & {"torch", "numpy", "transformers", "triton", "matplotlib"}
+        assert not heavy, (argv, heavy)
+    assert "--max-tokens" in subprocess.run([sys.executable, "-m", "vegas_spec", "generate",
+                                             "--help"], capture_output=True, text=True).stdout
+
+
+def test_closed_stdout_is_one_line_before_the_model_loads(tmp_path: Path) -> None:
+    """`vegas generate ... >&-`: refused in one line (the model, here missing, never loads)."""
+    done = subprocess.run([sys.executable, "-m", "vegas_spec", "generate", "--model",
+                           str(tmp_path / "nowhere"), "--prompt", "a"], capture_output=False,
+                          stderr=subprocess.PIPE, text=True, timeout=120,
+                          preexec_fn=lambda: os.close(1))
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == ["vegas: error: standard output is closed: there is "
+                                        "nowhere to write the output"]
+
+
+def test_a_reader_that_left_ends_the_stream_quietly(model: Path) -> None:
+    """`vegas generate ... | head -c1`: the streamed text meets a closed pipe; exit code 141
+    (128 + SIGPIPE), nothing on stderr."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first token
+    try:
+        done = subprocess.run([sys.executable, "-m", "vegas_spec", "generate", "--model",
+                               str(model), "--prompt", "w1 w2", "--max-tokens", "40",
+                               "--ignore-eos", *SMALL_KV], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write)
+    assert done.returncode == 141 and done.stderr == ""
+
+
+def _no_model(*args: Any, **kwargs: Any) -> None:
+    raise AssertionError("a model was loaded")
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    pytest.importorskip("fastapi")
+    monkeypatch.setattr("vegas_spec.engine.LLMEngine", _no_model)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert cli.main(["serve", "--port", str(port)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"vegas: error: cannot listen on 127.0.0.1 port {port}: Address already in use"]
+    assert cli.main(["serve", "--host", "192.0.2.1"]) == 2  # an address of no interface here
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("vegas: error: cannot listen on 192.0.2.1 port 8000: ")
+
+
+def test_a_prompt_file_too_large_for_the_context_is_refused_unread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """50 MB cannot be 8192 tokens of SmolLM2 (its longest token has 81 characters, a
+    character at most 4 bytes): refused from its size, before reading and loading."""
+    monkeypatch.setattr("vegas_spec.engine.LLM", _no_model)
+    big = tmp_path / "big.txt"
+    with big.open("wb") as f:
+        f.truncate(50_000_000)  # sparse: no disk, and reading it would take seconds
+    assert cli.main(["generate", "--prompt-file", str(big)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"vegas: error: prompt file {big} has 50,000,000 bytes, more than any 8192-token "
+        "context holds (at most 2,654,208 bytes)"]
+
+
+def test_standard_input_is_read_up_to_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vegas_spec.config import ConfigError
+
+    monkeypatch.setattr(cli, "READ_FREELY", 8)
+    monkeypatch.setattr(sys, "stdin", SimpleNamespace(buffer=io.BytesIO(b"w1 " * 30)))
+    with pytest.raises(ConfigError, match=r"^standard input has more than 20 bytes, more than "
+                                          r"any 5-token context holds \(at most 20 bytes\)$"):
+        cli._read_prompt(cli.STDIN, lambda: (5, 20))
+    monkeypatch.setattr(sys, "stdin", SimpleNamespace(buffer=io.BytesIO(b"w1 " * 6)))
+    assert cli._read_prompt(cli.STDIN, lambda: (5, 20)) == "w1 " * 6
+
+
+# --- prompts from standard input, the seed ------------------------------------------------
+
+def test_prompt_file_dash_reads_standard_input(model: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--model", str(model), "--max-tokens", "6", "--json", *SMALL_KV]
+    assert cli.main([*argv, "--prompt", "w1 w2 w3"]) == 0
+    want = json.loads(capsys.readouterr().out)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"w1 w2 w3")))
+    assert cli.main([*argv, "--prompt-file", "-"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
+    assert cli.main([*argv, "--prompt-file", "-", "--prompt-file", "-"]) == 2
+    assert "--prompt-file - (standard input) can be given once" in capsys.readouterr().err
+
+
+def test_seed_minus_one_draws_a_seed_that_the_statistics_give(
+        model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--model", str(model), "--prompt", "w1 w2", "--max-tokens", "8",
+            "--ignore-eos", "--temperature", "1.0", "--json", *SMALL_KV]
+    assert cli.main([*argv, "--seed", "-1"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    seed = first["stats"]["seed"]
+    assert isinstance(seed, int) and seed >= 0
+    assert cli.main(argv) == 0  # -1 is the default: another random seed
+    assert json.loads(capsys.readouterr().out)["stats"]["seed"] != seed
+    assert cli.main([*argv, "--seed", str(seed)]) == 0  # plain decoding repeats it
+    again = json.loads(capsys.readouterr().out)
+    assert again["token_ids"] == first["token_ids"] and again["stats"]["seed"] == seed
+    assert cli.main([*argv[:-3], "--stats", "--seed", str(seed), *SMALL_KV]) == 0
+    assert f"    sampled with seed {seed}" in capsys.readouterr().out.splitlines()
+    assert cli.main([*argv, "--seed", "-2"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "vegas: error: --seed must be an integer >= 0, or -1 for a random seed; got -2"]
+    argv[argv.index("1.0")] = "0"  # greedy: no seed to give
+    assert cli.main(argv) == 0
+    assert "seed" not in json.loads(capsys.readouterr().out)["stats"]
+
+
+# --- what generate and compare show as they go ----------------------------------------------
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal, recording each write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return super().write(text)
+
+
+@pytest.mark.parametrize("extra", [[], ["--method", "vegas"], ["--stop", "STOP"]],
+                         ids=["vanilla", "vegas", "stop"])
+def test_a_single_prompt_streams_the_text_of_the_plain_path(
+        model: Path, monkeypatch: pytest.MonkeyPatch, extra: list[str]) -> None:
+    """The text arrives in pieces as it is decoded, and what was written is the text that
+    LLM.generate returns without streaming, token for token (greedy)."""
+    from vegas_spec.config import SamplingParams
+    from vegas_spec.engine import LLM
+
+    prompt = "w1 w2 w3"
+    plain = LLM(str(model), kv_cache_bytes=1 << 22).generate(
+        prompt, SamplingParams(max_tokens=40, ignore_eos=True))[0].text
+    if extra == ["--stop", "STOP"]:  # a stop string in the middle of the output
+        extra = ["--stop", plain.split()[len(plain.split()) // 2]]
+    out = Terminal()
+    monkeypatch.setattr(sys, "stdout", out)
+    assert cli.main(["generate", "--model", str(model), "--prompt", prompt, "--max-tokens",
+                     "40", "--ignore-eos", "--min-tokens", "4", *extra, *SMALL_KV]) == 0
+    want = plain if not extra or extra[0] != "--stop" else plain[:plain.index(extra[1])]
+    assert out.getvalue() == want + "\n"
+    pieces = [w for w in out.writes if w]
+    assert len(pieces) > 3, pieces  # streamed, not written at the end
+
+
+def test_stats_follow_a_streamed_text(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--model", str(model), "--prompt", "w1 w2", "--max-tokens", "6",
+            "--ignore-eos", "--method", "vegas", *SMALL_KV]
+    assert cli.main([*argv, "--json"]) == 0
+    text = json.loads(capsys.readouterr().out)["text"]
+    assert cli.main([*argv, "--stats"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == text
+    assert lines[1] == "--- vegas: 2 prompt tokens, 6 generated (finish: length)"
+    # a context under --min-tokens (256): every draft read all of it, and the stats say so
+    assert lines[-1] == ("    dense drafts for every decoded token: drafts read the whole "
+                         "context while it is at most --min-tokens (256) tokens long, so nearly "
+                         "all are accepted; a longer prompt drafts from a selection")
+    assert cli.main([*argv, "--stats", "--min-tokens", "4", "--max-tokens", "20"]) == 0
+    assert "    dense drafts for 2 of 19 tokens: " in capsys.readouterr().out
+    assert cli.main([*argv, "--json", "--min-tokens", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["dense_draft_tokens"] == 2
+
+
+def test_a_batch_shows_its_progress_on_a_terminal_only(
+        model: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--model", str(model), "--prompt", "w1 w2", "--prompt", "w3",
+            "--max-tokens", "30", "--ignore-eos", *SMALL_KV]
+    monkeypatch.setattr("vegas_spec.terminal.EVERY_S", 0.0)
+    assert cli.main(argv) == 0
+    plain = capsys.readouterr()
+    assert plain.err == ""  # stderr is no terminal here
+    err = Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == plain.out  # the output is the same
+    shown = [w for w in err.writes if w != "\r\033[K"]
+    assert shown and all(re.fullmatch(r"\r\033\[K\d+/60 tokens(, [\d.,]+ tokens/s)?", w)
+                         for w in shown), shown
+    assert err.writes[-1] == "\r\033[K"  # the line is erased at the end
+    err.writes.clear()
+    assert cli.main([*argv, "--json"]) == 0
+    assert err.writes == []
+    assert cli.main(["compare", "--model", str(model), "--prompt", "w1 w2", "--prompt", "w3",
+                     "--max-tokens", "30", "--ignore-eos", "--min-tokens", "4", *SMALL_KV]) == 0
+    labels = {w.split(":")[0] for w in err.writes if w != "\r\033[K"}
+    assert labels == {"\r\033[Kvanilla", "\r\033[Kvegas"}
+
+
+def test_long_prompts_show_the_prefill_progress() -> None:
+    from vegas_spec.engine import Progress
+    from vegas_spec.terminal import Display
+
+    err = Terminal()
+    display = Display(None, err)
+    display(Progress(0, 3000, 0, 64, []))
+    display(Progress(2048, 3000, 0, 64, []))
+    display(Progress(3000, 3000, 1, 64, []))
+    assert err.writes[0] == "\r\033[Kprefill 0/3,000 tokens"
+    assert err.writes[1] == "\r\033[K1/64 tokens"  # the next at most every EVERY_S seconds
+    display.clear()
+    short = Terminal()
+    Display(None, short)(Progress(0, 500, 0, 64, []))  # a short prompt: no prefill line
+    assert short.writes == []
+
+
+# --- honest figures -----------------------------------------------------------------------
+
+def test_time_to_first_token_counts_from_arrival_and_loading_apart(
+        model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first call loads the tokenizer (here made to take a second): that is load_s, not
+    part of the request's time to first token or its total."""
+    import time
+
+    from vegas_spec import engine as engine_module
+    from vegas_spec.config import SamplingParams
+
+    real = engine_module.load_tokenizer
+
+    def slow(source: Any) -> Any:
+        time.sleep(1.0)
+        return real(source)
+
+    monkeypatch.setattr(engine_module, "load_tokenizer", slow)
+    llm = engine_module.LLM(str(model), kv_cache_bytes=1 << 22)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    first = llm.generate("w1 w2", params)[0].stats
+    assert first["load_s"] >= 1.0
+    assert 0 < first["ttft_s"] <= first["total_s"] < 1.0
+    second = llm.generate("w1 w2", params)[0].stats
+    assert second["load_s"] < 0.1  # loaded once
+
+
+def test_serve_on_a_cpu_says_nothing_of_graphs(model: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("fastapi")
+    monkeypatch.setattr("vegas_spec.serve.app.serve", lambda *args: "stopped")
+    assert cli.main(["serve", "--model", str(model), "--port", "0", *SMALL_KV]) == 0
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["vegas: draft weights: the model's", "vegas: stopped"], err

@@ -1,12 +1,16 @@
 """`vegas generate`, `vegas compare`, `vegas bench` and `vegas tune`: the command line over
 `LLM.generate` (bench and tune live in `vegas_spec.bench`).
 
-Every input the engine refuses ends in one line `vegas: error: ...` and exit code 2; Ctrl-C in
-one line `vegas: interrupted` and exit code 130."""
+Every input the engine refuses ends in one line `vegas: error: ...` and exit code 2, as does
+every argument argparse refuses (`vegas generate: error: ... (see vegas generate --help)`);
+Ctrl-C in one line `vegas: interrupted` and exit code 130. `vegas --help` and the argument
+errors answer without importing torch."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import gc
 import json
 import math
@@ -14,11 +18,22 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO, NoReturn
 
 # Only the standard library at import time: the rest (torch first) is imported inside main,
 # where Ctrl-C is caught.
 EXIT_ERROR, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 2, 130, 141  # 128 + SIGINT, SIGPIPE
+RANDOM_SEED = -1  # --seed -1: a random seed, as llama.cpp's
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors as one line, as every other refusal: no usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {' '.join(message.split())} "
+                              f"(see {self.prog} --help)\n")
 
 
 class _Formatter(argparse.HelpFormatter):
@@ -39,7 +54,7 @@ def _parser(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001 - SpecCon
     from vegas_spec.bench.commands import add_bench, add_tune
     from vegas_spec.config import METHODS
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="vegas", formatter_class=_Formatter,
         description="Lossless self-speculative decoding: generate text, compare methods side "
                     "by side, benchmark them, or tune gamma and the ratio. A bad input ends in "
@@ -65,8 +80,11 @@ def _parser(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001 - SpecCon
     g.add_argument("--top-p", type=float, default=1.0,
                    help="sample from the likeliest tokens whose probabilities add up to p "
                         "(1: no limit)")
-    g.add_argument("--seed", type=int,
-                   help="seed of the sampling (default: a new one each run)")
+    g.add_argument("--seed", type=int, default=RANDOM_SEED,
+                   help="seed of the sampling: a seeded run samples the same tokens again "
+                        "(with --fixed-gamma: see README, What is promised); -1 draws a random "
+                        "one, given with the statistics (--stats, --json) so that the run can "
+                        "be repeated; greedy decoding (--temperature 0) uses none")
     g.add_argument("--stop", action="append", default=[],
                    help="stop string: the text ends before it (repeatable)")
     out = g.add_mutually_exclusive_group()
@@ -271,32 +289,86 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+STDIN = Path("-")  # --prompt-file -: the prompt is standard input
+# Bytes of a prompt read without more ado; a larger one is first held against the most bytes
+# the model's context can take (which loads the model's config and tokenizer).
+READ_FREELY = 1 << 20
+UTF8_BYTES = 4  # the most bytes of one character
+
+
 def _prompts(args: argparse.Namespace) -> list[str]:
     from vegas_spec.config import ConfigError
 
     if args.prompt:
         return args.prompt
-    for p in args.prompt_file:
-        if p.is_dir():
+    files = args.prompt_file
+    if files.count(STDIN) > 1:
+        raise ConfigError("--prompt-file - (standard input) can be given once")
+    for p in files:
+        if p != STDIN and p.is_dir():
             raise ConfigError(f"prompt file {p} is a directory, not a file")
-    missing = [str(p) for p in args.prompt_file if not p.exists()]
+    missing = [str(p) for p in files if p != STDIN and not p.exists()]
     if missing:
         raise ConfigError(f"prompt file not found: {', '.join(missing)}")
-    return [_read_prompt(p) for p in args.prompt_file]
+    limit = functools.cache(lambda: _byte_limit(args.model, args.max_model_len))
+    return [_read_prompt(p, limit) for p in files]
 
 
-def _read_prompt(path: Path) -> str:
+def _file_name(path: Path) -> str:
+    return "standard input" if path == STDIN else f"prompt file {path}"
+
+
+def _byte_limit(model: str | None, max_model_len: int | None) -> tuple[int, int]:
+    """(the context in tokens, the most bytes a prompt can have and still fit it): a token
+    spans at most the vocabulary's longest token in characters, a character at most
+    UTF8_BYTES bytes."""
+    from vegas_spec.models.loader import load_config, resolve
+    from vegas_spec.tokenizer import load_tokenizer, longest_token
+
+    source = resolve(model)
+    context = max_model_len or load_config(source).max_position_embeddings
+    return context, context * longest_token(load_tokenizer(source)) * UTF8_BYTES
+
+
+def _read_prompt(path: Path, limit: Callable[[], tuple[int, int]]) -> str:
+    """The text of a prompt file (or standard input), refused unread where its size alone
+    says that it cannot fit the context, else refused once it is read past that size."""
     from vegas_spec.config import ConfigError
 
     try:
-        data = path.read_bytes()
+        with _open_prompt(path) as f:
+            size = None if path == STDIN else os.fstat(f.fileno()).st_size
+            if size is not None and size > READ_FREELY and size > limit()[1]:
+                raise _too_large(path, limit(), size)
+            data = f.read(READ_FREELY + 1)
+            if len(data) > READ_FREELY:  # standard input, or a file that grew
+                data += f.read(limit()[1] + 1 - len(data))
+                if len(data) > limit()[1]:
+                    raise _too_large(path, limit())
     except OSError as err:
-        raise ConfigError(f"cannot read prompt file {path}: {err.strerror or err}") from None
+        raise ConfigError(f"cannot read {_file_name(path)}: {err.strerror or err}") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ConfigError(f"prompt file {path} is not UTF-8 text (byte 0x{data[err.start]:02x} "
+        raise ConfigError(f"{_file_name(path)} is not UTF-8 text (byte 0x{data[err.start]:02x} "
                           f"at offset {err.start}); convert it, e.g. with iconv") from None
+
+
+def _open_prompt(path: Path) -> contextlib.AbstractContextManager[BinaryIO]:
+    if path == STDIN:  # standard input stays open: a context that closes nothing
+        return contextlib.nullcontext(sys.stdin.buffer)
+    return path.open("rb")
+
+
+def _too_large(path: Path, limit: tuple[int, int], size: int | None = None):  # noqa: ANN202
+    """The ConfigError of a prompt of `size` bytes (None: more than the limit, read so far)
+    that no context of the model can hold."""
+    from vegas_spec.config import ConfigError
+
+    context, most = limit
+    held = f"{size:,} bytes" if size is not None else f"more than {most:,} bytes"
+    return ConfigError(f"{_file_name(path)} has {held}, more than any {context}-token context "
+                       f"holds (at most {most:,} bytes)")
 
 
 OPTION_FLAGS = ("score", "collect", "granularity", "sink", "window", "pool", "page", "chunk")
@@ -333,29 +405,84 @@ def _check_options(args: argparse.Namespace, methods: list[str]) -> None:
 
 
 def generate(args: argparse.Namespace) -> int:
+    """Each prompt's text (a single prompt's streamed as it is decoded), its statistics with
+    --stats, or one JSON object a prompt with --json."""
     from vegas_spec.config import SamplingParams
     from vegas_spec.engine import LLM
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop),
-                            ignore_eos=args.ignore_eos)
+                            max_tokens=args.max_tokens, seed=_seed(args.seed),
+                            stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     spec, kwargs, prompts = _spec(args, args.method), _engine_kwargs(args), _prompts(args)
     llm = LLM(args.model, speculative=spec, **kwargs)
-    outs = llm.generate(prompts, params, chat=args.chat)
+    display = _display(args, stream=len(prompts) == 1)
+    try:
+        outs = llm.generate(prompts, params, chat=args.chat,
+                            on_step=display if display.active else None,
+                            stream=display.out is not None)
+    finally:
+        display.clear()
     for i, out in enumerate(outs):
+        stats = _with_settings(out, params, spec)
         if args.json:
             print(json.dumps({"text": out.text, "token_ids": out.token_ids,
-                              "finish_reason": out.finish_reason, "stats": out.stats}))
-        else:
-            print(out.text)
-            if args.stats:
-                print(_stats_text(out, i, len(outs)))
+                              "finish_reason": out.finish_reason, "stats": stats}))
+            continue
+        print(out.text[display.written:] if display.out is not None else out.text)
+        if args.stats:
+            print(_stats_text(out, i, len(outs), stats, spec.min_tokens))
     return 0
 
 
-def _stats_text(out, index: int, n: int) -> str:  # noqa: ANN001 - a RequestOutput
-    """A few readable lines: what was generated, how fast, how well the drafts did."""
-    s, seq = out.stats, out.stats["sequence"]
+def _display(args: argparse.Namespace, stream: bool, label: str = ""):  # noqa: ANN202
+    """What the run shows as it goes: a single prompt's text on stdout (not with --json), and
+    the progress line on stderr where it is a terminal (not with --json)."""
+    from vegas_spec.terminal import Display
+
+    quiet = getattr(args, "json", False)
+    line = sys.stderr if not quiet and sys.stderr is not None and sys.stderr.isatty() else None
+    return Display(sys.stdout if stream and not quiet else None, line, label)
+
+
+def _seed(seed: int) -> int | None:
+    """--seed: -1 draws a random seed (in the command, so that the statistics can give it)."""
+    import secrets
+
+    from vegas_spec.config import ConfigError
+
+    if seed == RANDOM_SEED:
+        return secrets.randbelow(1 << 63)
+    if seed < 0:
+        raise ConfigError(f"--seed must be an integer >= 0, or -1 for a random seed; got {seed}")
+    return seed
+
+
+def _with_settings(out, params, spec) -> dict:  # noqa: ANN001 - RequestOutput, ...
+    """The run's statistics, with the seed of a sampled run and, for a method that drafts
+    from a selection, the new tokens whose drafts read the whole context because it was no
+    longer than min_tokens (the budget's floor)."""
+    stats = dict(out.stats)
+    if not params.greedy:
+        stats["seed"] = params.seed
+    if spec.speculative and spec.method != "full":
+        stats["dense_draft_tokens"] = _dense_tokens(len(out.prompt_token_ids),
+                                                    len(out.token_ids), spec.min_tokens)
+    return stats
+
+
+def _dense_tokens(prompt: int, generated: int, min_tokens: int) -> int:
+    """Tokens decoded (after the prefill's first) while the context was at most min_tokens
+    long: a budget of max(ratio x context, min_tokens) then covers all of it, and the drafts
+    are dense. The k-th new token is decoded with a context of prompt + k - 1."""
+    return max(0, min(generated, min_tokens - prompt + 1) - 1)
+
+
+def _stats_text(out, index: int, n: int, stats: dict | None = None,  # noqa: ANN001
+                min_tokens: int = 0) -> str:
+    """A few readable lines about a RequestOutput: what was generated, how fast, how well the
+    drafts did; `stats`: its statistics with the command's additions (`_with_settings`)."""
+    s = out.stats if stats is None else stats
+    seq = s["sequence"]
     which = f" (prompt {index + 1} of {n})" if n > 1 else ""
     speed = s["decode_tokens_per_s"]
     lines = [
@@ -378,7 +505,21 @@ def _stats_text(out, index: int, n: int) -> str:  # noqa: ANN001 - a RequestOutp
     else:
         n = seq["iterations"]
         lines.append(f"    {n} decode step{'s' * (n != 1)}")
-    return "\n".join(lines)
+    return "\n".join(lines + _notes(out, s, min_tokens))
+
+
+def _notes(out, s: dict, min_tokens: int) -> list[str]:  # noqa: ANN001 - a RequestOutput
+    """The seed of a sampled run; where drafts read the whole context (a short one), why."""
+    lines = []
+    if s.get("seed") is not None:
+        lines.append(f"    sampled with seed {s['seed']}")
+    dense, decoded = s.get("dense_draft_tokens", 0), max(len(out.token_ids) - 1, 0)
+    if dense and "tokens_per_iteration" in s["sequence"]:
+        what = "every decoded token" if dense >= decoded else f"{dense} of {decoded} tokens"
+        lines.append(f"    dense drafts for {what}: drafts read the whole context while it "
+                     f"is at most --min-tokens ({min_tokens}) tokens long, so nearly all are "
+                     "accepted; a longer prompt drafts from a selection")
+    return lines
 
 
 def compare(args: argparse.Namespace) -> int:
@@ -395,7 +536,12 @@ def compare(args: argparse.Namespace) -> int:
     rows, base, ids = [], [], []
     for spec in specs:
         llm.generate(prompts[:1], SamplingParams(max_tokens=2), chat=args.chat, speculative=spec)
-        outs = llm.generate(prompts, params, chat=args.chat, speculative=spec)
+        display = _display(args, stream=False, label=spec.method)
+        try:
+            outs = llm.generate(prompts, params, chat=args.chat, speculative=spec,
+                                on_step=display if display.active else None)
+        finally:
+            display.clear()
         tokens = [o.token_ids for o in outs]
         if not rows:
             base, ids = tokens, [list(o.prompt_token_ids) for o in outs]
@@ -460,6 +606,7 @@ def serve(args: argparse.Namespace) -> int:
     if not math.isfinite(args.shutdown_timeout) or args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout must be a number of seconds >= 0, got "
                           f"{args.shutdown_timeout:g}")
+    _check_bind(args.host, args.port)
     # a --config settings file has set the speculative options' defaults
     pacing = args.prefill_pacing or None  # 0: off
     engine = LLMEngine(args.model, speculative=_spec(args, args.method),
@@ -467,14 +614,37 @@ def serve(args: argparse.Namespace) -> int:
                        **_engine_kwargs(args))
     started = time.perf_counter()
     made = engine.warm_up(args.max_num_seqs)  # every bucket's graphs, before the first request
-    print(f"vegas: graphs ready in {time.perf_counter() - started:.1f} s "
-          f"({made} prefill shapes)", file=sys.stderr)
+    if engine.config.graphs:  # on a CPU there are none to speak of
+        print(f"vegas: graphs ready in {time.perf_counter() - started:.1f} s "
+              f"({made} prefill shapes)", file=sys.stderr)
     print(f"vegas: {_draft_weights_text(engine.draft_weight_bytes)}", file=sys.stderr)
     freeze_heap()
     name = args.served_model_name or engine.source.path.name
     ended = run(engine, name, args.host, args.port, args.max_queue, key, args.shutdown_timeout)
     print(f"vegas: {ended}", file=sys.stderr)
     return 0
+
+
+def _check_bind(host: str, port: int) -> None:
+    """Refuse an address the server could not listen on (in use, not this machine's, not an
+    address), before the model loads rather than after."""
+    import socket
+
+    from vegas_spec.config import ConfigError
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as err:
+        raise ConfigError(f"--host {host} is not an address to listen on: {err.strerror}") \
+            from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(address)
+        except OSError as err:
+            raise ConfigError(f"cannot listen on {host} port {port}: "
+                              f"{err.strerror or err}") from None
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
@@ -549,25 +719,24 @@ def _settings_file(argv: list[str]):  # noqa: ANN202 - SpecConfig | None
     """The settings of `--config FILE`, read before the real parse (they set its defaults)."""
     from vegas_spec.config_file import read_config
 
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = _Parser(prog="vegas", add_help=False)
     pre.add_argument("--config", type=Path)
     known, _ = pre.parse_known_args(argv)
     return None if known.config is None else read_config(known.config)
 
 
 def _main(argv: list[str] | None) -> int:
-    import torch
-
     from vegas_spec.config import ConfigError, LengthCapWarning, PromptError
-    from vegas_spec.executor import ExecutorError
-    from vegas_spec.models.loader import WeightError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        settings = _settings_file(argv)
+        args = _parser(_settings_file(argv)).parse_args(argv)
     except ConfigError as err:
         return _fail(str(err))
-    args = _parser(settings).parse_args(argv)
+    except SystemExit as done:  # --help (0), or argparse's error in one line (2)
+        return done.code if isinstance(done.code, int) else EXIT_ERROR
+    if sys.stdout is None and args.command != "serve":  # `vegas generate ... >&-`
+        return _fail("standard output is closed: there is nowhere to write the output")
 
     def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001, ANN202
         if isinstance(message, LengthCapWarning):
@@ -582,14 +751,32 @@ def _main(argv: list[str] | None) -> int:
             return _run_command(args, argv)
         except PromptError as err:
             return _fail(f"{_prompt_name(args, err.index)} {err.problem}")
-        except (ConfigError, WeightError, ExecutorError) as err:
+        except ConfigError as err:
             return _fail(str(err))
         except BrokenPipeError:  # the reader of stdout left (`vegas ... | head`)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return EXIT_BROKEN_PIPE
-        except torch.cuda.OutOfMemoryError as err:
-            return _fail(f"out of GPU memory ({str(err).splitlines()[0]}); lower "
-                         "--kv-cache-gb, the batch, --max-tokens or --max-model-len")
+        except Exception as err:
+            message = _failure(err)
+            if message is None:
+                raise
+            return _fail(message)
+
+
+def _failure(err: Exception) -> str | None:
+    """The line that reports an error of the model files, the ranks or the GPU's memory
+    (None: any other, a bug). Their classes are looked up where they were imported: an
+    error of a module not imported yet cannot have been raised, and `vegas --help` and the
+    argument errors never import torch."""
+    loader, executor, torch = (sys.modules.get(name) for name in (
+        "vegas_spec.models.loader", "vegas_spec.executor", "torch"))
+    if loader is not None and isinstance(err, loader.WeightError) or \
+            executor is not None and isinstance(err, executor.ExecutorError):
+        return str(err)
+    if torch is not None and isinstance(err, torch.cuda.OutOfMemoryError):
+        return (f"out of GPU memory ({str(err).splitlines()[0]}); lower --kv-cache-gb, the "
+                "batch, --max-tokens or --max-model-len")
+    return None
 
 
 def _run_command(args: argparse.Namespace, argv: list[str]) -> int:
@@ -637,12 +824,24 @@ def console() -> None:
     (`os._exit`, output flushed), so that nothing left in interpreter shutdown (threads or
     exit hooks of the libraries that were interrupted) can turn status 130 into a death by
     the signal."""
+    _hold_standard_fds()
     code = main()
     if code == EXIT_INTERRUPTED:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def _hold_standard_fds() -> None:
+    """Put /dev/null on a standard descriptor that was closed (`vegas ... >&-`), so that no
+    file the command opens takes its number, where a library's writes to it would land.
+    Python has already made the stream None, which main reports."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one
 
 
 if __name__ == "__main__":

@@ -9,10 +9,12 @@ import importlib.util
 import math
 import numbers
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -21,7 +23,29 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _Dtypes(Mapping):
+    """Type names -> torch dtypes, torch imported on the first lookup: the command line's
+    parser and its errors need only the names (torch takes seconds to import)."""
+
+    names = ("float32", "bfloat16", "float16")
+
+    def __getitem__(self, name: str) -> torch.dtype:
+        if name not in self.names:
+            raise KeyError(name)
+        import torch
+
+        return getattr(torch, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+DTYPES: Mapping[str, torch.dtype] = _Dtypes()
 
 
 class ConfigError(ValueError):
@@ -508,6 +532,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "cuda_graphs" and value is None):
                 raise ConfigError(f"{name} must be True or False, got {value!r}")
+        import torch
+
         if not isinstance(self.device, (str, torch.device)):
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
         try:
@@ -551,7 +577,7 @@ class EngineConfig:
     def graphs(self) -> bool:
         """Capture CUDA graphs: as asked, else on for CUDA."""
         if self.cuda_graphs is None:
-            return torch.device(self.device).type == "cuda"
+            return _device_type(self.device) == "cuda"
         return self.cuda_graphs
 
     @property
@@ -563,7 +589,13 @@ class EngineConfig:
     def resolved_backend(self) -> str:
         if self.backend != "auto":
             return self.backend
-        return "triton" if torch.device(self.device).type == "cuda" else "torch"
+        return "triton" if _device_type(self.device) == "cuda" else "torch"
+
+
+def _device_type(device: str | torch.device) -> str:
+    import torch
+
+    return torch.device(device).type
 
 
 def _check_triton(device_type: str) -> None:

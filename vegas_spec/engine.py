@@ -426,6 +426,25 @@ class LLMEngine:
             seq.request_id, text, ids)
 
 
+@dataclass(frozen=True)
+class Progress:
+    """Where an offline `generate` stands: prompt tokens prefilled of all of them, new tokens
+    generated of the most that may come (each prompt's max_tokens within the context), and
+    the last step's outputs (with `stream`: each request that got tokens, its delta_text)."""
+
+    prefilled: int
+    prompt_tokens: int
+    generated: int
+    most: int
+    outputs: list[RequestOutput]
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], outputs: list[RequestOutput]) -> Progress:
+        return cls(sum(s.prefilled for s in seqs), sum(len(s.prompt_ids) for s in seqs),
+                   sum(len(s.output) for s in seqs),
+                   sum(s.limit - len(s.prompt_ids) for s in seqs), outputs)
+
+
 class LLM:
     """Offline generation: every prompt added to one engine, stepped until all finish."""
 
@@ -466,9 +485,16 @@ class LLM:
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None, *,
                  chat: bool = False, speculative: SpecConfig | dict | None = None,
+                 on_step: Callable[[Progress], None] | None = None, stream: bool = False,
                  ) -> list[RequestOutput]:
+        """Every prompt to its end -> its output, in order. on_step: called once the prompts
+        are queued and after every step with where the run stands; stream: each step makes
+        its outputs (text deltas) for on_step, as a server's steps do (else none are made)."""
         started = time.perf_counter()
         engine = self.engine
+        if engine.has_tokenizer():  # loaded by the first call: a load, not the request's time
+            engine.tokenizer  # noqa: B018
+        arrived = time.perf_counter()
         spec = spec_config(speculative) if speculative is not None else engine.spec
         prompts, batch = prompt_list(prompts)
         params_list = sampling_list(params, len(prompts))
@@ -487,14 +513,20 @@ class LLM:
             for seq in seqs:
                 engine.add_request(seq)
             with collector_paused():
+                if on_step is not None:
+                    on_step(Progress.of(seqs, []))
                 while engine.has_unfinished():
-                    # the outputs are made once, at the end; the rows decode once all are in
-                    engine.step(collect=False, prefill_first=True)
+                    # the outputs are made once, at the end (unless streamed); the rows
+                    # decode once all are in
+                    outs = engine.step(collect=stream, prefill_first=True)
+                    if on_step is not None:
+                        on_step(Progress.of(seqs, outs))
         except BaseException:
             engine.abort_all()
             raise
         texts = [s.text for s in seqs]  # decoded here, once each: inside the run's total time
-        self._finish_stats(stats, seqs, started, wall)
+        self._finish_stats(stats, seqs, arrived, wall)
+        stats.load = arrived - started
         summary = stats.summary()
         return [RequestOutput(p, s.prompt_ids, text, s.output, s.finish_reason or "length",
                               {**summary, "sequence": s.stats.summary()}, s.request_id)
@@ -508,15 +540,17 @@ class LLM:
                          seqs=[s.stats for s in seqs])
         return stats, dict(self.engine.wall), self.engine.iterations
 
-    def _finish_stats(self, stats: RunStats, seqs: list[Sequence], started: float,
+    def _finish_stats(self, stats: RunStats, seqs: list[Sequence], arrived: float,
                       wall: dict[str, float]) -> None:
+        """The run's figures, its times from the requests' arrival (once the tokenizer was
+        loaded)."""
         stats.timer.flush()
         now = self.engine.wall
         stats.wall_prefill = now["prefill"] - wall["prefill"]
         stats.wall_decode = now["decode"] - wall["decode"]
         firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
-        stats.ttft = (max(firsts) if firsts else time.perf_counter()) - started
-        stats.wall_total = time.perf_counter() - started
+        stats.ttft = (max(firsts) if firsts else time.perf_counter()) - arrived
+        stats.wall_total = time.perf_counter() - arrived
         stats.generated_tokens = sum(len(s.output) for s in seqs)
 
     def _warn_capped(self, seqs: list[Sequence], named: bool) -> None:

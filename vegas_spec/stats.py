@@ -130,8 +130,11 @@ class RunStats:
     generated_tokens: int = 0
     wall_prefill: float = 0.0
     wall_decode: float = 0.0
-    ttft: float = 0.0  # from generate() to the first tokens on the host
-    wall_total: float = 0.0
+    # from the requests' arrival (generate(), once the tokenizer is loaded) to the first
+    # token of every prompt on the host
+    ttft: float = 0.0
+    wall_total: float = 0.0  # from the arrival to the last token
+    load: float = 0.0  # loading (the tokenizer, on the first call) before the arrival
     seqs: list[SeqStats] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
@@ -145,6 +148,7 @@ class RunStats:
         out: dict[str, Any] = {
             "method": self.method, "gamma": self.gamma,
             "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+            "load_s": round(self.load, 6),
             "ttft_s": round(self.ttft, 6), "prefill_s": round(self.wall_prefill, 6),
             "decode_s": round(self.wall_decode, 6), "total_s": round(self.wall_total, 6),
             "decode_tokens_per_s": decoded / self.wall_decode

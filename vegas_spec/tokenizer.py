@@ -10,9 +10,12 @@ import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vegas_spec.config import ConfigError
-from vegas_spec.models.loader import ModelSource
+
+if TYPE_CHECKING:  # the loader imports torch; `vegas --help` reads this module without it
+    from vegas_spec.models.loader import ModelSource
 
 
 def cache_dir() -> Path:

@@ -7,9 +7,11 @@ its context of 8192 is what a bad --context exceeds)."""
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import shutil
+import sys
 from itertools import product
 from pathlib import Path
 from typing import Any
@@ -188,7 +190,7 @@ def test_tune_recommends_the_best_cell_of_its_sweep(tmp_path: Path, model: str,
     assert "## 2. γ sweep" in (out / "tune.md").read_text()
     # the saved setting is what generate and compare then run with; options still win
     argv = ["--model", model, "--prompt", "The capital of France is", "--max-tokens", "3",
-            "--config", str(out / "config.json")]
+            "--config", str(out / "config.json"), "--kv-cache-gb", "0.05"]
     assert cli.main(["generate", *argv, "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert (stats["method"], stats["gamma"]) == ("vegas", fastest["gamma"])
@@ -453,3 +455,59 @@ def test_sampled_generation_bench_on_the_embedded_model(
     report = (out / "report.md").read_text()
     assert "Decoding: sampled at temperature 0.6, top-p 0.95, top-k 20, seed 3," in report
     assert "- **vegas**: sampled, not compared token for token" in report
+
+
+# --- repeats, and a progress bar on a terminal only -----------------------------------------
+
+def test_repeats_give_the_median_and_the_range_of_each_speedup(
+        tmp_path: Path, model: str, bench_dir: Path) -> None:
+    out = tmp_path / "repeats"
+    assert cli.main(["bench", "--model", model, "--context", "96", "--methods", "vegas",
+                     "--max-tokens", "6", "--min-tokens", "8", "--repeats", "3",
+                     "--no-progress", "--out", str(out)]) == 0
+    data = _results(out)
+    assert data["meta"]["repeats"] == 3
+    cells = {c["method"]: c for c in data["cells"]}
+    for cell in cells.values():
+        runs = cell["decode_tokens_per_s_runs"]
+        assert cell["repeats"] == 3 and len(runs) == len(cell["total_s_runs"]) == 3
+        assert cell["decode_tokens_per_s"] == sorted(runs)[1]  # the median run's figures
+    lines = {line["method"]: line for line in data["summary"]}
+    assert lines["vanilla"]["speedup_range"] is None and lines["vanilla"]["noise"] is None
+    vegas, plain = cells["vegas"], cells["vanilla"]
+    low = min(vegas["decode_tokens_per_s_runs"]) / max(plain["decode_tokens_per_s_runs"])
+    high = max(vegas["decode_tokens_per_s_runs"]) / min(plain["decode_tokens_per_s_runs"])
+    line = lines["vegas"]
+    assert line["speedup_range"] == pytest.approx([low, high], rel=1e-12)
+    assert low <= line["speedup"] <= high and line["noise"] == (low <= 1.0 <= high)
+    assert line["request_noise"] is not None
+    shown = f"| {line['speedup']:.2f}x ({low:.2f}-{high:.2f}){' ~' if line['noise'] else ''} |"
+    report = (out / "report.md").read_text()
+    assert shown in report and "Each cell was timed 3 times" in report
+    assert "graph" not in report  # a CPU run replays none
+    # on a CPU a cell runs once by default: no range to judge a speedup by
+    once = _results(bench_dir)
+    assert once["meta"]["repeats"] == 1
+    assert all(line["noise"] is None for line in once["summary"])
+    assert "Each cell was timed once" in (bench_dir / "report.md").read_text()
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_tune_shows_one_bar_over_its_steps_on_a_terminal_only(
+        tmp_path: Path, model: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [*[a for a in TUNE if a != "--no-progress"], "--model", model]
+    assert cli.main([*argv, "--out", str(tmp_path / "quiet")]) == 0
+    assert capsys.readouterr().err == ""  # stderr is no terminal here: no bar
+    err = Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert cli.main([*argv, "--out", str(tmp_path / "shown")]) == 0
+    shown = err.getvalue()
+    for step in ("vanilla", "reference", "step 1/3 (ratio)", "step 2/3 (γ)", "step 3/3 (ratio)"):
+        assert f"{step}: essays 96 tok ×1 " in shown, step
+    shares = [int(p) for p in re.findall(r"\| *(\d+)% \[", shown)]
+    assert shares == sorted(shares) and shares[-1] == 100  # one bar, never started again

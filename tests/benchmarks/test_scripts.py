@@ -367,7 +367,7 @@ def test_selection_sweep_runs_every_cell_with_stream_and_vanilla(tmp_path: Path)
     run("selection_sweep.py", "--device", "cpu", "--batch", "2", "--context", "64",
         "--max-tokens", "5", "--workloads", "essays", "generation", "--methods", "vegas",
         "lastq", "--windows", "8", "--pools", "3", "--min-tokens", "16", "--ratio", "0.1",
-        "--out", str(out))
+        "--kv-cache-gb", "0.0625", "--out", str(out))
     data = json.loads(out.read_text())
     cells = data["cells"]
     assert data["meta"]["dtype"] == "float32"

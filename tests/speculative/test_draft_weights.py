@@ -6,7 +6,7 @@ and the static shapes' buffers; drafts stay useful (tokens per iteration)."""
 from __future__ import annotations
 
 import pytest
-from conftest import essay_prompt
+from conftest import essay_prompt, kv_bytes
 
 from vegas_spec import LLM, SamplingParams, SpecConfig
 from vegas_spec.attention import backend as backend_module
@@ -15,18 +15,20 @@ from vegas_spec.quant import Fp8Weight
 
 METHODS = ["vegas", "lastq", "stream", "quest", "specextend", "full"]
 MAX_TOKENS = 16
+LENGTHS = ((900, 0), (1200, 7), (1500, 19))  # the prompts' tokens and first essays
+# each prompt with its new tokens and a round of γ 6 resident at once
+POOL = kv_bytes([n + 32 for n, _ in LENGTHS])
 
 
 @pytest.fixture(scope="module")
 def prompts(llm, essays) -> list[list[int]]:
-    return [essay_prompt(llm.tokenizer, essays, n, offset)
-            for n, offset in ((900, 0), (1200, 7), (1500, 19))]
+    return [essay_prompt(llm.tokenizer, essays, n, offset) for n, offset in LENGTHS]
 
 
 @pytest.fixture(scope="module")
 def fp8_llm():
     """The embedded model with FP8 draft copies, on the static shapes' buffers (eager)."""
-    return LLM(kv_cache_bytes=1 << 28, draft_weights="fp8", static_shapes=True,
+    return LLM(kv_cache_bytes=POOL, draft_weights="fp8", static_shapes=True,
                max_model_len=2048)
 
 
@@ -77,7 +79,7 @@ def test_greedy_output_with_fp8_drafts_is_plain(fp8_llm, prompts, plain, method:
 
 
 def test_dynamic_path_fp8_drafts(prompts, plain) -> None:
-    llm = LLM(kv_cache_bytes=1 << 28, draft_weights="fp8")
+    llm = LLM(kv_cache_bytes=POOL, draft_weights="fp8")
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
                         speculative=spec("vegas"))
     assert llm.graphs is None
@@ -88,7 +90,7 @@ def test_dynamic_path_fp8_drafts(prompts, plain) -> None:
 def test_bfloat16_exact_mode_fp8_drafts(prompts, method: str) -> None:
     """In bfloat16 the verify step and a plain step may round a near-tie apart unless exact
     mode makes every row batch-independent: then FP8 drafts change nothing either."""
-    llm = LLM(kv_cache_bytes=1 << 27, dtype="bfloat16", exact=True, draft_weights="fp8")
+    llm = LLM(kv_cache_bytes=POOL // 2, dtype="bfloat16", exact=True, draft_weights="fp8")
     short = [p[-400:] for p in prompts[:2]]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     want = llm.generate(short, params)

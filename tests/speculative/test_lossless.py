@@ -5,7 +5,7 @@ prompts of different lengths (>= 2,000 tokens)."""
 from __future__ import annotations
 
 import pytest
-from conftest import SPEC_VARIANTS, essay_prompt
+from conftest import SHARED_BATCH, SPEC_VARIANTS, essay_prompt, kv_bytes
 
 from vegas_spec import SamplingParams, SpecConfig
 
@@ -55,8 +55,7 @@ def static_llm():
     """The embedded model on the static shapes' fixed buffers (eager on CPU)."""
     from vegas_spec.engine import LLM
 
-    return LLM(kv_cache_bytes=1 << 30, prefix_cache_bytes=2 << 30, static_shapes=True,
-               max_model_len=3072)
+    return LLM(kv_cache_bytes=kv_bytes(SHARED_BATCH), static_shapes=True, max_model_len=3072)
 
 
 @pytest.mark.parametrize("variant,static", LOCAL,

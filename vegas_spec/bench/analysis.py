@@ -38,6 +38,28 @@ def request_speedup(row: dict[str, Any], base: dict[str, Any] | None) -> float |
     return base["total_s"] / row["total_s"]
 
 
+def speedup_range(row: dict[str, Any], base: dict[str, Any] | None,
+                  key: str = "decode_tokens_per_s") -> list[float] | None:
+    """The least and the most a speedup can be from the timed runs: the cell's slowest run
+    against vanilla's fastest, and its fastest against vanilla's slowest. key: a throughput
+    (decode_tokens_per_s: higher is faster) or a time (total_s). None: one run each, or a
+    run not timed."""
+    runs, plain = row.get(f"{key}_runs") or [], (base or {}).get(f"{key}_runs") or []
+    timed = [x for x in runs + plain if x]  # None or 0: a run too short to time
+    if row["method"] == "vanilla" or min(len(runs), len(plain)) < 2 or \
+            len(timed) < len(runs) + len(plain):
+        return None
+    if key == "total_s":  # a time: vanilla's over the cell's
+        return [min(plain) / max(runs), max(plain) / min(runs)]
+    return [min(runs) / max(plain), max(runs) / min(plain)]
+
+
+def noise(spread: list[float] | None) -> bool | None:
+    """Whether a speedup's range holds 1.0: then the runs do not tell it from no speedup
+    (None: no range, one run each)."""
+    return None if spread is None else spread[0] <= 1.0 <= spread[1]
+
+
 def near_tie(margin: float, dtype: str, exact: bool = False) -> bool:
     """Whether a greedy parting from vanilla where the plain run's top-2 logit margin is
     `margin` can be rounding: within NEAR_TIE of the dtype, and never in exact mode, where
@@ -114,12 +136,15 @@ def summary(rows: list[dict[str, Any]], dtype: str,
     for row in rows:
         base = baseline(rows, row)
         acc = row.get("acceptance_rate_per_position") or []
+        spread, whole = speedup_range(row, base), speedup_range(row, base, "total_s")
         out.append({
             "key": row["key"], "workload": row["workload"], "context": row["context"],
             "batch": row["batch"], "method": row["method"], "gamma": row["gamma"],
             "ratio": row["ratio"], "decode_tokens_per_s": row.get("decode_tokens_per_s"),
-            "speedup": speedup(row, base), "total_s": row.get("total_s"),
-            "request_speedup": request_speedup(row, base),
+            "speedup": speedup(row, base), "speedup_range": spread, "noise": noise(spread),
+            "total_s": row.get("total_s"), "request_speedup": request_speedup(row, base),
+            "request_speedup_range": whole, "request_noise": noise(whole),
+            "repeats": row.get("repeats", 1),
             "tokens_per_iteration": row.get("tokens_per_iteration"),
             "acceptance_first": acc[0] if acc else None,
             "acceptance_last": acc[-1] if acc else None,

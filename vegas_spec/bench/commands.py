@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vegas_spec.bench import analysis, options, plots, report, tune, workloads
-from vegas_spec.bench.runner import Cell, RunSettings, Store, run_cells
+from vegas_spec.bench.runner import Bar, Cell, RunSettings, Store, run_cells
 from vegas_spec.bench.workloads import PROMPT_ROOM
 from vegas_spec.config import DTYPES, ConfigError, SamplingParams, SpecConfig
 
@@ -23,6 +23,8 @@ DEFAULT_METHODS = "vanilla,vegas,stream,quest,lastq,specextend"
 # `max`: each sequence as long as the context allows after its batch's longest prompt.
 GENERATION_TOKENS = "max"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# What each call of vegas tune's steps runs, as its progress bar names it.
+TUNE_STEPS = ("vanilla", "reference", "step 1/3 (ratio)", "step 2/3 (γ)", "step 3/3 (ratio)")
 
 
 def add_shared(p: argparse.ArgumentParser) -> None:
@@ -47,7 +49,12 @@ def add_shared(p: argparse.ArgumentParser) -> None:
                    help="output directory (created when missing)")
     p.add_argument("--resume", action="store_true",
                    help="keep the cells of an existing DIR/results.json and run only the rest")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--repeats", type=int,
+                   help="timed runs of each cell; a cell reports its median run, and a speedup "
+                        "the range its runs allow, marked ~ (noise) where that range holds 1.0 "
+                        "(default: 3 on cuda, 1 on cpu, where a run takes long)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (it shows only where stderr is a terminal)")
 
 
 def add_bench(p: argparse.ArgumentParser) -> None:
@@ -111,6 +118,13 @@ def _one(option: str, text: str, parse: Any) -> Any:
 def _counts(args: argparse.Namespace) -> None:
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.repeats is not None and args.repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
+
+
+def repeats(args: argparse.Namespace) -> int:
+    """--repeats, by default 3 on CUDA (a spread to judge a speedup by) and 1 on a CPU."""
+    return args.repeats or (3 if args.device == "cuda" else 1)
 
 
 def sampling(args: argparse.Namespace) -> SamplingParams:
@@ -212,9 +226,11 @@ def plan(args: argparse.Namespace, spec: SpecConfig, argv: list[str], kind: str)
     else:
         cells = [tune_base(args, spec, names[0], contexts, batches[0], generation)]
     settings = RunSettings(spec, sample.temperature, sample.seed or 0, args.dtype,
-                           args.device, top_p=sample.top_p, top_k=sample.top_k)
+                           args.device, top_p=sample.top_p, top_k=sample.top_k,
+                           repeats=repeats(args))
     meta = {"command": "vegas " + shlex.join(argv), "date": time.strftime("%Y-%m-%d %H:%M"),
             "kind": kind, "device_name": _device_name(args.device), "torch": _torch_version(),
+            "repeats": settings.repeats,
             "setting": {"model": str(args.model or "embedded SmolLM2-135M-Instruct"),
                         "dtype": args.dtype, "device": args.device, "backend": args.backend,
                         "load_format": args.load_format, "eager": args.eager,
@@ -369,12 +385,18 @@ def tune_command(args: argparse.Namespace, engine_kwargs: dict[str, Any], spec: 
     p = plan(args, spec, argv, "tune")
     store = Store(args.out, p.meta, args.resume)
     engine, prompts = _engine(args, engine_kwargs, p), Prompts(p)
+    # one bar over the steps, as vegas bench's over its cells (each cell costs the same)
+    cells = 2 + len(ratios) + len(gammas) + len(factors) + 1
+    bar, steps = Bar(cells * p.cells[0].work(), not args.no_progress), iter(TUNE_STEPS)
 
     def run(cells: list[Cell]) -> list[dict[str, Any]]:
-        return run_cells(cells, store, p.settings, engine, prompts,
-                         progress=not args.no_progress)
+        return run_cells(cells, store, p.settings, engine, prompts, bar=bar, step=next(steps))
 
-    result = tune.three_steps(p.cells[0], ratios, gammas, factors, args.plateau, run)
+    try:
+        result = tune.three_steps(p.cells[0], ratios, gammas, factors, args.plateau, run)
+        bar.finish()
+    finally:
+        bar.close()
     rec = result.recommended
     chosen = dataclasses.replace(spec, method=rec["method"], gamma=rec["gamma"],
                                  ratio=rec["ratio"])

@@ -48,6 +48,15 @@ def _decoding(s: dict[str, Any]) -> str:
             "is vanilla's time over the method's.")
 
 
+def _ratio(x: float | None, spread: list[float] | None) -> str:
+    """A speedup, with the range its runs allow and `~` where that range holds 1.0 (noise:
+    no speedup to speak of)."""
+    if x is None or spread is None:
+        return _f(x, 2, "x")
+    lo, hi = spread
+    return f"{x:.2f}x ({lo:.2f}-{hi:.2f}){' ~' if lo <= 1.0 <= hi else ''}"
+
+
 def cell_table(lines: list[dict[str, Any]]) -> list[str]:
     out = ["| workload | context | batch | method | γ | ratio | decode tok/s | speedup | "
            "request s | request speedup | tokens/iter | accept@1 | accept@γ | budget | "
@@ -60,12 +69,24 @@ def cell_table(lines: list[dict[str, Any]]) -> list[str]:
         out.append(
             f"| {r['workload']} | {_ctx(r['context'])} | {r['batch']} | {r['method']} | "
             f"{gamma} | {ratio} | "
-            f"{_f(r['decode_tokens_per_s'], 1)} | {_f(r['speedup'], 2, 'x')} | "
-            f"{_f(r.get('total_s'), 3)} | {_f(r.get('request_speedup'), 2, 'x')} | "
+            f"{_f(r['decode_tokens_per_s'], 1)} | "
+            f"{_ratio(r['speedup'], r.get('speedup_range'))} | {_f(r.get('total_s'), 3)} | "
+            f"{_ratio(r.get('request_speedup'), r.get('request_speedup_range'))} | "
             f"{_f(r['tokens_per_iteration'])} | {_f(r['acceptance_first'])} | "
             f"{_f(r['acceptance_last'])} | {_f(r['budget_mean'], 0)} | {same} "
             f"({r['verdict']}) |")
     return out
+
+
+def repeats_note(lines: list[dict[str, Any]]) -> str:
+    runs = max((r.get("repeats", 1) for r in lines), default=1)
+    if runs == 1:
+        return ("Each cell was timed once (`--repeats 1`): a speedup has no range to tell it "
+                "from noise.")
+    return (f"Each cell was timed {runs} times (`--repeats`): its figures are the run of median "
+            "decode throughput; a speedup's range, (least-most), is the cell's slowest run "
+            "against vanilla's fastest and its fastest against vanilla's slowest, and `~` "
+            "marks a range that holds 1.00: noise, not a speedup.")
 
 
 def acceptance_section(lines: list[dict[str, Any]]) -> list[str]:
@@ -140,17 +161,20 @@ def split_section(lines: list[dict[str, Any]]) -> list[str]:
     rows = [r for r in lines if r["time_split"] and r["method"] != "vanilla"]
     if not rows:
         return []
+    # a round replayed as one CUDA graph is timed whole; without graphs (a CPU) there is none
+    graphs = any(r["time_split"].get("round", 0.0) > 0 for r in rows)
+    parts = ("draft", "verify", *(("round",) if graphs else ()), "selection", "acceptance",
+             "other")
     out = ["## Where the decode time goes", "",
-           "Share of the decode loop's time. `round` is a greedy round replayed as one CUDA "
-           "graph (drafts, verify, acceptance and the next selection together: the engine "
-           "does not time its parts); `other` is what no phase timer covers (host work, "
-           "launches).", "",
-           "| workload | context | batch | method | draft | verify | round | selection | "
-           "acceptance | other |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+           "Share of the decode loop's time. " + (
+               "`round` is a greedy round replayed as one CUDA graph (drafts, verify, "
+               "acceptance and the next selection together: the engine does not time its "
+               "parts); " if graphs else "") + "`other` is what no phase timer covers (host "
+           "work, launches).", "",
+           "| workload | context | batch | method | " + " | ".join(parts) + " |",
+           "|---|---:|---:|---|" + "---:|" * len(parts)]
     for r in rows:
-        s = r["time_split"]
-        shares = " | ".join(_f(100 * s.get(k, 0.0), 1, "%") for k in
-                            ("draft", "verify", "round", "selection", "acceptance", "other"))
+        shares = " | ".join(_f(100 * r["time_split"].get(k, 0.0), 1, "%") for k in parts)
         out.append(f"| {r['workload']} | {_ctx(r['context'])} | {r['batch']} | "
                    f"{r['method']} | {shares} |")
     return out + [""]
@@ -158,8 +182,9 @@ def split_section(lines: list[dict[str, Any]]) -> list[str]:
 
 def bench_report(meta: dict[str, Any], lines: list[dict[str, Any]], plots: list[str]) -> str:
     parts = [*header(meta, "vegas bench"), "## Every cell", "", *cell_table(lines), "",
-             *acceptance_section(lines), *lossless_section(lines, meta["setting"]["dtype"]),
-             *needle_section(lines), *split_section(lines)]
+             repeats_note(lines), "", *acceptance_section(lines),
+             *lossless_section(lines, meta["setting"]["dtype"]), *needle_section(lines),
+             *split_section(lines)]
     if plots:
         parts += ["## Plots", ""] + [f"![{p[:-4]}]({p})" for p in plots] + [""]
     return "\n".join(parts)

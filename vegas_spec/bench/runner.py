@@ -2,7 +2,9 @@
 `results.json`, rewritten after every cell so that `--resume` skips what is already there.
 
 A cell runs its batch of prompts once to warm up (kernels compile; on CUDA the batch's graphs
-are captured), then once timed. vanilla runs first in each group (workload, context, batch),
+are captured), then `repeats` times timed: the row keeps the run of median decode throughput,
+and every run's throughput and request time, whose spread says how far a speedup can be
+trusted. vanilla runs first in each group (workload, context, batch),
 so that every speedup and every identity check is against plain decoding of the same
 prompts in the same engine."""
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -27,6 +30,8 @@ KEPT_STATS = ("decode_tokens_per_s", "decode_s", "prefill_s", "ttft_s", "total_s
               "generated_tokens", "prompt_tokens", "tokens_per_iteration",
               "tokens_per_iteration_histogram", "acceptance_rate_per_position", "budget_mean",
               "iterations", "phase_s")
+# Figures kept for every timed run of a cell: their spread bounds its speedups.
+RUN_STATS = ("decode_tokens_per_s", "total_s")
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class RunSettings:
     device: str = "cpu"
     top_p: float = 1.0  # 1: no nucleus filter
     top_k: int = 0  # 0: no top-k filter
+    repeats: int = 1  # timed runs of each cell
 
     @property
     def greedy(self) -> bool:
@@ -147,29 +153,52 @@ def ordered(cells: Iterable[Cell]) -> list[Cell]:
 
 def run_cells(cells: list[Cell], store: Store, settings: RunSettings,
               engine: Callable[[], Any], prompts: Callable[[Any, Cell], list[Prompt]],
-              progress: bool = True) -> list[dict[str, Any]]:
+              progress: bool = True, bar: Bar | None = None,
+              step: str = "") -> list[dict[str, Any]]:
     """Run every cell that `store` does not hold yet (vanilla of each group first), saving
     after each; returns the rows of `cells` in order. `engine()` gives the LLM, loaded on
-    the first cell that runs; `prompts(llm, cell)` the cell's prompts."""
+    the first cell that runs; `prompts(llm, cell)` the cell's prompts. bar: the progress bar
+    of a longer run (vegas tune's steps), else one of these cells; step: what the cells are
+    in that run."""
     todo = [c for c in ordered(cells) if c.key not in store]
-    bar = _bar(sum(c.work() for c in todo), progress)
+    own = bar is None
+    bar = bar or Bar(sum(c.work() for c in todo), progress)
     try:
         for cell in todo:
-            bar.set_description_str(cell.label)
+            bar.show(f"{step}: {cell.label}" if step else cell.label)
             llm = engine()
             store.add(run_cell(llm, cell, prompts(llm, cell), settings, store))
-            bar.update(cell.work())
+            bar.advance(cell.work())
     finally:
-        bar.close()
+        if own:
+            bar.close()
     return [store.rows[c.key] for c in cells]
 
 
-def _bar(total: float, enabled: bool) -> Any:
-    from tqdm.auto import tqdm
+class Bar:
+    """A progress bar of cells (the cell, the share of the work done, the time left) on
+    stderr, where it is a terminal: elsewhere (a log, CI) it would fill it with updates."""
 
-    return tqdm(total=total, disable=not enabled or total == 0, dynamic_ncols=True,
-                bar_format="{desc} |{bar}| {percentage:3.0f}% [{elapsed} elapsed, "
-                           "{remaining} left]")
+    def __init__(self, total: float, enabled: bool) -> None:
+        from tqdm.auto import tqdm
+
+        shown = enabled and total > 0 and sys.stderr is not None and sys.stderr.isatty()
+        self.tqdm = tqdm(total=total, disable=not shown, dynamic_ncols=True, file=sys.stderr,
+                         bar_format="{desc} |{bar}| {percentage:3.0f}% [{elapsed} elapsed, "
+                                    "{remaining} left]")
+
+    def show(self, label: str) -> None:
+        self.tqdm.set_description_str(label)
+
+    def advance(self, work: float) -> None:
+        self.tqdm.update(work)
+
+    def finish(self) -> None:
+        """The whole run is done (some cells it counted were measured already)."""
+        self.tqdm.update(self.tqdm.total - self.tqdm.n)
+
+    def close(self) -> None:
+        self.tqdm.close()
 
 
 def run_cell(llm: Any, cell: Cell, batch: list[Prompt], settings: RunSettings,
@@ -187,13 +216,14 @@ def run_cell(llm: Any, cell: Cell, batch: list[Prompt], settings: RunSettings,
     warm = dataclasses.replace(
         params, max_tokens=min(cell.max_tokens, 2 * cell.gamma + 3) if cuda else 2)
     llm.generate(ids if cuda else ids[:1], warm, speculative=spec)
-    started = time.perf_counter()
-    outs = llm.generate(ids, params, speculative=spec)
-    wall = time.perf_counter() - started
+    runs = [_timed(llm, ids, params, spec) for _ in range(settings.repeats)]
+    wall, outs = _median(runs)
     stats = outs[0].stats
     row: dict[str, Any] = {"key": cell.key, "group": cell.group,
                            **dataclasses.asdict(cell), "wall_s": wall,
                            **{k: stats[k] for k in KEPT_STATS if k in stats},
+                           "repeats": len(runs),
+                           **{f"{k}_runs": [o[0].stats[k] for _, o in runs] for k in RUN_STATS},
                            "per_prompt_tokens_per_iteration":
                                [o.stats["sequence"].get("tokens_per_iteration") for o in outs],
                            "prompt_lengths": [len(p.ids) for p in batch],
@@ -206,6 +236,24 @@ def run_cell(llm: Any, cell: Cell, batch: list[Prompt], settings: RunSettings,
     if cell.method != "vanilla" and settings.greedy and base is not None:
         row["partings"] = partings(llm, batch, base["token_ids"], row["token_ids"])
     return row
+
+
+def _timed(llm: Any, ids: list[list[int]], params: SamplingParams,
+           spec: SpecConfig) -> tuple[float, list[Any]]:
+    started = time.perf_counter()
+    outs = llm.generate(ids, params, speculative=spec)
+    return time.perf_counter() - started, outs
+
+
+def _median(runs: list[tuple[float, list[Any]]]) -> tuple[float, list[Any]]:
+    """The run of median decode throughput (of the slower middle one for an even count;
+    by request time where a run decoded too few tokens to time)."""
+    def key(run: tuple[float, list[Any]]) -> float:
+        stats = run[1][0].stats
+        speed = stats["decode_tokens_per_s"]
+        return speed if speed is not None else -stats["total_s"]
+
+    return sorted(runs, key=key)[(len(runs) - 1) // 2]
 
 
 def partings(llm: Any, batch: list[Prompt], base: list[list[int]],
