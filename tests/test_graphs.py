@@ -185,7 +185,8 @@ def test_host_bounds_give_the_same_selection(method: str) -> None:
     """A plan made with the static host bounds is the dynamic plan, -1 padded to the fixed
     width, with the fixed recent range."""
     layers, hkv, dim, page, gamma = 2, 2, 8, 4, 3
-    cfg = SpecConfig(method=method, gamma=gamma, ratio=0.1, min_tokens=5, chunk=4, page=page)
+    own = {"specextend": {"chunk": 4}, "quest": {"page": page}}.get(method, {})
+    cfg = SpecConfig(method=method, gamma=gamma, ratio=0.1, min_tokens=5, **own)
     policy = make_policy(cfg)
     g = torch.Generator().manual_seed(0)
     lengths, accepted = torch.tensor([40, 17, 6]), torch.tensor([2, 0, 3])
