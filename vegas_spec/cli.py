@@ -614,7 +614,7 @@ def serve(args: argparse.Namespace) -> int:
                        **_engine_kwargs(args))
     started = time.perf_counter()
     made = engine.warm_up(args.max_num_seqs)  # every bucket's graphs, before the first request
-    if engine.config.graphs:  # on a CPU there are none to speak of
+    if args.device == "cuda" and not args.eager:  # graphs (on a CPU there are none to speak of)
         print(f"vegas: graphs ready in {time.perf_counter() - started:.1f} s "
               f"({made} prefill shapes)", file=sys.stderr)
     print(f"vegas: {_draft_weights_text(engine.draft_weight_bytes)}", file=sys.stderr)
