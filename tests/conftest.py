@@ -8,6 +8,7 @@ more fails here rather than on a busy machine."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import os
@@ -26,6 +27,22 @@ if TYPE_CHECKING:  # vegas_spec loads triton, which must come after TRITON_INTER
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _return_freed_memory() -> None:
+    """Keep every block of 128 KiB or more of this process mmapped, so that it goes back to
+    the system when freed. glibc otherwise raises that threshold to the largest block freed
+    (up to 32 MiB): a model's weights then land on the heap, where a freed engine's memory
+    stays with the process, and tests that build one engine after another hold them all."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: its allocator is its own
+    m_mmap_threshold = -3
+    libc.mallopt(m_mmap_threshold, 128 << 10)
+
+
+_return_freed_memory()
 # The cores are shared among pytest-xdist's workers (one each on CI's two cores).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
