@@ -149,11 +149,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _tokens(self, seq: Sequence) -> int:
-        """The KV slots seq takes when it gets pages: those its next iteration writes (after
-        the prefill of prefill_ids, or the decode of its newest token) and grow_tokens more,
-        within what it may ever write."""
-        return min(seq.kv_tokens, seq.num_tokens + seq.headroom + self.grow_tokens)
+    def _tokens(self, seq: Sequence, ahead: int | None = None) -> int:
+        """The KV slots seq's next iteration writes (after the prefill of prefill_ids, or the
+        decode of its newest token) and `ahead` more (default grow_tokens: what it takes when
+        it gets pages), within what it may ever write."""
+        ahead = self.grow_tokens if ahead is None else ahead
+        return min(seq.kv_tokens, seq.num_tokens + seq.headroom + ahead)
 
     def footprint(self, seq: Sequence) -> int:
         """Pages seq takes at admission."""
@@ -186,7 +187,7 @@ class Scheduler:
         for seq in rows:
             if seq.status is not Status.RUNNING or seq.finished:
                 continue
-            need = self.pool.pages_for(min(seq.kv_tokens, seq.num_tokens + seq.headroom))
+            need = self.pool.pages_for(self._tokens(seq, ahead=0))
             if len(seq.pages) >= need:
                 continue
             while need - len(seq.pages) > len(self.pool.free_pages):
