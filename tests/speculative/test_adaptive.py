@@ -4,6 +4,7 @@ that captured graphs; plain steps between rounds leave the output plain decoding
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -57,6 +58,37 @@ def test_it_follows_a_change_in_acceptance() -> None:
     assert c.pays(c.buckets[8])
     late = drive(c, 300, plain_s=1.0, round_s=3.0, tau=1.5)[-100:]
     assert not c.pays(c.buckets[8]) and sum(late) < 20
+
+
+@pytest.mark.parametrize("round_s,tau", [(11.0, 3.0), (11.0, 6.0), (6.0, 6.5), (40.0, 2.0)])
+def test_probes_lose_at_most_their_share_of_the_time(round_s: float, tau: float) -> None:
+    """Against fixed costs, the time lost to probes (each iteration of the choice not taken,
+    beyond what the preferred choice takes for the same tokens) stays within `cost` of the
+    run's time (with the bound on the interval: `most`)."""
+    plain_s, n = 1.6, 5000
+    c = SpeculationController(cost=0.01)
+    choices = drive(c, n, plain_s=plain_s, round_s=round_s, tau=tau)[200:]
+    speculate = tau * plain_s > round_s
+    probes = sum(d != speculate for d in choices)
+    assert probes >= len(choices) // c.most - 1  # it keeps measuring the other choice
+    if speculate:
+        loss, total = probes * (plain_s - round_s / tau), sum(
+            round_s if d else plain_s for d in choices)
+    else:
+        loss, total = probes * (round_s - tau * plain_s), sum(
+            round_s if d else plain_s for d in choices)
+    assert loss <= 0.012 * total
+
+
+def test_the_probe_interval_grows_with_what_a_probe_loses() -> None:
+    c = SpeculationController(probe=32, most=1024, cost=0.01)
+    drive(c, 100, plain_s=1.6, round_s=11.0, tau=6.35)  # close to even: probes cost little
+    near = c.interval(c.buckets[8], c.pays(c.buckets[8]))
+    drive(c, 100, plain_s=1.6, round_s=11.0, tau=2.0, bucket=1)  # rounds lose 7.8 a probe
+    far = c.interval(c.buckets[1], c.pays(c.buckets[1]))
+    drive(c, 100, plain_s=1.6, round_s=40.0, tau=2.0, bucket=2)
+    farthest = c.interval(c.buckets[2], c.pays(c.buckets[2]))
+    assert 32 <= near < far == math.ceil((11.0 - 3.2) / 0.016) < farthest == 1024
 
 
 def test_buckets_are_measured_apart() -> None:

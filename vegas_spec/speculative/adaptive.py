@@ -5,12 +5,17 @@ A round emits τ tokens a row in the time c_round of its batch bucket; a plain s
 in c_plain. Speculating pays while τ · c_plain > c_round. The controller keeps, per bucket,
 exponential moving averages of both costs (the wall time of an iteration, which ends with the
 engine's one host read, so it is the device's time plus the host's) and of τ, speculates
-while the estimate says it pays and, every `probe` iterations, runs the other choice once so
-that both estimates follow the context as it grows. Nothing here touches the device; the
-choice changes only how many tokens are drafted, never which tokens are emitted."""
+while the estimate says it pays and now and then runs the other choice once (a probe) so
+that both estimates follow the context as it grows. A probe loses time: a probing round
+costs c_round where plain steps would give its τ tokens in τ · c_plain, a probing plain step
+c_plain where rounds give a token in c_round / τ; probes are spaced so that this loss is at
+most `cost` of the time between them (and at least `probe`, at most `most` iterations
+apart). Nothing here touches the device; the choice changes only how many tokens are
+drafted, never which tokens are emitted."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -43,9 +48,12 @@ class Bucket:
 @dataclass
 class SpeculationController:
     """choose(bucket) -> draft or not; observe(bucket, drafted, seconds, tokens) after the
-    iteration. probe: iterations between two runs of the choice not taken."""
+    iteration. probe, most: the fewest and the most iterations between two runs of the
+    choice not taken; cost: the share of the time that probes may lose."""
 
     probe: int = 32
+    most: int = 4096
+    cost: float = 0.01
     buckets: dict[int, Bucket] = field(default_factory=dict)
     plain_steps: int = 0
     rounds: int = 0
@@ -57,14 +65,25 @@ class SpeculationController:
         if b.plain.value is None:
             return False
         speculate = self.pays(b)
-        if b.streak >= self.probe:
+        if b.streak >= self.interval(b, speculate):
             return not speculate
         return speculate
 
     def pays(self, b: Bucket) -> bool:
         assert b.round.value is not None and b.plain.value is not None
-        tau = b.tokens.value if b.tokens.value is not None else 1.0
-        return tau * b.plain.value > b.round.value
+        return _tau(b) * b.plain.value > b.round.value
+
+    def interval(self, b: Bucket, speculate: bool) -> int:
+        """Iterations between two probes of the choice not taken: enough that a probe's loss
+        is at most `cost` of the time of the preferred iterations between them."""
+        assert b.round.value is not None and b.plain.value is not None
+        plain, round_, tau = b.plain.value, b.round.value, _tau(b)
+        if speculate:  # a plain step's token against a round's share of one
+            loss, each = plain - round_ / tau, round_
+        else:  # a round's τ tokens against as many plain steps
+            loss, each = round_ - tau * plain, plain
+        wanted = math.ceil(loss / (self.cost * each)) if loss > 0 else 0
+        return min(max(self.probe, wanted), self.most)
 
     def observe(self, bucket: int, drafted: bool, seconds: float,
                 tokens_per_row: float | None = None) -> None:
@@ -83,3 +102,8 @@ class SpeculationController:
         total = self.rounds + self.plain_steps
         return {"rounds": self.rounds, "plain_steps": self.plain_steps,
                 "speculative_share": self.rounds / total if total else 0.0}
+
+
+def _tau(b: Bucket) -> float:
+    """A bucket's tokens a row per round (1 before any round)."""
+    return b.tokens.value if b.tokens.value is not None else 1.0
