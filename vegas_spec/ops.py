@@ -120,3 +120,19 @@ def sorted_positions(idx: torch.Tensor) -> torch.Tensor:
     big = torch.iinfo(torch.int32).max
     s = torch.sort(torch.where(idx < 0, big, idx).int(), dim=-1).values
     return torch.where(s == big, -1, s).long()
+
+
+def cat_padded(x: torch.Tensor, y: torch.Tensor, fill: float, dim: int,
+               axis: int = -1) -> torch.Tensor:
+    """x and y joined along `dim` after padding `axis` to the larger of the two with fill."""
+    width = max(x.shape[axis], y.shape[axis])
+    return torch.cat([_pad(x, width, fill, axis), _pad(y, width, fill, axis)], dim=dim)
+
+
+def _pad(x: torch.Tensor, width: int, fill: float, axis: int) -> torch.Tensor:
+    missing = width - x.shape[axis]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[axis] = missing
+    return torch.cat([x, torch.full(shape, fill, dtype=x.dtype, device=x.device)], dim=axis)

@@ -22,6 +22,14 @@ class DynamicSelector(Protocol):
         RoPE, to be rotated at ctx.positions."""
         ...
 
+    def take(self, idx: torch.Tensor) -> DynamicSelector:
+        """Its state for the rows idx [B'] of the batch, in that order (rows that leave)."""
+        ...
+
+    def cat(self, other: DynamicSelector) -> DynamicSelector:
+        """Its rows followed by other's (rows that join a running batch)."""
+        ...
+
 
 @dataclass
 class ScoreRequest:

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from vegas_spec.attention.context import SparsePlan
-from vegas_spec.speculative.policies import Policy, QuestSelector, SelectionInput
+from vegas_spec.ops import cat_padded
+from vegas_spec.speculative.policies import Policy, SelectionInput
 
 
 def selection_input(policy: Policy, backend: Any, scores: torch.Tensor | None,
@@ -33,10 +34,10 @@ def cat_plans(a: SparsePlan | None, b: SparsePlan | None) -> SparsePlan | None:
         return None
     indices = None
     if a.indices is not None and b.indices is not None:
-        indices = _cat_padded(a.indices, b.indices, -1, dim=1)  # [layers, B, G, K]
+        indices = cat_padded(a.indices, b.indices, -1, dim=1)  # [layers, B, G, K]
     selector = None
-    if isinstance(a.selector, QuestSelector) and isinstance(b.selector, QuestSelector):
-        selector = cat_quest(a.selector, b.selector)
+    if a.selector is not None and b.selector is not None:
+        selector = a.selector.cat(b.selector)
     return SparsePlan(indices, torch.cat([a.recent_start, b.recent_start]),
                       max(a.recent_max, b.recent_max), torch.cat([a.budget, b.budget]), selector)
 
@@ -45,40 +46,7 @@ def take_plan(plan: SparsePlan | None, idx: torch.Tensor) -> SparsePlan | None:
     """The rows idx [B'] of a plan, in that order (None: full drafts)."""
     if plan is None:
         return None
-    selector = plan.selector
-    if selector is not None:
-        assert isinstance(selector, QuestSelector), "only quest selects inside its drafts"
-        selector = QuestSelector([(lo[idx], hi[idx]) for lo, hi in selector.bounds],
-                                 selector.rankable[idx], selector.n_pages[idx], selector.page,
-                                 selector.max_pages, selector.pages[idx])
+    selector = None if plan.selector is None else plan.selector.take(idx)
     indices = None if plan.indices is None else plan.indices[:, idx]  # [layers, B', G, K]
     return SparsePlan(indices, plan.recent_start[idx], plan.recent_max, plan.budget[idx],
                       selector)
-
-
-def cat_quest(a: QuestSelector, b: QuestSelector) -> QuestSelector:
-    """Page bounds [B, NP, Hkv, D] padded to the wider NP with empty pages (lo +inf, hi -inf:
-    they never rank, and lie past each row's rankable pages anyway)."""
-    bounds = [(_cat_padded(la, lb, float("inf"), dim=0, axis=1),
-               _cat_padded(ha, hb, float("-inf"), dim=0, axis=1))
-              for (la, ha), (lb, hb) in zip(a.bounds, b.bounds, strict=True)]
-    most = None if a.max_pages is None or b.max_pages is None else max(a.max_pages, b.max_pages)
-    return QuestSelector(bounds, torch.cat([a.rankable, b.rankable]),
-                         torch.cat([a.n_pages, b.n_pages]), a.page, most,
-                         torch.cat([a.pages, b.pages]))
-
-
-def _cat_padded(x: torch.Tensor, y: torch.Tensor, fill: float, dim: int,
-                axis: int = -1) -> torch.Tensor:
-    """x and y joined along `dim` after padding `axis` to the larger of the two with fill."""
-    width = max(x.shape[axis], y.shape[axis])
-    return torch.cat([_pad(x, width, fill, axis), _pad(y, width, fill, axis)], dim=dim)
-
-
-def _pad(x: torch.Tensor, width: int, fill: float, axis: int) -> torch.Tensor:
-    missing = width - x.shape[axis]
-    if missing == 0:
-        return x
-    shape = list(x.shape)
-    shape[axis] = missing
-    return torch.cat([x, torch.full(shape, fill, dtype=x.dtype, device=x.device)], dim=axis)

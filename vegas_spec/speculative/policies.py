@@ -17,11 +17,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vegas_spec.attention.context import SparsePlan, StepContext
+from vegas_spec.attention.context import DynamicSelector, SparsePlan, StepContext
 from vegas_spec.attention.torch_backend import quest_page_scores_ref
 from vegas_spec.cache import slots_of
 from vegas_spec.config import SpecConfig
-from vegas_spec.ops import sorted_positions, topk_positions
+from vegas_spec.ops import cat_padded, sorted_positions, topk_positions
 
 
 @dataclass
@@ -492,3 +492,20 @@ class QuestSelector:
         top = topk_positions if backend is None or backend.topk is None else backend.topk
         return top(page_scores, self.pages, self.n_pages, self.max_pages, self.page,
                    self.rankable)
+
+    def take(self, idx: torch.Tensor) -> QuestSelector:
+        return QuestSelector([(lo[idx], hi[idx]) for lo, hi in self.bounds], self.rankable[idx],
+                             self.n_pages[idx], self.page, self.max_pages, self.pages[idx])
+
+    def cat(self, other: DynamicSelector) -> QuestSelector:
+        """Page bounds [B, NP, Hkv, D] padded to the wider NP with empty pages (lo +inf, hi
+        -inf: they never rank, and lie past each row's rankable pages anyway)."""
+        assert isinstance(other, QuestSelector), "one method per batch"
+        bounds = [(cat_padded(la, lb, float("inf"), dim=0, axis=1),
+                   cat_padded(ha, hb, float("-inf"), dim=0, axis=1))
+                  for (la, ha), (lb, hb) in zip(self.bounds, other.bounds, strict=True)]
+        most = (None if self.max_pages is None or other.max_pages is None
+                else max(self.max_pages, other.max_pages))
+        return QuestSelector(bounds, torch.cat([self.rankable, other.rankable]),
+                             torch.cat([self.n_pages, other.n_pages]), self.page, most,
+                             torch.cat([self.pages, other.pages]))
