@@ -32,8 +32,10 @@ SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096),
 
 
 def tiles_arg(text: str) -> SkinnyTiles:
-    n, k, warps, stages, split = (int(v) for v in text.split(":"))
-    return SkinnyTiles(n, k, warps, stages, split)
+    """BLOCK_N:BLOCK_K:WARPS:STAGES:SPLIT_K, then :swap for the transposed product."""
+    parts = text.split(":")
+    n, k, warps, stages, split = (int(v) for v in parts[:5])
+    return SkinnyTiles(n, k, warps, stages, split, swap=parts[5:] == ["swap"])
 
 
 def main() -> None:
@@ -58,7 +60,7 @@ def main() -> None:
             for t in [None, *args.tiles]:
                 label = "fp8 " + ("default" if t is None else
                                   f"{t.block_n}:{t.block_k}:{t.num_warps}:{t.num_stages}:"
-                                  f"{t.split_k}")
+                                  f"{t.split_k}" + (":swap" if t.swap else ""))
                 calls.append((label, t, lambda i, t=t, x=x, cs=copies:
                               skinny_linear(x, cs[i], tiles=t), n * k + 4 * n))
             for label, t, fn, nbytes in calls:

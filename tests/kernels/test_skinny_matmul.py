@@ -35,16 +35,17 @@ def rel_error(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     return float((got.double() - want).norm() / want.norm())
 
 
+@pytest.mark.parametrize("swap", [False, True], ids=["xw", "wx"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m,k,bias,split_k", CASES)
 def test_matches_float64_reference(m: int, k: int, bias: bool, split_k: int,
-                                   dtype: torch.dtype) -> None:
+                                   dtype: torch.dtype, swap: bool) -> None:
     gen = generator(m + k)
     x = randn(m, k, gen=gen, dtype=dtype)
     w = randn(N, k, gen=gen, dtype=dtype) / k ** 0.5
     b = randn(N, gen=gen, dtype=dtype) if bias else None
     with nan_empty():  # outputs and partials start as NaN: an unwritten element fails
-        got = skinny_linear(x, w, b, tiles=SkinnyTiles(64, 64, 4, 2, split_k))
+        got = skinny_linear(x, w, b, tiles=SkinnyTiles(64, 64, 4, 2, split_k, swap))
     assert got.shape == (m, N) and got.dtype == dtype
     assert rel_error(got, x, w, b) < REL_TOL[dtype]
 
@@ -103,10 +104,11 @@ FP8_CASES = [(1, 96, 256, False, 1), (7, 96, 200, True, 2), (16, 80, 256, True, 
              (64, 96, 200, False, 1), (128, 96, 128, True, 1), (37, 33, 72, False, 1)]
 
 
+@pytest.mark.parametrize("swap", [False, True], ids=["xw", "wx"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m,n,k,bias,split_k", FP8_CASES)
 def test_fp8_weights_match_their_reference(m: int, n: int, k: int, bias: bool, split_k: int,
-                                           dtype: torch.dtype) -> None:
+                                           dtype: torch.dtype, swap: bool) -> None:
     """e4m3 values times x summed in float32 and scaled per column: the reference's product
     to the dtype's rounding (how close the copy is to the weight: the next test)."""
     gen = generator(m * n + k)
@@ -116,7 +118,7 @@ def test_fp8_weights_match_their_reference(m: int, n: int, k: int, bias: bool, s
     q = quantize_fp8(w.to(DEVICE))
     b = randn(n, gen=gen, dtype=dtype) if bias else None
     with nan_empty():
-        got = skinny_linear(x, q, b, tiles=SkinnyTiles(64, 64, 4, 2, split_k))
+        got = skinny_linear(x, q, b, tiles=SkinnyTiles(64, 64, 4, 2, split_k, swap))
     assert got.shape == (m, n) and got.dtype == dtype
     want = fp8_linear_ref(x.double(), q, None if b is None else b.double())
     assert float((got.double() - want).norm() / want.norm()) < REL_TOL[dtype]

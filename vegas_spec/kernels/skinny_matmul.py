@@ -56,6 +56,7 @@ class SkinnyTiles:
     num_warps: int
     num_stages: int
     split_k: int = 1
+    swap: bool = False  # y^T = W x^T: the weight tile as the dot's first operand
 
     def __post_init__(self) -> None:
         for size in (self.block_n, self.block_k):
@@ -88,11 +89,15 @@ def skinny_tiles(m: int, n: int, k: int) -> SkinnyTiles:
 def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_wn,
                    stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr):
+                   EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr,
+                   SWAP: tl.constexpr):
     """Program (j, s): rows 0..M-1 x columns j*BLOCK_N.. over K range s*k_split.. (all of K
     when SPLIT_K is 1). With SPLIT_K > 1, y is the float32 partials [SPLIT_K, M, N] and the
     bias waits for the sum. SCALED: W holds FP8 values, converted to x's dtype as loaded,
-    and s_ptr the per-column scales that multiply the sums."""
+    and s_ptr the per-column scales that multiply the sums. SWAP: the product is computed
+    transposed, y^T = W x^T, the W tile as the dot's first operand (the one that may come
+    from registers, where the converted FP8 tile already is) and the rows as its narrow
+    side."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -101,7 +106,10 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_split, stride_x
     w_row = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     k_lo = tl.program_id(1) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + rk
         if EVEN_K:
@@ -113,14 +121,25 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_split, stride_x
             w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if SCALED:
             w = w.to(x_ptr.dtype.element_ty)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    if SCALED:
-        acc *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS and SPLIT_K == 1:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if SWAP:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     y_block = y_ptr + tl.program_id(1).to(tl.int64) * M * stride_ym
-    tl.store(y_block + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    if SWAP:  # acc [BLOCK_N, BLOCK_M]
+        if SCALED:
+            acc *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)[:, None]
+        if HAS_BIAS and SPLIT_K == 1:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_block + rm[None, :] * stride_ym + rn[:, None],
+                 acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+    else:
+        if SCALED:
+            acc *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        if HAS_BIAS and SPLIT_K == 1:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_block + rm[:, None] * stride_ym + rn[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -178,7 +197,7 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Te
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, EVEN_K=k % cfg.block_k == 0,
         DOT_PRECISION="ieee" if rows.dtype == torch.float32 else "tf32", SCALED=scaled,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SWAP=cfg.swap, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             partials, b, out, m * n, n, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
