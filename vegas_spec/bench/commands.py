@@ -10,6 +10,7 @@ import os
 import platform
 import re
 import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -361,7 +362,7 @@ def bench(args: argparse.Namespace, engine_kwargs: dict[str, Any], spec: SpecCon
                      progress=not args.no_progress)
     rows = list({r["key"]: r for r in rows}.values())
     lines = analysis.summary(rows, args.dtype, getattr(args, "exact", False))
-    made = plots.bench_plots(lines, rows, args.out)
+    made = plots.bench_plots(lines, rows, args.out) if _plots() else []
     (args.out / "report.md").write_text(report.bench_report(p.meta, lines, made),
                                         encoding="utf-8")
     verdicts = analysis.method_verdicts(lines)
@@ -410,7 +411,7 @@ def tune_command(args: argparse.Namespace, engine_kwargs: dict[str, Any], spec: 
                                   result.reference["decode_tokens_per_s"]},
                 "date": p.meta["date"], "command": p.meta["command"]}
     write_config(args.out / "config.json", chosen, measured)
-    made = tune_plots(result, args.out)
+    made = tune_plots(result, args.out) if _plots() else []
     (args.out / "tune.md").write_text(tune_report(p.meta, result, made, args.dtype),
                                       encoding="utf-8")
     print(recommendation_line(result, args.out / "config.json"))
@@ -441,6 +442,14 @@ def _speed(row: dict[str, Any], base: float | None) -> str:
     if speed is None:
         return "-"
     return f"{speed:.1f} tok/s" + (f" ({speed / base:.2f}x vanilla)" if base else "")
+
+
+def _plots() -> bool:
+    """Whether figures can be drawn; if not, says so once on stderr."""
+    if plots.available():
+        return True
+    print(plots.MISSING, file=sys.stderr)
+    return False
 
 
 def recommendation_line(result: tune.TuneResult, path: Path) -> str:

@@ -1,9 +1,12 @@
 """PNG figures of a bench or tune run (matplotlib, no display needed). Each function takes the
 summary lines (`analysis.summary`) or the cells and writes one file, returning its name, or
-None when the run has nothing to show in it."""
+None when the run has nothing to show in it. matplotlib is the `bench` extra
+(`pip install 'vegas-spec[bench]'`); without it a run writes its results and report, no
+figures (`available`)."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -13,6 +16,14 @@ COLORS = {"vanilla": "#777777", "vegas": "#d62728", "stream": "#1f77b4", "quest"
 SPLIT_COLORS = {"decode": "#777777", "draft": "#1f77b4", "verify": "#ff7f0e",
                 "round": "#9467bd", "selection": "#d62728", "acceptance": "#2ca02c",
                 "other": "#cccccc"}
+
+
+MISSING = "no plots: matplotlib is not installed (pip install 'vegas-spec[bench]')"
+
+
+def available() -> bool:
+    """Whether matplotlib can be imported (the `bench` extra)."""
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def _plt():  # noqa: ANN202 - matplotlib.pyplot

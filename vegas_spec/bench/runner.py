@@ -11,6 +11,7 @@ prompts in the same engine."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
@@ -177,28 +178,35 @@ def run_cells(cells: list[Cell], store: Store, settings: RunSettings,
 
 class Bar:
     """A progress bar of cells (the cell, the share of the work done, the time left) on
-    stderr, where it is a terminal: elsewhere (a log, CI) it would fill it with updates."""
+    stderr, where it is a terminal: elsewhere (a log, CI) it would fill it with updates.
+    tqdm is the `bench` extra: without it there is no bar."""
 
     def __init__(self, total: float, enabled: bool) -> None:
-        from tqdm.auto import tqdm
-
         shown = enabled and total > 0 and sys.stderr is not None and sys.stderr.isatty()
-        self.tqdm = tqdm(total=total, disable=not shown, dynamic_ncols=True, file=sys.stderr,
-                         bar_format="{desc} |{bar}| {percentage:3.0f}% [{elapsed} elapsed, "
-                                    "{remaining} left]")
+        self.tqdm = None
+        if shown and importlib.util.find_spec("tqdm") is not None:
+            from tqdm.auto import tqdm
+
+            self.tqdm = tqdm(total=total, dynamic_ncols=True, file=sys.stderr,
+                             bar_format="{desc} |{bar}| {percentage:3.0f}% [{elapsed} "
+                                        "elapsed, {remaining} left]")
 
     def show(self, label: str) -> None:
-        self.tqdm.set_description_str(label)
+        if self.tqdm is not None:
+            self.tqdm.set_description_str(label)
 
     def advance(self, work: float) -> None:
-        self.tqdm.update(work)
+        if self.tqdm is not None:
+            self.tqdm.update(work)
 
     def finish(self) -> None:
         """The whole run is done (some cells it counted were measured already)."""
-        self.tqdm.update(self.tqdm.total - self.tqdm.n)
+        if self.tqdm is not None:
+            self.tqdm.update(self.tqdm.total - self.tqdm.n)
 
     def close(self) -> None:
-        self.tqdm.close()
+        if self.tqdm is not None:
+            self.tqdm.close()
 
 
 def run_cell(llm: Any, cell: Cell, batch: list[Prompt], settings: RunSettings,
@@ -209,13 +217,7 @@ def run_cell(llm: Any, cell: Cell, batch: list[Prompt], settings: RunSettings,
     params = SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
                             top_k=settings.top_k, seed=settings.seed,
                             max_tokens=cell.max_tokens, ignore_eos=True)
-    # Warm-up: on CUDA the whole batch, long enough for a speculative round, so that the
-    # timed run replays graphs captured here; on CPU one short prompt is enough. It samples
-    # as the timed run does: greedy and sampled rounds are captured apart.
-    cuda = settings.device == "cuda"
-    warm = dataclasses.replace(
-        params, max_tokens=min(cell.max_tokens, 2 * cell.gamma + 3) if cuda else 2)
-    llm.generate(ids if cuda else ids[:1], warm, speculative=spec)
+    warm_up(llm, ids, params, spec)
     runs = [_timed(llm, ids, params, spec) for _ in range(settings.repeats)]
     wall, outs = _median(runs)
     stats = outs[0].stats
@@ -236,6 +238,18 @@ def run_cell(llm: Any, cell: Cell, batch: list[Prompt], settings: RunSettings,
     if cell.method != "vanilla" and settings.greedy and base is not None:
         row["partings"] = partings(llm, batch, base["token_ids"], row["token_ids"])
     return row
+
+
+def warm_up(llm: Any, prompts: list[Any], params: SamplingParams, spec: SpecConfig,
+            chat: bool = False) -> None:
+    """Before a timed run: on CUDA the whole batch, long enough for two speculative rounds,
+    so that the timed run replays graphs captured here; on CPU one short prompt (kernels and
+    caches warm). It samples as the timed run does: greedy and sampled rounds are captured
+    apart."""
+    cuda = llm.device.type == "cuda"
+    tokens = min(params.max_tokens, 2 * spec.gamma + 3) if cuda else 2
+    llm.generate(prompts if cuda else prompts[:1], dataclasses.replace(params, max_tokens=tokens),
+                 chat=chat, speculative=spec)
 
 
 def _timed(llm: Any, ids: list[list[int]], params: SamplingParams,
