@@ -68,6 +68,7 @@ class StepInfo:
     emitted: list[int] = field(default_factory=list)
     gamma: int = 0
     drafted: bool = False  # the decode iteration was a round (False: a plain step)
+    bucket: int = 0  # the batch bucket of the decode iteration (its rows, rounded up)
     preempted: int = 0  # sequences preempted for the pages of this iteration
     seconds: float = 0.0
     prefill_seconds: float = 0.0  # of which admission and prefill (the rest: the iteration)
@@ -350,6 +351,12 @@ class LLMEngine:
         for seq in touched.values():
             if seq.finished:  # its row, if it had one, left in `select`
                 self._release(seq)
+        if info.emitted and self.controller is not None:
+            # the iteration's whole cost, its host work included (scheduling, appending,
+            # outputs: paid per iteration, whatever the tokens), but not a prefill's
+            self.controller.observe(info.bucket, info.drafted,
+                                    time.perf_counter() - (t1 if info.prefill_tokens else t0),
+                                    sum(info.emitted) / len(info.emitted))
         return outs
 
     def _prefill_step(self, touched: dict[str, Sequence], info: StepInfo,
@@ -393,13 +400,9 @@ class LLMEngine:
     def _decode_step(self, touched: dict[str, Sequence], info: StepInfo) -> None:
         if not self._grow(info):
             return
-        controller, bucket = self.controller, bucket_for(self.runner.rows)
-        draft = controller is None or controller.choose(bucket)
-        started = time.perf_counter()
+        info.bucket = bucket_for(self.runner.rows)
+        draft = self.controller is None or self.controller.choose(info.bucket)
         out = self.runner.decode(draft)
-        if controller is not None:  # the iteration ended with its one host read
-            controller.observe(bucket, out.drafted, time.perf_counter() - started,
-                               sum(map(len, out.tokens)) / max(len(out.tokens), 1))
         self.iterations += 1
         info.drafted = out.drafted
         for seq, tokens, budget in zip(out.seqs, out.tokens, out.budgets):

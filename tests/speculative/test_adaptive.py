@@ -5,7 +5,7 @@ that captured graphs; plain steps between rounds leave the output plain decoding
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -193,3 +193,54 @@ def test_a_round_after_plain_steps_plans_from_the_newest_token(
     assert torch.equal(recent, runner.batch.lengths - 1)
     out = runner.decode(True)  # a round from the fresh plan
     assert out.drafted and all(1 <= len(t) <= 4 for t in out.tokens)
+
+
+@dataclass
+class Recorder(SpeculationController):
+    """Rounds and plain steps in turn, each observation kept."""
+
+    seen: list[tuple[int, bool, float, float | None]] = field(default_factory=list)
+
+    def choose(self, bucket: int) -> bool:
+        return len(self.seen) % 2 == 0
+
+    def observe(self, bucket: int, drafted: bool, seconds: float,
+                tokens_per_row: float | None = None) -> None:
+        self.seen.append((bucket, drafted, seconds, tokens_per_row))
+
+
+def test_an_iteration_costs_its_host_work_but_not_a_prefill(
+        tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller weighs an iteration by the whole engine step that decoded it (the
+    host's work per iteration, here a slow one, is paid by a plain step as by a round), but
+    not by a prefill in the same step."""
+    import time
+
+    from vegas_spec.engine import LLMEngine as Engine
+    from vegas_spec.model_runner import ModelRunner
+
+    recorder = Recorder()
+    monkeypatch.setattr(Engine, "_controller", staticmethod(lambda spec: recorder))
+    folder = config_folder(tmp_path_factory, "tiny-costs", TINY_LLAMA)
+    engine = Engine(str(folder), speculative=tiny_spec({"method": "stream"}), **TINY_ENGINE)
+    slow_host, slow_prefill = 0.05, 0.3
+    select = ModelRunner.select
+    monkeypatch.setattr(ModelRunner, "select",
+                        lambda self: (time.sleep(slow_host), select(self))[1])
+    prefill = ModelRunner.prefill
+    monkeypatch.setattr(ModelRunner, "prefill",
+                        lambda self, pieces: (time.sleep(slow_prefill if pieces else 0),
+                                              prefill(self, pieces))[1])
+    a, b = random_prompts(3, (40, 50), TINY_VOCAB)
+    engine.add_request(a, SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()  # prefills a, whose row then decodes its first iteration
+    for _ in range(4):
+        engine.step()
+    engine.add_request(b, SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()  # prefills b while a decodes
+    assert len(recorder.seen) == 6
+    assert [d for _, d, _, _ in recorder.seen] == [True, False] * 3
+    assert [bucket for bucket, _, _, _ in recorder.seen] == [1] * 5 + [2]  # b joined
+    assert all(slow_host <= s < slow_prefill for _, _, s, _ in recorder.seen)
+    assert all(t == 1.0 for _, d, _, t in recorder.seen if not d)
+    assert all(t is not None and t >= 1.0 for _, d, _, t in recorder.seen if d)
