@@ -8,11 +8,11 @@ import torch
 from kernel_cases import DEVICE, DTYPES, generator
 
 from vegas_spec.attention.context import StepContext
-from vegas_spec.attention.torch_backend import TorchBackend, quest_page_scores_ref
+from vegas_spec.attention.torch_backend import TorchBackend
 from vegas_spec.attention.triton_backend import TritonBackend
 from vegas_spec.kernels.quest_scores import quest_page_scores
 from vegas_spec.kernels.rope_store import rope_store
-from vegas_spec.ops import apply_rope
+from vegas_spec.ops import apply_rope, quest_page_scores_ref
 from vegas_spec.speculative.policies import QuestSelector
 
 # (B, H, Hkv, D, NP, pages per sequence)

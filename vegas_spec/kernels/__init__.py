@@ -18,8 +18,9 @@
                     read of p (sampled decoding, drafting and verification)
 
 Every kernel has a plain-PyTorch reference that is its test oracle:
-`vegas_spec.attention.torch_backend` (attention, KV store, quest's page scores),
-`vegas_spec.ops` (`rms_norm`, `add_rms_norm`, `silu_mul`, `apply_rope`, `topk_positions`),
+`vegas_spec.attention.torch_backend` (attention, KV store),
+`vegas_spec.ops` (`rms_norm`, `add_rms_norm`, `silu_mul`, `apply_rope`, `topk_positions`,
+`quest_page_scores_ref`),
 `vegas_spec.sampling.exponential_argmax_ref` (sample) and `torch.nn.functional.linear`
 (exact_matmul, skinny_matmul). On a machine without CUDA the kernels run on CPU tensors under
 Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is first imported), patched below

@@ -1,7 +1,7 @@
 """quest's page scores for one draft step, fused: the query's sign split, the product with
 the page bounds and the sum over the kv head's query heads in one pass over the bounds.
 
-Oracle: `vegas_spec.attention.torch_backend.quest_page_scores_ref`.
+Oracle: `vegas_spec.ops.quest_page_scores_ref`.
 
 Quest scores a page by sum_d max(q_d lo_d, q_d hi_d), summed over the query heads of a kv
 head. Since lo <= hi, max(q_d lo_d, q_d hi_d) is q_d hi_d where q_d >= 0 and q_d lo_d
