@@ -475,10 +475,6 @@ def main() -> None:
                          "and the host work (not stream's verify nor quest's draft)")
     ap.add_argument("--host-gap-tokens", type=int, default=64,
                     help="new tokens per sequence of the run that measures the host work")
-    ap.add_argument("--skinny-rows", type=int, nargs="+",
-                    default=[triton_backend.SKINNY_MAX_ROWS],
-                    help="the Triton backend's SKINNY_MAX_ROWS to time (0: cuBLAS for every "
-                         "projection), each in graphs of its own; default: the library's")
     ap.add_argument("--score-tiles", nargs="+", type=score_tiles_arg, default=["library"],
                     help="how scored attention passes run, 'library' or "
                          "BLOCK_K:STAGES[:STORE[:SPLIT_MAX[:MAXNREG]]] (STORE one of "
@@ -560,15 +556,14 @@ def main() -> None:
             k.normal_()
             v.normal_()
         summing = llm.backend.topk_sum
-        for (bsz, skinny, tiles, width, sparse, least, fused, threshold, sums, merge, fill,
-             lanes, verify) in itertools.product(args.batches, args.skinny_rows, tilings,
+        for (bsz, tiles, width, sparse, least, fused, threshold, sums, merge, fill,
+             lanes, verify) in itertools.product(args.batches, tilings,
                                                  args.rank_widths, args.sparse_splits,
                                                  args.topk_min_warps, args.sparse_rope,
                                                  args.topk_thresholds, args.topk_sums,
                                                  args.merge_steps, args.split_fill,
                                                  args.max_lanes, args.verify_tiles):
             # All of these are read when the graphs are captured.
-            triton_backend.SKINNY_MAX_ROWS = skinny
             pa.SCORE_TILES = {dim: tiles}
             sa.SPARSE_PROGRAMS_PER_SM = sparse_programs(per_sm, sparse, dim)
             tk.RESIDENT_MIN_WARPS = least or least_warps
@@ -584,7 +579,7 @@ def main() -> None:
             pa.VERIFY_TILES = library_verify if chosen is None else {dim: chosen}
             verify_now = pa.VERIFY_TILES.get(dim)
             llm.graphs = None
-            row = {"mode": mode, "draft_weights": drafts, "skinny_rows": skinny,
+            row = {"mode": mode, "draft_weights": drafts,
                    "sparse_rope": fused,
                    "max_lanes": split_merge.MAX_LANES,
                    "verify_tiles": "tile_config" if verify_now is None else

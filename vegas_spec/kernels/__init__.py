@@ -13,7 +13,8 @@
                     quest's chosen pages expanded to their tokens in the same kernel
   quest_scores      quest's page scores for a draft row, from the pages' min/max keys
   exact_matmul      a projection whose rows do not depend on the number of rows (exact mode)
-  skinny_matmul     a projection of 1..64 rows that streams its weights once (decode steps)
+  skinny_matmul     a projection of few rows that streams its weights once (the draft
+                    steps' FP8 weights)
   sample            a token per row by argmax(p / E) with counter-based Exp(1) noise, in one
                     read of p (sampled decoding, drafting and verification)
 
