@@ -381,7 +381,7 @@ def score_tiles_arg(text: str) -> str:
 
 def parse_score_tiles(text: str, library: pa.ScoreTiles) -> pa.ScoreTiles:
     """'library' -> the library's tiles; '64:2' -> 64-key blocks, 2 stages, the library's
-    store, split cap and register cap; '128:3:f32-pointers' also names the store of the
+    store, split cap and register cap; '128:3:f32-blocks' also names the store of the
     logits (`paged_attention.SCORE_STORES`); '64:2:f32-descriptor:2048:128' also the largest
     split (0: the occupancy split alone) and the registers per thread (0: ptxas's)."""
     if text == "library":

@@ -36,12 +36,12 @@ def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> No
     out = tmp_path / "steps.json"
     run("step_profile.py", "--config", str(tmp_path), "--contexts", "200", "--batches", "2",
         "--reps", "2", "--min-tokens", "16", "--host-gap-tokens", "8", "--score-tiles",
-        "library", "64:2:f32-pointers:0:128", "--out", str(out))
+        "library", "64:2:f32-blocks:0:128", "--out", str(out))
     row, other = json.loads(out.read_text())["rows"]
     head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
     assert head_dim not in pa.SCORE_TILES  # the library's tiles of other head dims
     assert (row["score_tiles"], other["score_tiles"]) == ("128:3:f32-descriptor",
-                                                          "64:2:f32-pointers")
+                                                          "64:2:f32-blocks")
     assert (row["score_split_max"], row["score_maxnreg"]) == (2048, None)
     assert (other["score_split_max"], other["score_maxnreg"]) == (None, 128)
     assert other["verify_ms"] > 0

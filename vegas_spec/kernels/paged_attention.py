@@ -93,19 +93,15 @@ def score_bytes_per_key(mode: str, heads: int, kv_heads: int, rows: int, groups:
 
 @dataclass(frozen=True)
 class ScoreStore:
-    """half: float16 scratch for 16-bit models; descriptor: a tensor-descriptor store;
+    """descriptor: a tensor-descriptor store (calls of one row block; pointers otherwise);
     whole_blocks: pointer stores masked by lane only, into a scratch of whole key blocks."""
 
-    half: bool
     descriptor: bool
-    whole_blocks: bool = False
+    whole_blocks: bool
 
 
-SCORE_STORES = {"f32-pointers": ScoreStore(False, False), "f16-pointers": ScoreStore(True, False),
-                "f16-descriptor": ScoreStore(True, True),
-                "f32-descriptor": ScoreStore(False, True),
-                "f32-blocks": ScoreStore(False, False, True),
-                "f16-blocks": ScoreStore(True, False, True)}
+SCORE_STORES = {"f32-descriptor": ScoreStore(descriptor=True, whole_blocks=False),
+                "f32-blocks": ScoreStore(descriptor=False, whole_blocks=True)}
 
 
 @dataclass(frozen=True)
@@ -394,8 +390,8 @@ def _check_scores(rows: torch.Tensor, out: torch.Tensor, mode: str, bsz: int, hk
 @dataclass
 class _ScoreJob:
     """mode 1 weight / 2 logit; rows [R]; out [B, R, G, W]; lse [B, n, H] float32 (weight
-    mode); scratch of raw logits: weight [B, Hkv, lanes, L'] (float16 for 16-bit models,
-    lane = r * group_pad + head in group, L' = L rounded up to 16 for the descriptor's row
+    mode); scratch of raw logits, float32: weight [B, Hkv, lanes, L'] (lane = r * group_pad
+    + head in group, L' = L rounded up to 16 for the descriptor's row
     stride and the finalise kernel's vector loads, to whole key blocks for a 'blocks'
     store), logit [B, R, Hkv, L] float32 (plane r of row rows[r])."""
 
@@ -423,10 +419,9 @@ def _score_job(rows: torch.Tensor | None, out: torch.Tensor | None, mode_name: s
     r_pad = _rows_pad(rows.shape[0], cfg.group_pad, q.is_cuda)
     f32 = dict(dtype=torch.float32, device=q.device)
     if mode == 1:
-        half = store.half and q.dtype != torch.float32
         align = max(cfg.block_k, 16) if store.whole_blocks else 16
         scratch = torch.empty(bsz, hkv, r_pad * cfg.group_pad, -(-kv_len // align) * align,
-                              dtype=torch.float16 if half else torch.float32, device=q.device)
+                              **f32)
         lse = torch.empty(bsz, n, heads, **f32)
     else:
         scratch, lse = torch.empty(bsz, rows.shape[0], hkv, kv_len, **f32), None
