@@ -48,8 +48,6 @@ def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> No
     assert row["verify_tiles"] == "tile_config"  # the library lists no verify tiles here
     assert (row["sparse_splits"], row["topk_min_warps"], row["sparse_rope"]) == (
         "library", 4, "yes")
-    assert (row["topk_threshold"], row["topk_sum"], row["merge_splits_per_step"]) == (
-        "bisect", "yes", "rule")
     # the paged kernel by waves 95% full, splits of at least four blocks
     assert row["split_fill"] == "waves:0.95:4"
     assert (row["context"], row["batch"], row["budget"]) == (200, 2, 16)

@@ -147,16 +147,6 @@ def test_scores_sum_to_heads() -> None:
     assert (scores[1, :, :, 41:] == 0).all()
 
 
-def test_score_bytes_per_key_follow_the_table() -> None:
-    """Qwen3-8B (32 heads, 8 kv heads), Collect-2, one group: the module's table."""
-    assert pa.score_bytes_per_key("weight", 32, 8, 2, 1) == 520
-    assert pa.score_bytes_per_key("logit", 32, 8, 2, 1) == 136
-    # half-precision logits halve the round trip, not the float32 scores; per kv head, G = 8
-    assert pa.score_bytes_per_key("weight", 32, 8, 2, 1, itemsize=2) == 264
-    assert pa.score_bytes_per_key("weight", 32, 8, 2, 8) == 512 + 64
-    assert pa.score_bytes_per_key("logit", 32, 8, 2, 1, itemsize=2) == 136
-
-
 def use_store(monkeypatch: pytest.MonkeyPatch, store: str) -> None:
     """Every head dim's score tiles (SCORE_TILES_OTHER too, whose store the interpreter
     uses) store their weight-mode logits with `store`."""
@@ -310,26 +300,3 @@ def test_the_wave_split_reads_the_compiled_kernel(case: Case) -> None:
     pa._RESIDENT.clear()
     run(case, torch.bfloat16)
     assert len(pa._RESIDENT) == 1 and 1 <= next(iter(pa._RESIDENT.values())) <= 32
-
-
-@pytest.mark.parametrize("rows", [None, "ends"])
-def test_split_size_is_the_calls(rows: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`paged_split_size` gives the split the call itself runs (its partials' count)."""
-    case = Case((300, 170), 7, 8, 2, 64, rows=rows)
-    gen = generator(2)
-    cache = paged_cache(2, 300, case.hkv, case.dim, case.page_size, torch.float32, gen)
-    q = randn(2, case.n, case.heads, case.dim, gen=gen)
-    positions = query_positions(list(case.lens), case.n)
-    score_rows = None if rows is None else torch.tensor(case.score_rows(), device=DEVICE)
-    scores = None if rows is None else poisoned(2, 2, 1, 304)
-    args = (q, cache.k, cache.v, cache.page_table, positions, case.page_size, 300, 0.125,
-            score_rows, scores)
-    size = pa.paged_split_size(*args)
-    made: list[int] = []
-    empty = pa.Partials.empty
-    monkeypatch.setattr(pa.Partials, "empty",
-                        lambda splits, *a: made.append(splits) or empty(splits, *a))
-    pa.paged_attention(*args)
-    splits = -(-300 // size)
-    assert made == ([splits] if splits > 1 else [])
-    assert CUDA or splits > 1  # the interpreter splits even short contexts

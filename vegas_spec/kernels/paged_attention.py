@@ -63,16 +63,6 @@ from vegas_spec.kernels.split_merge import (
 MODES = {"weight": 1, "logit": 2}
 
 
-def score_bytes_per_key(mode: str, heads: int, kv_heads: int, rows: int, groups: int,
-                        itemsize: int = 4) -> int:
-    """Bytes a scored pass moves per key, sequence and layer beyond its K and V (the table
-    above, padding lanes left out): the R rows' logits written by the split kernel and read
-    back by the finalise kernel, one per query head ("weight", `itemsize` bytes each) or per
-    kv head ("logit", float32), plus the float32 scores [R, G] the finalise kernel writes."""
-    lanes, size = (heads, itemsize) if mode == "weight" else (kv_heads, 4)
-    return 2 * size * lanes * rows + 4 * groups * rows
-
-
 # How the weight-mode logits are stored (a score pass's `ScoreTiles.store`): float32 or float16
 # (16-bit models: half the scratch bytes), through a tile of pointers or a tensor descriptor
 # (one bulk copy of the [lanes, block_k] tile per key block; steps with one row block,
@@ -586,19 +576,6 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                              *rest], constexprs, q.device)
     size = _split_size(q, hkv, cfg, tiles, split_size, kv_len, exact, resident)
     return _Plan(kernel, cfg, hkv, row_blocks, job, lse, head, tail, rest, constexprs, size)
-
-
-def paged_split_size(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
-                     kv_len: int, scale: float, score_rows: torch.Tensor | None = None,
-                     score_out: torch.Tensor | None = None, score_mode: str = "weight", *,
-                     block_k: int | None = None, split_size: int | None = None,
-                     exact: bool = False) -> int:
-    """The keys per split of a `paged_attention` call with these arguments (on a GPU, its
-    kernel is compiled for that, not launched; nothing is written)."""
-    _check(q, k_cache, v_cache, page_table, positions, kv_len)
-    return _plan(q, k_cache, v_cache, page_table, positions, page_size, kv_len, scale,
-                 score_rows, score_out, score_mode, block_k, split_size, q, exact).size
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -38,13 +38,9 @@ MAX_LANES = 64  # query rows x padded heads per program: a 64 x D float32 accumu
 # splits x 28 rows (4 x 128K), against 9.8 and 11.3 µs now; with two splits it is as fast
 # (SmolLM2's 2 x 448 rows: 3.42 against 3.56 µs), so a row of at most
 # MERGE_SERIAL_MAX_SPLITS splits is still merged one split at a time (BENCHMARKS.md §2.3).
-# MERGE_SPLITS_PER_STEP / MERGE_WARPS, when set, force the splits a step and the warps
-# (benchmarks).
 MERGE_MAX_STEP = 16
 MERGE_SERIAL_MAX_SPLITS = 2
 MERGE_TILE = 4096
-MERGE_SPLITS_PER_STEP: int | None = None
-MERGE_WARPS: int | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +63,10 @@ class TileConfig:
         return opts
 
 
+# Warps and pipeline stages of an attention program on a GPU (the interpreter: one stage);
+# the score and verify tiles of `paged_attention` set their own stages.
+DECODE_WARPS = 4
+DECODE_STAGES = 2
 # Exact mode: query rows per tile whatever the step's n (a plain step's one row and a verify
 # step's γ+1 <= 8 rows then go through the same tl.dot shapes).
 EXACT_ROWS = 8
@@ -88,7 +88,8 @@ def tile_config(q: torch.Tensor, hkv: int, block_k: int | None = None,
     block_k = block_k or (64 if gpu and dim > 64 else 128 if gpu else 32)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     return TileConfig(group, group_pad, block_n, block_k, max(triton.next_power_of_2(dim), 16),
-                      num_warps=4, num_stages=2 if gpu else 1, dot_precision=precision)
+                      num_warps=DECODE_WARPS, num_stages=DECODE_STAGES if gpu else 1,
+                      dot_precision=precision)
 
 
 @lru_cache(maxsize=8)
@@ -306,14 +307,11 @@ def merge_tiling(splits: int, heads: int, dim: int,
     zeros; a sum over several splits at once would group them by the call's count)."""
     if exact:
         return 1, min(triton.next_power_of_2(heads), 16), 4
-    per_step = MERGE_SPLITS_PER_STEP
-    if per_step is None:
-        per_step = 1 if splits <= MERGE_SERIAL_MAX_SPLITS else MERGE_MAX_STEP
-    assert per_step >= 1 and per_step & (per_step - 1) == 0, "splits a step: a power of 2"
+    per_step = 1 if splits <= MERGE_SERIAL_MAX_SPLITS else MERGE_MAX_STEP
     block_s = min(per_step, triton.next_power_of_2(splits))
     tile = block_s * triton.next_power_of_2(dim)
     block_h = max(min(triton.next_power_of_2(heads), 16, MERGE_TILE // tile), 1)
-    return block_s, block_h, MERGE_WARPS or (4 if block_s == 1 else 1)
+    return block_s, block_h, 4 if block_s == 1 else 1
 
 
 def merge_splits(parts: Partials, out: torch.Tensor, lse: torch.Tensor | None,
@@ -325,7 +323,15 @@ def merge_splits(parts: Partials, out: torch.Tensor, lse: torch.Tensor | None,
     assert out.shape[2:] == (heads, dim)
     if lse is not None:
         assert lse.is_contiguous() and lse.dtype == torch.float32 and lse.numel() == rows * heads
-    block_s, block_h, warps = merge_tiling(splits, heads, dim, exact)
+    merge_tiled(parts, out, lse, merge_tiling(splits, heads, dim, exact))
+
+
+def merge_tiled(parts: Partials, out: torch.Tensor, lse: torch.Tensor | None,
+                tiling: tuple[int, int, int]) -> None:
+    """`merge_splits` with a given (splits a step, a power of two; heads a program; warps)."""
+    splits, rows, heads, dim = parts.acc.shape
+    block_s, block_h, warps = tiling
+    assert block_s >= 1 and block_s & (block_s - 1) == 0, "splits a step: a power of 2"
     grid = (rows, triton.cdiv(heads, block_h))
     _merge_kernel[grid](parts.acc, parts.m, parts.l, out, out if lse is None else lse,
                         splits, rows, heads, HEAD_DIM=dim, BLOCK_H=block_h,

@@ -56,13 +56,6 @@ RESIDENT_MAX_WIDTH = 8192
 # 16 (benchmarks/tile_sweep.py --kernel quest).
 RESIDENT_KEYS_PER_WARP = 256
 RESIDENT_MIN_WARPS = 4
-# Bits per radix pass of the resident top-k (32 / bits passes, one 2^bits-bin histogram each).
-RESIDENT_RADIX_BITS = 4
-# How the resident top-k finds its threshold: "radix" (32 / RESIDENT_RADIX_BITS histogram
-# passes) or "bisect" (one compare and one block sum per bit, stopping once exactly k keys
-# lie at or above the candidate).
-RESIDENT_THRESHOLDS = ("radix", "bisect")
-RESIDENT_THRESHOLD = "bisect"
 
 
 @triton.jit
@@ -108,38 +101,11 @@ def _row_bounds(rankable_ptr, k_ptr, limit_ptr, b, width, HAS_LIMIT: tl.constexp
 
 
 @triton.jit
-def _radix_threshold(key, ok, want, RADIX_BITS: tl.constexpr):
-    """The k-th largest of the `ok` keys (k = want; any key when want is 0), most
-    significant digit first, RADIX_BITS a pass: each pass is a histogram of the digit of the
-    keys that still match the prefix so far, the count for digit d is the keys already above
-    the prefix plus the bins >= d, and the pass keeps the largest digit whose count is at
-    least k."""
-    digits = tl.arange(0, 1 << RADIX_BITS)
-    # Invariant: above (keys past the prefix's digits so far) + the keys that match them is
-    # at least `want`, so digit 0 always qualifies.
-    prefix = tl.zeros([], tl.uint32)
-    above = tl.zeros([], tl.int32)
-    for p in tl.static_range(32 // RADIX_BITS):
-        shift = 32 - RADIX_BITS * (p + 1)
-        same = ok
-        if p > 0:  # the digits above this one match the prefix's (a shift by 32 is undefined)
-            same = ok & ((key >> (shift + RADIX_BITS)) == (prefix >> (shift + RADIX_BITS)))
-        digit = ((key >> shift) & ((1 << RADIX_BITS) - 1)).to(tl.int32)
-        hist = tl.histogram(digit, 1 << RADIX_BITS, mask=same)
-        at_least = above + tl.cumsum(hist, 0, reverse=True)  # keys >= prefix + digit << shift
-        best = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
-        above += tl.sum(tl.where(digits > best, hist, 0), axis=0)
-        prefix += best.to(tl.uint32) << shift
-    return prefix
-
-
-@triton.jit
 def _bisect_threshold(key, ok, want):
     """A key T with at least `want` of the `ok` keys >= T and fewer > T, or exactly
     `want` >= T, built bit by bit from the most significant: a candidate bit stays where
     the keys >= the candidate still number at least `want`, and the search stops early once
-    they number exactly `want`. One compare and one block sum a bit, where a radix pass
-    takes a histogram, a scan and two sums."""
+    they number exactly `want`: one compare and one block sum a bit."""
     t = tl.zeros([], tl.uint32)
     step = tl.full([], 2147483648, tl.uint32)
     exact = tl.zeros([], tl.int32)
@@ -155,9 +121,8 @@ def _bisect_threshold(key, ok, want):
 @triton.jit
 def _topk_resident_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B, G, width,
                           out_width, row_stride, BLOCK_W: tl.constexpr, BLOCK: tl.constexpr,
-                          RADIX_BITS: tl.constexpr, PAGE: tl.constexpr,
-                          HAS_LIMIT: tl.constexpr, ROWS: tl.constexpr,
-                          BISECT: tl.constexpr):
+                          PAGE: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                          ROWS: tl.constexpr):
     row = tl.program_id(0)
     b = (row // G) % B
     length, want, limit = _row_bounds(rankable_ptr, k_ptr, limit_ptr, b, width, HAS_LIMIT)
@@ -169,10 +134,7 @@ def _topk_resident_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B
     for r in tl.static_range(1, ROWS):
         x += tl.load(first + r * G * row_stride + w, mask=ok, other=0.0)
     key = _keys32(x)
-    if BISECT:
-        threshold = _bisect_threshold(key, ok, want)
-    else:
-        threshold = _radix_threshold(key, ok, want, RADIX_BITS)
+    threshold = _bisect_threshold(key, ok, want)
     # One scan gives both the keys above the threshold and the ties before each position
     # (counts below 2^16 each): the first `want - above` ties are taken, in position order.
     is_above = ok & (key > threshold)
@@ -242,7 +204,6 @@ def _launch(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor, kmax:
                          f"RESIDENT_MAX_WIDTH = {RESIDENT_MAX_WIDTH} (wider rows: the "
                          "reference, vegas_spec.ops.topk_positions)")
     assert RESIDENT_MAX_WIDTH < 1 << 16, "the final scan packs two counts into 16 bits each"
-    assert RESIDENT_THRESHOLD in RESIDENT_THRESHOLDS, RESIDENT_THRESHOLD
     assert rankable.shape == (bsz,) and k.shape == (bsz,)
     assert not rankable.is_floating_point() and not k.is_floating_point()
     assert scores.device == rankable.device == k.device
@@ -268,8 +229,6 @@ def _launch(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor, kmax:
             out, bsz, groups, width, out_width, stride)
     block_w = triton.next_power_of_2(width)
     warps = resident_warps(block_w)
-    _topk_resident_kernel[(n_rows,)](*args, BLOCK_W=block_w, BLOCK=block,
-                                     RADIX_BITS=RESIDENT_RADIX_BITS, PAGE=page,
-                                     HAS_LIMIT=limit is not None, ROWS=rows,
-                                     BISECT=RESIDENT_THRESHOLD == "bisect", num_warps=warps)
+    _topk_resident_kernel[(n_rows,)](*args, BLOCK_W=block_w, BLOCK=block, PAGE=page,
+                                     HAS_LIMIT=limit is not None, ROWS=rows, num_warps=warps)
     return out.view(out_shape)
