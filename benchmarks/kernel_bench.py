@@ -718,7 +718,7 @@ def markdown(bench: Bench, copy: dict[str, float]) -> str:
         )
     topk = [r for r in bench.rows if r["kernel"] == "topk"]
     if topk:
-        lines += ["", "Top-k (radix select; scores [layers, B, 1, L] float32, k = 5% of L, "
+        lines += ["", "Top-k (threshold select; scores [layers, B, 1, L] float32, k = 5% of L, "
                       "L at most the kernel's RESIDENT_MAX_WIDTH; bandwidth on the scores, "
                       "read once):", "",
                   "| model | layers | ctx | B | k | us | GB/s | %copy |",

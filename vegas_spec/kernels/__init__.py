@@ -9,7 +9,7 @@
   store_kv          a step's new K/V into their cache slots (the seam's store without RoPE)
   rms_norm          RMSNorm, fused with the residual add before it
   silu_mul          SiLU(gate) * up of the fused gate/up projection
-  topk              top-k positions per (layer, sequence, group) by radix select (selection),
+  topk              top-k positions per (layer, sequence, group) by a threshold search (selection),
                     quest's chosen pages expanded to their tokens in the same kernel
   quest_scores      quest's page scores for a draft row, from the pages' min/max keys
   exact_matmul      a projection whose rows do not depend on the number of rows (exact mode)
