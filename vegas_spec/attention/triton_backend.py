@@ -40,9 +40,8 @@ def topk_by_width(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
                   limit: torch.Tensor | None = None) -> torch.Tensor:
     """`ops.topk_positions` on the backend's device: the Triton kernel for rows of at most
     `topk.RESIDENT_MAX_WIDTH` scores (held in registers, one read), the reference for wider
-    ones (`kernels.topk` has the timings); at 16 x 32K the reference's 0.68-1.01 ms beat the
-    1.52-1.77 ms of a kernel that re-read the row in each radix pass (`kernels.topk`). The
-    bound is read at each call, so a changed `topk.RESIDENT_MAX_WIDTH` moves it."""
+    ones, which beat a kernel that re-read the row (docs/kernel-notes.md). The bound is read
+    at each call, so a changed `topk.RESIDENT_MAX_WIDTH` moves it."""
     if scores.shape[-1] <= topk_kernel.RESIDENT_MAX_WIDTH:
         return topk_kernel.topk_positions_triton(scores, rankable, k, kmax, page, limit)
     return ops.topk_positions(scores, rankable, k, kmax, page, limit)

@@ -25,19 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
-MIN_DOT = 16  # tl.dot's smallest tile side on GPUs
-# (64 would make the decode products warpgroup MMAs on sm_90: 25-45% slower in every pass,
-# for their registers and shared memory, BENCHMARKS.md §2.3)
+MIN_DOT = 16  # tl.dot's smallest tile side on GPUs (more lanes would make warpgroup MMAs)
 MAX_LANES = 64  # query rows x padded heads per program: a 64 x D float32 accumulator
 # The merge's tiling (`merge_tiling`). A program folds its row's splits, MERGE_MAX_STEP at
 # a time, into a [heads, D] state, with as few heads as keep a step's tile [splits, heads,
 # D] within MERGE_TILE float32 elements, in one warp, so that a step's reduction over the
-# splits stays inside the warp. Walking the splits one by one in 4 warps of 16 heads, as
-# the merge first did, chains a dependent load per split: at head dim 128 on an H200 that
-# took 21.3 µs for 16 splits x 112 rows (the verify step at 8B 16 x 32K) and 75.5 µs for 64
-# splits x 28 rows (4 x 128K), against 9.8 and 11.3 µs now; with two splits it is as fast
-# (SmolLM2's 2 x 448 rows: 3.42 against 3.56 µs), so a row of at most
-# MERGE_SERIAL_MAX_SPLITS splits is still merged one split at a time (BENCHMARKS.md §2.3).
+# splits stays inside the warp and the loads of a step's splits are independent. A row of
+# at most MERGE_SERIAL_MAX_SPLITS splits, where that gains nothing, is merged one split at
+# a time in 4 warps.
 MERGE_MAX_STEP = 16
 MERGE_SERIAL_MAX_SPLITS = 2
 MERGE_TILE = 4096
@@ -116,12 +111,8 @@ def splits_to_fill(programs: int, device: torch.device, per_sm: int = 2) -> int:
 
 # The split by whole waves (`wave_splits`), for a kernel whose resident programs per SM are
 # known: the fewest splits whose launch fills its waves of resident programs to at least this
-# fraction. None: the occupancy split above whatever the kernel. On an H200, the paged kernel
-# alone, Llama-3.1-8B shape (tile_sweep.py, µs per layer, n = 1: 4 resident programs, 118
-# registers): 4 x 128K 497 µs at 16 splits (512 programs, 0.97 of a wave) against 588 at the
-# occupancy split's 9 (288) and 570 at 24 (768, 1.45 waves); 16 x 32K 502 at 4 splits (512)
-# against 514 at 3 (384) and 564 at 6 (768). At n = 7 (3 resident, 144 registers) 3 splits
-# (384 programs) and 6 (768) are the fast ones: 588 µs against 728 at 4 (512).
+# fraction, since a partly filled last wave costs a whole one. None: the occupancy split
+# above whatever the kernel.
 SPLIT_WAVE_FILL: float | None = 0.95
 
 

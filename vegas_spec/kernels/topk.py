@@ -6,32 +6,22 @@ Oracle: `vegas_spec.ops.topk_positions` (same signature and output: the k[b] bes
 < rankable[b] in ascending order, -1 padding, width max(k) or kmax).
 
 `_topk_resident_kernel` runs one program per score row of W <= RESIDENT_MAX_WIDTH floats
-(quest's 2048 pages of a 32K context), loaded once into registers (BLOCK_W = W rounded up
-to a power of two, keys as uint32). Each float maps to a 32-bit key whose unsigned order is
-the float order. The threshold T (the k-th largest key, or any key with exactly k keys at
-or above it) is found most significant bit first, by bisection (RESIDENT_THRESHOLD
-"bisect", the default): one compare and one block sum a bit, stopping once exactly k keys
-lie at or above the candidate; or by radix passes of RESIDENT_RADIX_BITS bits ("radix"):
-each pass is a histogram of the digit of the keys that still match the prefix so far, the
-count for digit d is the keys already above the prefix plus the bins >= d, and the pass
-keeps the largest digit whose count is at least k. The kernel is bound by the instructions
-it issues (one program of 16 warps an SM at 8,192 scores), and bisection issues fewer. A
-final scan compacts, in position order, every key > T and the first (k - #keys > T) keys
-== T, so the output is already sorted ascending. Ties at the threshold go to the lowest
-positions, where torch.topk may pick others. Global reads: the row's 4 W bytes, once.
+(quest's 2048 pages of a 32K context), loaded once into registers (BLOCK_W = W rounded up to
+a power of two, keys as uint32). Each float maps to a 32-bit key whose unsigned order is the
+float order. The threshold T (the k-th largest key, or any key with exactly k keys at or
+above it) is found most significant bit first, by bisection: one compare and one block sum a
+bit, stopping once exactly k keys lie at or above the candidate. The kernel is bound by the
+instructions it issues (one program of 16 warps an SM at 8,192 scores). A final scan
+compacts, in position order, every key > T and the first (k - #keys > T) keys == T, so the
+output is already sorted ascending. Ties at the threshold go to the lowest positions, where
+torch.topk may pick others. Global reads: the row's 4 W bytes, once.
 
 vegas ranks the sum of its two collected rows: `topk_row_sum_triton` loads both rows and
 adds them (one rounding, as torch's sum of two), so the summed scores are never written.
-On an H200 (benchmarks/tile_sweep.py --kernel topk, a round's ranking at SmolLM2's 30
-layers x 64 x 7.5K): 214 us bisecting with the rows summed inside, against 394 us for the
-radix passes after PyTorch's sum and 552 us for the reference.
 
 Wider rows (vegas's and lastq's token scores of contexts past 8K) are refused here: the
-backend's `topk` hands them to the reference (torch.topk and a sort). A streaming kernel
-that re-read the row in each radix pass ran them and lost to the reference, on an H200
-(benchmarks/step_profile.py --brief, select_ms against select_reference_ms): a round's whole
-selection at the Llama-3.1-8B shape, 16 rows x 32K, took 1.52-1.77 ms with it against
-0.68-1.01 ms with the reference.
+backend's `topk` hands them to the reference (torch.topk and a sort), which was faster than
+a kernel that re-reads the row.
 
 Pages (quest): with `page` > 1 a score is a page's and the kernel writes, for the i-th chosen
 page u, the token positions u * page + j (j < page) at i * page + j, -1 where they reach
@@ -53,7 +43,7 @@ import triton.language as tl
 # without spilling.
 RESIDENT_MAX_WIDTH = 8192
 # Warps of the resident top-k: one per RESIDENT_KEYS_PER_WARP scores, RESIDENT_MIN_WARPS to
-# 16 (benchmarks/tile_sweep.py --kernel quest).
+# 16.
 RESIDENT_KEYS_PER_WARP = 256
 RESIDENT_MIN_WARPS = 4
 
