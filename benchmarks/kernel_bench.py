@@ -66,7 +66,7 @@ from vegas_spec.attention.torch_backend import (  # noqa: E402
     store_kv_ref,
 )
 from vegas_spec.kernels import interpreting  # noqa: E402
-from vegas_spec.kernels.paged_attention import paged_attention, paged_split_size  # noqa: E402
+from vegas_spec.kernels.paged_attention import paged_attention  # noqa: E402
 from vegas_spec.kernels.sparse_attention import sparse_attention  # noqa: E402
 from vegas_spec.kernels.split_merge import split_size_for, tile_config  # noqa: E402
 from vegas_spec.kernels.store_kv import store_kv  # noqa: E402
@@ -402,7 +402,10 @@ def paged_rows(bench: Bench, model: Model, pool: Pool, ctx: int, bsz: int, n: in
     positions = last_positions([ctx] * bsz, n, bench.device)
     out = torch.empty_like(q)
     item = bench.itemsize
-    size = paged_split_size(q, pool.k, pool.v, table, positions, PAGE, ctx, model.dim ** -0.5)
+    # the occupancy split's count (a GPU's decode calls may take the wave split instead): an
+    # estimate of the partials' bytes
+    cfg = tile_config(q, model.hkv)
+    size = split_size_for(ctx, bsz * model.hkv * -(-n // cfg.block_n), cfg.block_k, q.device)
     splits = -(-ctx // size)
     partials = 0 if splits == 1 else 2 * 4 * splits * bsz * n * model.heads * (model.dim + 2)
     base = {"kv": kv_bytes(model, bsz, ctx, item),
@@ -715,7 +718,7 @@ def markdown(bench: Bench, copy: dict[str, float]) -> str:
         )
     topk = [r for r in bench.rows if r["kernel"] == "topk"]
     if topk:
-        lines += ["", "Top-k (radix select; scores [layers, B, 1, L] float32, k = 5% of L, "
+        lines += ["", "Top-k (threshold select; scores [layers, B, 1, L] float32, k = 5% of L, "
                       "L at most the kernel's RESIDENT_MAX_WIDTH; bandwidth on the scores, "
                       "read once):", "",
                   "| model | layers | ctx | B | k | us | GB/s | %copy |",

@@ -122,18 +122,17 @@ def main() -> None:
                 BLOCK_D=max(triton.next_power_of_2(args.head_dim), 16),
                 HEAD_DIM=args.head_dim, SINGLE=False, DOT_PRECISION="tf32")
     r_pad = pa._rows_pad(args.score_rows, group_pad, gpu=True)
-    variants = [("no scores", None, dict(MODE=0, R_PAD=1, WRITE_LSE=False, USE_DESC=False,
-                                         WHOLE_BLOCKS=False))]
-    variants += [(f"weight scores, {name}", kind.half,
+    variants = [("no scores", dict(MODE=0, R_PAD=1, WRITE_LSE=False, USE_DESC=False,
+                                   WHOLE_BLOCKS=False))]
+    variants += [(f"weight scores, {name}",
                   dict(MODE=1, R_PAD=r_pad, WRITE_LSE=True, USE_DESC=kind.descriptor,
                        WHOLE_BLOCKS=kind.whole_blocks))
                  for name, kind in pa.SCORE_STORES.items()]
-    for label, half, extra in variants:
+    for label, extra in variants:
         lanes = extra["R_PAD"] * group_pad
-        desc = (f"tensordesc<{'fp16' if half else 'fp32'}[{lanes}, {args.block_k}]>"
-                if extra["USE_DESC"] else None)
+        desc = f"tensordesc<fp32[{lanes}, {args.block_k}]>" if extra["USE_DESC"] else None
         kern = compile_split({**base, **extra}, args.arch, args.warps, args.stages, desc,
-                             "*fp16" if half else "*fp32", args.maxnreg)
+                             "*fp32", args.maxnreg)
         found = resources(kern, args.arch)
         print(json.dumps({"variant": label, **found, "shared_bytes": kern.metadata.shared,
                           "programs_per_sm": programs_per_sm(found["registers"],

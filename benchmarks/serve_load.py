@@ -349,9 +349,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prompt tokens prefilled per step (default: the engine's)")
     p.add_argument("--prefill-pacing", type=float, default=2.0,
                    help="the engine's prefill pacing, as `vegas serve --prefill-pacing` (0: off)")
-    p.add_argument("--out-of-reach", choices=["whole", "floor"], default=None,
-                   help="the pacer's step where its target is out of reach (PrefillPacer."
-                        "out_of_reach; default: the library's)")
     p.add_argument("--warmup-requests", type=int, default=0,
                    help="requests of the untimed warm-up (0: one per client)")
     p.add_argument("--seed", type=int, default=0)
@@ -396,8 +393,6 @@ def main(argv: list[str] | None = None) -> None:
                            prefill_pacing=args.prefill_pacing or None)
     except ConfigError as e:
         raise SystemExit(f"serve_load.py: {e}") from None
-    if engine.pacer is not None and args.out_of_reach is not None:
-        engine.pacer.out_of_reach = args.out_of_reach
     work = workload(load_tokenizer(resolve(args.model)), args)
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(1, mp_context=spawn) as clients:

@@ -17,7 +17,7 @@ one graph (also timed without the selection: the difference is the selection's c
 the graph, `select_in_round_ms`). Floors:
 bytes the step must move (weights once, K and V of every position it attends to; for the
 verify step with scores also its score rows' logits, written and read back as
-`paged_attention.score_bytes_per_key` counts them) over the measured copy bandwidth;
+`score_bytes_per_key` counts them) over the measured copy bandwidth;
 `floor_verify_over_plain` is that floor over the measured plain step: the least verify / plain
 any kernel of this design can reach.
 `--modes default exact` runs every (context, batch) in both modes, each in an engine of its
@@ -46,6 +46,7 @@ step, the host work between rounds of the engine's own loop and the projected sp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -63,7 +64,7 @@ from vegas_spec.config import ModelConfig
 from vegas_spec.graphs import GraphRunner
 from vegas_spec.kernels import paged_attention as pa
 from vegas_spec.kernels import sparse_attention as sa
-from vegas_spec.kernels import split_merge
+from vegas_spec.kernels import split_merge, tuned
 from vegas_spec.kernels import topk as tk
 from vegas_spec.models.loader import load_config, resolve
 from vegas_spec.sampling import BatchSampling
@@ -138,7 +139,7 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         profiles: dict[str, str] = {}
 
         plain = llm._graph_runner(SpecConfig(method="vanilla"), None, bsz)
-        plain.set_batch(table)
+        plain.set_rows(0, table)
         step = lambda: plain.run("plain", tokens[:, :1], positions[:, :1])  # noqa: E731
         out["plain_ms"] = median_ms(step, args.reps)
         if args.profile:
@@ -149,7 +150,7 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
             # The same verify step without scores (stream's runner: no score request).
             stream = dataclasses.replace(spec, method="stream")
             unscored = llm._graph_runner(stream, make_policy(stream), bsz)
-            unscored.set_batch(table)
+            unscored.set_rows(0, table)
             out["verify_noscores_ms"] = median_ms(
                 lambda: unscored.run("verify", tokens, positions), args.reps)
             llm.graphs = None
@@ -159,7 +160,7 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
 
         policy = make_policy(spec)
         runner = llm._graph_runner(spec, policy, bsz)
-        runner.set_batch(table)
+        runner.set_rows(0, table)
         verify = lambda: runner.run("verify", tokens, positions)  # noqa: E731
         out["verify_ms"] = median_ms(verify, args.reps)
         if args.profile:
@@ -175,13 +176,13 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
 
         def select() -> None:
             plan = policy.plan(inp)
-            runner.set_plan(plan)
+            runner.set_plan_rows(plan, 0)
 
         out["select_ms"] = median_ms(select, args.reps)
         # the same plan ranked by the PyTorch reference (torch.topk and a sort), side by side
         reference = dataclasses.replace(inp, topk=None, topk_sum=None)
         out["select_reference_ms"] = median_ms(
-            lambda: runner.set_plan(policy.plan(reference)), args.reps)
+            lambda: runner.set_plan_rows(policy.plan(reference), 0), args.reps)
         select()
         budget = int(runner.buf.budget[:bsz].max())  # the plan select() left in the buffers
         draft = lambda: runner.run("draft", tokens[:, :1], positions[:, :1])  # noqa: E731
@@ -204,8 +205,8 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
                                      llm.config.page_size, llm.scratch_page, llm.config.graphs,
                                      policy)
             greedy = llm.graphs
-            greedy.set_batch(table)
-            greedy.set_plan(plan)
+            greedy.set_rows(0, table)
+            greedy.set_plan_rows(plan, 0)
             round_ = functools.partial(greedy.run_spec, last, lengths)
             out[key] = median_ms(round_, args.reps)
             if args.profile and plans:
@@ -218,7 +219,7 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         full_kv = bsz * context * kv_token
         sparse_kv = bsz * (budget + 2 * gamma + 1) * kv_token
         scored = runner.shapes
-        score_bytes = bsz * context * cfg.num_layers * pa.score_bytes_per_key(
+        score_bytes = bsz * context * cfg.num_layers * score_bytes_per_key(
             scored.score_mode, cfg.num_heads, cfg.num_kv_heads, len(scored.score_rows),
             scored.score_groups) if scored.score_rows else 0
         out["floor_plain_ms"] = 1e3 * (wbytes + full_kv) / bandwidth
@@ -278,8 +279,8 @@ def sampled_round_ms(llm: LLM, shapes: Any, policy: Any, table: torch.Tensor, pl
     runner = llm.graphs = GraphRunner(llm.model, llm.cache.layers, llm.backend, shapes,
                                       len(last), llm.config.page_size, llm.scratch_page,
                                       llm.config.graphs, policy)
-    runner.set_batch(table)
-    runner.set_plan(plan)
+    runner.set_rows(0, table)
+    runner.set_plan_rows(plan, 0)
     rows = len(last)
     runner.buf.temperature[:rows], runner.buf.top_k[:rows] = 0.6, 20
     runner.buf.top_p[:rows] = 0.95
@@ -312,10 +313,10 @@ def quest_draft_ms(llm: LLM, spec: SpecConfig, bsz: int, table: torch.Tensor,
     quest = dataclasses.replace(spec, method="quest")
     policy = make_policy(quest)
     runner = llm._graph_runner(quest, policy, bsz)
-    runner.set_batch(table)
+    runner.set_rows(0, table)
     inp = SelectionInput(None, lengths, torch.zeros_like(lengths), lengths + 1, spec.gamma,
                          llm.cache.layers, table, llm.config.page_size, max_len=context + 1)
-    runner.set_plan(policy.plan(runner.bound(inp)))
+    runner.set_plan_rows(policy.plan(runner.bound(inp)), 0)
     draft = lambda: runner.run("draft", tokens[:, :1], positions[:, :1])  # noqa: E731
     ms = median_ms(draft, reps)
     if profiles is not None:
@@ -372,6 +373,15 @@ def cost_table(lines: list[dict]) -> str:
     return "\n".join([head, *body])
 
 
+def score_bytes_per_key(mode: str, heads: int, kv_heads: int, rows: int, groups: int) -> int:
+    """Bytes a scored pass moves per key, sequence and layer beyond its K and V: the R rows'
+    float32 logits written by the split kernel and read back by the finalise kernel, one per
+    query head ("weight") or per kv head ("logit"), plus the float32 scores [R, G] the
+    finalise kernel writes (padding lanes left out)."""
+    lanes = heads if mode == "weight" else kv_heads
+    return 2 * 4 * lanes * rows + 4 * groups * rows
+
+
 def score_tiles_arg(text: str) -> str:
     """Checks a `--score-tiles` entry: 'library' or BLOCK_K:STAGES[:STORE[:SPLIT_MAX[:MAXNREG]]]."""
     if text != "library":
@@ -381,7 +391,7 @@ def score_tiles_arg(text: str) -> str:
 
 def parse_score_tiles(text: str, library: pa.ScoreTiles) -> pa.ScoreTiles:
     """'library' -> the library's tiles; '64:2' -> 64-key blocks, 2 stages, the library's
-    store, split cap and register cap; '128:3:f32-pointers' also names the store of the
+    store, split cap and register cap; '128:3:f32-blocks' also names the store of the
     logits (`paged_attention.SCORE_STORES`); '64:2:f32-descriptor:2048:128' also the largest
     split (0: the occupancy split alone) and the registers per thread (0: ptxas's)."""
     if text == "library":
@@ -422,6 +432,23 @@ def parse_verify_tiles(text: str) -> pa.VerifyTiles | None:
 def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
     """K and V of one position over all layers."""
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def cell_settings(stack: contextlib.ExitStack, dim: int, tiles: pa.ScoreTiles, sparse: str,
+                  least: int, fused: str, fill: str, lanes: int, verify: str) -> None:
+    """One cell's kernel settings, entered on `stack` (`kernels.tuned`; the library's where
+    an option says 'library' or 0)."""
+    chosen = parse_verify_tiles(verify)
+    stack.enter_context(tuned(pa, SCORE_TILES={dim: tiles}, VERIFY_TILES=(
+        pa.VERIFY_TILES if chosen is None else {dim: chosen})))
+    stack.enter_context(tuned(sa, SPARSE_PROGRAMS_PER_SM=sparse_programs(
+        sa.SPARSE_PROGRAMS_PER_SM, sparse, dim)))
+    stack.enter_context(tuned(tk, RESIDENT_MIN_WARPS=least or tk.RESIDENT_MIN_WARPS))
+    stack.enter_context(tuned(triton_backend, SPARSE_ROPE=fused == "yes"))
+    split = {} if fill == "library" else dict(
+        zip(("SPLIT_PROGRAMS_PER_SM", "SPLIT_MIN_BLOCKS"), map(int, fill.split(":")),
+            strict=True), SPLIT_WAVE_FILL=None)
+    stack.enter_context(tuned(split_merge, MAX_LANES=lanes or split_merge.MAX_LANES, **split))
 
 
 def fill_name() -> str:
@@ -475,10 +502,6 @@ def main() -> None:
                          "and the host work (not stream's verify nor quest's draft)")
     ap.add_argument("--host-gap-tokens", type=int, default=64,
                     help="new tokens per sequence of the run that measures the host work")
-    ap.add_argument("--skinny-rows", type=int, nargs="+",
-                    default=[triton_backend.SKINNY_MAX_ROWS],
-                    help="the Triton backend's SKINNY_MAX_ROWS to time (0: cuBLAS for every "
-                         "projection), each in graphs of its own; default: the library's")
     ap.add_argument("--score-tiles", nargs="+", type=score_tiles_arg, default=["library"],
                     help="how scored attention passes run, 'library' or "
                          "BLOCK_K:STAGES[:STORE[:SPLIT_MAX[:MAXNREG]]] (STORE one of "
@@ -502,16 +525,9 @@ def main() -> None:
     side_by_side(ap, "--topk-min-warps", type=int, default=[0],
                  text="the fewest warps of the resident top-k (quest's pages, vegas's "
                       "ranking; topk.RESIDENT_MIN_WARPS, 0: the library's)")
-    side_by_side(ap, "--topk-thresholds", default=["library"],
-                 choices=["library", *tk.RESIDENT_THRESHOLDS],
-                 text="how the resident top-k finds its threshold (topk.RESIDENT_THRESHOLD)")
     side_by_side(ap, "--topk-sums", default=["yes"], choices=["yes", "no"],
                  text="vegas's collected rows summed inside the top-k as it loads them (the "
                       "backend's topk_sum) or summed by PyTorch first")
-    side_by_side(ap, "--merge-steps", type=int, default=[0],
-                 text="key splits the split merge loads at once "
-                      "(split_merge.MERGE_SPLITS_PER_STEP; 0: the library's rule, 1: one "
-                      "by one in 4 warps, the merge before BENCHMARKS.md 2.3)")
     side_by_side(ap, "--split-fill", default=["library"],
                  text="the decode kernels' split: library (the paged kernel by whole "
                       "waves of its resident programs, split_merge.SPLIT_WAVE_FILL), or "
@@ -537,13 +553,6 @@ def main() -> None:
     model = load_config(resolve(str(args.config)))
     dim = model.head_dim
     tilings = [parse_score_tiles(t, pa.score_tiles(dim)) for t in args.score_tiles]
-    per_sm, least_warps = sa.SPARSE_PROGRAMS_PER_SM, tk.RESIDENT_MIN_WARPS
-    library_threshold = tk.RESIDENT_THRESHOLD
-    library_merge = split_merge.MERGE_SPLITS_PER_STEP
-    library_fill = (split_merge.SPLIT_PROGRAMS_PER_SM, split_merge.SPLIT_MIN_BLOCKS,
-                    split_merge.SPLIT_WAVE_FILL)
-    library_lanes = split_merge.MAX_LANES
-    library_verify = dict(pa.VERIFY_TILES)
     bandwidth = copy_bandwidth() if cuda else 1e10
     rows = []
     for context, mode, drafts in itertools.product(args.contexts, args.modes,
@@ -560,48 +569,31 @@ def main() -> None:
             k.normal_()
             v.normal_()
         summing = llm.backend.topk_sum
-        for (bsz, skinny, tiles, width, sparse, least, fused, threshold, sums, merge, fill,
-             lanes, verify) in itertools.product(args.batches, args.skinny_rows, tilings,
-                                                 args.rank_widths, args.sparse_splits,
-                                                 args.topk_min_warps, args.sparse_rope,
-                                                 args.topk_thresholds, args.topk_sums,
-                                                 args.merge_steps, args.split_fill,
-                                                 args.max_lanes, args.verify_tiles):
-            # All of these are read when the graphs are captured.
-            triton_backend.SKINNY_MAX_ROWS = skinny
-            pa.SCORE_TILES = {dim: tiles}
-            sa.SPARSE_PROGRAMS_PER_SM = sparse_programs(per_sm, sparse, dim)
-            tk.RESIDENT_MIN_WARPS = least or least_warps
-            triton_backend.SPARSE_ROPE = fused == "yes"
-            tk.RESIDENT_THRESHOLD = library_threshold if threshold == "library" else threshold
+        for (bsz, tiles, width, sparse, least, fused, sums, fill, lanes,
+             verify) in itertools.product(args.batches, tilings, args.rank_widths,
+                                          args.sparse_splits, args.topk_min_warps,
+                                          args.sparse_rope, args.topk_sums, args.split_fill,
+                                          args.max_lanes, args.verify_tiles):
             llm.backend.topk_sum = summing if sums == "yes" else None
-            split_merge.MERGE_SPLITS_PER_STEP = merge or library_merge
-            (split_merge.SPLIT_PROGRAMS_PER_SM, split_merge.SPLIT_MIN_BLOCKS,
-             split_merge.SPLIT_WAVE_FILL) = (library_fill if fill == "library" else
-                                             (*(int(x) for x in fill.split(":")), None))
-            split_merge.MAX_LANES = lanes or library_lanes
-            chosen = parse_verify_tiles(verify)
-            pa.VERIFY_TILES = library_verify if chosen is None else {dim: chosen}
-            verify_now = pa.VERIFY_TILES.get(dim)
             llm.graphs = None
-            row = {"mode": mode, "draft_weights": drafts, "skinny_rows": skinny,
-                   "sparse_rope": fused,
-                   "max_lanes": split_merge.MAX_LANES,
-                   "verify_tiles": "tile_config" if verify_now is None else
-                   f"{verify_now.block_k}:{verify_now.stages}:{verify_now.maxnreg or 0}",
-                   "sparse_splits": sparse, "topk_min_warps": tk.RESIDENT_MIN_WARPS,
-                   "topk_threshold": tk.RESIDENT_THRESHOLD, "topk_sum": sums,
-                   "merge_splits_per_step": split_merge.MERGE_SPLITS_PER_STEP or "rule",
-                   "split_fill": fill_name(),
-                   "score_tiles": f"{tiles.block_k}:{tiles.stages}:{tiles.store}",
-                   "score_split_max": tiles.split_max, "score_maxnreg": tiles.maxnreg,
-                   "max_model_len": llm.max_model_len, "rank_width": width,
-                   **measure(llm, spec, context, bsz, args, bandwidth, width)}
-            row["host_gap_ms"] = host_gap_ms(llm, spec, bsz, args.host_gap_tokens,
-                                             min(256, context // 2))
-            if args.projections and cuda:
-                row["projections"] = {m: projection_bandwidth(llm, m, bandwidth, args.reps)
-                                      for m in (bsz, bsz * (spec.gamma + 1))}
+            with contextlib.ExitStack() as settings:  # read when the graphs are captured
+                cell_settings(settings, dim, tiles, sparse, least, fused, fill, lanes, verify)
+                verify_now = pa.VERIFY_TILES.get(dim)
+                row = {"mode": mode, "draft_weights": drafts, "sparse_rope": fused,
+                       "max_lanes": split_merge.MAX_LANES,
+                       "verify_tiles": "tile_config" if verify_now is None else
+                       f"{verify_now.block_k}:{verify_now.stages}:{verify_now.maxnreg or 0}",
+                       "sparse_splits": sparse, "topk_min_warps": tk.RESIDENT_MIN_WARPS,
+                       "topk_sum": sums, "split_fill": fill_name(),
+                       "score_tiles": f"{tiles.block_k}:{tiles.stages}:{tiles.store}",
+                       "score_split_max": tiles.split_max, "score_maxnreg": tiles.maxnreg,
+                       "max_model_len": llm.max_model_len, "rank_width": width,
+                       **measure(llm, spec, context, bsz, args, bandwidth, width)}
+                row["host_gap_ms"] = host_gap_ms(llm, spec, bsz, args.host_gap_tokens,
+                                                 min(256, context // 2))
+                if args.projections and cuda:
+                    row["projections"] = {m: projection_bandwidth(llm, m, bandwidth, args.reps)
+                                          for m in (bsz, bsz * (spec.gamma + 1))}
             project(row, spec.gamma, args.tokens_per_iteration)
             rows.append(row)
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v)

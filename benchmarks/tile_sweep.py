@@ -10,7 +10,7 @@ one step of a 30-layer model), with the registers, spills and shared memory of t
 variants each setting compiled. What it decided: `paged_attention.SCORE_TILES`.
 `--kernel sparse` times the draft step's sparse attention instead, `--kernel quest`
 quest's page scores (`quest_scores.QUEST_TILES`) and its top-k (`topk.RESIDENT_*`), and
-`--kernel topk` vegas's ranking of a round's scores by each `topk.RESIDENT_THRESHOLD`, and
+`--kernel topk` vegas's ranking of a round's scores, and
 `--kernel merge` the split merge alone (`split_merge.MERGE_*`).
 
     python benchmarks/tile_sweep.py --out tile_sweep.json
@@ -20,8 +20,7 @@ quest's page scores (`quest_scores.QUEST_TILES`) and its top-k (`topk.RESIDENT_*
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
+import contextlib
 import itertools
 import json
 import sys
@@ -40,10 +39,7 @@ import vegas_spec.kernels.quest_scores as qs  # noqa: E402
 import vegas_spec.kernels.sparse_attention as sa  # noqa: E402
 import vegas_spec.kernels.topk as tk  # noqa: E402
 from vegas_spec import ops  # noqa: E402
-from vegas_spec.kernels import split_merge  # noqa: E402
-from vegas_spec.kernels.split_merge import tile_config  # noqa: E402
-
-SCORE_TILES = pa.SCORE_TILES
+from vegas_spec.kernels import split_merge, tuned  # noqa: E402
 
 
 def cycling(items: list[tuple], fn: Callable[..., object]) -> Callable[[], object]:
@@ -70,14 +66,16 @@ def paged_cache(bsz: int, hkv: int, dim: int, context: int, page: int = 16,
 
 
 def with_tiles(block_k: int, stages: int, warps: int, maxnreg: int | None,
-               split_max: int | None, store: str, head_dim: int) -> None:
-    """Make the kernel wrapper build its tiles with `stages` pipeline stages and `warps`
-    warps per program, and its scored passes with `block_k` keys per block, `maxnreg`
-    registers per thread, splits of at most `split_max` keys and their weight-mode logits
-    stored with `store`."""
-    pa.tile_config = lambda q, hkv, block_k=None: dataclasses.replace(  # type: ignore[assignment]
-        tile_config(q, hkv, block_k), num_stages=stages, num_warps=warps)
-    pa.SCORE_TILES = {head_dim: pa.ScoreTiles(block_k, stages, split_max, maxnreg, store)}
+               split_max: int | None, store: str, head_dim: int) -> contextlib.ExitStack:
+    """Inside the returned context the kernel wrapper builds its tiles with `stages` pipeline
+    stages and `warps` warps per program, and its scored passes with `block_k` keys per
+    block, `maxnreg` registers per thread, splits of at most `split_max` keys and their
+    weight-mode logits stored with `store` (`kernels.tuned`)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(tuned(split_merge, DECODE_STAGES=stages, DECODE_WARPS=warps))
+    stack.enter_context(tuned(pa, SCORE_TILES={
+        head_dim: pa.ScoreTiles(block_k, stages, split_max, maxnreg, store)}))
+    return stack
 
 
 def sparse_sweep(args: argparse.Namespace, recent: int = 64) -> list[dict]:
@@ -107,16 +105,13 @@ def sparse_sweep(args: argparse.Namespace, recent: int = 64) -> list[dict]:
             args.block_k, args.stages, args.warps, splits):
         if isinstance(split, int) and split % block_k:
             continue
-        # paged: the paged kernel's occupancy split instead of the sparse kernel's own
-        sa.SPARSE_PROGRAMS_PER_SM = None if split == "paged" else per_sm
         size = split if isinstance(split, int) else None
-        sa.tile_config = lambda q, hkv, block_k=None, s=stages, w=warps: (  # noqa: E731
-            dataclasses.replace(tile_config(q, hkv, block_k), num_stages=s, num_warps=w))
-        us = graph_us(cycling(layers, lambda table, k, v, idx, bk=block_k, sp=size: (
-            sa.sparse_attention(q, k, v, table, pos, 16, idx, recent_start, recent,
-                                dim ** -0.5, block_k=bk, split_size=sp, out=out))))
-        sa.tile_config = tile_config
-        sa.SPARSE_PROGRAMS_PER_SM = per_sm
+        # paged: the paged kernel's occupancy split instead of the sparse kernel's own
+        with tuned(sa, SPARSE_PROGRAMS_PER_SM=None if split == "paged" else per_sm), \
+                tuned(split_merge, DECODE_STAGES=stages, DECODE_WARPS=warps):
+            us = graph_us(cycling(layers, lambda table, k, v, idx, bk=block_k, sp=size: (
+                sa.sparse_attention(q, k, v, table, pos, 16, idx, recent_start, recent,
+                                    dim ** -0.5, block_k=bk, split_size=sp, out=out))))
         row = {"kernel": "sparse", "block_k": block_k, "stages": stages, "warps": warps,
                "split": split, "layers": args.layers,
                "budget": budget, "us": us, "tb_per_s": moved / us / 1e6}
@@ -139,39 +134,33 @@ def quest_sweep(args: argparse.Namespace, page: int = 16) -> list[dict]:
     moved = 2 * lo.numel() * lo.element_size()
     rows = []
     for block_p, warps in itertools.product(args.quest_pages, args.warps):
-        qs.QUEST_TILES = {dim: (block_p, warps)}
-        us = graph_us(lambda: qs.quest_page_scores(q, lo, hi, pages))
+        with tuned(qs, QUEST_TILES={dim: (block_p, warps)}):
+            us = graph_us(lambda: qs.quest_page_scores(q, lo, hi, pages))  # noqa: B023
         row = {"kernel": "quest_scores", "block_p": block_p, "warps": warps, "us": us,
                "tb_per_s": moved / us / 1e6}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    qs.QUEST_TILES = QUEST_SETTINGS
     scores = qs.quest_page_scores(q, lo, hi, pages)
     keep = max(int(args.ratio * ctx) // page, 1)
     k = torch.full((bsz,), keep, device="cuda")
     rankable = pages * page
-    for per_warp, bits, least, threshold in itertools.product(
-            args.topk_keys_per_warp, args.topk_radix_bits, args.topk_min_warps,
-            args.topk_thresholds):
-        tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS = per_warp, bits
-        tk.RESIDENT_MIN_WARPS, tk.RESIDENT_THRESHOLD = least, threshold
-        us = graph_us(lambda: tk.topk_positions_triton(scores, pages, k, keep, page, rankable))
-        row = {"kernel": "quest_topk", "keys_per_warp": per_warp, "radix_bits": bits,
-               "min_warps": least, "threshold": threshold,
-               "warps": tk.resident_warps(triton.next_power_of_2(num_pages)),
-               "width": num_pages, "keep_pages": keep, "us": us}
+    for per_warp, least in itertools.product(args.topk_keys_per_warp, args.topk_min_warps):
+        with tuned(tk, RESIDENT_KEYS_PER_WARP=per_warp, RESIDENT_MIN_WARPS=least):
+            us = graph_us(lambda: tk.topk_positions_triton(scores, pages, k, keep, page,
+                                                           rankable))
+            warps = tk.resident_warps(triton.next_power_of_2(num_pages))
+        row = {"kernel": "quest_topk", "keys_per_warp": per_warp, "min_warps": least,
+               "warps": warps, "width": num_pages, "keep_pages": keep, "us": us}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    (tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS, tk.RESIDENT_MIN_WARPS,
-     tk.RESIDENT_THRESHOLD) = TOPK_SETTING
     return rows
 
 
 def topk_sweep(args: argparse.Namespace) -> list[dict]:
     """vegas's ranking of one round: scores [layers, B, 2, 1, W] (the verify step's two
     collected rows of softmax weights, W the static key width) -> the top 5% below the
-    context, by each threshold search, with the rows summed by PyTorch first or inside the
-    kernel, and by the reference (torch.topk and a sort)."""
+    context, with the rows summed by PyTorch first or inside the kernel, and by the reference
+    (torch.topk and a sort)."""
     torch.manual_seed(0)
     layers, bsz, ctx = args.layers, args.batch, args.context
     width = ctx + 64
@@ -182,13 +171,8 @@ def topk_sweep(args: argparse.Namespace) -> list[dict]:
     k = torch.full((bsz,), keep, device="cuda")
     calls = {"reference": lambda: ops.topk_positions(scores.sum(-3), rankable, k, keep)}
     want = calls["reference"]()
-    for threshold in args.topk_thresholds:
-        calls[f"{threshold}, summed first"] = functools.partial(
-            _with_threshold, threshold, lambda: tk.topk_positions_triton(
-                scores.sum(-3), rankable, k, keep))
-        calls[f"{threshold}, summed in the kernel"] = functools.partial(
-            _with_threshold, threshold, lambda: tk.topk_row_sum_triton(
-                scores, rankable, k, keep))
+    calls["summed first"] = lambda: tk.topk_positions_triton(scores.sum(-3), rankable, k, keep)
+    calls["summed in the kernel"] = lambda: tk.topk_row_sum_triton(scores, rankable, k, keep)
     rows = []
     for _ in range(args.repeat):
         for name, fn in calls.items():
@@ -203,14 +187,12 @@ def topk_sweep(args: argparse.Namespace) -> list[dict]:
 
 def merge_sweep(args: argparse.Namespace) -> list[dict]:
     """The split merge alone: for each shape SxRxHxD (splits, rows = B x n, heads, head dim)
-    random partials merged with each `--merge-steps` x `--merge-tiles` x `--warps` setting,
-    µs per call and TB/s of the partials it reads (0 steps or warps: the library's rule).
+    random partials merged with each `--merge-tiles` setting, µs per call and TB/s of the
+    partials it reads.
     With `--layers` L > 1 the calls cycle through L sets of partials, so that they come from
     HBM and not from L2 (in a step they were just written by the split kernel)."""
     torch.manual_seed(0)
     rows = []
-    library = (split_merge.MERGE_SPLITS_PER_STEP, split_merge.MERGE_TILE,
-               split_merge.MERGE_WARPS)
     for shape in args.merge_shapes:
         splits, flat, heads, dim = (int(x) for x in shape.split("x"))
         sets = []
@@ -223,36 +205,18 @@ def merge_sweep(args: argparse.Namespace) -> list[dict]:
         out = torch.empty(flat, 1, heads, dim, device="cuda", dtype=torch.bfloat16)
         lse = torch.empty(flat, heads, device="cuda")
         moved = sets[0][0].acc.numel() * 4 + 2 * sets[0][0].m.numel() * 4 + out.numel() * 2
-        for steps, tile, warps in itertools.product(args.merge_steps, args.merge_tiles,
-                                                    args.warps):
-            (split_merge.MERGE_SPLITS_PER_STEP, split_merge.MERGE_TILE,
-             split_merge.MERGE_WARPS) = steps or None, tile, warps or None
-            block_s, block_h, used = split_merge.merge_tiling(splits, heads, dim)
-            us = graph_us(cycling(sets, lambda parts, o=out, e=lse: split_merge.merge_splits(
-                parts, o, e)))
-            row = {"kernel": "merge", "shape": shape, "steps": steps, "tile": tile,
-                   "warps": warps, "block_s": block_s, "block_h": block_h, "warps_run": used,
+        for tile in args.merge_tiles:
+            with tuned(split_merge, MERGE_TILE=tile):
+                block_s, block_h, used = split_merge.merge_tiling(splits, heads, dim)
+                us = graph_us(cycling(sets, lambda parts, o=out, e=lse: (
+                    split_merge.merge_splits(parts, o, e))))
+            row = {"kernel": "merge", "shape": shape, "tile": tile,
+                   "block_s": block_s, "block_h": block_h, "warps_run": used,
                    "layers": args.layers, "us": us,
                    "tb_per_s": moved / us / 1e6}
             rows.append(row)
             print(json.dumps(row), flush=True)
-        (split_merge.MERGE_SPLITS_PER_STEP, split_merge.MERGE_TILE,
-         split_merge.MERGE_WARPS) = library
     return rows
-
-
-def _with_threshold(threshold: str, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """fn() with topk.RESIDENT_THRESHOLD set (read when the kernel launches)."""
-    library, tk.RESIDENT_THRESHOLD = tk.RESIDENT_THRESHOLD, threshold
-    try:
-        return fn()
-    finally:
-        tk.RESIDENT_THRESHOLD = library
-
-
-QUEST_SETTINGS = qs.QUEST_TILES
-TOPK_SETTING = (tk.RESIDENT_KEYS_PER_WARP, tk.RESIDENT_RADIX_BITS, tk.RESIDENT_MIN_WARPS,
-                tk.RESIDENT_THRESHOLD)
 
 
 def main() -> None:
@@ -291,26 +255,13 @@ def main() -> None:
                     help="quest: pages per program of the page-score kernel")
     ap.add_argument("--topk-keys-per-warp", type=int, nargs="+", default=[128, 256, 512],
                     help="quest: scores per warp of the resident top-k")
-    ap.add_argument("--topk-radix-bits", type=int, nargs="+", default=[4, 8],
-                    help="quest: bits per radix pass of the resident top-k")
     ap.add_argument("--topk-min-warps", type=int, nargs="+", default=[tk.RESIDENT_MIN_WARPS],
                     help="quest: the fewest warps of the resident top-k "
                          "(topk.RESIDENT_MIN_WARPS; repeat to interleave)")
-    ap.add_argument("--merge-steps", type=int, nargs="+", default=[0],
-                    help="paged, merge: key splits the split merge loads at once "
-                         "(split_merge.MERGE_SPLITS_PER_STEP; 0: the library's rule)")
     ap.add_argument("--merge-shapes", nargs="+", default=["16x112x32x128"],
                     help="merge: splits x rows x heads x head dim of the partials")
     ap.add_argument("--merge-tiles", type=int, nargs="+", default=[split_merge.MERGE_TILE],
                     help="merge: float32 elements of a step's tile (split_merge.MERGE_TILE)")
-    ap.add_argument("--topk-thresholds", nargs="+", default=[tk.RESIDENT_THRESHOLD],
-                    choices=tk.RESIDENT_THRESHOLDS,
-                    help="quest, topk: how the resident top-k finds its threshold "
-                         "(topk.RESIDENT_THRESHOLD)")
-    ap.add_argument("--min-lanes", type=int, nargs="+", default=[split_merge.MIN_DOT],
-                    help="paged: the fewest query lanes of an attention program "
-                         "(split_merge.MIN_DOT; 64 makes its products warpgroup MMAs on sm_90; "
-                         "the score rows' own tile keeps paged_attention's 16)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="topk: times the settings are timed, interleaved")
     ap.add_argument("--ratio", type=float, default=0.05, help="quest, topk: tokens kept")
@@ -346,27 +297,18 @@ def main() -> None:
             stores = stores_weight if mode == "weight" else [library.store]
             # Register and split caps apply to scored passes only.
             regs, caps = (maxnregs, split_maxes) if mode == "weight" else ([0], [0])
-            for store, block_k, stages, warps, split, maxnreg, cap, merge, lanes in \
-                    itertools.product(stores, args.block_k, args.stages, args.warps, splits,
-                                      regs, caps, args.merge_steps, args.min_lanes):
-                split_merge.MERGE_SPLITS_PER_STEP = merge or None
-                split_merge.MIN_DOT = lanes
+            for store, block_k, stages, warps, split, maxnreg, cap in itertools.product(
+                    stores, args.block_k, args.stages, args.warps, splits, regs, caps):
                 extra = (score_rows, scores, "weight") if mode == "weight" else ()
                 before = compiled()
-                with_tiles(block_k, stages, warps, maxnreg or None, cap or None, store, dim)
-                us = graph_us(lambda: pa.paged_attention(  # noqa: B023
-                    q, k, v, table, pos, page, kv_len, scale, *extra,  # noqa: B023
-                    block_k=block_k, split_size=split, out=out))  # noqa: B023
-                launched = -(-kv_len // pa.paged_split_size(
-                    q, k, v, table, pos, page, kv_len, scale, *extra, block_k=block_k,
-                    split_size=split))
-                pa.tile_config, pa.SCORE_TILES = tile_config, SCORE_TILES
+                with with_tiles(block_k, stages, warps, maxnreg or None, cap or None, store,
+                                dim):
+                    us = graph_us(lambda: pa.paged_attention(  # noqa: B023
+                        q, k, v, table, pos, page, kv_len, scale, *extra,  # noqa: B023
+                        block_k=block_k, split_size=split, out=out))  # noqa: B023
                 row = {"n": n, "mode": mode, "store": store, "block_k": block_k,
                        "stages": stages, "warps": warps, "split": split,
-                       "maxnreg": maxnreg or None, "score_split_max": cap or None,
-                       "merge_splits_per_step": merge, "min_lanes": lanes,
-                       "splits": launched,
-                       "programs": launched * bsz * hkv, "us": us}
+                       "maxnreg": maxnreg or None, "score_split_max": cap or None, "us": us}
                 new = [kern for i, kern in compiled().items() if i not in before]
                 if new:  # the variants this setting compiled: registers per thread
                     row["compiled"] = [{"registers": kern.n_regs, "spills": kern.n_spills,

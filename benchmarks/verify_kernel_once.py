@@ -25,6 +25,7 @@ from tile_sweep import paged_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vegas_spec.kernels.paged_attention as pa  # noqa: E402
+from vegas_spec.kernels import tuned  # noqa: E402
 
 
 def main() -> None:
@@ -49,17 +50,17 @@ def main() -> None:
     if args.score_tiles:
         block_k, stages, split_max, maxnreg = map(int, args.score_tiles.split(":"))
         tiles = pa.ScoreTiles(block_k, stages, split_max or None, maxnreg or None, store)
-    pa.SCORE_TILES = {dim: dataclasses.replace(tiles, store=store)}
     page, ctx, n = 16, args.context, 7
     table, k, v, kv_len = paged_cache(bsz, hkv, dim, ctx, page)
     q = torch.randn(bsz, n, heads, dim, device="cuda", dtype=torch.bfloat16)
     pos = torch.full((bsz, 1), ctx, device="cuda") + torch.arange(n, device="cuda")
     rows = torch.tensor([0, n - 1], device="cuda")
     scores = torch.empty(bsz, 2, 1, kv_len, device="cuda")
-    for _ in range(2):
-        pa.paged_attention(q, k, v, table, pos, page, kv_len, dim ** -0.5)
-        pa.paged_attention(q, k, v, table, pos, page, kv_len, dim ** -0.5, rows, scores,
-                           "weight")
+    with tuned(pa, SCORE_TILES={dim: dataclasses.replace(tiles, store=store)}):
+        for _ in range(2):
+            pa.paged_attention(q, k, v, table, pos, page, kv_len, dim ** -0.5)
+            pa.paged_attention(q, k, v, table, pos, page, kv_len, dim ** -0.5, rows, scores,
+                               "weight")
     torch.cuda.synchronize()
 
 

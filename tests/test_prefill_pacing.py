@@ -12,13 +12,11 @@ DECODE = 0.010  # seconds of a decode-only step in these cases
 
 
 def measured(ratio: float = 1.0, fixed: float = 0.002, marginal: float = 1e-6,
-             ceiling: int = 32768, floor: int = 512, steps: int = 60,
-             out_of_reach: str = "floor") -> PrefillPacer:
+             ceiling: int = 32768, floor: int = 512, steps: int = 60) -> PrefillPacer:
     """A pacer that has seen decode-only steps of DECODE seconds, then `steps` steps that
     prefilled the budget it gave while rows decoded, each costing fixed + marginal x tokens
     on top."""
-    pacer = PrefillPacer(ceiling=ceiling, ratio=ratio, floor=floor, smoothing=0.5,
-                         out_of_reach=out_of_reach)
+    pacer = PrefillPacer(ceiling=ceiling, ratio=ratio, floor=floor, smoothing=0.5)
     pacer.observe(0, True, DECODE)
     for _ in range(steps):
         tokens = pacer.budget(decoding=True)
@@ -55,20 +53,6 @@ def test_an_unreachable_target_gives_the_smallest_chunk() -> None:
     assert pacer.budget(decoding=False) == 32768
     # the smallest chunk (the floor) would already take too long
     assert measured(ratio=1.0, fixed=0.0, marginal=1e-4).budget(decoding=True) == 512
-    with pytest.raises(ValueError, match="out_of_reach"):
-        PrefillPacer(ceiling=4096, out_of_reach="half")
-
-
-def test_an_unreachable_target_can_give_the_whole_budget() -> None:
-    """out_of_reach "whole": every prefill step stalls anyway, so the fewest (largest)
-    forwards; those steps leave the estimate where it was (no oscillation back to a paced
-    budget that is still out of reach)."""
-    for cost in ({"ratio": 0.1}, {"ratio": 1.0, "fixed": 0.0, "marginal": 1e-4}):
-        pacer = measured(**cost, out_of_reach="whole")
-        assert pacer.budget(decoding=True) == 32768
-        assert pacer.budget(decoding=True) == 32768
-    reachable = measured(ratio=1.0, out_of_reach="whole")
-    assert reachable.budget(decoding=True) == pytest.approx(8000, rel=0.01)
 
 
 def test_budget_never_exceeds_the_ceiling() -> None:

@@ -10,7 +10,7 @@ import math
 import numbers
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -100,10 +100,6 @@ class ModelConfig:
     @property
     def rope(self) -> dict[str, Any]:
         return dict(self.rope_scaling)
-
-    @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -494,7 +490,6 @@ class EngineConfig:
     # the model's weights), "auto" (today "model": the FP8 kernel does not yet stream its
     # weights faster than cuBLAS streams bf16 ones, BENCHMARKS.md §1.2).
     draft_weights: str = "auto"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:

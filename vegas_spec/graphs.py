@@ -213,7 +213,7 @@ class GraphRunner:
     A sequence owns one buffer row from joining to leaving: set_rows when sequences join
     (after the rows in use), set_plan_rows for their first plan, condense when some leave
     (the survivors move down with their page tables and plans, so the bucket follows the
-    live rows), set_plan once per selection made outside the runner; then
+    live rows); then
     run(kind, tokens, positions) per step, or run_spec(last, lengths) per greedy round
     (which makes the next selection itself when shapes.plans, with `policy`). With capture
     False every step runs eagerly on the buffers (the CPU path)."""
@@ -240,11 +240,6 @@ class GraphRunner:
             self._capture_all()
 
     # --- per batch / per selection ----------------------------------------------------------
-
-    def set_batch(self, page_table: torch.Tensor) -> None:
-        """A new batch: page_table [B, P'] (P' <= P); rows past B become dummy rows."""
-        self.buf.reset()
-        self.set_rows(0, page_table)
 
     def set_rows(self, start: int, page_table: torch.Tensor,
                  sampling: BatchSampling | None = None) -> None:
@@ -277,11 +272,6 @@ class GraphRunner:
 
     def _resize(self, rows: int) -> None:
         self.rows, self.bucket = rows, bucket_for(rows)
-
-    def set_plan(self, plan: SparsePlan | None) -> None:
-        """Copy the next draft round's selection into the buffers (None: full drafts; quest's
-        plan has already filled `buf.state`)."""
-        self._write_plan(plan, self.rows)
 
     def set_plan_rows(self, plan: SparsePlan | None, start: int) -> None:
         """The first plan of the sequences that joined at rows start.. (from their prefill)."""

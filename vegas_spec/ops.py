@@ -1,7 +1,7 @@
 """Plain-PyTorch references of the per-token steps around attention: RMSNorm (with the
 residual add before it), SiLU * up, RoPE, and the row-invariant projection of exact mode;
-and of the selection's top-k (`topk_positions`, with quest's pages expanded to their tokens
-by `expand_pages`).
+of the selection's top-k (`topk_positions`, with quest's pages expanded to their tokens
+by `expand_pages`); and of quest's page scores (`quest_page_scores_ref`).
 
 They are the model's and the attention seam's default implementations and the oracles of
 the fused kernels; kept apart from both so that `models`, `attention` and `speculative` need
@@ -136,3 +136,25 @@ def _pad(x: torch.Tensor, width: int, fill: float, axis: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[axis] = missing
     return torch.cat([x, torch.full(shape, fill, dtype=x.dtype, device=x.device)], dim=axis)
+
+
+def quest_page_scores_ref(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                          pages: torch.Tensor, rope: torch.Tensor | None = None,
+                          positions: torch.Tensor | None = None) -> torch.Tensor:
+    """quest's page scores: q [B, 1, H, D], lo/hi [B, NP, Hkv, D] page bounds, pages [B]
+    -> [B, Hkv, NP] float32, sum over the kv head's query heads of sum_d max(q_d lo_d,
+    q_d hi_d), -inf for pages >= pages[b]. With rope (the RoPE table) and positions [B, 1],
+    q is before RoPE (`apply_rope` first)."""
+    if rope is not None:
+        assert positions is not None
+        q = apply_rope(q, rope, positions)
+    bsz, _, heads, dim = q.shape
+    hkv = lo.shape[2]
+    qg = q[:, 0].float().view(bsz, hkv, heads // hkv, dim)
+    # max(q_d lo_d, q_d hi_d) is q_d hi_d where q_d >= 0 and q_d lo_d elsewhere (lo <= hi),
+    # so the sum over d and the group's heads is two batched products, no [.., NP, D] temp
+    up, down = qg.clamp(min=0).sum(2), qg.clamp(max=0).sum(2)  # [B, Hkv, D]
+    scores = (torch.einsum("bhd,bphd->bhp", up, hi.float())
+              + torch.einsum("bhd,bphd->bhp", down, lo.float()))
+    visible = torch.arange(lo.shape[1], device=q.device) < pages[:, None, None]
+    return scores.masked_fill(~visible, float("-inf"))

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,11 +224,6 @@ def shard_tensor(name: str, w: torch.Tensor, tp: TPGroup) -> torch.Tensor:
         return w
     part = tp.rank_slice(w.shape[dim])
     return w.narrow(dim, part.start, part.stop - part.start).clone()
-
-
-def sharder(tp: TPGroup) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
-    """The per-tensor slicing the loader applies as it reads (None at world size 1)."""
-    return None if tp.world_size == 1 else lambda name, w: shard_tensor(name, w, tp)
 
 
 def shard_shapes(shapes: dict[str, tuple[int, ...]], world_size: int,

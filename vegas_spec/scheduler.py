@@ -67,23 +67,16 @@ class PrefillPacer:
     Steps that prefilled less than half their budget (a prompt's short tail) are left out:
     their fixed cost would pull the budget down. Where the budget falls under `floor`
     (the target is out of reach: a forward's fixed cost exceeds `ratio` decode iterations),
-    with `out_of_reach` "floor" a step takes the smallest chunk (the shortest stall, and the
-    estimate goes on from it), with "whole" the whole `ceiling` (fewer, larger forwards keep
-    more throughput; such steps say nothing of a paced step, so the estimate then stays out
-    of reach). A step takes the whole ceiling before the first estimates, and whenever
+    a step takes the smallest chunk (the shortest stall, and the estimate goes on from it).
+    A step takes the whole ceiling before the first estimates, and whenever
     nothing decodes."""
 
     ceiling: int
     ratio: float = 1.0
     floor: int = 512
     smoothing: float = 0.2  # weight of the newest step in the running estimates
-    out_of_reach: str = "floor"  # or "whole"
     decode_s: float | None = field(default=None, init=False)
     log_tokens: float | None = field(default=None, init=False)
-
-    def __post_init__(self) -> None:
-        if self.out_of_reach not in ("whole", "floor"):
-            raise ValueError(f"out_of_reach must be 'whole' or 'floor', got {self.out_of_reach!r}")
 
     @property
     def tokens(self) -> float | None:
@@ -94,18 +87,12 @@ class PrefillPacer:
         tokens = self.tokens
         if not decoding or self.decode_s is None or tokens is None:
             return self.ceiling
-        if tokens < self._smallest:  # out of reach
-            return self.ceiling if self.out_of_reach == "whole" else self._smallest
-        return min(self.ceiling, int(tokens))
+        return min(self.ceiling, max(int(tokens), self._smallest))
 
     @property
     def _smallest(self) -> int:
         """The smallest chunk a paced step takes (the floor, within the ceiling)."""
         return min(self.floor, self.ceiling)
-
-    def _out_of_reach(self) -> bool:
-        tokens = self.tokens
-        return tokens is not None and tokens < self._smallest
 
     def observe(self, prefill_tokens: int, decoded: bool, seconds: float,
                 asked: int | None = None) -> None:
@@ -117,7 +104,7 @@ class PrefillPacer:
             self.decode_s = _running(self.decode_s, seconds, self.smoothing)
             return
         asked = self.ceiling if asked is None else asked
-        if self.decode_s is None or (self.out_of_reach == "whole" and self._out_of_reach()):
+        if self.decode_s is None:
             return
         enough = asked / 2 if asked < self.ceiling else self._smallest
         if prefill_tokens < enough:

@@ -36,22 +36,14 @@ def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> No
     out = tmp_path / "steps.json"
     run("step_profile.py", "--config", str(tmp_path), "--contexts", "200", "--batches", "2",
         "--reps", "2", "--min-tokens", "16", "--host-gap-tokens", "8", "--score-tiles",
-        "library", "64:2:f32-pointers:0:128", "--out", str(out))
+        "library", "64:2:f32-blocks:0:128", "--out", str(out))
     row, other = json.loads(out.read_text())["rows"]
     head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
-    assert head_dim not in pa.SCORE_TILES  # the library's tiles of other head dims
-    assert (row["score_tiles"], other["score_tiles"]) == ("128:3:f32-descriptor",
-                                                          "64:2:f32-pointers")
-    assert (row["score_split_max"], row["score_maxnreg"]) == (2048, None)
+    library = pa.score_tiles(head_dim)
+    assert row["score_tiles"] == f"{library.block_k}:{library.stages}:{library.store}"
+    assert other["score_tiles"] == "64:2:f32-blocks"  # the option's parts, as given
     assert (other["score_split_max"], other["score_maxnreg"]) == (None, 128)
     assert other["verify_ms"] > 0
-    assert row["verify_tiles"] == "tile_config"  # the library lists no verify tiles here
-    assert (row["sparse_splits"], row["topk_min_warps"], row["sparse_rope"]) == (
-        "library", 4, "yes")
-    assert (row["topk_threshold"], row["topk_sum"], row["merge_splits_per_step"]) == (
-        "bisect", "yes", "rule")
-    # the paged kernel by waves 95% full, splits of at least four blocks
-    assert row["split_fill"] == "waves:0.95:4"
     assert (row["context"], row["batch"], row["budget"]) == (200, 2, 16)
     for kind in ("plain", "verify", "draft"):
         assert row[f"{kind}_ms"] > 0 and row[f"floor_{kind}_ms"] > 0
@@ -63,9 +55,8 @@ def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> No
     assert row["ideal_speedup_at_7_tokens_round"] > 0
     assert row["floor_draft_ms"] < row["floor_plain_ms"] < row["floor_verify_ms"]
     # vegas's two score rows' logits, one per query head, written and read back
-    layers, heads, kv_heads = (TINY[k] for k in ("num_hidden_layers", "num_attention_heads",
-                                                 "num_key_value_heads"))
-    per_key = pa.score_bytes_per_key("weight", heads, kv_heads, 2, 1)
+    layers, heads = (TINY[k] for k in ("num_hidden_layers", "num_attention_heads"))
+    per_key = 2 * 4 * heads * 2 + 4 * 2  # float32 logits of 2 rows x heads, 2 scores
     assert row["score_bytes"] == 2 * 200 * layers * per_key
     assert row["floor_verify_over_plain"] == pytest.approx(
         row["floor_verify_ms"] / row["plain_ms"])
@@ -202,23 +193,6 @@ def test_host_loop_splits_the_host_work_by_phase(host_loop_rows: list[dict]) -> 
     assert vanilla["iterations"] >= 8 and vanilla["host_ms"] > 0 and vanilla["graph"] > 0
     assert vanilla["host_ms"] == pytest.approx(sum(vanilla[p] for p in (
         "schedule", "inputs", "commit", "rows", "select", "outputs")))
-
-
-def test_skinny_gemm_checks_and_times_each_setting(tmp_path: Path) -> None:
-    """Tiny shapes under Triton's interpreter: cuBLAS at every M, and at M <= 64 the kernel's
-    default tiles and the staged search, each setting checked against cuBLAS first."""
-    out = tmp_path / "skinny.json"
-    run("skinny_gemm.py", "--device", "cpu", "--projections", "o_proj", "--rows", "1", "16",
-        "112", "--out", str(out))
-    data = json.loads(out.read_text())
-    timed = [r for r in data["rows"] if not r["status"].startswith("pruned")]
-    assert all(r["status"] == "ok" and r["us"] > 0 and r["pct_copy"] > 0 for r in timed)
-    assert {(r["m"], r["impl"]) for r in timed} == {
-        (1, "cublas"), (1, "skinny"), (16, "cublas"), (16, "skinny"), (112, "cublas")}
-    assert {r["stage"] for r in timed if r["impl"] == "skinny"} == {"default", "tiles", "split"}
-    assert all(r["rel_err"] < 2e-2 for r in timed)
-    assert [(c["m"], "speedup" in c) for c in data["best"]] == [(1, True), (16, True),
-                                                                (112, False)]
 
 
 def test_host_loop_streams_every_steps_outputs(host_loop_rows: list[dict]) -> None:

@@ -147,16 +147,6 @@ def test_scores_sum_to_heads() -> None:
     assert (scores[1, :, :, 41:] == 0).all()
 
 
-def test_score_bytes_per_key_follow_the_table() -> None:
-    """Qwen3-8B (32 heads, 8 kv heads), Collect-2, one group: the module's table."""
-    assert pa.score_bytes_per_key("weight", 32, 8, 2, 1) == 520
-    assert pa.score_bytes_per_key("logit", 32, 8, 2, 1) == 136
-    # half-precision logits halve the round trip, not the float32 scores; per kv head, G = 8
-    assert pa.score_bytes_per_key("weight", 32, 8, 2, 1, itemsize=2) == 264
-    assert pa.score_bytes_per_key("weight", 32, 8, 2, 8) == 512 + 64
-    assert pa.score_bytes_per_key("logit", 32, 8, 2, 1, itemsize=2) == 136
-
-
 def use_store(monkeypatch: pytest.MonkeyPatch, store: str) -> None:
     """Every head dim's score tiles (SCORE_TILES_OTHER too, whose store the interpreter
     uses) store their weight-mode logits with `store`."""
@@ -166,34 +156,23 @@ def use_store(monkeypatch: pytest.MonkeyPatch, store: str) -> None:
                         dataclasses.replace(pa.SCORE_TILES_OTHER, store=store))
 
 
-@pytest.mark.parametrize("descriptor", [True, False], ids=["descriptor", "pointers"])
-@pytest.mark.parametrize("case", [CASES[2], CASES[7], CASES[10]], ids=case_id)
-def test_half_score_scratch(case: Case, descriptor: bool,
-                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """16-bit models keep weight-mode logits in float16, stored through the tensor descriptor
-    (one row block) or through pointers (several row blocks, or when switched off)."""
-    use_store(monkeypatch, "f16-descriptor" if descriptor else "f16-pointers")
-    run(case, torch.float16)
-
-
 SCORED = [case for case in CASES if case.rows is not None]
 
 
 @pytest.mark.parametrize("case", SCORED, ids=case_id)
-def test_score_store_through_pointers(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Float32 logits stored through a tile of pointers instead of the tensor descriptor give
-    the reference's scores (and the same attention output)."""
-    use_store(monkeypatch, "f32-pointers")
+def test_score_store_of_whole_blocks(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Logits stored as whole key blocks (the GPU tiles' store, which the interpreter does not
+    otherwise run) give the reference's scores (and the same attention output)."""
+    use_store(monkeypatch, "f32-blocks")
     run(case, torch.float32)
 
 
 @pytest.mark.parametrize("store", sorted(pa.SCORE_STORES))
 def test_score_stores_give_the_same_scores(store: str,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every store of the weight-mode logits gives the scores of float32 pointers, to the
-    float16 rounding of the logits where the scratch is float16; the store the tiles name is
-    the one that runs (its scratch dtype, a descriptor or none, a scratch of whole key blocks
-    where the store masks by lane only)."""
+    """Every store of the weight-mode logits gives the scores of the float32 descriptor; the
+    store the tiles name is the one that runs (a float32 scratch, a descriptor or none, a
+    scratch of whole key blocks where the store masks by lane only)."""
     jobs, descriptors = [], []
 
     def score_job(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -214,7 +193,7 @@ def test_score_stores_give_the_same_scores(store: str,
     positions = query_positions([100, 61], 7)
     rows = torch.tensor([0, 6], device=DEVICE)
     got = {}
-    for name in ("f32-pointers", store):
+    for name in ("f32-descriptor", store):
         use_store(monkeypatch, name)
         jobs.clear()
         descriptors.clear()
@@ -222,14 +201,11 @@ def test_score_stores_give_the_same_scores(store: str,
         paged_attention(q, cache.k, cache.v, cache.page_table, positions, 8, 100, 0.125,
                         rows, got[name], "weight")
         kind = pa.SCORE_STORES[name]
-        assert [job.scratch.dtype for job, _ in jobs] == [torch.float16 if kind.half
-                                                          else torch.float32]
+        assert [job.scratch.dtype for job, _ in jobs] == [torch.float32]
         assert len(descriptors) == kind.descriptor  # one row block: the descriptor if named
         if kind.whole_blocks:  # the last key block (96..127 of 100) fits the scratch
             assert [job.scratch.shape[-1] % block_k for job, block_k in jobs] == [0]
-    tol = dict(atol=2e-3, rtol=2e-3) if pa.SCORE_STORES[store].half else dict(atol=1e-6,
-                                                                             rtol=1e-5)
-    torch.testing.assert_close(got[store], got["f32-pointers"], **tol)
+    torch.testing.assert_close(got[store], got["f32-descriptor"], atol=1e-6, rtol=1e-5)
     assert (got[store][:, :, :, 100:] == 0).all()
 
 
@@ -247,8 +223,8 @@ def test_every_score_tiling(case: Case, tiles: pa.ScoreTiles,
 
 def test_score_tiles_refuse_an_unknown_store() -> None:
     with pytest.raises(ValueError, match="unknown score store"):
-        pa.ScoreTiles(128, 3, None, None, "bf16-pointers")
-    assert pa.ScoreTiles(128, 3, None, None, "f16-pointers").store == "f16-pointers"
+        pa.ScoreTiles(128, 3, None, None, "f16-pointers")
+    assert pa.ScoreTiles(128, 3, None, None, "f32-blocks").store == "f32-blocks"
 
 
 class _GpuQuery:
@@ -324,26 +300,3 @@ def test_the_wave_split_reads_the_compiled_kernel(case: Case) -> None:
     pa._RESIDENT.clear()
     run(case, torch.bfloat16)
     assert len(pa._RESIDENT) == 1 and 1 <= next(iter(pa._RESIDENT.values())) <= 32
-
-
-@pytest.mark.parametrize("rows", [None, "ends"])
-def test_split_size_is_the_calls(rows: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`paged_split_size` gives the split the call itself runs (its partials' count)."""
-    case = Case((300, 170), 7, 8, 2, 64, rows=rows)
-    gen = generator(2)
-    cache = paged_cache(2, 300, case.hkv, case.dim, case.page_size, torch.float32, gen)
-    q = randn(2, case.n, case.heads, case.dim, gen=gen)
-    positions = query_positions(list(case.lens), case.n)
-    score_rows = None if rows is None else torch.tensor(case.score_rows(), device=DEVICE)
-    scores = None if rows is None else poisoned(2, 2, 1, 304)
-    args = (q, cache.k, cache.v, cache.page_table, positions, case.page_size, 300, 0.125,
-            score_rows, scores)
-    size = pa.paged_split_size(*args)
-    made: list[int] = []
-    empty = pa.Partials.empty
-    monkeypatch.setattr(pa.Partials, "empty",
-                        lambda splits, *a: made.append(splits) or empty(splits, *a))
-    pa.paged_attention(*args)
-    splits = -(-300 // size)
-    assert made == ([splits] if splits > 1 else [])
-    assert CUDA or splits > 1  # the interpreter splits even short contexts

@@ -1,5 +1,5 @@
 """quest's fused page scores against `quest_page_scores_ref`, and the quest selector through
-the Triton backend (its page-score kernel and radix top-k) against the references."""
+the Triton backend (its page-score kernel and top-k) against the references."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import torch
 from kernel_cases import DEVICE, DTYPES, generator
 
 from vegas_spec.attention.context import StepContext
-from vegas_spec.attention.torch_backend import TorchBackend, quest_page_scores_ref
+from vegas_spec.attention.torch_backend import TorchBackend
 from vegas_spec.attention.triton_backend import TritonBackend
 from vegas_spec.kernels.quest_scores import quest_page_scores
 from vegas_spec.kernels.rope_store import rope_store
-from vegas_spec.ops import apply_rope
+from vegas_spec.ops import apply_rope, quest_page_scores_ref
 from vegas_spec.speculative.policies import QuestSelector
 
 # (B, H, Hkv, D, NP, pages per sequence)
@@ -50,7 +50,7 @@ def test_matches_reference(case: tuple, dtype: torch.dtype) -> None:
 
 
 def test_selector_through_the_backend_picks_the_reference_pages() -> None:
-    """The selector with the Triton backend (kernel scores, radix top-k) keeps the same
+    """The selector with the Triton backend (kernel scores, the kernel top-k) keeps the same
     positions as with the references, for continuous scores (no ties)."""
     gen = generator(5)
     bsz, heads, hkv, dim, page, num_pages = 3, 8, 2, 64, 16, 24

@@ -1,6 +1,6 @@
 """The merge of key splits against the log-sum-exp merge in plain PyTorch, by the library's
-tiling and with the splits a step forced (`MERGE_SPLITS_PER_STEP`), with splits in which
-rows saw no key; the tiling rule itself."""
+tiling and with the splits a step forced (`merge_tiled`), with splits in which rows saw no
+key; the tiling rule itself."""
 
 from __future__ import annotations
 
@@ -10,7 +10,20 @@ import triton
 from kernel_cases import DEVICE, generator
 
 from vegas_spec.kernels import split_merge
-from vegas_spec.kernels.split_merge import Partials, merge_splits
+from vegas_spec.kernels.split_merge import Partials, merge_splits, merge_tiled
+
+
+def merge(parts: Partials, out: torch.Tensor, lse: torch.Tensor | None,
+          per_step: int | None) -> None:
+    """The library's merge (per_step None), or one that takes `per_step` splits a step."""
+    if per_step is None:
+        merge_splits(parts, out, lse)
+        return
+    splits, _, heads, dim = parts.acc.shape
+    block_s = min(per_step, triton.next_power_of_2(splits))
+    tile = block_s * triton.next_power_of_2(dim)
+    block_h = max(min(triton.next_power_of_2(heads), 16, split_merge.MERGE_TILE // tile), 1)
+    merge_tiled(parts, out, lse, (block_s, block_h, 4 if block_s == 1 else 1))
 
 
 def merged_ref(parts: Partials) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,30 +57,28 @@ def partials(splits: int, rows: int, heads: int, dim: int, gen: torch.Generator)
 @pytest.mark.parametrize("shape", [(1, 3, 4, 64), (5, 7, 9, 64), (16, 4, 32, 128),
                                    (11, 2, 6, 80)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_merge_matches_the_log_sum_exp_merge(shape: tuple[int, int, int, int], per_step: int,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_merge_matches_the_log_sum_exp_merge(shape: tuple[int, int, int, int],
+                                             per_step: int | None) -> None:
     """Splits fewer than, equal to and not a multiple of the splits merged per step; a head
     dim that is not a power of two; an output in bfloat16 rounded from the same float32."""
     splits, rows, heads, dim = shape
-    monkeypatch.setattr(split_merge, "MERGE_SPLITS_PER_STEP", per_step)
     parts = partials(splits, rows, heads, dim, generator(splits * 31 + heads))
     want_out, want_lse = merged_ref(parts)
     out = torch.full((rows, 1, heads, dim), float("nan"), device=DEVICE)
     lse = torch.full((rows, 1, heads), float("nan"), device=DEVICE)
-    merge_splits(parts, out, lse)
+    merge(parts, out, lse, per_step)
     torch.testing.assert_close(out[:, 0], want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse[:, 0], want_lse, atol=1e-5, rtol=1e-5)
     assert torch.equal(out[0, 0, 0], torch.zeros(dim, device=DEVICE))  # saw no key
     half = torch.empty(rows, 1, heads, dim, device=DEVICE, dtype=torch.bfloat16)
-    merge_splits(parts, half, None)
+    merge(parts, half, None, per_step)
     torch.testing.assert_close(half, out.to(torch.bfloat16), atol=0, rtol=0)
 
 
-def test_splits_per_step_must_be_a_power_of_two(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(split_merge, "MERGE_SPLITS_PER_STEP", 3)
+def test_splits_per_step_must_be_a_power_of_two() -> None:
     parts = partials(4, 2, 2, 64, generator(1))
     with pytest.raises(AssertionError, match="power of 2"):
-        merge_splits(parts, torch.empty(2, 1, 2, 64, device=DEVICE), None)
+        merge_tiled(parts, torch.empty(2, 1, 2, 64, device=DEVICE), None, (3, 2, 1))
 
 
 @pytest.mark.parametrize(("splits", "heads", "dim", "want"), [
@@ -86,17 +97,13 @@ def test_merge_tiling(splits: int, heads: int, dim: int, want: tuple[int, int, i
     assert split_merge.merge_tiling(splits, heads, dim, exact=True) == serial
 
 
-@pytest.mark.parametrize("forced", [None, 8])
 @pytest.mark.parametrize("live", [1, 2, 3, 9])
-def test_exact_merge_does_not_depend_on_the_split_count(live: int, forced: int | None,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_exact_merge_does_not_depend_on_the_split_count(live: int) -> None:
     """Exact mode: a row whose keys lie in its first `live` splits gets the same bits from a
     call of `live` splits as from calls with more splits past its keys (l = 0), as a plain
-    step's row does in a verify step over a wider key bound; also with the splits a step of
-    the default mode forced."""
+    step's row does in a verify step over a wider key bound."""
     gen = generator(live)
     parts = partials(live, 5, 9, 64, gen)
-    monkeypatch.setattr(split_merge, "MERGE_SPLITS_PER_STEP", forced)
     outs = []
     for extra in (0, 1, 2, 7, 24):
         wide = Partials.empty(live + extra, 5, 9, 64, DEVICE)
@@ -113,14 +120,6 @@ def test_exact_merge_does_not_depend_on_the_split_count(live: int, forced: int |
         assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
     want_out, _ = merged_ref(parts)
     torch.testing.assert_close(outs[0][0][:, 0], want_out, atol=1e-5, rtol=1e-5)
-
-
-def test_forced_tiling(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One split a step, forced, is the serial merge in 4 warps whatever the splits."""
-    monkeypatch.setattr(split_merge, "MERGE_SPLITS_PER_STEP", 1)
-    assert split_merge.merge_tiling(64, 32, 128) == (1, 16, 4)
-    monkeypatch.setattr(split_merge, "MERGE_WARPS", 2)
-    assert split_merge.merge_tiling(64, 32, 128) == (1, 16, 2)
 
 
 @pytest.mark.parametrize(("regs", "shared", "warps", "want"), [

@@ -32,16 +32,9 @@ def scores_for(shape: tuple[int, ...], gen: torch.Generator, mixed: bool) -> tor
     return x.to(DEVICE)
 
 
-@pytest.fixture(params=topk.RESIDENT_THRESHOLDS)
-def threshold(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each way of the resident kernel to find its threshold, in turn."""
-    monkeypatch.setattr(topk, "RESIDENT_THRESHOLD", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("mixed", [False, True], ids=["weights", "logits"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}x{c[3]}")
-def test_matches_reference(case: tuple, mixed: bool, threshold: str) -> None:
+def test_matches_reference(case: tuple, mixed: bool) -> None:
     lead, bsz, groups, width, rankable, k = case
     gen = generator(width)
     scores = scores_for((*lead, bsz, groups, width), gen, mixed)
@@ -53,7 +46,7 @@ def test_matches_reference(case: tuple, mixed: bool, threshold: str) -> None:
     assert torch.equal(got, want)
 
 
-def test_ties_take_the_lowest_positions(threshold: str) -> None:
+def test_ties_take_the_lowest_positions() -> None:
     scores = torch.zeros(1, 1, 50, device=DEVICE)
     scores[0, 0, [3, 17, 40]] = 1.0
     got = topk_positions_triton(scores, torch.tensor([45], device=DEVICE),
@@ -61,7 +54,7 @@ def test_ties_take_the_lowest_positions(threshold: str) -> None:
     assert got.tolist() == [[[0, 1, 3, 17, 40]]]
 
 
-def test_negative_zero_and_infinities(threshold: str) -> None:
+def test_negative_zero_and_infinities() -> None:
     scores = torch.tensor([[[-0.0, 0.0, float("-inf"), float("inf"), -1e30, 1e-30]]],
                           device=DEVICE)
     got = topk_positions_triton(scores, torch.tensor([6], device=DEVICE),
@@ -146,18 +139,12 @@ PATH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("way", ["radix4", "radix8", "bisect"])
 @pytest.mark.parametrize("kind", ["continuous", "ties", "few_values"])
 @pytest.mark.parametrize("case", PATH_CASES, ids=lambda c: f"{c[1]}x{c[2]}x{c[3]}_page{c[6]}")
-def test_selection_takes_the_lowest_positions_on_ties(case: tuple, kind: str, way: str,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """With radix passes of 4 or 8 bits or by bisection, the kernel chooses the k largest
-    keys and, among keys equal to the threshold, the lowest positions (`lowest_on_ties`),
-    then expands the chosen pages as `expand_pages` does."""
-    if way == "bisect":
-        monkeypatch.setattr(topk, "RESIDENT_THRESHOLD", "bisect")
-    else:
-        monkeypatch.setattr(topk, "RESIDENT_RADIX_BITS", int(way.removeprefix("radix")))
+def test_selection_takes_the_lowest_positions_on_ties(case: tuple, kind: str) -> None:
+    """The kernel chooses the k largest keys and, among keys equal to the threshold, the
+    lowest positions (`lowest_on_ties`), then expands the chosen pages as `expand_pages`
+    does."""
     lead, bsz, groups, width, rankable, k, page = case
     gen = generator(width + len(kind))
     shape = (*lead, bsz, groups, width)
@@ -165,7 +152,7 @@ def test_selection_takes_the_lowest_positions_on_ties(case: tuple, kind: str, wa
         scores = scores_for(shape, gen, True)
     elif kind == "ties":  # many keys equal to the threshold
         scores = torch.randint(0, 3, shape, generator=gen).float().to(DEVICE)
-    else:  # keys that share most radix digits: +-0, tiny and huge values, infinities
+    else:  # keys that share most high bits: +-0, tiny and huge values, infinities
         values = torch.tensor([-0.0, 0.0, 1e-45, -1e-45, 1.0, 1.0000001, float("inf"),
                                float("-inf"), 3e38])
         scores = values[torch.randint(0, len(values), shape, generator=gen)].to(DEVICE)
@@ -178,7 +165,7 @@ def test_selection_takes_the_lowest_positions_on_ties(case: tuple, kind: str, wa
     assert torch.equal(got, expand_pages(units, page, limit))
 
 
-def test_rows_of_the_resident_bound_match_the_reference(threshold: str) -> None:
+def test_rows_of_the_resident_bound_match_the_reference() -> None:
     """The widest row the kernel takes (16 keys a thread on a GPU)."""
     width = topk.RESIDENT_MAX_WIDTH
     scores = scores_for((2, 1, width), generator(11), True)
@@ -196,7 +183,7 @@ ROW_SUM_CASES = [
 
 
 @pytest.mark.parametrize("case", ROW_SUM_CASES, ids=lambda c: f"R{c[2]}_G{c[3]}_W{c[5]}")
-def test_rows_summed_as_loaded_match_the_sum_ranked(case: tuple, threshold: str) -> None:
+def test_rows_summed_as_loaded_match_the_sum_ranked(case: tuple) -> None:
     """The top-k of scores [..., B, R, G, W] summed over R as the kernel loads them (from a
     slice of a wider buffer, as vegas ranks below max_model_len) is the reference's top-k of
     `scores.sum(-3)`, bit for bit, with the same kmax."""
@@ -213,7 +200,7 @@ def test_rows_summed_as_loaded_match_the_sum_ranked(case: tuple, threshold: str)
     assert (got >= 0).sum() == budget.sum() * math.prod(lead) * groups
 
 
-def test_rows_summed_from_a_strided_copy_need_no_layout(threshold: str) -> None:
+def test_rows_summed_from_a_strided_copy_need_no_layout() -> None:
     """Scores whose dims do not step as a contiguous tensor's (a transposed buffer) are
     ranked as their contiguous copy."""
     base = scores_for((2, 1, 2, 3, 90), generator(5), False)  # [layers, G, R, B, W]

@@ -13,13 +13,11 @@ import torch
 from kernel_cases import DEVICE, generator
 
 from vegas_spec import ops
-from vegas_spec.attention import triton_backend
 from vegas_spec.attention.backend import AttentionBackend, make_backend
 from vegas_spec.attention.context import ScoreRequest, SparsePlan, StepContext
 from vegas_spec.cache import slots_of
 from vegas_spec.config import ModelConfig, SpecConfig
 from vegas_spec.kernels import topk
-from vegas_spec.kernels.skinny_matmul import skinny_linear
 from vegas_spec.models.decoder import Decoder, build_model
 from vegas_spec.models.loader import expected_shapes
 from vegas_spec.ops import topk_positions  # bound here: `TopkCalls` spies on ops' name
@@ -168,57 +166,6 @@ def test_quest_draft_steps_as_torch_backend() -> None:
     for (k_want, v_want), (k_got, v_got) in zip(runs[0].caches, runs[1].caches, strict=True):
         close(k_got, k_want)
         close(v_got, v_want)
-
-
-class _CudaLike:
-    """What `uses_skinny` reads of x on a GPU, without one."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.is_cuda, self.dtype = True, dtype
-
-
-def test_skinny_route_is_off_by_default_and_takes_few_rows_of_large_weights(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    big = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")
-    x = _CudaLike(torch.bfloat16)
-    assert triton_backend.SKINNY_MAX_ROWS == 0 and not triton_backend.uses_skinny(1, x, big)
-    monkeypatch.setattr(triton_backend, "SKINNY_MAX_ROWS", 16)
-    assert triton_backend.uses_skinny(1, x, big) and triton_backend.uses_skinny(16, x, big)
-    assert not triton_backend.uses_skinny(17, x, big)
-    assert not triton_backend.uses_skinny(0, x, big)
-    assert not triton_backend.uses_skinny(4, x, big[:, :1000])  # too small
-    assert not triton_backend.uses_skinny(4, x, big.T)  # not row-major
-    assert not triton_backend.uses_skinny(4, _CudaLike(torch.float32), big.float())
-    assert not triton_backend.uses_skinny(4, torch.ones(4, 4096, dtype=torch.bfloat16), big)
-    monkeypatch.setattr(triton_backend, "SKINNY_MAX_ROWS", 1000)  # capped at the kernel's 64
-    assert not triton_backend.uses_skinny(65, x, big)
-
-
-def test_linear_takes_the_skinny_kernel_where_routed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The route on CPU (the kernel under the interpreter): a [B, n, K] step is B·n rows,
-    and exact mode never takes it."""
-    rows_seen: list[int] = []
-    calls: list[tuple[int, ...]] = []
-
-    def route(rows: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        rows_seen.append(rows)
-        return True
-
-    def kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               ) -> torch.Tensor:
-        calls.append(tuple(x.shape))
-        return skinny_linear(x, weight, bias)
-
-    monkeypatch.setattr(triton_backend, "uses_skinny", route)
-    monkeypatch.setattr(triton_backend, "skinny_linear", kernel)
-    gen = generator(2)
-    x = torch.randn(2, 3, 64, generator=gen).to(DEVICE)
-    w, b = torch.randn(48, 64, generator=gen).to(DEVICE) / 8, torch.randn(48).to(DEVICE)
-    got = make_backend("triton").linear(x, w, b)
-    assert rows_seen == [6] and calls == [(2, 3, 64)]
-    close(got, torch.nn.functional.linear(x, w, b))
-    make_backend("triton", exact=True).linear(x, w, b)
-    assert len(calls) == 1
 
 
 class TopkCalls:

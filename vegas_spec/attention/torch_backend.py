@@ -8,29 +8,7 @@ import torch.nn.functional as F
 from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import ScoreRequest, StepContext
 from vegas_spec.cache import slots_of
-from vegas_spec.ops import apply_rope
-
-
-def quest_page_scores_ref(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                          pages: torch.Tensor, rope: torch.Tensor | None = None,
-                          positions: torch.Tensor | None = None) -> torch.Tensor:
-    """quest's page scores: q [B, 1, H, D], lo/hi [B, NP, Hkv, D] page bounds, pages [B]
-    -> [B, Hkv, NP] float32, sum over the kv head's query heads of sum_d max(q_d lo_d,
-    q_d hi_d), -inf for pages >= pages[b]. With rope (the RoPE table) and positions [B, 1],
-    q is before RoPE (`apply_rope` first)."""
-    if rope is not None:
-        assert positions is not None
-        q = apply_rope(q, rope, positions)
-    bsz, _, heads, dim = q.shape
-    hkv = lo.shape[2]
-    qg = q[:, 0].float().view(bsz, hkv, heads // hkv, dim)
-    # max(q_d lo_d, q_d hi_d) is q_d hi_d where q_d >= 0 and q_d lo_d elsewhere (lo <= hi),
-    # so the sum over d and the group's heads is two batched products, no [.., NP, D] temp
-    up, down = qg.clamp(min=0).sum(2), qg.clamp(max=0).sum(2)  # [B, Hkv, D]
-    scores = (torch.einsum("bhd,bphd->bhp", up, hi.float())
-              + torch.einsum("bhd,bphd->bhp", down, lo.float()))
-    visible = torch.arange(lo.shape[1], device=q.device) < pages[:, None, None]
-    return scores.masked_fill(~visible, float("-inf"))
+from vegas_spec.ops import quest_page_scores_ref
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -4,8 +4,6 @@ KV store, SiLU * up). Runs on CUDA, or on CPU under Triton's interpreter (slow: 
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
@@ -26,29 +24,15 @@ from vegas_spec.kernels.quest_scores import quest_page_scores
 from vegas_spec.kernels.rms_norm import rms_norm
 from vegas_spec.kernels.rope_store import rope_store
 from vegas_spec.kernels.silu_mul import silu_mul
-from vegas_spec.kernels.skinny_matmul import MAX_ROWS, skinny_linear
+from vegas_spec.kernels.skinny_matmul import skinny_linear
 from vegas_spec.kernels.sparse_attention import NewKV, sparse_attention
 from vegas_spec.kernels.store_kv import store_kv
 from vegas_spec.quant import Fp8Weight
 
-# Projections of at most this many rows (0: none, at most MAX_ROWS) run `skinny_linear` in
-# the default mode instead of cuBLAS. Off until GPU timings show where it is faster.
-SKINNY_MAX_ROWS: int = 0
-# Weights of fewer elements stay on cuBLAS (a tiny model's are read from L2 anyway).
-SKINNY_MIN_WEIGHT: int = 1 << 22
 # A one-row draft step does RoPE and the KV store inside its sparse attention kernel
 # (`sparse_attention(new=...)`), and quest's selector rotates its q inside the page-score
 # kernel: one kernel fewer per layer.
 SPARSE_ROPE: bool = True
-
-
-def uses_skinny(rows: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a default-mode projection of `rows` rows (x flattened) runs `skinny_linear`:
-    on CUDA, half precision (the kernel streams 16-bit weights), a large row-major weight,
-    and 1..SKINNY_MAX_ROWS rows."""
-    return (0 < rows <= min(SKINNY_MAX_ROWS, MAX_ROWS) and x.is_cuda
-            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and weight.numel() >= SKINNY_MIN_WEIGHT and weight.stride(-1) == 1)
 
 
 def topk_by_width(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
@@ -56,9 +40,8 @@ def topk_by_width(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
                   limit: torch.Tensor | None = None) -> torch.Tensor:
     """`ops.topk_positions` on the backend's device: the Triton kernel for rows of at most
     `topk.RESIDENT_MAX_WIDTH` scores (held in registers, one read), the reference for wider
-    ones (`kernels.topk` has the timings); at 16 x 32K the reference's 0.68-1.01 ms beat the
-    1.52-1.77 ms of a kernel that re-read the row in each radix pass (`kernels.topk`). The
-    bound is read at each call, so a changed `topk.RESIDENT_MAX_WIDTH` moves it."""
+    ones, which beat a kernel that re-read the row (docs/kernel-notes.md). The bound is read
+    at each call, so a changed `topk.RESIDENT_MAX_WIDTH` moves it."""
     if scores.shape[-1] <= topk_kernel.RESIDENT_MAX_WIDTH:
         return topk_kernel.topk_positions_triton(scores, rankable, k, kmax, page, limit)
     return ops.topk_positions(scores, rankable, k, kmax, page, limit)
@@ -75,14 +58,13 @@ def topk_sum_by_width(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Ten
 
 
 class TritonBackend(AttentionBackend):
-    """In the default mode a projection of few rows may run `skinny_linear` (`uses_skinny`);
-    a draft step's FP8 copy of a weight always does (any rows, in chunks of MAX_FP8_ROWS).
-    In exact mode the projections and the LM head run `exact_linear` and full attention
-    one tiling for every step (`paged_attention(exact=True)`). The prefill kernel then keeps
-    one program per tile along the keys: its tiles depend on the head dim only, and a row
-    walks its keys in blocks at fixed offsets from key 0 (whichever chunk, tile or piece it
-    falls in), the blocks past its position adding exact zeros; the per-token kernels work
-    one row (or element) at a time."""
+    """A draft step's FP8 copy of a weight runs `skinny_linear` on a GPU (any rows, in chunks of
+    MAX_FP8_ROWS); other projections run cuBLAS in the default mode. In exact mode the
+    projections and the LM head run `exact_linear` and full attention one tiling for every step
+    (`paged_attention(exact=True)`). The prefill kernel then keeps one program per tile along
+    the keys: its tiles depend on the head dim only, and a row walks its keys in blocks at fixed
+    offsets from key 0 (whichever chunk, tile or piece it falls in), the blocks past its
+    position adding exact zeros; the per-token kernels work one row (or element) at a time."""
 
     name = "triton"
 
@@ -129,8 +111,6 @@ class TritonBackend(AttentionBackend):
                 super().linear(x, weight, bias)
         if self.exact:
             return exact_linear(x, weight, bias)
-        if uses_skinny(math.prod(x.shape[:-1]), x, weight):
-            return skinny_linear(x, weight, bias)
         return super().linear(x, weight, bias)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -9,25 +9,54 @@
   store_kv          a step's new K/V into their cache slots (the seam's store without RoPE)
   rms_norm          RMSNorm, fused with the residual add before it
   silu_mul          SiLU(gate) * up of the fused gate/up projection
-  topk              top-k positions per (layer, sequence, group) by radix select (selection),
+  topk              top-k positions per (layer, sequence, group) by a threshold search (selection),
                     quest's chosen pages expanded to their tokens in the same kernel
   quest_scores      quest's page scores for a draft row, from the pages' min/max keys
   exact_matmul      a projection whose rows do not depend on the number of rows (exact mode)
-  skinny_matmul     a projection of 1..64 rows that streams its weights once (decode steps)
+  skinny_matmul     a projection of few rows that streams its weights once (the draft
+                    steps' FP8 weights)
   sample            a token per row by argmax(p / E) with counter-based Exp(1) noise, in one
                     read of p (sampled decoding, drafting and verification)
 
 Every kernel has a plain-PyTorch reference that is its test oracle:
-`vegas_spec.attention.torch_backend` (attention, KV store, quest's page scores),
-`vegas_spec.ops` (`rms_norm`, `add_rms_norm`, `silu_mul`, `apply_rope`, `topk_positions`),
+`vegas_spec.attention.torch_backend` (attention, KV store),
+`vegas_spec.ops` (`rms_norm`, `add_rms_norm`, `silu_mul`, `apply_rope`, `topk_positions`,
+`quest_page_scores_ref`),
 `vegas_spec.sampling.exponential_argmax_ref` (sample) and `torch.nn.functional.linear`
 (exact_matmul, skinny_matmul). On a machine without CUDA the kernels run on CPU tensors under
 Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is first imported), patched below
-where it departs from compiled Triton."""
+where it departs from compiled Triton.
+
+Each kernel module keeps its GPU tiles in module-level tables (upper-case names) that its
+host wrapper reads at every launch; `tuned` replaces them for a block of code, the one way
+the benchmarks' tile sweeps try other settings. What was tried and measured is in
+docs/kernel-notes.md."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from types import ModuleType
+
+
+@contextlib.contextmanager
+def tuned(module: ModuleType, **tables: object) -> Iterator[None]:
+    """Inside the block, `module`'s tuning tables named by the keywords (upper-case module
+    constants, e.g. `tuned(paged_attention, SCORE_TILES={64: ...})`) hold the given values;
+    restored after it. An unknown name is a KeyError. Launches read the tables, so a CUDA
+    graph captured inside the block keeps the tiles it was captured with."""
+    unknown = [name for name in tables if not name.isupper() or not hasattr(module, name)]
+    if unknown:
+        raise KeyError(f"{module.__name__} has no tuning table {', '.join(unknown)}")
+    saved = {name: getattr(module, name) for name in tables}
+    try:
+        for name, value in tables.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
 def interpreting() -> bool:

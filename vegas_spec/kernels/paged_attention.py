@@ -19,8 +19,6 @@ Selection scores (ScoreRequest) ride on the same pass, so K is read once:
     + head in group; padding lanes are never read), in "logit" mode already summed over the
     query heads of the kv head, [B, R, Hkv, L]. A row is emitted by the program of its row
     block.
-    (Storing from the full query tile instead, as a first version did, cost 22% more: 245
-    against 201 µs per layer for the verify step of SmolLM2 at batch 64 x 7.5K on an H200.)
   * Weights need each head's final log-sum-exp, known only after the merge. A finalise kernel
     then reads the scratch, forms exp(scale * s - lse_h) per head ("weight") or takes the sums
     ("logit"), sums over the heads of each kv head (G = Hkv) or over all heads (G = 1) and
@@ -32,9 +30,7 @@ Extra bytes of score emission, per layer and sequence with R score rows and L ke
 against 2·Hkv·D·L·itemsize bytes of K and V the attention reads anyway. For Qwen3-8B
 (H 32, Hkv 8, D 128, bf16) and Collect-2 (R = 2): weight 520 B per key vs 4096 B of K/V
 (+12.7 %), logit 136 B (+3.3 %); for R = γ+1 = 7 rows (collect all) weight is +44 %.
-Half-precision logits would halve the weight-mode bytes, but measured they lose
-(SCORE_STORES below): the profile says the scored pass is limited by its two programs per SM,
-not by these bytes; the float32 logits also keep this kernel exact against the reference."""
+The logits stay float32, which keeps this kernel exact against the reference."""
 
 from __future__ import annotations
 
@@ -63,49 +59,25 @@ from vegas_spec.kernels.split_merge import (
 MODES = {"weight": 1, "logit": 2}
 
 
-def score_bytes_per_key(mode: str, heads: int, kv_heads: int, rows: int, groups: int,
-                        itemsize: int = 4) -> int:
-    """Bytes a scored pass moves per key, sequence and layer beyond its K and V (the table
-    above, padding lanes left out): the R rows' logits written by the split kernel and read
-    back by the finalise kernel, one per query head ("weight", `itemsize` bytes each) or per
-    kv head ("logit", float32), plus the float32 scores [R, G] the finalise kernel writes."""
-    lanes, size = (heads, itemsize) if mode == "weight" else (kv_heads, 4)
-    return 2 * size * lanes * rows + 4 * groups * rows
-
-
-# How the weight-mode logits are stored (a score pass's `ScoreTiles.store`): float32 or float16
-# (16-bit models: half the scratch bytes), through a tile of pointers or a tensor descriptor
-# (one bulk copy of the [lanes, block_k] tile per key block; steps with one row block,
-# pointers otherwise). Compiled for sm_90 at the Llama-3.1-8B verify shape
-# (benchmarks/kernel_regs.py, 128 / 3): float32 descriptor 205 registers, no spills; float32
-# pointers 255 with 76 B of spill stores (no scores: 199). The whole verify step on an H200
-# (benchmarks/step_profile.py --score-tiles 128:3 128:3:f32-pointers, one engine): 8B shape
-# 16 x 32K 27.98 against 28.24 ms, SmolLM2 64 x 7.5K 6.57 against 6.50: level within a
-# percent; the float16 stores were slower (BENCHMARKS.md §2.3). Which store a head dim
-# uses: SCORE_TILES below.
-# Pointer stores go through a blocked layout of several consecutive keys per thread (4 in
-# float32); masked per key (the last block of a split), each element is its own scalar
-# store. The "blocks" stores size the scratch to whole key blocks and mask by lane only, so
-# those runs become one vector store (st.global.v4.b32 in the sm_90 PTX); keys past a
-# split's end then receive logits that the finalise kernel never reads (it reads keys a row
-# sees).
+# How the weight-mode logits are stored (a score pass's `ScoreTiles.store`): through a
+# tensor descriptor (one bulk copy of the [lanes, block_k] tile per key block; steps with
+# one row block, pointers otherwise), or through pointers into a scratch sized to whole key
+# blocks and masked by lane only, so that a thread's run of consecutive keys becomes one
+# vector store; keys past a split's end then receive logits that the finalise kernel never
+# reads (it reads keys a row sees). Which store a head dim uses: SCORE_TILES below.
 
 
 @dataclass(frozen=True)
 class ScoreStore:
-    """half: float16 scratch for 16-bit models; descriptor: a tensor-descriptor store;
+    """descriptor: a tensor-descriptor store (calls of one row block; pointers otherwise);
     whole_blocks: pointer stores masked by lane only, into a scratch of whole key blocks."""
 
-    half: bool
     descriptor: bool
-    whole_blocks: bool = False
+    whole_blocks: bool
 
 
-SCORE_STORES = {"f32-pointers": ScoreStore(False, False), "f16-pointers": ScoreStore(True, False),
-                "f16-descriptor": ScoreStore(True, True),
-                "f32-descriptor": ScoreStore(False, True),
-                "f32-blocks": ScoreStore(False, False, True),
-                "f16-blocks": ScoreStore(True, False, True)}
+SCORE_STORES = {"f32-descriptor": ScoreStore(descriptor=True, whole_blocks=False),
+                "f32-blocks": ScoreStore(descriptor=False, whole_blocks=True)}
 
 
 @dataclass(frozen=True)
@@ -127,29 +99,12 @@ class ScoreTiles:
                              f"{', '.join(SCORE_STORES)}")
 
 
-# Score-pass tiles by head dim, from benchmarks/tile_sweep.py (n = 7, weight scores of rows 0
-# and 6, µs per layer) on an H200, checked as whole verify steps (benchmarks/step_profile.py):
-# * 64 (SmolLM2 at 64 x 7.5K): 128-key blocks, 3 stages, capped at 168 registers (none
-#   spilled), occupancy split: 150.7 against 181.2 µs with ptxas's 185 registers and splits
-#   of at most 2048 keys, whose two programs per SM left the SMs short of warps; the whole
-#   verify step 5.69 against 6.54 ms.
-# * 128 (Llama-3.1-8B at 16 x 32K): 64-key blocks, 2 stages, capped at 128 registers (none
-#   spilled: four programs per SM instead of two), splits of at most 2048 keys: 667.7 against
-#   703.8 µs for 128/3 with ptxas's 205. The occupancy split was slower there (705.1), and a
-#   cap of 128 spills at 128-key blocks (924.7).
-# * any other head dim: 128-key blocks, 3 stages, ptxas's registers, splits of at most 2048.
-# The logit store, swept again at these tiles (BENCHMARKS.md §2.3, µs per layer): at 64
-# float32 through pointers, 143.9 against 151.3 for the float32 descriptor; at 128 (and any
-# other head dim) the float32 descriptor, 666.0 against 683.7 for pointers. The float16
-# stores lost at both.
-# The keys are read in the same order whichever tiles run, so results change only by the
-# float summation order of the online softmax.
-# At 64 the "blocks" store then replaced float32 pointers (§2.3): 138.2-138.7 against
-# 143.0-143.3 µs; at 128 it was level with the descriptor (681.8, 699.6 against 683.3, 684.7).
-# At 128 the cap of 2048 keys went once decode calls were split by whole waves of their
-# resident programs (§2.3, whole verify steps of the 8B shape: 26.10 against 26.31 and 26.61
-# ms at 16 x 32K, 25.23 against 25.98 and 25.77 at 4 x 128K), and the "blocks" store then
-# beat the descriptor there (25.30 against 25.90 ms, 24.69 against 25.23).
+# Score-pass tiles on a GPU by head dim (measured on sm_90; docs/kernel-notes.md): at 64,
+# 128-key blocks in 3 stages capped at 168 registers so that more programs share an SM; at
+# 128, 64-key blocks in 2 stages capped at 128 registers (four programs per SM, none
+# spilled); both split by whole waves. Other head dims: 128-key blocks, 3 stages, ptxas's
+# registers, splits of at most 2048 keys. The keys are read in the same order whichever
+# tiles run, so results change only by the float summation order of the online softmax.
 SCORE_TILES: dict[int, ScoreTiles] = {64: ScoreTiles(128, 3, None, 168, "f32-blocks"),
                                       128: ScoreTiles(64, 2, None, 128, "f32-blocks")}
 SCORE_TILES_OTHER = ScoreTiles(128, 3, 2048, None, "f32-descriptor")
@@ -178,13 +133,8 @@ class VerifyTiles:
 
 
 # The tiles of such calls by head dim; a head dim not listed runs `tile_config`'s, those of a
-# plain step. At head dim 64 and seven rows those (128-key blocks, 2 stages) compile to 178
-# registers a thread, two programs per SM (benchmarks/kernel_regs.py --heads 9 --kv-heads 3
-# --head-dim 64 --n 7 --block-k 128 --stages 2 --maxnreg 0), so the wave rule splits a
-# sequence four ways; 3 stages compile to 168, three per SM, and stream's verify at SmolLM2
-# 64 x 7.5K takes 4.68-4.74 ms against 5.84-6.24 (BENCHMARKS.md §2.3). At head dim 128 the
-# plain step's tiles (64-key blocks, 2 stages) are already the fastest of block_k 32/64 x
-# stages 2/3/4 for seven rows.
+# plain step. At head dim 64 and seven rows, 3 stages compile to fewer registers than 2
+# (three programs per SM instead of two), so the wave rule needs fewer splits.
 VERIFY_TILES: dict[int, VerifyTiles] = {64: VerifyTiles(128, 3)}
 
 
@@ -196,16 +146,7 @@ def verify_tiles(q: torch.Tensor, scored: bool) -> VerifyTiles | None:
 
 
 # The logits are computed in the attention loop, on the key block it has just loaded, so K is
-# read once. Measured slower and dropped (BENCHMARKS.md §2.3): a second loop over the
-# split's K blocks after the partials are stored (1062 against 708 µs per layer at the 8B
-# shape), a sibling program per attention program (1010), and score lanes gathered from the
-# attention tile's products (789 against 781 µs with the float32 descriptor).
-# The finalise kernel on a side stream, to overlap the next layer's projections, gained
-# nothing (BENCHMARKS.md §2.3): level with one program a tile, slower with fewer programs.
-# Logits stored straight from the dot's registers (inline st.global, no shared-memory round
-# trip into a blocked layout) were slower at both head dims (§2.3). The finalise kernel's
-# 512 keys and 4 warps a program, its kv-head loop rolled, were the fastest or within 2% of
-# them among 256-2048 keys, 2-8 warps, rolled or unrolled (§2.3).
+# read once; the finalise kernel runs in line, 512 keys and 4 warps a program.
 # Exact mode: one tiling for every full-attention step, plain or verify, scored or not, at any
 # batch size and context: EXACT_TILES (ptxas's registers, logits through the float32
 # descriptor) and splits of exactly EXACT_SPLIT keys on a GPU (the interpreter: its own small
@@ -394,8 +335,8 @@ def _check_scores(rows: torch.Tensor, out: torch.Tensor, mode: str, bsz: int, hk
 @dataclass
 class _ScoreJob:
     """mode 1 weight / 2 logit; rows [R]; out [B, R, G, W]; lse [B, n, H] float32 (weight
-    mode); scratch of raw logits: weight [B, Hkv, lanes, L'] (float16 for 16-bit models,
-    lane = r * group_pad + head in group, L' = L rounded up to 16 for the descriptor's row
+    mode); scratch of raw logits, float32: weight [B, Hkv, lanes, L'] (lane = r * group_pad
+    + head in group, L' = L rounded up to 16 for the descriptor's row
     stride and the finalise kernel's vector loads, to whole key blocks for a 'blocks'
     store), logit [B, R, Hkv, L] float32 (plane r of row rows[r])."""
 
@@ -423,10 +364,9 @@ def _score_job(rows: torch.Tensor | None, out: torch.Tensor | None, mode_name: s
     r_pad = _rows_pad(rows.shape[0], cfg.group_pad, q.is_cuda)
     f32 = dict(dtype=torch.float32, device=q.device)
     if mode == 1:
-        half = store.half and q.dtype != torch.float32
         align = max(cfg.block_k, 16) if store.whole_blocks else 16
         scratch = torch.empty(bsz, hkv, r_pad * cfg.group_pad, -(-kv_len // align) * align,
-                              dtype=torch.float16 if half else torch.float32, device=q.device)
+                              **f32)
         lse = torch.empty(bsz, n, heads, **f32)
     else:
         scratch, lse = torch.empty(bsz, rows.shape[0], hkv, kv_len, **f32), None
@@ -591,19 +531,6 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                              *rest], constexprs, q.device)
     size = _split_size(q, hkv, cfg, tiles, split_size, kv_len, exact, resident)
     return _Plan(kernel, cfg, hkv, row_blocks, job, lse, head, tail, rest, constexprs, size)
-
-
-def paged_split_size(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
-                     kv_len: int, scale: float, score_rows: torch.Tensor | None = None,
-                     score_out: torch.Tensor | None = None, score_mode: str = "weight", *,
-                     block_k: int | None = None, split_size: int | None = None,
-                     exact: bool = False) -> int:
-    """The keys per split of a `paged_attention` call with these arguments (on a GPU, its
-    kernel is compiled for that, not launched; nothing is written)."""
-    _check(q, k_cache, v_cache, page_table, positions, kv_len)
-    return _plan(q, k_cache, v_cache, page_table, positions, page_size, kv_len, scale,
-                 score_rows, score_out, score_mode, block_k, split_size, q, exact).size
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

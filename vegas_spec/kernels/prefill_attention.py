@@ -27,7 +27,7 @@ zeros (p = 0, alpha = 1).
 
 Split keys (`splits` > 1, flash-decoding for prefill). A small chunk late in a long prompt
 has few query tiles, each with a long key range: at 1K tokens after 6.5K cached ones SmolLM2
-makes 8 tiles x 9 heads = 72 programs, each walking 7.5K keys, and the H200's 132 SMs sit
+makes 8 tiles x 9 heads = 72 programs, each walking 7.5K keys, and a GPU of 132 SMs sits
 half idle while the kernel's time is one program's walk. With `splits` = S each tile's key
 range is cut into S equal runs of whole key blocks, one program each (grid heads x tiles x
 S), which write their partial softmax state (`split_merge.Partials`) for `merge_splits`.
@@ -63,10 +63,9 @@ class PrefillConfig:
 
 
 def prefill_config(dim: int, gpu: bool) -> PrefillConfig:
-    """Tiles for head dim `dim`. On a GPU (H200, bf16, measured by benchmarks/prefill_bench.py):
-    128 query rows x 64 keys, 8 warps for D <= 64 (305-314 TFLOP/s at 16 x 7.5K), 4 warps for
-    D = 128 (382-401 TFLOP/s at 4 x 8K and 1 x 32K); 64 x 64 past 128, which would spill.
-    Small tiles under the interpreter, whose cost is per program step."""
+    """Tiles for head dim `dim`. On a GPU: 128 query rows x 64 keys, 8 warps for D <= 64, 4
+    warps for D = 128 (measured on sm_90, docs/kernel-notes.md); 64 x 64 past 128, which
+    would spill. Small tiles under the interpreter, whose cost is per program step."""
     if not gpu:
         return PrefillConfig(32, 32, 1, 1)
     if dim > 128:

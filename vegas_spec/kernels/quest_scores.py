@@ -1,7 +1,7 @@
 """quest's page scores for one draft step, fused: the query's sign split, the product with
 the page bounds and the sum over the kv head's query heads in one pass over the bounds.
 
-Oracle: `vegas_spec.attention.torch_backend.quest_page_scores_ref`.
+Oracle: `vegas_spec.ops.quest_page_scores_ref`.
 
 Quest scores a page by sum_d max(q_d lo_d, q_d hi_d), summed over the query heads of a kv
 head. Since lo <= hi, max(q_d lo_d, q_d hi_d) is q_d hi_d where q_d >= 0 and q_d lo_d
@@ -26,10 +26,8 @@ import triton.language as tl
 from vegas_spec.kernels import interpreting
 from vegas_spec.kernels.rope_store import rotate_tile
 
-# Pages per program and warps on a GPU, by head dim (other dims: QUEST_TILE). Measured on an
-# H200 (benchmarks/tile_sweep.py --kernel quest, µs per layer): Llama-3.1-8B shape at
-# 16 x 32K 34.9 with 64 pages / 8 warps against 39.8 with 64 / 4; SmolLM2 at 64 x 7.5K 5.7
-# with 128 / 2 against 7.1 with 64 / 4.
+# Pages per program and warps on a GPU, by head dim (other dims: QUEST_TILE; measured on
+# sm_90, docs/kernel-notes.md).
 QUEST_TILES = {64: (128, 2), 128: (64, 8)}
 QUEST_TILE = (64, 4)
 

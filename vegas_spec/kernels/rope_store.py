@@ -1,6 +1,6 @@
 """RoPE on a step's q and k, with k and v written into their paged-cache slots, in one pass.
 
-Oracle: `vegas_spec.models.rope.apply_rope` on q and k, then
+Oracle: `vegas_spec.ops.apply_rope` on q and k, then
 `vegas_spec.attention.torch_backend.store_kv_ref`. Program (tokens, j) takes a block of q
 heads (j < q_blocks) or of kv heads of BLOCK_T consecutive tokens, read through any
 batch/token/head strides (views into the fused qkv projection). Each head's halves x1, x2

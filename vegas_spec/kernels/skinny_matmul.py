@@ -1,12 +1,12 @@
-"""A projection of few rows (a decode, draft or verify step: M = 1..64) that streams its
-weights at the copy bandwidth: y = x W^T (+ b), x [M, K] and W [N, K] row-major (nn.Linear's
-layout), float32 accumulation, y in x's dtype.
+"""A projection of few rows (the draft steps' FP8 weights; M = 1..64 for 16-bit weights)
+that streams its weights at the copy bandwidth: y = x W^T (+ b), x [M, K] and W [N, K]
+row-major (nn.Linear's layout), float32 accumulation, y in x's dtype.
 
 Oracle: `skinny_linear_ref` (`torch.nn.functional.linear`), to rounding.
 
 Bytes: at M <= 64 the product is 2·M flops per weight element, far below what the tensor
 cores do per byte, so the time floor is the weight bytes over the copy bandwidth
-(N·K·itemsize / bandwidth: 50 MB of Llama-3.1-8B's qkv take 10.5 µs at 4.8 TB/s); x (M·K)
+(N·K·itemsize / bandwidth: 50 MB of Llama-3.1-8B's qkv at 4.8 TB/s take about 10 us); x (M·K)
 and y (M·N) are a few percent of that. Every weight byte is read once: program j owns
 columns j·BLOCK_N.. for all M rows (BLOCK_M, the rows padded to a power of two >= 16, is the
 whole step) and walks K in BLOCK_K steps, the W tile [BLOCK_N, BLOCK_K] (a contiguous run of
@@ -16,7 +16,7 @@ enough bytes are in flight per SM. Every program also reads all of x, from L2: M
 bytes per weight byte.
 
 The grid is cdiv(N, BLOCK_N) programs. Where that is few against the SMs (N = 4096: 128
-programs of 32 columns on an H200's 132 SMs), `split_k` programs share a column block, each
+programs of 32 columns on 132 SMs), `split_k` programs share a column block, each
 walking 1/split_k of K, and write float32 partials [split_k, M, N] that a second small kernel
 sums in a fixed order (plus bias, cast): 2·split_k·M·N·4 more bytes, mostly in L2.
 
@@ -41,7 +41,7 @@ from vegas_spec.quant import Fp8Weight
 MAX_ROWS = 64
 # Rows of one FP8 call (a draft step of up to 128 sequences); more go in chunks of these.
 MAX_FP8_ROWS = 128
-# Streaming multiprocessors of an H200, for the default tiles' occupancy guess.
+# Streaming multiprocessors the default tiles' occupancy guess assumes (sm_90 parts).
 GPU_SMS = 132
 # Column blocks the default tiles aim for (about two programs per SM).
 COLUMN_PROGRAMS = 256

@@ -17,7 +17,7 @@ launches one kernel fewer per layer: q arrives before RoPE and is rotated as it 
 (`rope_store.rotate_tile`, the same bits), and the program whose split holds the step's own
 position, the only one that reads it, first writes that token's rotated k and its v into
 their cache slot, then waits for its threads (a CTA barrier) before walking its keys. Oracle:
-`models.rope.apply_rope` and `store_kv_ref`, then the plain path."""
+`ops.apply_rope` and `store_kv_ref`, then the plain path."""
 
 from __future__ import annotations
 
@@ -40,21 +40,14 @@ from vegas_spec.kernels.split_merge import (
     tile_config,
 )
 
-# Keys per loop step on a GPU: 128 at every head dim. On an H200, draft step (n = 1), 5% budget
-# plus 64 recent, Llama-3.1-8B shape (benchmarks/tile_sweep.py --kernel sparse): 16 x 32K
-# 37.6 µs (2.97 TB/s) against 46.0 with 64-key blocks; 4 x 128K 42.5 µs (2.55 TB/s, 60% of
-# copy bandwidth) against 57.8. Gathered rows arrive from scattered pages, so more keys in
-# flight per program hide more latency; 4 pipeline stages were slower (42.1 / 46.6 µs).
+# Keys per loop step on a GPU: 128 at every head dim. Gathered rows arrive from scattered
+# pages, so more keys in flight per program hide more latency.
 SPARSE_BLOCK_K = 128
 # A program walks its blocks as a chain of dependent loads (list entry, page, K/V rows), so a
 # small budget is bound by latency unless the SMs hold many programs. Programs of 4 warps one
-# SM holds, by head dim (146 registers per thread at 64 on sm_90): the list is cut into as
-# many splits as fill those slots in one wave, at least two key blocks each
-# (`sparse_split_size`). On an H200, draft step, rows gathered from HBM (tile_sweep.py
-# --kernel sparse --layers 30), SmolLM2 64 x 7.5K: 14.3 µs against 15.6 with the paged
-# kernel's occupancy split (`split_size_for`); the whole draft step 1.32 against 1.39 ms.
-# At head dim 128 (Llama-3.1-8B shape) that split measured faster, interleaved: 16 x 32K
-# 38.0 against 40.4 µs, 4 x 128K 42.3 against 44.2, so head dims not listed here keep it.
+# SM holds, by head dim: the list is cut into as many splits as fill those slots in one
+# wave, at least two key blocks each (`sparse_split_size`). Head dims not listed keep the
+# paged kernel's occupancy split (`split_size_for`).
 SPARSE_PROGRAMS_PER_SM: dict[int, int] | None = {64: 3}
 
 

@@ -25,26 +25,17 @@ import torch
 import triton
 import triton.language as tl
 
-MIN_DOT = 16  # tl.dot's smallest tile side on GPUs
-# (64 would make the decode products warpgroup MMAs on sm_90: 25-45% slower in every pass,
-# for their registers and shared memory, BENCHMARKS.md §2.3)
+MIN_DOT = 16  # tl.dot's smallest tile side on GPUs (more lanes would make warpgroup MMAs)
 MAX_LANES = 64  # query rows x padded heads per program: a 64 x D float32 accumulator
 # The merge's tiling (`merge_tiling`). A program folds its row's splits, MERGE_MAX_STEP at
 # a time, into a [heads, D] state, with as few heads as keep a step's tile [splits, heads,
 # D] within MERGE_TILE float32 elements, in one warp, so that a step's reduction over the
-# splits stays inside the warp. Walking the splits one by one in 4 warps of 16 heads, as
-# the merge first did, chains a dependent load per split: at head dim 128 on an H200 that
-# took 21.3 µs for 16 splits x 112 rows (the verify step at 8B 16 x 32K) and 75.5 µs for 64
-# splits x 28 rows (4 x 128K), against 9.8 and 11.3 µs now; with two splits it is as fast
-# (SmolLM2's 2 x 448 rows: 3.42 against 3.56 µs), so a row of at most
-# MERGE_SERIAL_MAX_SPLITS splits is still merged one split at a time (BENCHMARKS.md §2.3).
-# MERGE_SPLITS_PER_STEP / MERGE_WARPS, when set, force the splits a step and the warps
-# (benchmarks).
+# splits stays inside the warp and the loads of a step's splits are independent. A row of
+# at most MERGE_SERIAL_MAX_SPLITS splits, where that gains nothing, is merged one split at
+# a time in 4 warps.
 MERGE_MAX_STEP = 16
 MERGE_SERIAL_MAX_SPLITS = 2
 MERGE_TILE = 4096
-MERGE_SPLITS_PER_STEP: int | None = None
-MERGE_WARPS: int | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +58,10 @@ class TileConfig:
         return opts
 
 
+# Warps and pipeline stages of an attention program on a GPU (the interpreter: one stage);
+# the score and verify tiles of `paged_attention` set their own stages.
+DECODE_WARPS = 4
+DECODE_STAGES = 2
 # Exact mode: query rows per tile whatever the step's n (a plain step's one row and a verify
 # step's γ+1 <= 8 rows then go through the same tl.dot shapes).
 EXACT_ROWS = 8
@@ -88,7 +83,8 @@ def tile_config(q: torch.Tensor, hkv: int, block_k: int | None = None,
     block_k = block_k or (64 if gpu and dim > 64 else 128 if gpu else 32)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     return TileConfig(group, group_pad, block_n, block_k, max(triton.next_power_of_2(dim), 16),
-                      num_warps=4, num_stages=2 if gpu else 1, dot_precision=precision)
+                      num_warps=DECODE_WARPS, num_stages=DECODE_STAGES if gpu else 1,
+                      dot_precision=precision)
 
 
 @lru_cache(maxsize=8)
@@ -115,12 +111,8 @@ def splits_to_fill(programs: int, device: torch.device, per_sm: int = 2) -> int:
 
 # The split by whole waves (`wave_splits`), for a kernel whose resident programs per SM are
 # known: the fewest splits whose launch fills its waves of resident programs to at least this
-# fraction. None: the occupancy split above whatever the kernel. On an H200, the paged kernel
-# alone, Llama-3.1-8B shape (tile_sweep.py, µs per layer, n = 1: 4 resident programs, 118
-# registers): 4 x 128K 497 µs at 16 splits (512 programs, 0.97 of a wave) against 588 at the
-# occupancy split's 9 (288) and 570 at 24 (768, 1.45 waves); 16 x 32K 502 at 4 splits (512)
-# against 514 at 3 (384) and 564 at 6 (768). At n = 7 (3 resident, 144 registers) 3 splits
-# (384 programs) and 6 (768) are the fast ones: 588 µs against 728 at 4 (512).
+# fraction, since a partly filled last wave costs a whole one. None: the occupancy split
+# above whatever the kernel.
 SPLIT_WAVE_FILL: float | None = 0.95
 
 
@@ -306,14 +298,11 @@ def merge_tiling(splits: int, heads: int, dim: int,
     zeros; a sum over several splits at once would group them by the call's count)."""
     if exact:
         return 1, min(triton.next_power_of_2(heads), 16), 4
-    per_step = MERGE_SPLITS_PER_STEP
-    if per_step is None:
-        per_step = 1 if splits <= MERGE_SERIAL_MAX_SPLITS else MERGE_MAX_STEP
-    assert per_step >= 1 and per_step & (per_step - 1) == 0, "splits a step: a power of 2"
+    per_step = 1 if splits <= MERGE_SERIAL_MAX_SPLITS else MERGE_MAX_STEP
     block_s = min(per_step, triton.next_power_of_2(splits))
     tile = block_s * triton.next_power_of_2(dim)
     block_h = max(min(triton.next_power_of_2(heads), 16, MERGE_TILE // tile), 1)
-    return block_s, block_h, MERGE_WARPS or (4 if block_s == 1 else 1)
+    return block_s, block_h, 4 if block_s == 1 else 1
 
 
 def merge_splits(parts: Partials, out: torch.Tensor, lse: torch.Tensor | None,
@@ -325,7 +314,15 @@ def merge_splits(parts: Partials, out: torch.Tensor, lse: torch.Tensor | None,
     assert out.shape[2:] == (heads, dim)
     if lse is not None:
         assert lse.is_contiguous() and lse.dtype == torch.float32 and lse.numel() == rows * heads
-    block_s, block_h, warps = merge_tiling(splits, heads, dim, exact)
+    merge_tiled(parts, out, lse, merge_tiling(splits, heads, dim, exact))
+
+
+def merge_tiled(parts: Partials, out: torch.Tensor, lse: torch.Tensor | None,
+                tiling: tuple[int, int, int]) -> None:
+    """`merge_splits` with a given (splits a step, a power of two; heads a program; warps)."""
+    splits, rows, heads, dim = parts.acc.shape
+    block_s, block_h, warps = tiling
+    assert block_s >= 1 and block_s & (block_s - 1) == 0, "splits a step: a power of 2"
     grid = (rows, triton.cdiv(heads, block_h))
     _merge_kernel[grid](parts.acc, parts.m, parts.l, out, out if lse is None else lse,
                         splits, rows, heads, HEAD_DIM=dim, BLOCK_H=block_h,

@@ -6,32 +6,22 @@ Oracle: `vegas_spec.ops.topk_positions` (same signature and output: the k[b] bes
 < rankable[b] in ascending order, -1 padding, width max(k) or kmax).
 
 `_topk_resident_kernel` runs one program per score row of W <= RESIDENT_MAX_WIDTH floats
-(quest's 2048 pages of a 32K context), loaded once into registers (BLOCK_W = W rounded up
-to a power of two, keys as uint32). Each float maps to a 32-bit key whose unsigned order is
-the float order. The threshold T (the k-th largest key, or any key with exactly k keys at
-or above it) is found most significant bit first, by bisection (RESIDENT_THRESHOLD
-"bisect", the default): one compare and one block sum a bit, stopping once exactly k keys
-lie at or above the candidate; or by radix passes of RESIDENT_RADIX_BITS bits ("radix"):
-each pass is a histogram of the digit of the keys that still match the prefix so far, the
-count for digit d is the keys already above the prefix plus the bins >= d, and the pass
-keeps the largest digit whose count is at least k. The kernel is bound by the instructions
-it issues (one program of 16 warps an SM at 8,192 scores), and bisection issues fewer. A
-final scan compacts, in position order, every key > T and the first (k - #keys > T) keys
-== T, so the output is already sorted ascending. Ties at the threshold go to the lowest
-positions, where torch.topk may pick others. Global reads: the row's 4 W bytes, once.
+(quest's 2048 pages of a 32K context), loaded once into registers (BLOCK_W = W rounded up to
+a power of two, keys as uint32). Each float maps to a 32-bit key whose unsigned order is the
+float order. The threshold T (the k-th largest key, or any key with exactly k keys at or
+above it) is found most significant bit first, by bisection: one compare and one block sum a
+bit, stopping once exactly k keys lie at or above the candidate. The kernel is bound by the
+instructions it issues (one program of 16 warps an SM at 8,192 scores). A final scan
+compacts, in position order, every key > T and the first (k - #keys > T) keys == T, so the
+output is already sorted ascending. Ties at the threshold go to the lowest positions, where
+torch.topk may pick others. Global reads: the row's 4 W bytes, once.
 
 vegas ranks the sum of its two collected rows: `topk_row_sum_triton` loads both rows and
 adds them (one rounding, as torch's sum of two), so the summed scores are never written.
-On an H200 (benchmarks/tile_sweep.py --kernel topk, a round's ranking at SmolLM2's 30
-layers x 64 x 7.5K): 214 us bisecting with the rows summed inside, against 394 us for the
-radix passes after PyTorch's sum and 552 us for the reference.
 
 Wider rows (vegas's and lastq's token scores of contexts past 8K) are refused here: the
-backend's `topk` hands them to the reference (torch.topk and a sort). A streaming kernel
-that re-read the row in each radix pass ran them and lost to the reference, on an H200
-(benchmarks/step_profile.py --brief, select_ms against select_reference_ms): a round's whole
-selection at the Llama-3.1-8B shape, 16 rows x 32K, took 1.52-1.77 ms with it against
-0.68-1.01 ms with the reference.
+backend's `topk` hands them to the reference (torch.topk and a sort), which was faster than
+a kernel that re-reads the row.
 
 Pages (quest): with `page` > 1 a score is a page's and the kernel writes, for the i-th chosen
 page u, the token positions u * page + j (j < page) at i * page + j, -1 where they reach
@@ -53,16 +43,9 @@ import triton.language as tl
 # without spilling.
 RESIDENT_MAX_WIDTH = 8192
 # Warps of the resident top-k: one per RESIDENT_KEYS_PER_WARP scores, RESIDENT_MIN_WARPS to
-# 16 (benchmarks/tile_sweep.py --kernel quest).
+# 16.
 RESIDENT_KEYS_PER_WARP = 256
 RESIDENT_MIN_WARPS = 4
-# Bits per radix pass of the resident top-k (32 / bits passes, one 2^bits-bin histogram each).
-RESIDENT_RADIX_BITS = 4
-# How the resident top-k finds its threshold: "radix" (32 / RESIDENT_RADIX_BITS histogram
-# passes) or "bisect" (one compare and one block sum per bit, stopping once exactly k keys
-# lie at or above the candidate).
-RESIDENT_THRESHOLDS = ("radix", "bisect")
-RESIDENT_THRESHOLD = "bisect"
 
 
 @triton.jit
@@ -108,38 +91,11 @@ def _row_bounds(rankable_ptr, k_ptr, limit_ptr, b, width, HAS_LIMIT: tl.constexp
 
 
 @triton.jit
-def _radix_threshold(key, ok, want, RADIX_BITS: tl.constexpr):
-    """The k-th largest of the `ok` keys (k = want; any key when want is 0), most
-    significant digit first, RADIX_BITS a pass: each pass is a histogram of the digit of the
-    keys that still match the prefix so far, the count for digit d is the keys already above
-    the prefix plus the bins >= d, and the pass keeps the largest digit whose count is at
-    least k."""
-    digits = tl.arange(0, 1 << RADIX_BITS)
-    # Invariant: above (keys past the prefix's digits so far) + the keys that match them is
-    # at least `want`, so digit 0 always qualifies.
-    prefix = tl.zeros([], tl.uint32)
-    above = tl.zeros([], tl.int32)
-    for p in tl.static_range(32 // RADIX_BITS):
-        shift = 32 - RADIX_BITS * (p + 1)
-        same = ok
-        if p > 0:  # the digits above this one match the prefix's (a shift by 32 is undefined)
-            same = ok & ((key >> (shift + RADIX_BITS)) == (prefix >> (shift + RADIX_BITS)))
-        digit = ((key >> shift) & ((1 << RADIX_BITS) - 1)).to(tl.int32)
-        hist = tl.histogram(digit, 1 << RADIX_BITS, mask=same)
-        at_least = above + tl.cumsum(hist, 0, reverse=True)  # keys >= prefix + digit << shift
-        best = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
-        above += tl.sum(tl.where(digits > best, hist, 0), axis=0)
-        prefix += best.to(tl.uint32) << shift
-    return prefix
-
-
-@triton.jit
 def _bisect_threshold(key, ok, want):
     """A key T with at least `want` of the `ok` keys >= T and fewer > T, or exactly
     `want` >= T, built bit by bit from the most significant: a candidate bit stays where
     the keys >= the candidate still number at least `want`, and the search stops early once
-    they number exactly `want`. One compare and one block sum a bit, where a radix pass
-    takes a histogram, a scan and two sums."""
+    they number exactly `want`: one compare and one block sum a bit."""
     t = tl.zeros([], tl.uint32)
     step = tl.full([], 2147483648, tl.uint32)
     exact = tl.zeros([], tl.int32)
@@ -155,9 +111,8 @@ def _bisect_threshold(key, ok, want):
 @triton.jit
 def _topk_resident_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B, G, width,
                           out_width, row_stride, BLOCK_W: tl.constexpr, BLOCK: tl.constexpr,
-                          RADIX_BITS: tl.constexpr, PAGE: tl.constexpr,
-                          HAS_LIMIT: tl.constexpr, ROWS: tl.constexpr,
-                          BISECT: tl.constexpr):
+                          PAGE: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                          ROWS: tl.constexpr):
     row = tl.program_id(0)
     b = (row // G) % B
     length, want, limit = _row_bounds(rankable_ptr, k_ptr, limit_ptr, b, width, HAS_LIMIT)
@@ -169,10 +124,7 @@ def _topk_resident_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B
     for r in tl.static_range(1, ROWS):
         x += tl.load(first + r * G * row_stride + w, mask=ok, other=0.0)
     key = _keys32(x)
-    if BISECT:
-        threshold = _bisect_threshold(key, ok, want)
-    else:
-        threshold = _radix_threshold(key, ok, want, RADIX_BITS)
+    threshold = _bisect_threshold(key, ok, want)
     # One scan gives both the keys above the threshold and the ties before each position
     # (counts below 2^16 each): the first `want - above` ties are taken, in position order.
     is_above = ok & (key > threshold)
@@ -242,7 +194,6 @@ def _launch(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor, kmax:
                          f"RESIDENT_MAX_WIDTH = {RESIDENT_MAX_WIDTH} (wider rows: the "
                          "reference, vegas_spec.ops.topk_positions)")
     assert RESIDENT_MAX_WIDTH < 1 << 16, "the final scan packs two counts into 16 bits each"
-    assert RESIDENT_THRESHOLD in RESIDENT_THRESHOLDS, RESIDENT_THRESHOLD
     assert rankable.shape == (bsz,) and k.shape == (bsz,)
     assert not rankable.is_floating_point() and not k.is_floating_point()
     assert scores.device == rankable.device == k.device
@@ -268,8 +219,6 @@ def _launch(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor, kmax:
             out, bsz, groups, width, out_width, stride)
     block_w = triton.next_power_of_2(width)
     warps = resident_warps(block_w)
-    _topk_resident_kernel[(n_rows,)](*args, BLOCK_W=block_w, BLOCK=block,
-                                     RADIX_BITS=RESIDENT_RADIX_BITS, PAGE=page,
-                                     HAS_LIMIT=limit is not None, ROWS=rows,
-                                     BISECT=RESIDENT_THRESHOLD == "bisect", num_warps=warps)
+    _topk_resident_kernel[(n_rows,)](*args, BLOCK_W=block_w, BLOCK=block, PAGE=page,
+                                     HAS_LIMIT=limit is not None, ROWS=rows, num_warps=warps)
     return out.view(out_shape)

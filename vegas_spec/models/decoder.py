@@ -1,6 +1,6 @@
 """One decoder for Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm).
 
-`forward(input_ids, positions, ctx)` is the only forward: prefill, plain decode, draft and
+`forward(input_ids, ctx, kv_caches, backend)` is the only forward: prefill, plain decode, draft and
 verify differ only in the StepContext the attention backend reads. Every projection and the
 LM head go through the backend's `linear` (in exact mode a row-invariant product); under
 tensor parallelism `cfg` holds one rank's heads and intermediate size, the weights its

@@ -18,10 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from vegas_spec.attention.context import DynamicSelector, SparsePlan, StepContext
-from vegas_spec.attention.torch_backend import quest_page_scores_ref
 from vegas_spec.cache import slots_of
 from vegas_spec.config import SpecConfig
-from vegas_spec.ops import cat_padded, sorted_positions, topk_positions
+from vegas_spec.ops import cat_padded, quest_page_scores_ref, sorted_positions, topk_positions
 
 
 @dataclass
