@@ -1,6 +1,9 @@
-"""Tokens per iteration with FP8 draft weights against drafts on the model's own weights, for
-every sparse policy, greedy and sampled (temperature 0.6, top-p 0.95, top-k 20), on essay
-prompts of the embedded model (or --model), each setting in an engine of its own.
+"""Tokens per iteration with FP8 and INT4 draft weights against drafts on the model's own
+weights, for every sparse policy, greedy and sampled (temperature 0.6, top-p 0.95, top-k 20),
+on the workloads of `vegas bench`: essays and source code (prompts of about --tokens tokens,
+each from another text onwards) and long generation (chat questions, --generation-tokens new
+tokens), on the embedded model (or --model), each kind of draft weights in an engine of its
+own.
 
     python benchmarks/draft_weights_acceptance.py --device cpu --out acceptance.json
     python benchmarks/draft_weights_acceptance.py --device cuda --dtype bfloat16 \\
@@ -14,22 +17,34 @@ import json
 import time
 from pathlib import Path
 
-from common import essays
+from common import TEXTS
 
 from vegas_spec import LLM, SamplingParams, SpecConfig
+from vegas_spec.bench.workloads import generation_prompts
 
 METHODS = ("vegas", "lastq", "stream", "quest", "specextend")
 SAMPLED = dict(temperature=0.6, top_p=0.95, top_k=20)
 
 
 def prompt_ids(llm: LLM, texts: list[str], count: int, tokens: int) -> list[list[int]]:
-    """`count` prompts of about `tokens` tokens, each from another essay onwards."""
+    """`count` prompts of about `tokens` tokens, each from another text onwards."""
     out = []
     for i in range(count):
         text = "\n\n".join(texts[i:] + texts[:i])
         ids = llm.tokenizer(text[: 8 * tokens], add_special_tokens=False)["input_ids"]
         out.append(ids[: tokens + 100 * i])
     return out
+
+
+def run(llm: LLM, prompts: list[list[int]], tokens: int, method: str,
+        sampled: bool) -> dict[str, object]:
+    """One cell: every prompt decoded at γ 6 (fixed), each with its own seed."""
+    params = [SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i,
+                             **(SAMPLED if sampled else {})) for i in range(len(prompts))]
+    spec = SpecConfig(method=method, gamma=6, ratio=0.05, min_tokens=128, adaptive=False)
+    stats = llm.generate(prompts, params, speculative=spec)[0].stats
+    return {"tokens_per_iteration": stats["tokens_per_iteration"],
+            "acceptance_rate_per_position": stats["acceptance_rate_per_position"]}
 
 
 def main() -> None:
@@ -40,28 +55,33 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=1500, help="prompt tokens (+100 per prompt)")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--generation-tokens", type=int, default=128)
+    ap.add_argument("--workloads", nargs="+", default=["essays", "code", "generation"],
+                    choices=["essays", "code", "generation"])
+    ap.add_argument("--draft-weights", nargs="+", default=["model", "fp8", "int4"],
+                    choices=["model", "fp8", "int4"])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--kv-cache-gb", type=float, default=0.25)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    texts = essays()
     cells = []
-    for drafts in ("model", "fp8"):
+    for drafts in args.draft_weights:
         llm = LLM(args.model, device=args.device, dtype=args.dtype, draft_weights=drafts,
                   kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)))
-        prompts = prompt_ids(llm, texts, args.prompts, args.tokens)
-        for method in METHODS:
-            for sampling in ("greedy", "sampled"):
-                params = [SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=i,
-                                         **({} if sampling == "greedy" else SAMPLED))
-                          for i in range(len(prompts))]
-                spec = SpecConfig(method=method, gamma=6, ratio=0.05, min_tokens=128,
-                                  adaptive=False)
-                stats = llm.generate(prompts, params, speculative=spec)[0].stats
-                cell = {"draft_weights": drafts, "method": method, "sampling": sampling,
-                        "tokens_per_iteration": stats["tokens_per_iteration"],
-                        "acceptance_rate_per_position": stats["acceptance_rate_per_position"]}
-                cells.append(cell)
-                print(json.dumps(cell), flush=True)
+        for workload in args.workloads:
+            if workload == "generation":
+                prompts = [p.ids for p in generation_prompts(llm.tokenizer, args.prompts)]
+                tokens = args.generation_tokens
+            else:
+                prompts = prompt_ids(llm, TEXTS[workload](), args.prompts, args.tokens)
+                tokens = args.max_tokens
+            for method in args.methods:
+                for sampling in ("greedy", "sampled"):
+                    cell = {"draft_weights": drafts, "workload": workload, "method": method,
+                            "sampling": sampling,
+                            **run(llm, prompts, tokens, method, sampling == "sampled")}
+                    cells.append(cell)
+                    print(json.dumps(cell), flush=True)
         del llm
     meta = {"date": time.strftime("%Y-%m-%d"), "args": {k: str(v) for k, v in vars(args).items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)

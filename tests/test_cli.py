@@ -714,3 +714,15 @@ def test_serve_on_a_cpu_says_nothing_of_graphs(model: Path, monkeypatch: pytest.
     assert cli.main(["serve", "--model", str(model), "--port", "0", *SMALL_KV]) == 0
     err = capsys.readouterr().err
     assert err.splitlines() == ["vegas: draft weights: the model's", "vegas: stopped"], err
+
+
+def test_serve_says_what_its_drafts_read(model: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """INT4 draft copies (the CPU runs their reference): their kind and bytes, one line."""
+    pytest.importorskip("fastapi")
+    monkeypatch.setattr("vegas_spec.serve.app.serve", lambda *args: "stopped")
+    argv = ["serve", "--model", str(model), "--port", "0", "--draft-weights", "int4", *SMALL_KV]
+    assert cli.main(argv) == 0
+    first = capsys.readouterr().err.splitlines()[0]
+    assert re.fullmatch(r"vegas: draft weights: int4, [\d.]+ [KMG]i?B beside the model's",
+                        first), first

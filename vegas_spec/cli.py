@@ -216,12 +216,14 @@ def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
                         "the number of rows in a step: greedy output of every method is plain "
                         "decoding's token for token in bfloat16 too, and a prompt gives the "
                         "same tokens alone or in a batch (slower)")
-    g.add_argument("--draft-weights", default="auto", choices=["auto", "fp8", "model"],
+    g.add_argument("--draft-weights", default="auto", choices=["auto", "fp8", "int4", "model"],
                    help="the draft steps' copy of the projection weights: fp8 (e4m3, one "
-                        "scale per output row: half the bytes a draft step streams; lossless, "
-                        "drafts are verified by the model's own weights; a GPU of compute "
-                        "capability 8.9+, or the CPU's reference path), model (none); auto: "
-                        "model, until the FP8 kernel measures faster")
+                        "scale per output row: half the bytes a draft step streams; a GPU of "
+                        "compute capability 8.9+, or the CPU's reference path), int4 (4-bit "
+                        "integers, one scale per row and group of 128 (or 64, 32) input "
+                        "channels: about a quarter of the bytes), model (none); lossless, "
+                        "drafts are verified by the model's own weights; auto: model, until "
+                        "the quantised kernels measure faster")
     g.add_argument("--gamma", type=int, default=DEFAULT_SPEC.gamma,
                    help="draft tokens per speculative iteration (1 to 32)")
     g.add_argument("--ratio", type=float, default=DEFAULT_SPEC.ratio,
@@ -263,10 +265,10 @@ def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
     return g
 
 
-def _draft_weights_text(nbytes: int) -> str:
+def _draft_weights_text(kind: str, nbytes: int) -> str:
     from vegas_spec.cache import fmt_bytes
 
-    return f"draft weights: fp8, {fmt_bytes(nbytes)} beside the model's" if nbytes \
+    return f"draft weights: {kind}, {fmt_bytes(nbytes)} beside the model's" if nbytes \
         else "draft weights: the model's"
 
 
@@ -619,7 +621,8 @@ def serve(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not args.eager:  # graphs (on a CPU there are none to speak of)
         print(f"vegas: graphs ready in {time.perf_counter() - started:.1f} s "
               f"({made} prefill shapes)", file=sys.stderr)
-    print(f"vegas: {_draft_weights_text(engine.draft_weight_bytes)}", file=sys.stderr)
+    drafts = _draft_weights_text(engine.draft_weight_kind, engine.draft_weight_bytes)
+    print(f"vegas: {drafts}", file=sys.stderr)
     freeze_heap()
     name = args.served_model_name or engine.source.path.name
     ended = run(engine, name, args.host, args.port, args.max_queue, key, args.shutdown_timeout)

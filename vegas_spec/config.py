@@ -518,8 +518,8 @@ class EngineConfig:
                               f"got {self.prefix_cache_bytes!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be auto or dummy, got {self.load_format!r}")
-        if self.draft_weights not in ("auto", "fp8", "model"):
-            raise ConfigError(f"draft_weights must be auto, fp8 or model, got "
+        if self.draft_weights not in ("auto", "fp8", "int4", "model"):
+            raise ConfigError(f"draft_weights must be auto, fp8, int4 or model, got "
                               f"{self.draft_weights!r}")
         if self.backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"backend must be auto, torch or triton, got {self.backend!r}")

@@ -181,8 +181,13 @@ class LLMEngine:
 
     @property
     def draft_weight_bytes(self) -> int:
-        """Bytes of the draft steps' FP8 weight copies (0: drafts read the model's)."""
+        """Bytes of the draft steps' FP8 or INT4 weight copies (0: drafts read the model's)."""
         return self.runner.draft_weight_bytes
+
+    @property
+    def draft_weight_kind(self) -> str:
+        """What the draft steps' projections read: fp8, int4 or model."""
+        return self.runner.draft_weight_kind
 
     def has_tokenizer(self) -> bool:
         """A GGUF file or an HF folder with tokenizer files (token-id prompts on a

@@ -184,16 +184,17 @@ class ModelRunner:
         self.set_spec(spec)
 
     def _draft_weights(self) -> int:
-        """The model's FP8 draft copy where `draft_weights` asks for one -> its bytes (0:
-        drafts read the model's weights). "auto" makes none until FP8 drafts measure faster
-        than the model's weights (`FP8_DRAFTS_BY_DEFAULT`)."""
+        """The model's FP8 or INT4 draft copy where `draft_weights` asks for one -> its bytes
+        (0: drafts read the model's weights). "auto" makes none until FP8 drafts measure
+        faster than the model's weights (`FP8_DRAFTS_BY_DEFAULT`)."""
         mode = self.config.draft_weights
         if mode == "auto":
             mode = "fp8" if FP8_DRAFTS_BY_DEFAULT and fp8_supported(self.device) else "model"
         if mode == "fp8" and self.device.type == "cuda" and not fp8_supported(self.device):
             raise ConfigError("draft_weights fp8 needs a GPU with FP8 conversions (compute "
                               "capability 8.9 or newer)")
-        return self.model.make_draft_weights() if mode == "fp8" else 0
+        self.draft_weight_kind = mode
+        return 0 if mode == "model" else self.model.make_draft_weights(mode)
 
     @property
     def max_model_len(self) -> int:

@@ -1,5 +1,6 @@
-"""Draft weights in FP8: a copy of each projection's weight in float8 e4m3 with one float32
-scale per output channel, read by draft steps only.
+"""Draft weights in FP8 or INT4: a copy of each projection's weight in float8 e4m3 with one
+float32 scale per output channel, or in 4-bit integers with one float32 scale per group of
+consecutive input channels of each output channel, read by draft steps only.
 
 A draft never reaches the output (every drafted token is verified by the model's own weights
 in full precision), so drafting with a lower-precision copy is lossless by construction:
@@ -23,7 +24,8 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
-DRAFT_WEIGHTS = ("auto", "fp8", "model")
+INT4_GROUPS = (128, 64, 32)  # group sizes, the first that divides K
+DRAFT_WEIGHTS = ("auto", "fp8", "int4", "model")
 
 
 @dataclass
@@ -45,6 +47,9 @@ class Fp8Weight:
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.data.float() * self.scale[:, None]).to(dtype)
 
+    def ref(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return fp8_linear_ref(x, self, bias)
+
 
 def quantize_fp8(weight: torch.Tensor) -> Fp8Weight:
     """weight [N, K] (any float dtype) -> its FP8 copy, one scale per output row."""
@@ -63,6 +68,74 @@ def fp8_linear_ref(x: torch.Tensor, weight: Fp8Weight,
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+@dataclass
+class Int4Weight:
+    """data [N, K/2] uint8: two 4-bit values a byte (input channel 2i in the low nibble, 2i + 1
+    in the high), each value u in 0..15 standing for u - 8; scale [N, K/group] float32: the
+    weight is (u - 8) * scale of its row and group of `group` consecutive input channels."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    group: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.data.shape[0], 2 * self.data.shape[1]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + self.scale.numel() * 4
+
+    def values(self) -> torch.Tensor:
+        """The stored integers [N, K] in -8..7 (float32)."""
+        low = (self.data & 15).float() - 8
+        high = (self.data >> 4).float() - 8
+        return torch.stack([low, high], dim=-1).flatten(-2)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.values() * self.scale.repeat_interleave(self.group, dim=1)).to(dtype)
+
+    def ref(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] @ weight^T (+ bias) -> [..., N] in x's dtype: per group, x times the
+        integers summed in float32 and scaled per column, the groups' sums added in order
+        (the kernel's order)."""
+        n, k = self.shape
+        xs = x.float().reshape(*x.shape[:-1], k // self.group, self.group)
+        vs = self.values().view(n, k // self.group, self.group)
+        parts = torch.einsum("...gk,ngk->...gn", xs, vs) * self.scale.t()
+        out = parts.sum(dim=-2)
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(x.dtype)
+
+
+def int4_group(k: int) -> int:
+    """The INT4 group size for K input channels: the first of INT4_GROUPS that divides K."""
+    for group in INT4_GROUPS:
+        if k % group == 0:
+            return group
+    raise ValueError(f"INT4 draft weights need K divisible by {INT4_GROUPS[-1]}, not {k}")
+
+
+def quantize_int4(weight: torch.Tensor, group: int | None = None) -> Int4Weight:
+    """weight [N, K] (any float dtype) -> its INT4 copy, one scale per row and group."""
+    n, k = weight.shape
+    group = group or int4_group(k)
+    if k % group or group % 2:
+        raise ValueError(f"INT4 groups of {group} do not divide K = {k}")
+    w = weight.float().view(n, k // group, group)
+    amax = w.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / 7, torch.ones_like(amax))
+    u = (torch.round(w / scale[..., None]).clamp(-8, 7) + 8).to(torch.uint8).view(n, k)
+    data = u[:, 0::2] | (u[:, 1::2] << 4)
+    return Int4Weight(data.contiguous(), scale.contiguous(), group)
+
+
+DraftWeight = Fp8Weight | Int4Weight
+DRAFT_TYPES = (Fp8Weight, Int4Weight)
+QUANTIZERS = {"fp8": quantize_fp8, "int4": quantize_int4}
 
 
 def fp8_supported(device: torch.device) -> bool:

@@ -11,14 +11,14 @@ from kernel_cases import CUDA, DEVICE, generator, nan_empty, randn
 
 from vegas_spec.kernels.skinny_matmul import (
     GPU_SMS,
-    MAX_FP8_ROWS,
+    MAX_DRAFT_ROWS,
     MAX_ROWS,
     SkinnyTiles,
     skinny_linear,
     skinny_linear_ref,
     skinny_tiles,
 )
-from vegas_spec.quant import fp8_linear_ref, quantize_fp8
+from vegas_spec.quant import fp8_linear_ref, int4_group, quantize_fp8, quantize_int4
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 # Relative error bounds (Frobenius norms): an fp32 sum of products rounded once to the dtype.
@@ -125,14 +125,14 @@ def test_fp8_weights_match_their_reference(m: int, n: int, k: int, bias: bool, s
 
 
 def test_fp8_rows_past_a_block_run_in_chunks() -> None:
-    """300 rows of an FP8 weight: three launches of at most MAX_FP8_ROWS, the leading dims
+    """300 rows of an FP8 weight: three launches of at most MAX_DRAFT_ROWS, the leading dims
     kept; default tiles."""
     gen = generator(300)
     x = randn(3, 100, 64, gen=gen)
     q = quantize_fp8(randn(48, 64, gen=gen) / 8)
     with nan_empty():
         got = skinny_linear(x, q)
-    assert got.shape == (3, 100, 48) and MAX_FP8_ROWS < 300
+    assert got.shape == (3, 100, 48) and MAX_DRAFT_ROWS < 300
     want = fp8_linear_ref(x.double(), q)
     assert float((got.double() - want).norm() / want.norm()) < REL_TOL[torch.float32]
 
@@ -150,3 +150,67 @@ def test_quantize_fp8_per_output_row() -> None:
     back = q.dequantize(torch.float32)
     assert bool(((back - w).abs() <= w.abs() * 2 ** -3 + q.scale[:, None] * 2 ** -9).all())
     assert q.nbytes == 6 * 40 + 6 * 4
+
+
+# (rows, N, K, bias, split_k, group): 1..128 rows, a partial column block, every group size,
+# K split with an empty split (K = 96 in three splits of whole groups of 32: 32, 32, 32, 0
+# past the end for split 4).
+INT4_CASES = [(1, 96, 256, False, 1, 128), (7, 96, 192, True, 2, 64), (16, 80, 96, True, 4, 32),
+              (64, 96, 256, False, 1, 64), (128, 64, 128, True, 1, 128), (37, 33, 64, False, 1, 32)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,n,k,bias,split_k,group", INT4_CASES)
+def test_int4_weights_match_their_reference(m: int, n: int, k: int, bias: bool, split_k: int,
+                                            group: int, dtype: torch.dtype) -> None:
+    """The integers times x summed in float32 per group, scaled per column and group: the
+    float64 product with the dequantised weight, to the dtype's rounding; the reference in
+    the kernel's order agrees."""
+    gen = generator(m * n + k + group)
+    x = randn(m, k, gen=gen, dtype=dtype)
+    w = randn(n, k, gen=gen) / k ** 0.5
+    w[2] *= 30.0
+    q = quantize_int4(w.to(DEVICE), group)
+    b = randn(n, gen=gen, dtype=dtype) if bias else None
+    with nan_empty():
+        got = skinny_linear(x, q, b, tiles=SkinnyTiles(32, 64, 4, 2, split_k))
+    assert got.shape == (m, n) and got.dtype == dtype
+    want = skinny_linear_ref(x.double(), q.dequantize(torch.float64),
+                             None if b is None else b.double())
+    assert float((got.double() - want).norm() / want.norm()) < REL_TOL[dtype]
+    ref = q.ref(x, b)
+    assert float((ref.double() - want).norm() / want.norm()) < REL_TOL[dtype]
+
+
+def test_int4_rows_past_a_block_run_in_chunks() -> None:
+    gen = generator(301)
+    x = randn(3, 100, 64, gen=gen)
+    q = quantize_int4(randn(48, 64, gen=gen) / 8)
+    with nan_empty():
+        got = skinny_linear(x, q)
+    assert got.shape == (3, 100, 48) and MAX_DRAFT_ROWS < 300
+    want = skinny_linear_ref(x.double(), q.dequantize(torch.float64))
+    assert float((got.double() - want).norm() / want.norm()) < REL_TOL[torch.float32]
+
+
+def test_quantize_int4_per_row_and_group() -> None:
+    """Each group's largest magnitude maps to ±7; values within half a step of the weight;
+    channel 2i in the low nibble of byte i, 2i + 1 in the high; a zero group keeps scale 1;
+    the group is the first of 128, 64, 32 that divides K (SmolLM2's K = 576: 64)."""
+    w = torch.randn(4, 128, generator=generator(3))
+    w[1, 64:] = 0.0
+    w[3] *= 1e3
+    q = quantize_int4(w, 64)
+    assert q.data.dtype == torch.uint8 and q.data.shape == (4, 64) and q.scale.shape == (4, 2)
+    assert q.shape == (4, 128) and q.nbytes == 4 * 64 + 8 * 4
+    values = q.values()
+    assert float(values.abs().amax()) == 7.0 and float(values.amin()) >= -8
+    assert q.scale[1, 1] == 1.0 and bool((values[1, 64:] == 0).all())
+    back = q.dequantize(torch.float32)
+    step = q.scale.repeat_interleave(64, dim=1)
+    assert bool(((back - w).abs() <= step / 2 + 1e-6 * w.abs()).all())
+    low, high = (q.data[0, 5] & 15).item() - 8, (q.data[0, 5] >> 4).item() - 8
+    assert (low, high) == (values[0, 10].item(), values[0, 11].item())
+    assert [int4_group(k) for k in (4096, 576, 1536, 96)] == [128, 64, 128, 32]
+    with pytest.raises(ValueError, match="divisible by 32"):
+        int4_group(100)

@@ -872,7 +872,7 @@ def test_cli_serve_freezes_the_heap_after_its_warm_up(monkeypatch: pytest.Monkey
     calls: list[str] = []
 
     class Engine:
-        draft_weight_bytes = 0
+        draft_weight_bytes, draft_weight_kind = 0, "model"
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             self.source = type("Source", (), {"path": cli.Path("model.gguf")})()

@@ -1,7 +1,7 @@
-"""FP8 draft weights (`draft_weights="fp8"`) end to end on the real SmolLM2 model: the draft
-steps, and only they, read the FP8 copy; greedy output of every method stays plain
-decoding's token for token, in float32 and, in exact mode, in bfloat16, on the dynamic path
-and the static shapes' buffers; drafts stay useful (tokens per iteration)."""
+"""FP8 and INT4 draft weights (`draft_weights="fp8"`, `"int4"`) end to end on the real
+SmolLM2 model: the draft steps, and only they, read the copy; greedy output of every method
+stays plain decoding's token for token, in float32 and, in exact mode, in bfloat16, on the
+dynamic path and the static shapes' buffers; drafts stay useful (tokens per iteration)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import pytest
 from conftest import essay_prompt, kv_bytes
 
 from vegas_spec import LLM, SamplingParams, SpecConfig
-from vegas_spec.attention import backend as backend_module
 from vegas_spec.config import ConfigError
-from vegas_spec.quant import Fp8Weight
+from vegas_spec.quant import Fp8Weight, Int4Weight
+
+KINDS = {"fp8": Fp8Weight, "int4": Int4Weight}
 
 METHODS = ["vegas", "lastq", "stream", "quest", "specextend", "full"]
 MAX_TOKENS = 16
@@ -25,51 +26,59 @@ def prompts(llm, essays) -> list[list[int]]:
     return [essay_prompt(llm.tokenizer, essays, n, offset) for n, offset in LENGTHS]
 
 
-@pytest.fixture(scope="module")
-def fp8_llm():
-    """The embedded model with FP8 draft copies, on the static shapes' buffers (eager)."""
-    return LLM(kv_cache_bytes=POOL, draft_weights="fp8", static_shapes=True,
+@pytest.fixture(scope="module", params=list(KINDS))
+def draft_llm(request: pytest.FixtureRequest):
+    """The embedded model with FP8 or INT4 draft copies, on the static shapes' buffers
+    (eager); one kind alive at a time."""
+    return LLM(kv_cache_bytes=POOL, draft_weights=request.param, static_shapes=True,
                max_model_len=2048)
 
 
 @pytest.fixture(scope="module")
-def plain(fp8_llm, prompts):
-    return fp8_llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+def plain(draft_llm, prompts):
+    return draft_llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
 
 
 def spec(method: str) -> SpecConfig:
     return SpecConfig(method=method, gamma=6, ratio=0.05, min_tokens=64, adaptive=False)
 
 
-def test_the_copy_is_fp8_per_projection(fp8_llm) -> None:
-    layer = fp8_llm.model.layers[0]
+def test_the_copy_is_of_its_kind_per_projection(draft_llm) -> None:
+    kind = draft_llm.engine.draft_weight_kind
+    layer = draft_llm.model.layers[0]
     assert layer.drafts is not None and set(layer.drafts) == {"qkv", "o_proj", "gate_up", "down"}
     for name, w in layer.drafts.items():
-        assert isinstance(w, Fp8Weight) and w.shape == getattr(layer, name).weight.shape
-    total = sum(w.nbytes for lay in fp8_llm.model.layers for w in lay.drafts.values())
-    assert fp8_llm.runner.draft_weight_bytes == total > 0
+        assert isinstance(w, KINDS[kind]) and w.shape == getattr(layer, name).weight.shape
+    total = sum(w.nbytes for lay in draft_llm.model.layers for w in lay.drafts.values())
+    model = sum(getattr(lay, name).weight.numel() for lay in draft_llm.model.layers
+                for name in layer.drafts)  # weights, each float32 here
+    assert draft_llm.engine.draft_weight_bytes == total > 0
+    # a byte (FP8) or half a byte (INT4) a weight, and their scales, against four
+    assert total < (0.15 if kind == "int4" else 0.26) * 4 * model
 
 
-def test_only_draft_steps_read_the_copy(fp8_llm, prompts, plain,
+def test_only_draft_steps_read_the_copy(draft_llm, prompts, plain,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    real = backend_module.fp8_linear_ref
+    kind = KINDS[draft_llm.engine.draft_weight_kind]
+    real = kind.ref
 
-    def counted(x, weight, bias=None):  # noqa: ANN001, ANN202
+    def counted(weight, x, bias=None):  # noqa: ANN001, ANN202
         calls.append(x.shape[-2] if x.dim() > 2 else 1)
-        return real(x, weight, bias)
+        return real(weight, x, bias)
 
-    monkeypatch.setattr(backend_module, "fp8_linear_ref", counted)
-    fp8_llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))
+    monkeypatch.setattr(kind, "ref", counted)
+    draft_llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))
     assert not calls  # plain decoding and prefill: the model's weights
-    fp8_llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True),
-                     speculative=spec("vegas"))
+    draft_llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True),
+                       speculative=spec("vegas"))
     assert calls and set(calls) == {1}  # one-row draft steps only, never the verify's 7
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_greedy_output_with_fp8_drafts_is_plain(fp8_llm, prompts, plain, method: str) -> None:
-    outs = fp8_llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+def test_greedy_output_with_quantised_drafts_is_plain(draft_llm, prompts, plain,
+                                                      method: str) -> None:
+    outs = draft_llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
                             speculative=spec(method))
     for out, ref in zip(outs, plain):
         assert out.token_ids == ref.token_ids
@@ -78,19 +87,21 @@ def test_greedy_output_with_fp8_drafts_is_plain(fp8_llm, prompts, plain, method:
     assert outs[0].stats["tokens_per_iteration"] >= floor
 
 
-def test_dynamic_path_fp8_drafts(prompts, plain) -> None:
-    llm = LLM(kv_cache_bytes=POOL, draft_weights="fp8")
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_dynamic_path_quantised_drafts(prompts, kind: str) -> None:
+    llm = LLM(kv_cache_bytes=POOL, draft_weights=kind)
+    plain = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
                         speculative=spec("vegas"))
     assert llm.graphs is None
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
 
 
-@pytest.mark.parametrize("method", ["vegas", "quest"])
-def test_bfloat16_exact_mode_fp8_drafts(prompts, method: str) -> None:
+@pytest.mark.parametrize("kind,method", [("fp8", "vegas"), ("fp8", "quest"), ("int4", "vegas")])
+def test_bfloat16_exact_mode_quantised_drafts(prompts, kind: str, method: str) -> None:
     """In bfloat16 the verify step and a plain step may round a near-tie apart unless exact
-    mode makes every row batch-independent: then FP8 drafts change nothing either."""
-    llm = LLM(kv_cache_bytes=POOL // 2, dtype="bfloat16", exact=True, draft_weights="fp8")
+    mode makes every row batch-independent: then quantised drafts change nothing either."""
+    llm = LLM(kv_cache_bytes=POOL // 2, dtype="bfloat16", exact=True, draft_weights=kind)
     short = [p[-400:] for p in prompts[:2]]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     want = llm.generate(short, params)

@@ -19,7 +19,7 @@ from vegas_spec.ops import (
     silu_mul,
 )
 from vegas_spec.parallel import SINGLE, TPGroup
-from vegas_spec.quant import Fp8Weight, fp8_linear_ref
+from vegas_spec.quant import DRAFT_TYPES, DraftWeight
 
 
 class AttentionBackend(ABC):
@@ -109,17 +109,17 @@ class AttentionBackend(ABC):
         self.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         return apply_rope(q, rope, ctx.positions)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | DraftWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype. An FP8 draft
-        copy (drafts only, in any mode) runs its reference: correct, not fast."""
-        if isinstance(weight, Fp8Weight):
-            return fp8_linear_ref(x, weight, bias)
+        or INT4 draft copy (drafts only, in any mode) runs its reference: correct, not fast."""
+        if isinstance(weight, DRAFT_TYPES):
+            return weight.ref(x, bias)
         if self.exact:
             return exact_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    def row_linear(self, x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
+    def row_linear(self, x: torch.Tensor, weight: torch.Tensor | DraftWeight,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
         """Row-parallel `linear`: x [..., K/N] @ weight [N_out, K/N]^T summed over the ranks
         (in exact mode in rank order, the same for every shape), + bias [N_out] once after

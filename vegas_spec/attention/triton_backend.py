@@ -27,7 +27,7 @@ from vegas_spec.kernels.silu_mul import silu_mul
 from vegas_spec.kernels.skinny_matmul import skinny_linear
 from vegas_spec.kernels.sparse_attention import NewKV, sparse_attention
 from vegas_spec.kernels.store_kv import store_kv
-from vegas_spec.quant import Fp8Weight
+from vegas_spec.quant import DRAFT_TYPES, DraftWeight
 
 # A one-row draft step does RoPE and the KV store inside its sparse attention kernel
 # (`sparse_attention(new=...)`), and quest's selector rotates its q inside the page-score
@@ -59,7 +59,7 @@ def topk_sum_by_width(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Ten
 
 class TritonBackend(AttentionBackend):
     """A draft step's FP8 copy of a weight runs `skinny_linear` on a GPU (any rows, in chunks of
-    MAX_FP8_ROWS); other projections run cuBLAS in the default mode. In exact mode the
+    MAX_DRAFT_ROWS); other projections run cuBLAS in the default mode. In exact mode the
     projections and the LM head run `exact_linear` and full attention one tiling for every step
     (`paged_attention(exact=True)`). The prefill kernel then keeps one program per tile along
     the keys: its tiles depend on the head dim only, and a row walks its keys in blocks at fixed
@@ -104,9 +104,9 @@ class TritonBackend(AttentionBackend):
         """The seam's plain store (no RoPE); `attend` goes through the fused `rope_store`."""
         store_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | DraftWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(weight, Fp8Weight):  # a draft copy: the FP8 kernel on a GPU
+        if isinstance(weight, DRAFT_TYPES):  # a draft copy: the FP8 or INT4 kernel on a GPU
             return skinny_linear(x, weight, bias) if x.is_cuda else \
                 super().linear(x, weight, bias)
         if self.exact:

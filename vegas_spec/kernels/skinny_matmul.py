@@ -23,8 +23,12 @@ sums in a fixed order (plus bias, cast): 2·split_k·M·N·4 more bytes, mostly 
 FP8 weights (`quant.Fp8Weight`, a draft step's copy: e4m3 values and one scale per output
 row) stream one byte a weight: each W tile is converted to x's dtype in registers (exact:
 e4m3 values are bf16, fp16 and fp32 values), the products accumulate in float32, and the
-column's scale multiplies the sum. They take up to MAX_FP8_ROWS rows. Oracle:
-`quant.fp8_linear_ref`."""
+column's scale multiplies the sum. INT4 weights (`quant.Int4Weight`: two 4-bit values a
+byte, one scale per row and group of input channels) stream half a byte a weight: a program
+walks K one group at a time, unpacks the group's bytes into the integers of its even and odd
+input channels (exact in x's dtype), takes them in two dots with x's even and odd channels,
+and adds the group's sum times its per-column scales (`_int4_kernel`). Draft weights take up
+to MAX_DRAFT_ROWS rows a launch. Oracles: `quant.Fp8Weight.ref`, `quant.Int4Weight.ref`."""
 
 from __future__ import annotations
 
@@ -35,12 +39,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from vegas_spec.quant import Fp8Weight
+from vegas_spec.quant import DraftWeight, Fp8Weight, Int4Weight
 
 # Rows the kernel takes at most (one row block); callers fall back to F.linear beyond.
 MAX_ROWS = 64
-# Rows of one FP8 call (a draft step of up to 128 sequences); more go in chunks of these.
-MAX_FP8_ROWS = 128
+# Rows of one call on a draft weight (a draft step of up to 128 sequences); more go in
+# chunks of these.
+MAX_DRAFT_ROWS = 128
 # Streaming multiprocessors the default tiles' occupancy guess assumes (sm_90 parts).
 GPU_SMS = 132
 # Column blocks the default tiles aim for (about two programs per SM).
@@ -79,7 +84,7 @@ def skinny_tiles(m: int, n: int, k: int) -> SkinnyTiles:
     tiles stays under 200 KB); two splits of K where the column blocks are fewer than the
     SMs."""
     block_n = 64 if triton.cdiv(n, 64) >= COLUMN_PROGRAMS else 32
-    rows = block_rows(m, MAX_FP8_ROWS)
+    rows = block_rows(m, MAX_DRAFT_ROWS)
     block_k = 256 if rows <= 32 else 128 if rows <= 64 else 64
     split_k = 2 if triton.cdiv(n, block_n) < GPU_SMS and k >= 4 * block_k else 1
     return SkinnyTiles(block_n, block_k, num_warps=4, num_stages=4, split_k=split_k)
@@ -156,48 +161,95 @@ def _sum_splits_kernel(p_ptr, b_ptr, y_ptr, MN, N, HAS_BIAS: tl.constexpr,
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
+@triton.jit(do_not_specialize=["M"])
+def _int4_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, k_split, K, stride_xm, stride_wn,
+                 stride_sn, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, GROUP: tl.constexpr, SPLIT_K: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """Program (j, s): rows 0..M-1 x columns j*BLOCK_N.. over the groups of K range
+    s*k_split.. (K and k_split whole groups). Per group: the bytes [BLOCK_N, GROUP/2] hold
+    the even channels' integers in their low nibbles and the odd ones' in their high."""
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    half = tl.arange(0, GROUP // 2)
+    m_ok, n_ok = rm < M, rn < N
+    x_row = x_ptr + rm[:, None] * stride_xm
+    w_row = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    s_row = s_ptr + rn.to(tl.int64) * stride_sn
+    k_lo = tl.program_id(1) * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, GROUP):
+        x_even = tl.load(x_row + (k0 + 2 * half)[None, :], mask=m_ok[:, None], other=0.0)
+        x_odd = tl.load(x_row + (k0 + 2 * half + 1)[None, :], mask=m_ok[:, None], other=0.0)
+        packed = tl.load(w_row + (k0 // 2 + half)[None, :], mask=n_ok[:, None], other=136)
+        low = ((packed & 15).to(tl.int32) - 8).to(x_ptr.dtype.element_ty)
+        high = ((packed >> 4).to(tl.int32) - 8).to(x_ptr.dtype.element_ty)
+        part = tl.dot(x_even, tl.trans(low), input_precision=DOT_PRECISION)
+        part = tl.dot(x_odd, tl.trans(high), part, input_precision=DOT_PRECISION)
+        acc += part * tl.load(s_row + k0 // GROUP, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS and SPLIT_K == 1:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y_block = y_ptr + tl.program_id(1).to(tl.int64) * M * stride_ym
+    tl.store(y_block + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor | DraftWeight,
                   bias: torch.Tensor | None = None, *,
                   tiles: SkinnyTiles | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, for at most
-    MAX_ROWS rows in all (a ValueError beyond: callers take F.linear there); an FP8 weight
-    takes any number of rows, MAX_FP8_ROWS a launch. `tiles`: by default `skinny_tiles` of
-    the shape."""
-    scaled = isinstance(weight, Fp8Weight)
-    w = weight.data if isinstance(weight, Fp8Weight) else weight
-    assert w.dim() == 2 and x.shape[-1] == w.shape[1] and w.stride(-1) == 1
-    assert x.device == w.device and (scaled or x.dtype == w.dtype)
-    assert bias is None or (bias.shape == (w.shape[0],) and bias.is_contiguous())
-    rows = x.reshape(-1, x.shape[-1])
+    MAX_ROWS rows in all (a ValueError beyond: callers take F.linear there); a draft weight
+    (FP8 or INT4) takes any number of rows, MAX_DRAFT_ROWS a launch. `tiles`: by default
+    `skinny_tiles` of the shape (INT4 walks K a group at a time whatever block_k)."""
+    draft = isinstance(weight, (Fp8Weight, Int4Weight))
+    n, k = weight.shape
+    w = weight.data if draft else weight
+    assert w.dim() == 2 and x.shape[-1] == k and w.stride(-1) == 1
+    assert x.device == w.device and (draft or x.dtype == w.dtype)
+    assert bias is None or (bias.shape == (n,) and bias.is_contiguous())
+    rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    step = MAX_FP8_ROWS if scaled else max(rows.shape[0], 1)
-    for start in range(0, rows.shape[0], step):  # one launch unless FP8 rows exceed a block
+    out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
+    step = MAX_DRAFT_ROWS if draft else max(rows.shape[0], 1)
+    for start in range(0, rows.shape[0], step):  # one launch unless draft rows exceed a block
         _launch(rows[start:start + step], weight, bias, out[start:start + step], tiles)
-    return out.view(*x.shape[:-1], w.shape[0])
+    return out.view(*x.shape[:-1], n)
 
 
-def _launch(rows: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None,
+def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.Tensor | None,
             out: torch.Tensor, tiles: SkinnyTiles | None) -> None:
     """One launch: rows [M, K] (M <= one row block) into out [M, N]."""
-    scaled = isinstance(weight, Fp8Weight)
-    w, scale = (weight.data, weight.scale) if isinstance(weight, Fp8Weight) else (weight, None)
-    (m, k), n = rows.shape, w.shape[0]
-    block_m = block_rows(m, MAX_FP8_ROWS if scaled else MAX_ROWS)
+    draft = isinstance(weight, (Fp8Weight, Int4Weight))
+    (m, k), n = rows.shape, weight.shape[0]
+    block_m = block_rows(m, MAX_DRAFT_ROWS if draft else MAX_ROWS)
     cfg = tiles or skinny_tiles(m, n, k)
+    step = weight.group if isinstance(weight, Int4Weight) else cfg.block_k
     # K per split, a whole number of K steps; trailing splits may be empty (they write zeros).
-    k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), step) * step
     partials = out if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32,
                                                         device=rows.device)
-    b = w if bias is None else bias
-    _skinny_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
-        rows, w, w if scale is None else scale, b, partials, m, n, k, k_split, rows.stride(0),
-        w.stride(0), out.stride(0) if cfg.split_k == 1 else n,
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, EVEN_K=k % cfg.block_k == 0,
-        DOT_PRECISION="ieee" if rows.dtype == torch.float32 else "tf32", SCALED=scaled,
-        SWAP=cfg.swap, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    b = rows if bias is None else bias
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    stride_ym = out.stride(0) if cfg.split_k == 1 else n
+    precision = "ieee" if rows.dtype == torch.float32 else "tf32"
+    if isinstance(weight, Int4Weight):
+        _int4_kernel[grid](
+            rows, weight.data, weight.scale, b, partials, m, n, k_split, k, rows.stride(0),
+            weight.data.stride(0), weight.scale.stride(0), stride_ym,
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+            GROUP=weight.group, SPLIT_K=cfg.split_k, DOT_PRECISION=precision,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        w, scale = (weight.data, weight.scale) if draft else (weight, None)
+        _skinny_kernel[grid](
+            rows, w, w if scale is None else scale, b, partials, m, n, k, k_split,
+            rows.stride(0), w.stride(0), stride_ym,
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, EVEN_K=k % cfg.block_k == 0,
+            DOT_PRECISION=precision, SCALED=draft, SWAP=cfg.swap, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
     if cfg.split_k > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
             partials, b, out, m * n, n, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,

@@ -11,7 +11,8 @@ before it, so the backend can fuse add + norm, RoPE + KV store and SiLU * up int
 each.
 
 A model may also hold draft copies of its projections (`make_draft_weights`: FP8, one scale
-per output row), which the projections of draft steps (`ctx.draft`) read instead.
+per output row, or INT4, one scale per row and group), which the projections of draft steps
+(`ctx.draft`) read instead.
 
 The plain-PyTorch references of those steps live in `vegas_spec.ops`."""
 
@@ -24,7 +25,7 @@ from torch import nn
 
 from vegas_spec.config import MAX_GAMMA, ModelConfig
 from vegas_spec.models.rope import rope_table
-from vegas_spec.quant import Fp8Weight, quantize_fp8
+from vegas_spec.quant import QUANTIZERS, DraftWeight
 
 if TYPE_CHECKING:  # the seam's types only: models and attention do not import each other
     from vegas_spec.attention.backend import AttentionBackend
@@ -48,9 +49,9 @@ class Layer(nn.Module):
         self.post_norm = nn.Parameter(torch.ones(h))
         self.q_norm = nn.Parameter(torch.ones(d)) if cfg.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(d)) if cfg.qk_norm else None
-        self.drafts: dict[str, Fp8Weight] | None = None  # the draft steps' copies
+        self.drafts: dict[str, DraftWeight] | None = None  # the draft steps' copies
 
-    def weight(self, name: str, ctx: StepContext) -> torch.Tensor | Fp8Weight:
+    def weight(self, name: str, ctx: StepContext) -> torch.Tensor | DraftWeight:
         """Projection `name`'s weight for this step: its draft copy in a draft step where the
         model made one (`Decoder.make_draft_weights`), else the model's."""
         if ctx.draft and self.drafts is not None:
@@ -115,12 +116,12 @@ class Decoder(nn.Module):
         assert residual is not None, "a decoder has layers"
         return backend.add_norm(x, residual, self.norm, self.cfg.rms_norm_eps)[0]
 
-    def make_draft_weights(self) -> int:
-        """FP8 copies of every layer's projections for the draft steps (embeddings, norms and
-        the LM head stay the model's) -> their bytes."""
-        total = 0
+    def make_draft_weights(self, kind: str = "fp8") -> int:
+        """`kind` (fp8 or int4, `quant.QUANTIZERS`) copies of every layer's projections for
+        the draft steps (embeddings, norms and the LM head stay the model's) -> their bytes."""
+        quantize, total = QUANTIZERS[kind], 0
         for layer in self.layers:
-            layer.drafts = {name: quantize_fp8(getattr(layer, name).weight)
+            layer.drafts = {name: quantize(getattr(layer, name).weight)
                             for name in PROJECTIONS}
             total += sum(w.nbytes for w in layer.drafts.values())
         return total
