@@ -5,7 +5,8 @@ copy bandwidth.
 Each cell cycles through `--layers` weights of its own (as a model's layers do, so that no
 call finds its weight in L2), in a CUDA graph of one call per weight, median over replays.
 Rows: `skinny_linear` on the FP8 copy (`quant.Fp8Weight`) with the default tiles and every
-`--tiles` setting, and cuBLAS (`F.linear`) on the bf16 weight beside it.
+`--tiles` setting, on the INT4 copy (`quant.Int4Weight`) with the default tiles, and cuBLAS
+(`F.linear`) on the bf16 weight beside it.
 
     python benchmarks/fp8_gemm.py --out fp8_gemm.json
     python benchmarks/fp8_gemm.py --rows 16 32 --tiles 64:256:4:4:1 32:512:4:3:2 --out t.json
@@ -24,7 +25,7 @@ import triton
 from common import copy_bandwidth, graph_us
 
 from vegas_spec.kernels.skinny_matmul import SkinnyTiles, skinny_linear, skinny_tiles
-from vegas_spec.quant import quantize_fp8
+from vegas_spec.quant import quantize_fp8, quantize_int4
 
 # (name, N, K) of Llama-3.1-8B's fused projections (Qwen3-8B: the same but gate_up 24576 and
 # down K 12288).
@@ -54,6 +55,7 @@ def main() -> None:
         weights = [(torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5)
                    .to(torch.bfloat16) for _ in range(args.layers)]
         copies = [quantize_fp8(w) for w in weights]
+        int4s = [quantize_int4(w) for w in weights]
         for m in args.rows:
             x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
             calls = [("cublas bf16", None, lambda i, x=x, ws=weights: F.linear(x, ws[i]),
@@ -64,6 +66,8 @@ def main() -> None:
                                   f"{t.split_k}" + (":swap" if t.swap else ""))
                 calls.append((label, t, lambda i, t=t, x=x, cs=copies:
                               skinny_linear(x, cs[i], tiles=t), n * k + 4 * n))
+            calls.append(("int4 default", None, lambda i, x=x, cs=int4s:
+                          skinny_linear(x, cs[i]), int4s[0].nbytes))
             for label, t, fn, nbytes in calls:
                 state = {"i": 0}
 
@@ -77,14 +81,15 @@ def main() -> None:
                     print(json.dumps({"shape": name, "rows": m, "kernel": label,
                                       "skipped": str(err)[:80]}), flush=True)
                     continue
-                chosen = t or (skinny_tiles(m, n, k) if label.startswith("fp8") else None)
+                chosen = t or (skinny_tiles(m, n, k) if label.startswith(("fp8", "int4"))
+                               else None)
                 row = {"shape": name, "n": n, "k": k, "rows": m, "kernel": label, "us": us,
                        "share_of_copy_bandwidth": nbytes / (us * 1e-6) / bandwidth,
                        "tiles": None if chosen is None else chosen.__dict__}
                 rows.append(row)
                 print(json.dumps({k2: round(v, 3) if isinstance(v, float) else v
                                   for k2, v in row.items()}), flush=True)
-        del weights, copies
+        del weights, copies, int4s
         torch.cuda.empty_cache()
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "copy_bandwidth_bytes_per_s": bandwidth}
