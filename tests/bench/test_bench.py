@@ -549,8 +549,10 @@ def test_warm_up_runs_the_whole_batch_on_cuda(device: str, rows: int, tokens: in
 
     calls: list[tuple[list[Any], SamplingParams, SpecConfig, bool]] = []
 
+    where = torch.device(device)
+
     class Engine:
-        device = torch.device(device)
+        device = where
 
         def generate(self, prompts: list[Any], params: SamplingParams, *, chat: bool,
                      speculative: SpecConfig) -> None:
