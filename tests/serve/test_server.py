@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from conftest import kv_bytes
 
 from vegas_spec.config import SamplingParams
 from vegas_spec.engine import LLM, LLMEngine
@@ -69,8 +70,16 @@ class Running:
         self.thread.join(timeout=60)
 
 
+# The longest request these tests make to completion or hold open: a short prompt (a chat
+# template's ~40 tokens at most) with 400 new tokens and a round of γ 4. Every engine of the
+# file shares one copy of the model's weights (`vegas_spec.models.shared`).
+ROW = 40 + 400 + 8
+
+
 def engine(**kw: Any) -> LLMEngine:
-    return LLMEngine(None, speculative=SPEC, **{"kv_cache_bytes": 256 << 20, **kw})
+    """A served engine whose KV pool holds its every row at ROW positions at once."""
+    rows = kw.get("max_num_seqs", 8)
+    return LLMEngine(None, speculative=SPEC, **{"kv_cache_bytes": kv_bytes([ROW] * rows), **kw})
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +91,8 @@ def served() -> Iterator[Running]:
 
 @pytest.fixture(scope="module")
 def offline() -> LLM:
-    return LLM(None, speculative=SPEC, kv_cache_bytes=256 << 20)
+    # as much as the served engine: a larger batch queues for pages, with the same outputs
+    return LLM(None, speculative=SPEC, kv_cache_bytes=kv_bytes([ROW] * 8))
 
 
 def offline_texts(llm: LLM, prompts: list[str], params: list[dict[str, Any]],

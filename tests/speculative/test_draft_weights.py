@@ -21,8 +21,8 @@ POOL = kv_bytes([n + 32 for n, _ in LENGTHS])
 
 
 @pytest.fixture(scope="module")
-def prompts(llm, essays) -> list[list[int]]:
-    return [essay_prompt(llm.tokenizer, essays, n, offset) for n, offset in LENGTHS]
+def prompts(fp8_llm, essays) -> list[list[int]]:
+    return [essay_prompt(fp8_llm.tokenizer, essays, n, offset) for n, offset in LENGTHS]
 
 
 @pytest.fixture(scope="module")
