@@ -74,6 +74,9 @@ class Running:
 # template's ~40 tokens at most) with 400 new tokens and a round of γ 4. Every engine of the
 # file shares one copy of the model's weights (`vegas_spec.models.shared`).
 ROW = 40 + 400 + 8
+# The streams of 4,000 tokens that hold an engine's only row while others queue: room for
+# all of them, though they are closed long before (pages are taken as a stream decodes).
+LONG_ROW = 40 + 4000 + 8
 
 
 def engine(**kw: Any) -> LLMEngine:
@@ -420,7 +423,7 @@ def test_many_requests_leave_every_page_free(served: Running) -> None:
 # --- admission and keys ---------------------------------------------------------------------
 
 def test_a_full_queue_answers_429() -> None:
-    running = Running(engine(max_num_seqs=1), max_queue=1)
+    running = Running(engine(max_num_seqs=1, kv_cache_bytes=kv_bytes([LONG_ROW])), max_queue=1)
     try:
         url = f"{running.url}/v1/completions"
         long = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0,
@@ -652,7 +655,7 @@ def test_a_huge_prompt_is_refused_at_once_beside_a_stream(served: Running) -> No
 def test_a_queued_client_that_leaves_gives_its_place_up() -> None:
     """A request waiting for the only row whose client disconnects leaves the queue at once
     (it is never prefilled), so the bound counts only clients that still wait."""
-    running = Running(engine(max_num_seqs=1), max_queue=1)
+    running = Running(engine(max_num_seqs=1, kv_cache_bytes=kv_bytes([LONG_ROW])), max_queue=1)
     try:
         url = f"{running.url}/v1/completions"
         long = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0,
