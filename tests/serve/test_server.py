@@ -981,3 +981,18 @@ def test_a_signal_ends_requests_cleanly_and_the_process_with_one_line(second: bo
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_stopped_server_lets_its_engine_go() -> None:
+    """Nothing outlives the app that holds its engine (FastAPI caches route callables for
+    the process): the engine, its KV pool and its share of the model are freed with it."""
+    import gc
+    import weakref
+
+    running = Running(engine(max_num_seqs=1))
+    assert running.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
+    gone = weakref.ref(running.engine)
+    running.stop()
+    del running
+    gc.collect()
+    assert gone() is None
