@@ -9,6 +9,7 @@ more fails here rather than on a busy machine."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib.util
 import json
 import os
@@ -165,13 +166,22 @@ def memory_ceiling() -> Iterator[None]:
         yield
 
 
-@pytest.fixture(scope="session")
-def llm():
-    """Our engine on the embedded default model, float32 on CPU."""
+@pytest.fixture(scope="module")
+def llm() -> Any:
+    """Our engine on the embedded default model, float32 on CPU: one per test file, freed at
+    its end with its KV pool and prefix cache (the engines a file builds beside it share its
+    weights, `vegas_spec.models.shared`)."""
     from vegas_spec.engine import LLM
 
     return LLM(kv_cache_bytes=kv_bytes(SHARED_BATCH),
                prefix_cache_bytes=kv_bytes(SHARED_BATCH) + (4 << 20))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def collect_garbage() -> None:
+    """The engines and models of the file before, freed with its module fixtures, are gone
+    (reference cycles too) before this file builds its own."""
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)
@@ -187,9 +197,10 @@ def plain_llm(request: pytest.FixtureRequest) -> Iterator[None]:
         shared.engine.set_spec(SpecConfig(method="vanilla"))
 
 
-@pytest.fixture(scope="session")
-def hf_model(smollm_gguf: Path):
-    """transformers' own model from the same GGUF: the oracle for logits and greedy tokens."""
+@pytest.fixture(scope="module")
+def hf_model(smollm_gguf: Path) -> Any:
+    """transformers' own model from the same GGUF: the oracle for logits and greedy tokens.
+    One per test file that asks for it, freed at its end."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(

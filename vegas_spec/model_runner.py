@@ -30,8 +30,9 @@ from vegas_spec.attention.context import (
 from vegas_spec.cache import PagedKVCache, available_bytes, slots_of
 from vegas_spec.config import MAX_GAMMA, ConfigError, EngineConfig, SpecConfig
 from vegas_spec.graphs import GraphRunner, StaticShapes, bucket_for
-from vegas_spec.models.decoder import build_model
+from vegas_spec.models.decoder import Decoder, build_model
 from vegas_spec.models.loader import ModelSource, dummy_weights, load_config, load_weights
+from vegas_spec.models.shared import ModelKey, file_stamps, shared_model
 from vegas_spec.prefill_graphs import Chunk, PrefillGraphs, ScoreKind
 from vegas_spec.prefix_cache import PrefixCache, PrefixEntry
 from vegas_spec.quant import fp8_supported
@@ -152,14 +153,14 @@ class ModelRunner:
         # its KV heads in the cache; model_config stays the whole model's.
         self.tp = parallel.current()
         self.local_config = local = parallel.shard_config(cfg, self.tp.world_size)
-        if config.load_format == "dummy":
-            weights = dummy_weights(cfg, config.torch_dtype, self.device, tp=self.tp)
-        else:
-            weights = load_weights(source, cfg, self.tp)
-        self.model = build_model(local, weights, config.torch_dtype, self.device)
-        del weights
-        # the draft copy before the KV budget, which the memory it takes then leaves out
-        self.draft_weight_bytes = self._draft_weights()
+        # One model per checkpoint, dtype and device in a process: another engine's if one
+        # holds it (`models.shared`). A draft copy is made before the KV budget, which
+        # the memory it takes then leaves out.
+        self.draft_weight_kind = drafts = self._drafts()
+        key = ModelKey(file_stamps(source), config.load_format, config.torch_dtype,
+                       self.device, self.tp.rank, self.tp.world_size, drafts)
+        self.model = shared_model(key, lambda: self._load_model(drafts))
+        self.draft_weight_bytes = self.model.draft_weight_bytes()
         self.backend = make_backend(config.resolved_backend, config.exact)
         self.backend.tp = self.tp
         self.cache = PagedKVCache.from_budget(local, self._kv_budget(), config.page_size,
@@ -183,18 +184,30 @@ class ModelRunner:
                            torch.Tensor | None, torch.Tensor] | None = None
         self.set_spec(spec)
 
-    def _draft_weights(self) -> int:
-        """The model's FP8 or INT4 draft copy where `draft_weights` asks for one -> its bytes
-        (0: drafts read the model's weights). "auto" makes none until FP8 drafts measure
-        faster than the model's weights (`FP8_DRAFTS_BY_DEFAULT`)."""
+    def _load_model(self, drafts: str) -> Decoder:
+        """This rank's model read from the source (or drawn: load_format "dummy"), with its
+        `drafts` draft copies (fp8 or int4; model: none)."""
+        cfg, config = self.model_config, self.config
+        if config.load_format == "dummy":
+            weights = dummy_weights(cfg, config.torch_dtype, self.device, tp=self.tp)
+        else:
+            weights = load_weights(self.source, cfg, self.tp)
+        model = build_model(self.local_config, weights, config.torch_dtype, self.device)
+        if drafts != "model":
+            model.make_draft_weights(drafts)
+        return model
+
+    def _drafts(self) -> str:
+        """What `draft_weights` asks the draft steps to read: fp8, int4 or model; "auto" is
+        model until FP8 drafts measure faster than the model's weights
+        (`FP8_DRAFTS_BY_DEFAULT`)."""
         mode = self.config.draft_weights
         if mode == "auto":
             mode = "fp8" if FP8_DRAFTS_BY_DEFAULT and fp8_supported(self.device) else "model"
         if mode == "fp8" and self.device.type == "cuda" and not fp8_supported(self.device):
             raise ConfigError("draft_weights fp8 needs a GPU with FP8 conversions (compute "
                               "capability 8.9 or newer)")
-        self.draft_weight_kind = mode
-        return 0 if mode == "model" else self.model.make_draft_weights(mode)
+        return mode
 
     @property
     def max_model_len(self) -> int:

@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from conftest import kv_bytes
 
 from vegas_spec.config import SamplingParams
 from vegas_spec.engine import LLM, LLMEngine
@@ -69,8 +70,19 @@ class Running:
         self.thread.join(timeout=60)
 
 
+# The longest request these tests make to completion or hold open: a short prompt (a chat
+# template's ~40 tokens at most) with 400 new tokens and a round of γ 4. Every engine of the
+# file shares one copy of the model's weights (`vegas_spec.models.shared`).
+ROW = 40 + 400 + 8
+# The streams of 4,000 tokens that hold an engine's only row while others queue: room for
+# all of them, though they are closed long before (pages are taken as a stream decodes).
+LONG_ROW = 40 + 4000 + 8
+
+
 def engine(**kw: Any) -> LLMEngine:
-    return LLMEngine(None, speculative=SPEC, **{"kv_cache_bytes": 256 << 20, **kw})
+    """A served engine whose KV pool holds its every row at ROW positions at once."""
+    rows = kw.get("max_num_seqs", 8)
+    return LLMEngine(None, speculative=SPEC, **{"kv_cache_bytes": kv_bytes([ROW] * rows), **kw})
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +94,8 @@ def served() -> Iterator[Running]:
 
 @pytest.fixture(scope="module")
 def offline() -> LLM:
-    return LLM(None, speculative=SPEC, kv_cache_bytes=256 << 20)
+    # as much as the served engine: a larger batch queues for pages, with the same outputs
+    return LLM(None, speculative=SPEC, kv_cache_bytes=kv_bytes([ROW] * 8))
 
 
 def offline_texts(llm: LLM, prompts: list[str], params: list[dict[str, Any]],
@@ -410,7 +423,7 @@ def test_many_requests_leave_every_page_free(served: Running) -> None:
 # --- admission and keys ---------------------------------------------------------------------
 
 def test_a_full_queue_answers_429() -> None:
-    running = Running(engine(max_num_seqs=1), max_queue=1)
+    running = Running(engine(max_num_seqs=1, kv_cache_bytes=kv_bytes([LONG_ROW])), max_queue=1)
     try:
         url = f"{running.url}/v1/completions"
         long = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0,
@@ -642,7 +655,7 @@ def test_a_huge_prompt_is_refused_at_once_beside_a_stream(served: Running) -> No
 def test_a_queued_client_that_leaves_gives_its_place_up() -> None:
     """A request waiting for the only row whose client disconnects leaves the queue at once
     (it is never prefilled), so the bound counts only clients that still wait."""
-    running = Running(engine(max_num_seqs=1), max_queue=1)
+    running = Running(engine(max_num_seqs=1, kv_cache_bytes=kv_bytes([LONG_ROW])), max_queue=1)
     try:
         url = f"{running.url}/v1/completions"
         long = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0,
@@ -968,3 +981,18 @@ def test_a_signal_ends_requests_cleanly_and_the_process_with_one_line(second: bo
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_stopped_server_lets_its_engine_go() -> None:
+    """Nothing outlives the app that holds its engine (FastAPI caches route callables for
+    the process): the engine, its KV pool and its share of the model are freed with it."""
+    import gc
+    import weakref
+
+    running = Running(engine(max_num_seqs=1))
+    assert running.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
+    gone = weakref.ref(running.engine)
+    running.stop()
+    del running
+    gc.collect()
+    assert gone() is None

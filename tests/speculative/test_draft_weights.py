@@ -22,8 +22,13 @@ POOL = kv_bytes([n + 32 for n, _ in LENGTHS])
 
 
 @pytest.fixture(scope="module")
-def prompts(llm, essays) -> list[list[int]]:
-    return [essay_prompt(llm.tokenizer, essays, n, offset) for n, offset in LENGTHS]
+def prompts(essays) -> list[list[int]]:
+    """Tokenized by the embedded model's tokenizer alone (no engine of its own)."""
+    from vegas_spec.models.loader import resolve
+    from vegas_spec.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve(None))
+    return [essay_prompt(tokenizer, essays, n, offset) for n, offset in LENGTHS]
 
 
 @pytest.fixture(scope="module", params=list(KINDS))

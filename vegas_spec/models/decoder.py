@@ -119,12 +119,15 @@ class Decoder(nn.Module):
     def make_draft_weights(self, kind: str = "fp8") -> int:
         """`kind` (fp8 or int4, `quant.QUANTIZERS`) copies of every layer's projections for
         the draft steps (embeddings, norms and the LM head stay the model's) -> their bytes."""
-        quantize, total = QUANTIZERS[kind], 0
+        quantize = QUANTIZERS[kind]
         for layer in self.layers:
             layer.drafts = {name: quantize(getattr(layer, name).weight)
                             for name in PROJECTIONS}
-            total += sum(w.nbytes for w in layer.drafts.values())
-        return total
+        return self.draft_weight_bytes()
+
+    def draft_weight_bytes(self) -> int:
+        """Bytes of the draft copies (0: none, drafts read the model's weights)."""
+        return sum(w.nbytes for layer in self.layers for w in (layer.drafts or {}).values())
 
     def head(self, hidden: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., V] in the model's dtype."""
@@ -137,7 +140,9 @@ class Decoder(nn.Module):
     @torch.no_grad()
     def load_hf(self, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: torch.device) -> None:
-        """Copy checked HF-named tensors into the fused layout, then move and cast."""
+        """Copy checked HF-named tensors into the fused layout, then move and cast. Takes
+        each layer's tensors out of `weights` as it fuses them, so that loading holds one
+        copy of the weights and one layer's fused tensors, not two copies."""
         w = weights
         self.embed.weight = nn.Parameter(w["model.embed_tokens.weight"])
         self.norm = nn.Parameter(w["model.norm.weight"])
@@ -145,8 +150,10 @@ class Decoder(nn.Module):
         self.lm_head.weight = self.embed.weight if head is w["model.embed_tokens.weight"] \
             else nn.Parameter(head)
         for i, layer in enumerate(self.layers):
-            _load_layer(layer, {k[len(f"model.layers.{i}."):]: v for k, v in w.items()
-                                if k.startswith(f"model.layers.{i}.")})
+            prefix = f"model.layers.{i}."
+            names = [k for k in w if k.startswith(prefix)]
+            _load_layer(layer, {k[len(prefix):]: w.pop(k) for k in names})
+            layer.to(device=device, dtype=dtype)
         self.to(device=device, dtype=dtype)
         # Draft and verify rows of a sequence at the end of the context sit up to gamma + 1
         # positions past it; their tokens are never emitted, but their RoPE must exist.

@@ -140,11 +140,22 @@ async def _send(send: Callable, e: APIError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def _server(request: Request) -> Server:
+    return request.app.state.server
+
+
+def _check_key(request: Request) -> None:
+    _server(request).check_key(request)
+
+
 def build_app(server: Server) -> FastAPI:
+    """The app serving `server`. Its routes read the server from the app's state, never from
+    a closure: FastAPI keeps route callables in process-wide caches, and a route that held
+    the server would keep its engine (KV pool, model) alive after the app is gone."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        server.engine.shutdown()
+        app.state.server.engine.shutdown()
 
     # With a key, only /health and /metrics answer without it (probes and scrapers); the
     # API's documentation and schema are off: they describe what the key guards.
@@ -156,23 +167,26 @@ def build_app(server: Server) -> FastAPI:
     # Checked by the gate before the body is read; the dependency keeps each route's own check.
     app.add_middleware(Gate, api_key=server.api_key, max_body=server.max_body,
                        body_timeout=server.body_timeout)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(server.check_key)])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_key)])
 
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request) -> Response:
+        registry = _server(request).metrics.registry
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @v1.get("/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model",
-                                            "created": 0, "owned_by": "vegas-spec"}]}
+    async def models(request: Request) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": _server(request).model_name,
+                                            "object": "model", "created": 0,
+                                            "owned_by": "vegas-spec"}]}
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        server = _server(request)
         server.check_model(body.model)
         body.check_supported()
         prompt = body.single_prompt()
@@ -182,6 +196,7 @@ def build_app(server: Server) -> FastAPI:
 
     @v1.post("/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
+        server = _server(request)
         server.check_model(body.model)
         body.check_supported()
         params = _params(body)
