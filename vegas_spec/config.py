@@ -16,12 +16,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
 
 
@@ -89,6 +83,8 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, Any], ...]
     max_position_embeddings: int
     tie_word_embeddings: bool
+    # the optional tensors the config switches on, as its family reads them
+    # (`models.family.Switches`; o_bias too)
     qkv_bias: bool
     qk_norm: bool
     mlp_bias: bool
@@ -104,10 +100,13 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Raises ConfigError for a missing or malformed field, or one this engine does not
-        support."""
+        support. The architecture's family (`models.registry`, imported when this runs) says
+        which optional tensors the config switches on."""
         if not isinstance(cfg, dict):
             raise ConfigError(f"the model config must be a JSON object, got {type(cfg).__name__}")
-        arch = _architecture(cfg)
+        from vegas_spec.models.registry import family_of
+
+        family = family_of(cfg)
         heads = _count(cfg, "num_attention_heads")
         kv_heads = _count(cfg, "num_key_value_heads", heads)
         if heads % kv_heads:
@@ -116,9 +115,8 @@ class ModelConfig:
         hidden = _count(cfg, "hidden_size")
         head_dim = _count(cfg, "head_dim", hidden // heads)
         theta, rope = _rope(cfg)
-        qkv_bias, o_bias, mlp_bias = _biases(arch, cfg)
         return cls(
-            architecture=arch,
+            architecture=family.architecture,
             vocab_size=_count(cfg, "vocab_size"),
             hidden_size=hidden,
             intermediate_size=_count(cfg, "intermediate_size"),
@@ -131,13 +129,10 @@ class ModelConfig:
             rope_scaling=tuple(sorted(rope.items())),
             max_position_embeddings=_count(cfg, "max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
-            mlp_bias=mlp_bias,
             sliding_window=_sliding_window(cfg),
             eos_token_ids=_ids(cfg.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id"),
-            o_bias=o_bias,
+            **family.switches(cfg)._asdict(),
         )
 
 
@@ -161,33 +156,6 @@ def _real(cfg: dict[str, Any], key: str, default: float) -> float:
     if not _is_number(value) or value <= 0:
         raise ConfigError(f"the model config's {key!r} must be a positive number, got {value!r}")
     return float(value)
-
-
-def _architecture(cfg: dict[str, Any]) -> str:
-    archs = cfg.get("architectures") or []
-    known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
-    if not known:
-        by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-        if not archs and cfg.get("model_type") in by_type:
-            return by_type[cfg["model_type"]]
-        name = ", ".join(archs) or f"model_type={cfg.get('model_type')!r}"
-        raise ConfigError(
-            f"unsupported architecture {name}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    return known[0]
-
-
-def _biases(arch: str, cfg: dict[str, Any]) -> tuple[bool, bool, bool]:
-    """(q/k/v, o_proj, MLP) biases as transformers builds each family: Qwen2 always has q/k/v
-    bias and nothing else; `attention_bias` also biases o_proj in Llama and Qwen3; only Llama
-    reads `mlp_bias`; Mistral has none."""
-    if arch == "Qwen2ForCausalLM":
-        return True, False, False
-    if arch == "MistralForCausalLM":
-        return False, False, False
-    attn = bool(cfg.get("attention_bias", False))
-    return attn, attn, arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False))
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:

@@ -201,38 +201,41 @@ def shard_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
                                intermediate_size=cfg.intermediate_size // world_size)
 
 
-# Which dim of an HF-named tensor is split: 0 for column-parallel outputs (and the
-# vocabulary's rows), 1 for row-parallel inputs; names not listed are replicated.
-_SPLIT_DIM = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0,
-              "q_proj.bias": 0, "k_proj.bias": 0, "v_proj.bias": 0,
-              "gate_proj.weight": 0, "up_proj.weight": 0, "gate_proj.bias": 0,
-              "up_proj.bias": 0, "o_proj.weight": 1, "down_proj.weight": 1,
-              "embed_tokens.weight": 0, "lm_head.weight": 0}
-
-
-def split_dim(name: str) -> int | None:
-    """The dim of HF-named tensor `name` that tensor parallelism splits (None: whole)."""
-    return next((d for suffix, d in _SPLIT_DIM.items() if name.endswith("." + suffix)
-                 or name == suffix), None)
-
-
-def shard_tensor(name: str, w: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """Rank tp.rank's slice of the full HF-named tensor w (a copy: the full tensor can go).
-    Heads are contiguous rows of q/k/v (HF layout), so a row slice holds whole heads."""
-    dim = split_dim(name)
+def shard(w: torch.Tensor, dim: int | None, tp: TPGroup) -> torch.Tensor:
+    """Rank tp.rank's slice of the full tensor w along dim (None: w whole), a copy: the full
+    tensor can go. Heads are contiguous rows of q/k/v (HF layout), so a row slice holds
+    whole heads."""
     if tp.world_size == 1 or dim is None or w.dim() <= dim:
         return w
     part = tp.rank_slice(w.shape[dim])
     return w.narrow(dim, part.start, part.stop - part.start).clone()
 
 
+def shard_shape(shape: tuple[int, ...], dim: int | None, world_size: int) -> tuple[int, ...]:
+    """A full shape -> the shape of one rank's slice along dim."""
+    if dim is None or dim >= len(shape):
+        return shape
+    return shape[:dim] + (shape[dim] // world_size,) + shape[dim + 1:]
+
+
+# Which dim of a tensor is split (0 for column-parallel outputs and the vocabulary's rows, 1
+# for row-parallel inputs, None: replicated) is written in its family's weight table; the
+# functions below look an HF name up in the registered families' tables.
+
+def split_dim(name: str) -> int | None:
+    """The dim of HF-named tensor `name` that tensor parallelism splits (None: whole)."""
+    from vegas_spec.models import registry  # the families' tables name their tensors
+
+    return registry.split_dim(name)
+
+
+def shard_tensor(name: str, w: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Rank tp.rank's slice of the full HF-named tensor w."""
+    return shard(w, split_dim(name), tp)
+
+
 def shard_shapes(shapes: dict[str, tuple[int, ...]], world_size: int,
                  ) -> dict[str, tuple[int, ...]]:
-    """Expected full shapes -> the shapes of one rank's slices."""
-    out = {}
-    for name, shape in shapes.items():
-        dim = split_dim(name)
-        if dim is not None and dim < len(shape):
-            shape = shape[:dim] + (shape[dim] // world_size,) + shape[dim + 1:]
-        out[name] = shape
-    return out
+    """Expected full shapes of HF-named tensors -> the shapes of one rank's slices."""
+    return {name: shard_shape(shape, split_dim(name), world_size)
+            for name, shape in shapes.items()}

@@ -19,8 +19,10 @@ import numpy as np
 import torch
 
 from vegas_spec.config import ConfigError, ModelConfig
+from vegas_spec.models import registry
+from vegas_spec.models.family import Family
 from vegas_spec.models.gguf_file import GGUFFile, read_gguf
-from vegas_spec.parallel import SINGLE, TPGroup, shard_shapes, shard_tensor, split_dim
+from vegas_spec.parallel import SINGLE, TPGroup, shard
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -74,42 +76,15 @@ def resolve(model: str | Path | None) -> ModelSource:
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for n in range(cfg.num_layers):
-        p = f"model.layers.{n}."
-        layer = {
-            "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-            "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
-            "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
-            "mlp.down_proj.weight": (h, i),
-            "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-        }
-        if cfg.qkv_bias:
-            layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-                          "self_attn.v_proj.bias": (kv,)})
-        if cfg.o_bias:
-            layer["self_attn.o_proj.bias"] = (h,)
-        if cfg.qk_norm:
-            layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
-        if cfg.mlp_bias:
-            layer.update({"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,),
-                          "mlp.down_proj.bias": (h,)})
-        shapes.update({p + k: v for k, v in layer.items()})
-    return shapes
+    """Every HF-named tensor a checkpoint of cfg holds -> its full shape (its family's table)."""
+    return registry.family(cfg.architecture).shapes(cfg)
 
 
 def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], origin: str,
                   world_size: int = 1) -> None:
     """Fail loudly on missing, unexpected or mis-shaped tensors (at world_size > 1: one
     tensor-parallel rank's slices)."""
-    expected = shard_shapes(expected_shapes(cfg), world_size)
+    expected = registry.family(cfg.architecture).shapes(cfg, world_size)
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
     for key in [k for k in weights if k.endswith("rotary_emb.inv_freq")]:
@@ -173,10 +148,11 @@ def load_weights(source: ModelSource, cfg: ModelConfig,
                  tp: TPGroup = SINGLE) -> dict[str, torch.Tensor]:
     """HF-named tensors, checked; under tensor parallelism only rank tp.rank's slices, each
     cut as soon as its tensor is read (see `vegas_spec.parallel`)."""
+    family = registry.family(cfg.architecture)
     if source.is_gguf:
-        weights = _gguf_weights(source, cfg, tp)
+        weights = _gguf_weights(source, cfg, family, tp)
     else:
-        weights = _safetensors_weights(source.path, tp)
+        weights = _safetensors_weights(source.path, family, tp)
     origin = str(source.path) if tp.world_size == 1 else \
         f"{source.path} (tensor-parallel rank {tp.rank} of {tp.world_size})"
     check_weights(cfg, weights, origin, tp.world_size)
@@ -188,17 +164,19 @@ def dummy_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     """Random weights of the right shapes (timing runs without a checkpoint). Each tensor is
     drawn whole, then rank tp.rank's slice kept: the same model at every world size."""
     gen = torch.Generator(device=device).manual_seed(seed)
+    family = registry.family(cfg.architecture)
     weights = {}
-    for name, shape in expected_shapes(cfg).items():
+    for name, shape in family.shapes(cfg).items():
         if len(shape) == 1:
             w = torch.ones(shape, dtype=dtype, device=device)
         else:
             w = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
-        weights[name] = shard_tensor(name, w, tp)
+        weights[name] = shard(w, family.split_dim(name), tp)
     return weights
 
 
-def _safetensors_weights(folder: Path, tp: TPGroup) -> dict[str, torch.Tensor]:
+def _safetensors_weights(folder: Path, family: Family,
+                         tp: TPGroup) -> dict[str, torch.Tensor]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
         weight_map = _json_object(index, WeightError).get("weight_map")
@@ -214,23 +192,25 @@ def _safetensors_weights(folder: Path, tp: TPGroup) -> dict[str, torch.Tensor]:
     for name in files:
         if not (folder / name).exists():
             raise WeightError(f"{folder}: shard {name} named by the index is missing")
-        weights.update(_safetensors_file(folder / name, tp))
+        weights.update(_safetensors_file(folder / name, family, tp))
     return weights
 
 
-def _safetensors_file(path: Path, tp: TPGroup) -> dict[str, torch.Tensor]:
+def _safetensors_file(path: Path, family: Family, tp: TPGroup) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
-        return load_file(str(path)) if tp.world_size == 1 else _safetensors_slices(path, tp)
+        if tp.world_size == 1:
+            return load_file(str(path))
+        return _safetensors_slices(path, family, tp)
     except SafetensorError as err:
         raise WeightError(f"{path} is not a readable safetensors file: {err}") from None
     except OSError as err:
         raise WeightError(f"cannot read {path}: {err.strerror or err}") from None
 
 
-def _safetensors_slices(path: Path, tp: TPGroup) -> dict[str, torch.Tensor]:
+def _safetensors_slices(path: Path, family: Family, tp: TPGroup) -> dict[str, torch.Tensor]:
     """Only rank tp.rank's slice of each tensor, read from the memory-mapped file (the rest
     of a split tensor is never read)."""
     from safetensors import safe_open
@@ -238,7 +218,7 @@ def _safetensors_slices(path: Path, tp: TPGroup) -> dict[str, torch.Tensor]:
     out = {}
     with safe_open(str(path), framework="pt") as f:
         for key in f.keys():
-            dim = split_dim(key)
+            dim = family.split_dim(key)
             part = f.get_slice(key)
             shape = part.get_shape()
             if dim is None or dim >= len(shape):
@@ -251,18 +231,7 @@ def _safetensors_slices(path: Path, tp: TPGroup) -> dict[str, torch.Tensor]:
 
 # --- GGUF -------------------------------------------------------------------------------------
 
-_GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_GGUF_LAYER = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
 ROPE_FREQS = "rope_freqs.weight"
-_GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-             "output": "lm_head"}
 
 
 def _gguf_reader(path: Path):  # noqa: ANN202 - gguf.GGUFReader
@@ -296,16 +265,14 @@ def _field(reader: GGUFFile, key: str, default: object = None) -> Any:  # noqa: 
 
 def gguf_config(reader: GGUFFile) -> dict:
     arch = _field(reader, "general.architecture")
-    if arch not in _GGUF_ARCH:
-        raise ConfigError(f"unsupported GGUF architecture {arch!r}; supported: "
-                          f"{', '.join(_GGUF_ARCH)}")
+    family = registry.by_gguf(arch)
     a = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
     names = {t.name for t in reader.tensors}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = a("vocab_size") or (len(tokens) if isinstance(tokens, list) else None)
     heads = a("attention.head_count")
     cfg = {
-        "architectures": [_GGUF_ARCH[arch]],
+        "architectures": [family.architecture],
         "vocab_size": vocab, "hidden_size": a("embedding_length"),
         "intermediate_size": a("feed_forward_length"), "num_hidden_layers": a("block_count"),
         "num_attention_heads": heads, "num_key_value_heads": a("attention.head_count_kv", heads),
@@ -329,30 +296,19 @@ def gguf_config(reader: GGUFFile) -> dict:
     return cfg
 
 
-def _gguf_name(name: str) -> str:
-    parts = name.split(".")
-    if parts[0] == "blk":
-        layer, kind, suffix = parts[1], parts[2], parts[3]
-        if kind not in _GGUF_LAYER:
-            return name  # reported as unexpected by check_weights
-        return f"model.layers.{layer}.{_GGUF_LAYER[kind]}.{suffix}"
-    return f"{_GGUF_TOP.get(parts[0], parts[0])}.{parts[-1]}"
-
-
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     # llama.cpp's converter interleaves the two RoPE halves of every q/k head; undo it.
     rows = w.shape[0]
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_weights(source: ModelSource, cfg: ModelConfig,
-                 tp: TPGroup) -> dict[str, torch.Tensor]:
+def _gguf_weights(source: ModelSource, cfg: ModelConfig, family: Family,
+                  tp: TPGroup) -> dict[str, torch.Tensor]:
     """Every tensor dequantised whole (GGUF blocks cannot be sliced by rows in general), then
     only rank tp.rank's slice kept."""
     import gguf
 
     reader = _gguf_reader(source.path)
-    permuted = _field(reader, "general.architecture") in ("llama", "mistral")
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         if t.name == ROPE_FREQS:
@@ -362,10 +318,10 @@ def _gguf_weights(source: ModelSource, cfg: ModelConfig,
         except NotImplementedError:
             raise WeightError(f"{source.path}: tensor {t.name} is stored as "
                               f"{t.tensor_type.name}, which gguf cannot dequantise") from None
-        name = _gguf_name(t.name)
-        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = _unpermute(w, cfg.num_heads)
-        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = _unpermute(w, cfg.num_kv_heads)
-        weights[name] = shard_tensor(name, torch.from_numpy(np.ascontiguousarray(w)), tp)
+        name = family.from_gguf(t.name)
+        row = family.entry(name)
+        if family.gguf_permuted and row is not None and row.rope_heads is not None:
+            w = _unpermute(w, row.rope_heads(cfg))
+        w = torch.from_numpy(np.ascontiguousarray(w))
+        weights[name] = shard(w, family.split_dim(name), tp)
     return weights

@@ -1,0 +1,146 @@
+"""A model family: its HF architecture name, its decoder layer, the optional tensors its
+config switches on, and its weight table, the one place where its tensor names are written.
+
+A `Weight` row names one HF tensor and says where it goes: the model's parameter it fills
+(rows naming the same parameter are concatenated in table order: q/k/v into `qkv`, gate/up
+into `gate_up`), its full shape from the config, the dim tensor parallelism splits (`ROWS`:
+column-parallel outputs and the vocabulary; `COLUMNS`: row-parallel inputs; None: whole),
+llama.cpp's name for it in a GGUF file, and for q/k the heads whose rows llama.cpp permutes.
+A layer's rows are named after the family's `layer_prefix` (`model.layers.{i}.`) and GGUF's
+`blk.{i}.`. The loader's expected shapes and GGUF names, the dummy weights, the tensor-parallel
+slices and the model's fused parameters are all read from these rows."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import nn
+
+from vegas_spec.config import ModelConfig
+from vegas_spec.parallel import shard_shape
+
+if TYPE_CHECKING:
+    from vegas_spec.models.layers import LayerBase
+
+ROWS, COLUMNS = 0, 1  # the dim of a weight that tensor parallelism splits
+GGUF_LAYER_PREFIX = "blk.{i}."
+
+Shape = Callable[[ModelConfig], tuple[int, ...]]
+Condition = Callable[[ModelConfig], bool]
+
+SIZES: dict[str, Callable[[ModelConfig], int]] = {
+    "hidden": lambda c: c.hidden_size,
+    "vocab": lambda c: c.vocab_size,
+    "ffn": lambda c: c.intermediate_size,
+    "head": lambda c: c.head_dim,
+    "q": lambda c: c.num_heads * c.head_dim,
+    "kv": lambda c: c.num_kv_heads * c.head_dim,
+}
+
+
+def dims(*names: str) -> Shape:
+    """A shape of the config's named sizes: dims("q", "hidden") is (num_heads * head_dim,
+    hidden_size)."""
+    sizes = [SIZES[name] for name in names]
+    return lambda cfg: tuple(size(cfg) for size in sizes)
+
+
+def always(cfg: ModelConfig) -> bool:
+    return True
+
+
+def untied(cfg: ModelConfig) -> bool:
+    return not cfg.tie_word_embeddings
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One HF tensor of a family's checkpoints (a layer's: named after its layer prefix)."""
+
+    hf: str  # its HF name (a layer's: after the family's layer prefix)
+    param: str  # the model's (a layer's) parameter it fills, e.g. "qkv.weight"
+    shape: Shape  # its full shape (before tensor parallelism cuts it)
+    split: int | None  # ROWS, COLUMNS or None (whole on every rank)
+    gguf: str  # llama.cpp's name (a layer's: after "blk.{i}.")
+    when: Condition = always  # whether the config's checkpoints hold it
+    rope_heads: Callable[[ModelConfig], int] | None = None  # q/k: heads llama.cpp permutes
+
+
+class Switches(NamedTuple):
+    """The optional tensors a family's config switches on (`ModelConfig`'s fields)."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str  # the HF `architectures` name
+    model_type: str  # the HF `model_type` (a config that lists no architectures)
+    layer: type[LayerBase]  # built as layer(cfg, index)
+    weights: tuple[Weight, ...]  # the model's own tensors (embeddings, final norm, LM head)
+    layer_weights: tuple[Weight, ...]  # every layer's
+    switches: Callable[[dict[str, Any]], Switches]  # read from the HF config
+    layer_prefix: str = "model.layers.{i}."
+    gguf: str | None = None  # GGUF's `general.architecture` (None: not read from GGUF)
+    gguf_permuted: bool = False  # llama.cpp interleaves the RoPE halves of q/k rows
+
+    def shapes(self, cfg: ModelConfig, world_size: int = 1) -> dict[str, tuple[int, ...]]:
+        """Every tensor a checkpoint of cfg holds -> its shape, in table order (at world_size
+        > 1: the shape of one tensor-parallel rank's slice)."""
+        rows = {w.hf: w for w in self.weights if w.when(cfg)}
+        for i in range(cfg.num_layers):
+            prefix = self.layer_prefix.format(i=i)
+            rows.update({prefix + w.hf: w for w in self.layer_weights if w.when(cfg)})
+        return {name: shard_shape(w.shape(cfg), w.split, world_size) for name, w in rows.items()}
+
+    def entry(self, name: str) -> Weight | None:
+        """The row of full HF name `name` (None: not one of the family's)."""
+        layer = _layer_part(name, self.layer_prefix)
+        rows, rel = (self.weights, name) if layer is None else (self.layer_weights, layer[1])
+        return next((w for w in rows if w.hf == rel), None)
+
+    def split_dim(self, name: str) -> int | None:
+        """The dim of HF-named tensor `name` that tensor parallelism splits (None: whole)."""
+        row = self.entry(name)
+        return None if row is None else row.split
+
+    def from_gguf(self, name: str) -> str:
+        """llama.cpp's tensor name -> the HF name (one not in the table unchanged, so that the
+        weight check reports it as unexpected)."""
+        layer = _layer_part(name, GGUF_LAYER_PREFIX)
+        if layer is None:
+            rows, rel, prefix = self.weights, name, ""
+        else:
+            rows, rel, prefix = self.layer_weights, layer[1], self.layer_prefix.format(i=layer[0])
+        row = next((w for w in rows if w.gguf == rel), None)
+        return name if row is None else prefix + row.hf
+
+
+def _layer_part(name: str, prefix: str) -> tuple[int, str] | None:
+    """("model.layers.3.mlp.up_proj.weight", "model.layers.{i}.") -> (3, "mlp.up_proj.weight");
+    None where name is not a layer's."""
+    head, _, tail = prefix.partition("{i}")
+    if not name.startswith(head):
+        return None
+    index, sep, rest = name[len(head):].partition(tail)
+    return (int(index), rest) if sep and index.isdigit() else None
+
+
+def fill(module: nn.Module, rows: tuple[Weight, ...], tensors: dict[str, torch.Tensor],
+         cfg: ModelConfig) -> None:
+    """Set module's parameters from the HF tensors its rows name (row names relative to
+    module), concatenating the rows that fill one parameter."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    for w in rows:
+        if w.when(cfg):
+            parts.setdefault(w.param, []).append(tensors[w.hf])
+    for param, ts in parts.items():
+        owner, _, leaf = param.rpartition(".")
+        value = ts[0] if len(ts) == 1 else torch.cat(ts)
+        setattr(module.get_submodule(owner), leaf, nn.Parameter(value))

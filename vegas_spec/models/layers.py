@@ -1,0 +1,142 @@
+"""The layers the model families share, each through the attention backend.
+
+A decoder layer is `LayerBase` (its place, its norms, the draft copies of its projections and
+the pre-norm residual step) with an attention block and an MLP block mixed in: `Attention`
+(q/k/v fused in one projection, optional biases and q/k RMSNorm, the backend's attention over
+the paged cache, o_proj) and `DenseMLP` (gate/up fused, SiLU * up, down). `DecoderLayer` is
+both, the layer of every dense family; another MLP (a mixture of experts) is another block
+beside `DenseMLP`. A block's parameters are attributes of the layer (`qkv`, `o_proj`,
+`gate_up`, `down`, ...), the names a family's weight table fills.
+
+The residual stream runs beside the hidden states (as vLLM's): each norm also adds the
+residual before it, so the backend can fuse add + norm, RoPE + KV store and SiLU * up into
+one kernel each. Under tensor parallelism `cfg` holds one rank's heads and intermediate size,
+and the backend's `row_linear` sums o_proj's and down's partial outputs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from vegas_spec.config import ModelConfig
+from vegas_spec.quant import QUANTIZERS, DraftWeight
+
+if TYPE_CHECKING:  # the seam's types only: models and attention do not import each other
+    from vegas_spec.attention.backend import AttentionBackend
+    from vegas_spec.attention.context import StepContext
+
+
+def norm(size: int) -> nn.Parameter:
+    """An RMSNorm's weight (the backend's `norm`/`add_norm` apply it)."""
+    return nn.Parameter(torch.ones(size))
+
+
+def embedding(cfg: ModelConfig) -> nn.Embedding:
+    # given its weight, nn.Embedding skips its random init (on the meta device that init
+    # alone imports seconds of PyTorch's reference ops); the loader sets the weights
+    return nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                        _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+
+
+def lm_head(cfg: ModelConfig) -> nn.Linear:
+    return nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+
+class LayerBase(nn.Module):
+    """One decoder layer: x -> attention and MLP, each behind an add + RMSNorm."""
+
+    projections: tuple[str, ...] = ()  # the nn.Linear attributes a draft step may read in FP8
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.cfg, self.index = cfg, index
+        self.input_norm, self.post_norm = norm(cfg.hidden_size), norm(cfg.hidden_size)
+        self.drafts: dict[str, DraftWeight] | None = None  # the draft steps' copies
+
+    def weight(self, name: str, ctx: StepContext) -> torch.Tensor | DraftWeight:
+        """Projection `name`'s weight for this step: its draft copy in a draft step where the
+        model made one (`make_drafts`), else the model's."""
+        if ctx.draft and self.drafts is not None:
+            return self.drafts[name]
+        return getattr(self, name).weight
+
+    def make_drafts(self, kind: str = "fp8") -> int:
+        """`kind` (fp8 or int4) copies of the layer's projections -> their bytes."""
+        quantize = QUANTIZERS[kind]
+        self.drafts = {name: quantize(getattr(self, name).weight) for name in self.projections}
+        return sum(w.nbytes for w in self.drafts.values())
+
+    def attention(self, h: torch.Tensor, rope: torch.Tensor, cache: tuple[torch.Tensor, ...],
+                  backend: AttentionBackend, ctx: StepContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def mlp(self, h: torch.Tensor, backend: AttentionBackend, ctx: StepContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: torch.Tensor,
+                cache: tuple[torch.Tensor, ...], backend: AttentionBackend, ctx: StepContext,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (the embeddings, residual None, for the first layer)
+        -> (this layer's output, the residual stream before it)."""
+        eps = self.cfg.rms_norm_eps
+        if residual is None:
+            h, residual = backend.norm(x, self.input_norm, eps), x
+        else:
+            h, residual = backend.add_norm(x, residual, self.input_norm, eps)
+        h, residual = backend.add_norm(self.attention(h, rope, cache, backend, ctx), residual,
+                                       self.post_norm, eps)
+        return self.mlp(h, backend, ctx), residual
+
+
+class Attention(LayerBase):
+    """Self-attention: q/k/v in one projection (bias where cfg.qkv_bias), q/k RMSNorm per head
+    where cfg.qk_norm, RoPE + KV store + attention by the backend, o_proj."""
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__(cfg, index)
+        d, h = cfg.head_dim, cfg.hidden_size
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.qkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, h, bias=cfg.o_bias)
+        self.q_norm = norm(d) if cfg.qk_norm else None
+        self.k_norm = norm(d) if cfg.qk_norm else None
+
+    def attention(self, h: torch.Tensor, rope: torch.Tensor, cache: tuple[torch.Tensor, ...],
+                  backend: AttentionBackend, ctx: StepContext) -> torch.Tensor:
+        """h [B, n, hidden] (normed) -> [B, n, hidden]."""
+        cfg = self.cfg
+        bsz, n, _ = h.shape
+        qkv = backend.linear(h, self.weight("qkv", ctx), self.qkv.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(bsz, n, cfg.num_heads, cfg.head_dim)
+        k = k.view(bsz, n, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(bsz, n, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = backend.norm(q, self.q_norm, cfg.rms_norm_eps)
+            k = backend.norm(k, self.k_norm, cfg.rms_norm_eps)
+        out = backend.attend(self.index, q, k, v, cache[0], cache[1], ctx, rope)
+        return backend.row_linear(out.reshape(bsz, n, self.q_size), self.weight("o_proj", ctx),
+                                  self.o_proj.bias)
+
+
+class DenseMLP(LayerBase):
+    """down(SiLU(gate) * up), gate and up in one projection (biases where cfg.mlp_bias)."""
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__(cfg, index)
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_up = nn.Linear(h, 2 * i, bias=cfg.mlp_bias)
+        self.down = nn.Linear(i, h, bias=cfg.mlp_bias)
+
+    def mlp(self, h: torch.Tensor, backend: AttentionBackend, ctx: StepContext) -> torch.Tensor:
+        """h [B, n, hidden] (normed) -> [B, n, hidden]."""
+        up = backend.silu_mul(backend.linear(h, self.weight("gate_up", ctx), self.gate_up.bias))
+        return backend.row_linear(up, self.weight("down", ctx), self.down.bias)
+
+
+class DecoderLayer(Attention, DenseMLP):
+    """The dense families' layer: attention, then the gated MLP."""
+
+    projections = ("qkv", "o_proj", "gate_up", "down")
