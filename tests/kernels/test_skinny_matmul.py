@@ -124,16 +124,17 @@ def test_fp8_weights_match_their_reference(m: int, n: int, k: int, bias: bool, s
     assert float((got.double() - want).norm() / want.norm()) < REL_TOL[dtype]
 
 
-def test_fp8_rows_past_a_block_run_in_chunks() -> None:
-    """300 rows of an FP8 weight: three launches of at most MAX_DRAFT_ROWS, the leading dims
-    kept; default tiles."""
+@pytest.mark.parametrize("quantize", [quantize_fp8, quantize_int4], ids=["fp8", "int4"])
+def test_draft_rows_past_a_block_run_in_chunks(quantize) -> None:  # noqa: ANN001
+    """300 rows of an FP8 or INT4 weight: three launches of at most MAX_DRAFT_ROWS, the
+    leading dims kept; default tiles."""
     gen = generator(300)
     x = randn(3, 100, 64, gen=gen)
-    q = quantize_fp8(randn(48, 64, gen=gen) / 8)
+    q = quantize(randn(48, 64, gen=gen) / 8)
     with nan_empty():
         got = skinny_linear(x, q)
     assert got.shape == (3, 100, 48) and MAX_DRAFT_ROWS < 300
-    want = fp8_linear_ref(x.double(), q)
+    want = skinny_linear_ref(x.double(), q.dequantize(torch.float64))
     assert float((got.double() - want).norm() / want.norm()) < REL_TOL[torch.float32]
 
 
@@ -180,17 +181,6 @@ def test_int4_weights_match_their_reference(m: int, n: int, k: int, bias: bool, 
     assert float((got.double() - want).norm() / want.norm()) < REL_TOL[dtype]
     ref = q.ref(x, b)
     assert float((ref.double() - want).norm() / want.norm()) < REL_TOL[dtype]
-
-
-def test_int4_rows_past_a_block_run_in_chunks() -> None:
-    gen = generator(301)
-    x = randn(3, 100, 64, gen=gen)
-    q = quantize_int4(randn(48, 64, gen=gen) / 8)
-    with nan_empty():
-        got = skinny_linear(x, q)
-    assert got.shape == (3, 100, 48) and MAX_DRAFT_ROWS < 300
-    want = skinny_linear_ref(x.double(), q.dequantize(torch.float64))
-    assert float((got.double() - want).norm() / want.norm()) < REL_TOL[torch.float32]
 
 
 def test_quantize_int4_per_row_and_group() -> None:
