@@ -4,10 +4,10 @@ process on the long-generation workload (32 distinct chat questions), greedy and
 the reference setting (temperature 0.6, top-p 0.95, top-k 20).
 
 For each run: decode tokens/s, tokens per iteration, the controller's rounds and plain steps,
-(counted from the warm-up on) and per kind the mean wall time of `ModelRunner.decode` (a plain step or a round: the device's
-time up to the iteration's one host read) and of `LLMEngine.step` (the whole iteration, its
-host work included), timed by wrapping those two methods. Each run follows a 64-token warm-up
-of the same batch (graphs captured there).
+(counted from the warm-up on) and per kind the mean wall time of `ModelRunner.decode` (a
+plain step or a round: the device's time up to the iteration's one host read) and of
+`LLMEngine.step` (the whole iteration, its host work included), timed by wrapping those two
+methods. Each run follows a 64-token warm-up of the same batch (graphs captured there).
 
     python benchmarks/adaptive_costs.py --max-tokens 2048 --batch 32 --out adaptive_costs.json
 """

@@ -42,12 +42,12 @@ def spec(method: str) -> SpecConfig:
 
 
 def test_the_copy_is_fp8_per_projection(fp8_llm) -> None:
-    layer = fp8_llm.model.layers[0]
+    layer = fp8_llm.engine.runner.model.layers[0]
     assert layer.drafts is not None and set(layer.drafts) == {"qkv", "o_proj", "gate_up", "down"}
     for name, w in layer.drafts.items():
         assert isinstance(w, Fp8Weight) and w.shape == getattr(layer, name).weight.shape
-    total = sum(w.nbytes for lay in fp8_llm.model.layers for w in lay.drafts.values())
-    assert fp8_llm.runner.draft_weight_bytes == total > 0
+    total = sum(w.nbytes for lay in fp8_llm.engine.runner.model.layers for w in lay.drafts.values())
+    assert fp8_llm.engine.runner.draft_weight_bytes == total > 0
 
 
 def test_only_draft_steps_read_the_copy(fp8_llm, prompts, plain,
@@ -82,7 +82,7 @@ def test_dynamic_path_fp8_drafts(prompts, plain) -> None:
     llm = LLM(kv_cache_bytes=POOL, draft_weights="fp8")
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
                         speculative=spec("vegas"))
-    assert llm.graphs is None
+    assert llm.engine.runner.graphs is None
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
 
 
