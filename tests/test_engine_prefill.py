@@ -202,7 +202,7 @@ def test_warm_up_makes_every_prefill_shape_first(tmp_path: Path) -> None:
     assert set(graphs.entries) == made
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     kind = ScoreKind("weight", False)
-    shared = {id(graphs.entries[t, 4, kind].buf.logits) for t in (16, 24, 32, 48, 64)}
+    shared = {id(graphs.entries[t, 4, kind].out.logits) for t in (16, 24, 32, 48, 64)}
     assert len(shared) == 1
 
 
