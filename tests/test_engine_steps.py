@@ -268,7 +268,7 @@ def test_offline_buffers_are_sized_for_the_largest_batch_the_prompts_form(
 
 
 def _page_bytes(tiny: Path) -> int:
-    return LLM(str(tiny), **ENGINE).cache.bytes_per_page
+    return LLM(str(tiny), **ENGINE).engine.runner.cache.bytes_per_page
 
 
 @pytest.mark.parametrize(("static", "prefix_cache"), [(False, 0), (True, 0), (False, 1 << 22)],
