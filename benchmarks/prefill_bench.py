@@ -175,7 +175,7 @@ def smollm_section(args: argparse.Namespace) -> list[dict]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=int(8 << 30),
               backend=args.backend)
-    hf = hf_model(args.model or str(llm.source.path), dtype, device)
+    hf = hf_model(args.model or str(llm.engine.source.path), dtype, device)
     rows = []
     for kind in args.kinds:
         for batch in args.batches:

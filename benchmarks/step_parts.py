@@ -18,7 +18,7 @@ Two passes per method:
   decode-only steps:
 
       admit    admission, prefix lookup, buffer reservation   Scheduler.admit, ModelRunner.start
-      forward  the packed prefill forward(s) of the step's pieces   ModelRunner._prefill
+      forward  the packed prefill forward(s) of the step's pieces   Prefiller.step
       first    the first tokens of the prompts that end here        ModelRunner.prefill (the rest)
       join     their rows: page table, first selection (eager)      ModelRunner.join
       decode   the decode iteration of every row                    ModelRunner.decode
@@ -50,6 +50,7 @@ from vegas_spec.config import SamplingParams, spec_config
 from vegas_spec.engine import LLMEngine
 from vegas_spec.model_runner import ModelRunner
 from vegas_spec.models.loader import resolve
+from vegas_spec.prefill import Prefiller
 from vegas_spec.scheduler import Scheduler
 from vegas_spec.tokenizer import load_tokenizer
 
@@ -58,7 +59,7 @@ PARTS = ("admit", "forward", "first", "join", "decode", "select", "engine")
 TIMED: list[tuple[Any, str, str]] = [
     (LLMEngine, "step", "engine"), (Scheduler, "admit", "admit"), (ModelRunner, "start", "admit"),
     (ModelRunner, "reserve", "admit"), (ModelRunner, "prefill", "first"),
-    (ModelRunner, "_prefill", "forward"), (ModelRunner, "join", "join"),
+    (Prefiller, "step", "forward"), (ModelRunner, "join", "join"),
     (ModelRunner, "decode", "decode"), (ModelRunner, "select", "select"),
 ]
 

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from common import copy_bandwidth, cuda_median_ms
 
-from vegas_spec import LLM, SamplingParams, SpecConfig
+from vegas_spec import LLM, SamplingParams, SpecConfig, runner_setup
 from vegas_spec.attention import triton_backend
 from vegas_spec.config import ModelConfig
 from vegas_spec.graphs import GraphRunner
@@ -100,12 +100,29 @@ def kernel_table(fn, rows: int = 25) -> str:  # noqa: ANN001
     return head + prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
 
 
+def graph_runner(llm: LLM, spec: SpecConfig, policy: Any, bsz: int) -> GraphRunner:
+    """The engine's decode buffers (and graphs) for `spec` and bsz rows, as `reserve` makes
+    them."""
+    runner = llm.engine.runner
+    runner_setup.reserve(runner.input, runner.parts, runner.config, spec, policy, bsz)
+    assert runner.graphs is not None
+    return runner.graphs
+
+
+def held_graph_runner(llm: LLM, shapes: Any, capacity: int, policy: Any) -> GraphRunner:
+    """Buffers (and graphs) of `shapes` for `capacity` rows, held by the engine's runner."""
+    r = llm.engine.runner
+    r.graphs = GraphRunner(r.model, r.cache.layers, r.backend, shapes, capacity,
+                           llm.config.page_size, r.scratch_page, llm.config.graphs, policy)
+    return r.graphs
+
+
 def weight_bytes(llm: LLM) -> int:
     """Bytes of weights a step reads: every parameter once, but of an untied input embedding
     only the looked-up rows (ignored)."""
-    params = {p.data_ptr(): p for p in llm.model.parameters()}
+    params = {p.data_ptr(): p for p in llm.engine.runner.model.parameters()}
     total = sum(p.numel() * p.element_size() for p in params.values())
-    embed, head = llm.model.embed.weight, llm.model.lm_head.weight
+    embed, head = llm.engine.runner.model.embed.weight, llm.engine.runner.model.lm_head.weight
     untied = embed.data_ptr() != head.data_ptr()
     return total - (embed.numel() * embed.element_size() if untied else 0)
 
@@ -114,7 +131,7 @@ def draft_weight_bytes(llm: LLM) -> int:
     """Bytes of weights a draft step reads: `weight_bytes`, with the projections' FP8 copies
     in place of the model's projections where the engine made them."""
     total = weight_bytes(llm)
-    for layer in llm.model.layers:
+    for layer in llm.engine.runner.model.layers:
         if layer.drafts is not None:
             for name, copy in layer.drafts.items():
                 w = getattr(layer, name).weight
@@ -126,7 +143,7 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
             bandwidth: float, rank_width: str = "library") -> dict:
     cfg, dev = llm.model_config, llm.device
     gamma = spec.gamma
-    pages = [llm.cache.allocate(context + gamma + 1) for _ in range(bsz)]
+    pages = [llm.engine.runner.cache.allocate(context + gamma + 1) for _ in range(bsz)]
     try:
         table = torch.tensor(pages, dtype=torch.int32, device=dev)
         lengths = torch.full((bsz,), context, dtype=torch.long, device=dev)
@@ -134,32 +151,32 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         positions = lengths[:, None] + torch.arange(gamma + 1, device=dev)
         out: dict = {"context": context, "batch": bsz}
         kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim \
-            * llm.cache.layers[0][0].element_size()
+            * llm.engine.runner.cache.layers[0][0].element_size()
         wbytes = weight_bytes(llm)
         profiles: dict[str, str] = {}
 
-        plain = llm._graph_runner(SpecConfig(method="vanilla"), None, bsz)
+        plain = graph_runner(llm, SpecConfig(method="vanilla"), None, bsz)
         plain.set_rows(0, table)
         step = lambda: plain.run("plain", tokens[:, :1], positions[:, :1])  # noqa: E731
         out["plain_ms"] = median_ms(step, args.reps)
         if args.profile:
             profiles["plain"] = kernel_table(step)
-        llm.graphs = None
+        llm.engine.runner.graphs = None
 
         if not args.brief:
             # The same verify step without scores (stream's runner: no score request).
             stream = dataclasses.replace(spec, method="stream")
-            unscored = llm._graph_runner(stream, make_policy(stream), bsz)
+            unscored = graph_runner(llm, stream, make_policy(stream), bsz)
             unscored.set_rows(0, table)
             out["verify_noscores_ms"] = median_ms(
                 lambda: unscored.run("verify", tokens, positions), args.reps)
-            llm.graphs = None
+            llm.engine.runner.graphs = None
             out["quest_draft_ms"] = quest_draft_ms(llm, spec, bsz, table, lengths, tokens,
                                                    positions, context, args.reps,
                                                    profiles if args.profile else None)
 
         policy = make_policy(spec)
-        runner = llm._graph_runner(spec, policy, bsz)
+        runner = graph_runner(llm, spec, policy, bsz)
         runner.set_rows(0, table)
         verify = lambda: runner.run("verify", tokens, positions)  # noqa: E731
         out["verify_ms"] = median_ms(verify, args.reps)
@@ -169,7 +186,7 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         # the host bounds of the runner's shapes, as the engine's selection has them
         inp = runner.bound(SelectionInput(
             runner.scores(), lengths, torch.zeros_like(lengths), lengths + 1, gamma,
-            llm.cache.layers, table, llm.config.page_size, max_len=context + 1,
+            llm.engine.runner.cache.layers, table, llm.config.page_size, max_len=context + 1,
             topk=runner.backend.topk, topk_sum=runner.backend.topk_sum))
         if rank_width == "whole":  # the top-k ranks the whole static key width
             inp.rank_width = None
@@ -191,27 +208,24 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
             profiles["draft"] = kernel_table(draft)
             profiles["select"] = kernel_table(select)
         plan = policy.plan(inp)
-        llm.graphs = None
+        llm.engine.runner.graphs = None
 
         # A greedy round as the engine runs it: γ drafts, verify, acceptance and the next
         # selection in one graph; and the same round without the selection.
         last = tokens[:, 0].contiguous()
-        shapes = llm._static_shapes(spec, policy)
+        shapes = runner_setup.static_shapes(llm.engine.runner.parts, spec, policy)
         if rank_width == "whole":
             shapes = dataclasses.replace(shapes, rank_width=0)
         for key, plans in (("round_ms", True), ("round_unplanned_ms", False)):
-            llm.graphs = GraphRunner(llm.model, llm.cache.layers, llm.backend,
-                                     dataclasses.replace(shapes, plans=plans), bsz,
-                                     llm.config.page_size, llm.scratch_page, llm.config.graphs,
-                                     policy)
-            greedy = llm.graphs
+            greedy = held_graph_runner(llm, dataclasses.replace(shapes, plans=plans), bsz,
+                                       policy)
             greedy.set_rows(0, table)
             greedy.set_plan_rows(plan, 0)
             round_ = functools.partial(greedy.run_spec, last, lengths)
             out[key] = median_ms(round_, args.reps)
             if args.profile and plans:
                 profiles["round"] = kernel_table(round_)
-            llm.graphs = None
+            llm.engine.runner.graphs = None
         out["round_sampled_ms"] = sampled_round_ms(llm, shapes, policy, table, plan, last,
                                                    lengths, args.reps)
         out["select_in_round_ms"] = out["round_ms"] - out["round_unplanned_ms"]
@@ -247,7 +261,7 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         return out
     finally:
         for p in pages:
-            llm.cache.release(p)
+            llm.engine.runner.cache.release(p)
 
 
 def projection_bandwidth(llm: LLM, rows: int, bandwidth: float, reps: int) -> dict:
@@ -256,7 +270,7 @@ def projection_bandwidth(llm: LLM, rows: int, bandwidth: float, reps: int) -> di
     uses the next layer's weight, so that no weight is read from L2."""
     from vegas_spec.graphs import capture
 
-    model, linear, out = llm.model, llm.backend.linear, {}
+    model, linear, out = llm.engine.runner.model, llm.engine.runner.backend.linear, {}
     names = ("qkv", "o_proj", "gate_up", "down")
     groups = {n: [getattr(layer, n) for layer in model.layers] for n in names}
     groups["lm_head"] = [model.lm_head]
@@ -276,9 +290,7 @@ def sampled_round_ms(llm: LLM, shapes: Any, policy: Any, table: torch.Tensor, pl
                      last: torch.Tensor, lengths: torch.Tensor, reps: int) -> float:
     """A sampled round as the engine runs it, every row at the reference's setting:
     temperature 0.6, top-k 20, top-p 0.95 (the `topk` graph)."""
-    runner = llm.graphs = GraphRunner(llm.model, llm.cache.layers, llm.backend, shapes,
-                                      len(last), llm.config.page_size, llm.scratch_page,
-                                      llm.config.graphs, policy)
+    runner = held_graph_runner(llm, shapes, len(last), policy)
     runner.set_rows(0, table)
     runner.set_plan_rows(plan, 0)
     rows = len(last)
@@ -288,7 +300,7 @@ def sampled_round_ms(llm: LLM, shapes: Any, policy: Any, table: torch.Tensor, pl
     setting = SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
     sampling = BatchSampling.build([setting] * rows, last.device)
     ms = median_ms(functools.partial(runner.run_spec, last, lengths, sampling), reps)
-    llm.graphs = None
+    llm.engine.runner.graphs = None
     return ms
 
 
@@ -312,16 +324,17 @@ def quest_draft_ms(llm: LLM, spec: SpecConfig, bsz: int, table: torch.Tensor,
     with `profiles`, its kernel table goes there as "quest_draft"."""
     quest = dataclasses.replace(spec, method="quest")
     policy = make_policy(quest)
-    runner = llm._graph_runner(quest, policy, bsz)
+    runner = graph_runner(llm, quest, policy, bsz)
     runner.set_rows(0, table)
     inp = SelectionInput(None, lengths, torch.zeros_like(lengths), lengths + 1, spec.gamma,
-                         llm.cache.layers, table, llm.config.page_size, max_len=context + 1)
+                         llm.engine.runner.cache.layers, table, llm.config.page_size,
+                         max_len=context + 1)
     runner.set_plan_rows(policy.plan(runner.bound(inp)), 0)
     draft = lambda: runner.run("draft", tokens[:, :1], positions[:, :1])  # noqa: E731
     ms = median_ms(draft, reps)
     if profiles is not None:
         profiles["quest_draft"] = kernel_table(draft)
-    llm.graphs = None
+    llm.engine.runner.graphs = None
     return ms
 
 
@@ -335,7 +348,7 @@ def host_gap_ms(llm: LLM, spec: SpecConfig, bsz: int, new_tokens: int = 64,
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, params, speculative=spec)  # captures this bucket's graphs
     stats = llm.generate(prompts, params, speculative=spec)[0].stats
-    llm.graphs = None
+    llm.engine.runner.graphs = None
     iterations = max(stats["iterations"], 1)
     gpu = sum(stats["phase_s"].get(k, 0.0) for k in ("speculate", "select"))
     return 1e3 * (stats["decode_s"] - gpu) / iterations
@@ -565,17 +578,17 @@ def main() -> None:
                   dtype="bfloat16" if cuda else "float32", kv_cache_bytes=kv,
                   max_model_len=args.max_model_len or context + args.gamma + 64,
                   exact=mode == "exact", draft_weights=drafts)
-        for k, v in llm.cache.layers:
+        for k, v in llm.engine.runner.cache.layers:
             k.normal_()
             v.normal_()
-        summing = llm.backend.topk_sum
+        summing = llm.engine.runner.backend.topk_sum
         for (bsz, tiles, width, sparse, least, fused, sums, fill, lanes,
              verify) in itertools.product(args.batches, tilings, args.rank_widths,
                                           args.sparse_splits, args.topk_min_warps,
                                           args.sparse_rope, args.topk_sums, args.split_fill,
                                           args.max_lanes, args.verify_tiles):
-            llm.backend.topk_sum = summing if sums == "yes" else None
-            llm.graphs = None
+            llm.engine.runner.backend.topk_sum = summing if sums == "yes" else None
+            llm.engine.runner.graphs = None
             with contextlib.ExitStack() as settings:  # read when the graphs are captured
                 cell_settings(settings, dim, tiles, sparse, least, fused, fill, lanes, verify)
                 verify_now = pa.VERIFY_TILES.get(dim)

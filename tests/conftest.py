@@ -152,7 +152,7 @@ def smollm_gguf() -> Path:
 def memory_ceiling() -> Iterator[None]:
     """The CPU memory an engine sees as available (for its default KV pool and the check of
     an explicit one) is at most MEMORY_CEILING."""
-    from vegas_spec import cache, model_runner
+    from vegas_spec import cache, runner_setup
 
     real = cache.available_bytes
 
@@ -161,7 +161,7 @@ def memory_ceiling() -> Iterator[None]:
         return avail if device.type != "cpu" or avail is None else min(avail, MEMORY_CEILING)
 
     with pytest.MonkeyPatch.context() as patch:
-        for module in (cache, model_runner):
+        for module in (cache, runner_setup):
             patch.setattr(module, "available_bytes", capped)
         yield
 

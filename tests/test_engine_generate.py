@@ -52,7 +52,7 @@ def test_long_prompt_batch_matches_transformers(llm, hf_model, essays) -> None:
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.prompt_token_ids == prompt
         assert out.token_ids == hf_greedy(hf_model, prompt, 8)
-    assert len(llm.cache.free_pages) == llm.cache.num_pages
+    assert len(llm.engine.runner.cache.free_pages) == llm.engine.runner.cache.num_pages
 
 
 @pytest.fixture(scope="module")

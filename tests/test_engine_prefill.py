@@ -33,7 +33,7 @@ def _essay_ids(llm: LLM, essays: list[str], n: int) -> list[int]:
 
 
 def _count_forwards(llm: LLM, calls: list[tuple[int, ...]]):  # noqa: ANN202
-    original = llm.model.forward
+    original = llm.engine.runner.model.forward
 
     def forward(ids, *args, **kwargs):  # noqa: ANN001, ANN202
         calls.append(tuple(ids.shape))
@@ -61,19 +61,19 @@ def test_prefix_cache_hit_prefills_only_the_rest(llm, hf_model, essays) -> None:
     ids[0] = 17  # a prefix no other test stores
     llm.next_token_logits([ids[:201]])  # stores positions 0..200
     calls: list[tuple[int, ...]] = []
-    original, llm.model.forward = _count_forwards(llm, calls)
+    original, llm.engine.runner.model.forward = _count_forwards(llm, calls)
     try:
         got = llm.next_token_logits([ids])[0]
     finally:
-        llm.model.forward = original
+        llm.engine.runner.model.forward = original
     assert calls == [(1, 360 - 201)]  # only the positions the cache did not hold
     assert_close_logits(got[None], hf_logits(hf_model, ids)[-1:])
     calls.clear()
-    llm.model.forward = _count_forwards(llm, calls)[1]
+    llm.engine.runner.model.forward = _count_forwards(llm, calls)[1]
     try:
         again = llm.next_token_logits([ids])[0]
     finally:
-        llm.model.forward = original
+        llm.engine.runner.model.forward = original
     assert calls == [] and torch.equal(again, got)  # a whole hit runs no forward
 
 
@@ -88,11 +88,11 @@ def test_ragged_prompts_share_forwards(backend: str, tmp_path: Path) -> None:
                  device=device, cuda_graphs=False)  # the eager path: its forwards are counted
     prompts = [random_ids(n, seed=n) for n in (37, 6, 24)]
     calls: list[tuple[int, ...]] = []
-    original, llm.model.forward = _count_forwards(llm, calls)
+    original, llm.engine.runner.model.forward = _count_forwards(llm, calls)
     try:
         got = llm.next_token_logits(prompts)
     finally:
-        llm.model.forward = original
+        llm.engine.runner.model.forward = original
     assert calls == [(1, 20), (1, 20), (1, 20), (1, 7)]  # 37 + 6 + 24 = 67 tokens
     ref = torch.stack([hf_logits(model, p)[-1] for p in prompts])
     assert_close_logits(got.cpu(), ref)
@@ -120,7 +120,7 @@ def test_fixed_shape_prefill_gives_the_same_logits(backend: str, tmp_path: Path)
     device = TRITON_DEVICE if backend == "triton" else "cpu"
     llm = engine(save(model, tmp_path), prefill_chunk=30, page_size=8, backend=backend,
                  static_shapes=True, device=device)
-    graphs = llm.prefill_graphs
+    graphs = llm.engine.runner.prefiller.graphs
     assert graphs is not None
     if not graphs.capture:
         graphs.pad_to = 16  # pad on CPU too, as the captured graphs do
@@ -166,12 +166,12 @@ def test_mixed_prefix_hits_give_plain_tokens(static: bool, tmp_path: Path) -> No
     cached = engine(folder, prefix_cache_bytes=1 << 24, static_shapes=static, prefill_chunk=32)
     cached.generate([a, b], params)
     calls: list[tuple[int, ...]] = []
-    original, cached.model.forward = _count_forwards(cached, calls)
+    original, cached.engine.runner.model.forward = _count_forwards(cached, calls)
     try:
         outs = cached.generate(prompts, params, speculative={"method": "vegas", "gamma": 3,
                                                              "min_tokens": 8})
     finally:
-        cached.model.forward = original
+        cached.engine.runner.model.forward = original
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     if not static:  # 12 new tokens of b's extension and 33 of c, in chunks of 32 (the
         # rows that completed decode between them: forwards of at most γ + 1 = 4 tokens)
@@ -189,7 +189,7 @@ def test_warm_up_makes_every_prefill_shape_first(tmp_path: Path) -> None:
     plain = engine(folder).generate(prompts, params)
     llm = engine(folder, prefill_chunk=60, page_size=8, static_shapes=True,
                  speculative={"method": "vegas", "gamma": 3, "min_tokens": 8})
-    graphs = llm.prefill_graphs
+    graphs = llm.engine.runner.prefiller.graphs
     assert graphs is not None
     graphs.pad_to = 16  # pad on CPU too, as the captured graphs do
     # tokens 16, 24, 32, 48, 64 (the bucket of the 60-token budget); pieces 1, 2, 4
@@ -202,7 +202,7 @@ def test_warm_up_makes_every_prefill_shape_first(tmp_path: Path) -> None:
     assert set(graphs.entries) == made
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     kind = ScoreKind("weight", False)
-    shared = {id(graphs.entries[t, 4, kind].buf.logits) for t in (16, 24, 32, 48, 64)}
+    shared = {id(graphs.entries[t, 4, kind].out.logits) for t in (16, 24, 32, 48, 64)}
     assert len(shared) == 1
 
 

@@ -110,7 +110,8 @@ def test_more_prompts_than_rows_queue_and_equal_alone(tiny: Path, prompts: list[
     outs = llm.generate(prompts, [params(n) for n in MAX_TOKENS],
                         speculative=tiny_spec({"method": "vegas"}))
     assert [o.token_ids for o in outs] == alone["vegas"]
-    assert max(seen) <= 2 and llm.graphs is not None and llm.graphs.capacity == 2
+    graphs = llm.engine.runner.graphs
+    assert max(seen) <= 2 and graphs is not None and graphs.capacity == 2
 
 
 @pytest.mark.parametrize("static", [False, True])
@@ -240,11 +241,11 @@ def test_offline_buffers_are_sized_for_the_largest_batch_the_prompts_form(
     step, for the four (not the first admission's two), and every output is its alone one."""
     spec = tiny_spec({"method": "vegas"})
     probe = LLM(str(tiny), static_shapes=True, **ENGINE)
-    page_bytes = probe.cache.bytes_per_page
+    page_bytes = probe.engine.runner.cache.bytes_per_page
     long_prompt = [3 + i % (VOCAB - 3) for i in range(400)]
     work = [(long_prompt, 4)] + [(p, 12) for p in prompts[:4]]
     want = [probe.generate([p], params(n), speculative=spec)[0].token_ids for p, n in work]
-    need = [probe.cache.pages_for(len(p) + n + spec.gamma + 1) for p, n in work]
+    need = [probe.engine.runner.cache.pages_for(len(p) + n + spec.gamma + 1) for p, n in work]
     del probe
     pool = need[0] + need[1]  # the long one and one short one; later all four short ones
     assert sum(need[1:]) <= pool < need[0] + need[1] + need[2]
@@ -256,7 +257,7 @@ def test_offline_buffers_are_sized_for_the_largest_batch_the_prompts_form(
     def counting(collect: bool = True, **kw: Any) -> list[RequestOutput]:
         running.append(llm.engine.num_running)
         out = step(collect, **kw)
-        runners.append(llm.graphs)
+        runners.append(llm.engine.runner.graphs)
         return out
 
     llm.engine.step = counting  # type: ignore[method-assign]
@@ -267,7 +268,7 @@ def test_offline_buffers_are_sized_for_the_largest_batch_the_prompts_form(
 
 
 def _page_bytes(tiny: Path) -> int:
-    return LLM(str(tiny), **ENGINE).cache.bytes_per_page
+    return LLM(str(tiny), **ENGINE).engine.runner.cache.bytes_per_page
 
 
 @pytest.mark.parametrize(("static", "prefix_cache"), [(False, 0), (True, 0), (False, 1 << 22)],
@@ -283,8 +284,9 @@ def test_preempted_requests_resume_and_give_their_alone_tokens(
     spec, n = tiny_spec(method), 60
     solo = LLM(str(tiny), **ENGINE)
     want = [solo.generate([p], params(n), speculative=spec)[0].token_ids for p in prompts[:3]]
+    page = solo.engine.runner.cache.bytes_per_page
     engine = LLMEngine(str(tiny), speculative=spec, static_shapes=static, max_num_seqs=3,
-                       load_format="dummy", kv_cache_bytes=15 * solo.cache.bytes_per_page,
+                       load_format="dummy", kv_cache_bytes=15 * page,
                        prefix_cache_bytes=prefix_cache)
     engine.scheduler.grow_tokens = 4  # pages asked for every page_size tokens or so
     cache = engine.runner.cache

@@ -198,7 +198,8 @@ def test_sliding_window_exceeded(tmp_path: Path) -> None:
 def test_batch_over_the_kv_budget(tiny: Path) -> None:
     # 2 layers * 8 slots * 2 kv heads * 8 dims * K and V * 4 bytes = 2 KiB a page; 16 pages
     llm = LLM(str(tiny), kv_cache_bytes=32 << 10, page_size=8)
-    assert llm.cache.num_pages == 16 and llm.cache.bytes_per_page == 2048
+    cache = llm.engine.runner.cache
+    assert cache.num_pages == 16 and cache.bytes_per_page == 2048
     ok = llm.generate([[5] * 20], SamplingParams(max_tokens=8))  # fits alone
     assert len(ok[0].token_ids) == 8
     # 4 sequences of 40 tokens (5 pages each) do not fit together: they queue for pages
@@ -206,13 +207,13 @@ def test_batch_over_the_kv_budget(tiny: Path) -> None:
     queued = llm.generate([[5] * 20, [6] * 20, [7] * 20, [8] * 20], params)
     alone = [llm.generate([[t] * 20], params)[0].token_ids for t in (5, 6, 7, 8)]
     assert [o.token_ids for o in queued] == alone
-    assert sorted(llm.cache.free_pages) == list(range(16)) and not llm.engine.seqs
+    assert sorted(llm.engine.runner.cache.free_pages) == list(range(16)) and not llm.engine.seqs
     small = LLM(str(tiny), kv_cache_bytes=8 << 10, page_size=8)  # 4 pages: 32 tokens
     with pytest.raises(OutOfMemoryError, match=r"a sequence of 40 tokens needs 5 KV pages "
                                                r"\(10\.0 KiB\) but the pool holds 4 "
                                                r"\(8\.0 KiB\)"):
         small.generate([[5] * 4, [5] * 20], [params, SamplingParams(max_tokens=20)])
-    assert sorted(small.cache.free_pages) == list(range(4)) and not small.engine.seqs
+    assert sorted(small.engine.runner.cache.free_pages) == list(range(4)) and not small.engine.seqs
 
 
 def test_kv_budget_below_one_page(tiny: Path) -> None:
@@ -378,7 +379,7 @@ def test_page_pool_allocation() -> None:
 
 
 def test_sequences_of_different_lengths_share_the_pool(tiny_llm: LLM) -> None:
-    cache = tiny_llm.cache
+    cache = tiny_llm.engine.runner.cache
     total = len(cache.free_pages)
     assert total == cache.num_pages
     granted: list[list[int]] = []
@@ -410,7 +411,7 @@ def test_fragmented_pool_gives_the_same_tokens(tiny_llm: LLM) -> None:
     prompts = [[11, 12, 13, 14, 15] * 5, [21, 22, 23] * 3]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     fresh = [o.token_ids for o in tiny_llm.generate(prompts, params)]
-    cache = tiny_llm.cache
+    cache = tiny_llm.engine.runner.cache
     held = [cache.allocate(8 * 3) for _ in range(6)]
     for pages in held[::2]:
         cache.release(pages)
@@ -425,7 +426,7 @@ def test_fragmented_pool_gives_the_same_tokens(tiny_llm: LLM) -> None:
 
 def test_pages_are_released_after_a_failed_request(tiny_llm: LLM,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    cache, model = tiny_llm.cache, tiny_llm.model
+    cache, model = tiny_llm.engine.runner.cache, tiny_llm.engine.runner.model
     forward, calls = model.forward, []
 
     def failing(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -617,7 +618,8 @@ BAD_CALLS = [
 def test_bad_api_calls(tiny_llm: LLM, call, message: str) -> None:  # noqa: ANN001
     with pytest.raises(ConfigError, match=message):
         call(tiny_llm)
-    assert sorted(tiny_llm.cache.free_pages) == list(range(tiny_llm.cache.num_pages))
+    cache = tiny_llm.engine.runner.cache
+    assert sorted(cache.free_pages) == list(range(cache.num_pages))
     out = tiny_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(out[0].token_ids) == 3
 
@@ -651,12 +653,12 @@ def test_kv_budget_beyond_the_machine_is_refused_before_loading(tmp_path: Path) 
 def test_default_cpu_budget_fits_the_available_memory(tiny: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     import vegas_spec.cache
-    import vegas_spec.model_runner
+    import vegas_spec.runner_setup
 
-    for module in (vegas_spec.cache, vegas_spec.model_runner):
+    for module in (vegas_spec.cache, vegas_spec.runner_setup):
         monkeypatch.setattr(module, "available_bytes", lambda device: 64 << 10)
     llm = LLM(str(tiny), page_size=8)  # half of the 64 KiB: 16 pages of 2 KiB
-    assert llm.cache.num_pages == 16
+    assert llm.engine.runner.cache.num_pages == 16
     with pytest.raises(OutOfMemoryError, match=r"a KV cache of 128\.0 KiB does not fit in the "
                                                r"64\.0 KiB of memory available on cpu"):
         LLM(str(tiny), kv_cache_bytes=128 << 10)

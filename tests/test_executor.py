@@ -98,7 +98,7 @@ def preempted_tokens(model: str, prompts: list[list[int]]) -> tuple[list[list[in
     """Greedy vegas over a pool that cannot hold every request to its end, pages asked for
     a few tokens ahead -> each request's tokens and how many preemptions it took."""
     probe = LLM(model, **ENGINE)
-    page_bytes = probe.cache.bytes_per_page
+    page_bytes = probe.engine.runner.cache.bytes_per_page
     del probe
     engine = LLMEngine(model, speculative=METHODS["vegas"], max_num_seqs=3,
                        **{**ENGINE, "kv_cache_bytes": 10 * page_bytes})

@@ -23,8 +23,8 @@ from vegas_spec.cli import _engine_kwargs, _parser
 from vegas_spec.config import ConfigError, EngineConfig
 from vegas_spec.engine import LLM
 from vegas_spec.graphs import GraphRunner, bucket_for, buckets_upto
+from vegas_spec.input_batch import Batch
 from vegas_spec.kernels.topk import topk_positions_triton
-from vegas_spec.model_runner import Batch
 from vegas_spec.sampling import BatchSampling
 from vegas_spec.speculative.policies import QuestState, SelectionInput, make_policy, max_budget
 
@@ -101,11 +101,11 @@ def test_static_greedy_equals_eager(eager: LLM, static: LLM, prompts: list[list[
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     tokens = same_tokens(eager, static, prompts, params, method)
     assert [len(t) for t in tokens] == [16] * 3
-    assert static.graphs is not None and static.graphs.capacity == 4
+    assert static.engine.runner.graphs is not None and static.engine.runner.graphs.capacity == 4
     assert (4, 3) in buckets
     # greedy rounds run as one `spec` step: drafts, verify and acceptance together
     kinds = ("plain",) if method is None else ("spec",)
-    assert static.graphs.shapes.kinds == kinds and set(STEPS) == set(kinds)
+    assert static.engine.runner.graphs.shapes.kinds == kinds and set(STEPS) == set(kinds)
 
 
 @pytest.mark.parametrize("method", METHODS, ids=IDS)
@@ -129,7 +129,7 @@ def test_static_seeded_sampling_equals_eager(eager: LLM, static: LLM, prompts: l
     same_tokens(eager, static, prompts, params, {"method": method})
     # each sampled round is one step too: top-p alone or a top-k past sampling.CANDIDATES
     # sorts the vocabulary (`filtered`), a small top-k ranks its candidates (`topk`)
-    assert static.graphs is not None and set(STEPS) == {kind}
+    assert static.engine.runner.graphs is not None and set(STEPS) == {kind}
 
 
 def test_runner_is_reused_then_rebuilt_for_a_larger_batch(tiny: Path, eager: LLM,
@@ -141,12 +141,13 @@ def test_runner_is_reused_then_rebuilt_for_a_larger_batch(tiny: Path, eager: LLM
         outs = llm.generate(batch, params, speculative=spec)
         assert [o.token_ids for o in outs] == \
             [o.token_ids for o in eager.generate(batch, params, speculative=spec)]
-        assert llm.graphs is not None and llm.graphs.capacity == capacity
-    runner = llm.graphs
+        graphs = llm.engine.runner.graphs
+        assert graphs is not None and graphs.capacity == capacity
+    runner = llm.engine.runner.graphs
     llm.generate(prompts[:2], params, speculative=spec)
-    assert llm.graphs is runner
+    assert llm.engine.runner.graphs is runner
     llm.generate(prompts[:2], params, speculative=tiny_spec({"method": "vegas"}))
-    assert llm.graphs is not runner  # other shapes: a new runner
+    assert llm.engine.runner.graphs is not runner  # other shapes: a new runner
 
 
 def test_leaving_rows_keep_every_sampling_setting() -> None:
@@ -165,13 +166,14 @@ def test_padding_rows_write_only_the_scratch_page(tiny: Path,
     llm = LLM(str(tiny), static_shapes=True, **ENGINE)
     llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True),
                  speculative=tiny_spec({"method": "vegas"}))
-    assert llm.cache.num_pages - len(llm.cache.free_pages) == 1  # the scratch page stays taken
+    cache = llm.engine.runner.cache
+    assert cache.num_pages - len(cache.free_pages) == 1  # the scratch page stays taken
     size = llm.config.page_size
-    written = {p for p in range(llm.cache.num_pages)
-               if any(k[p * size:(p + 1) * size].abs().sum() > 0 for k, _ in llm.cache.layers)}
+    written = {p for p in range(cache.num_pages)
+               if any(k[p * size:(p + 1) * size].abs().sum() > 0 for k, _ in cache.layers)}
     # Pages are handed out in order: the scratch page first, then each sequence's pages.
-    owned = 1 + sum(llm.cache.pages_for(len(p) + 8 + 4) for p in prompts)
-    assert llm.scratch_page == 0 and 0 in written and written <= set(range(owned))
+    owned = 1 + sum(cache.pages_for(len(p) + 8 + 4) for p in prompts)
+    assert llm.engine.runner.scratch_page == 0 and 0 in written and written <= set(range(owned))
 
 
 def padded_equal(static: torch.Tensor, dynamic: torch.Tensor) -> bool:
@@ -268,13 +270,13 @@ def test_static_iteration_reads_the_device_once(static: LLM, eager: LLM, prompts
                                                     speculative=tiny_spec(method))]
     guard = SyncGuard(monkeypatch)
     calls: list[str] = []
-    commit = guard.wrap(static.runner._commit, armed=False)
-    iteration = guard.wrap(static.runner._iteration, armed=True)
-    monkeypatch.setattr(static.runner, "_commit", lambda *a: calls.append("read") or commit(*a))
-    monkeypatch.setattr(static.runner, "_iteration",
-                        lambda *a: calls.append("it") or iteration(*a))
+    runner = static.engine.runner
+    commit = guard.wrap(runner._commit, armed=False)
+    iteration = guard.wrap(runner._iteration, armed=True)
+    monkeypatch.setattr(runner, "_commit", lambda *a: calls.append("read") or commit(*a))
+    monkeypatch.setattr(runner, "_iteration", lambda *a: calls.append("it") or iteration(*a))
     for name in ("select", "join"):  # the selections after an iteration and after prefill
-        monkeypatch.setattr(static.runner, name, guard.wrap(getattr(static.runner, name), True))
+        monkeypatch.setattr(runner, name, guard.wrap(getattr(runner, name), True))
     outs = static.generate(prompts, params, speculative=tiny_spec(method))
     assert [o.token_ids for o in outs] == expected
     assert calls.count("read") == calls.count("it") >= 3
@@ -298,9 +300,9 @@ def test_prefill_chunks_read_nothing_back(static: LLM, eager: LLM, prompts: list
                                                     speculative=tiny_spec(method))]
     guard = SyncGuard(monkeypatch)
     chunks: list[int] = []
-    chunk = guard.wrap(static.runner._prefill_chunk, armed=True)
-    monkeypatch.setattr(static.runner, "_prefill_chunk",
-                        lambda *a: chunks.append(1) or chunk(*a))
+    prefiller = static.engine.runner.prefiller
+    chunk = guard.wrap(prefiller._chunk, armed=True)
+    monkeypatch.setattr(prefiller, "_chunk", lambda *a: chunks.append(1) or chunk(*a))
     outs = static.generate(prompts, params, speculative=tiny_spec(method))
     assert [o.token_ids for o in outs] == expected and chunks == [1]
 
@@ -329,7 +331,7 @@ def test_static_triton_equals_eager_triton(tiny: Path, prompts: list[list[int]],
     engine = dict(ENGINE, backend="triton", max_model_len=40)
     plain, static = LLM(str(tiny), **engine), LLM(str(tiny), static_shapes=True, **engine)
     guard = SyncGuard(monkeypatch)
-    runner = static.runner
+    runner = static.engine.runner
     monkeypatch.setattr(runner, "_commit", guard.wrap(runner._commit, armed=False))
     monkeypatch.setattr(runner, "_iteration", guard.wrap(runner._iteration, armed=True))
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 2, 4)]
@@ -341,7 +343,7 @@ def test_static_triton_equals_eager_triton(tiny: Path, prompts: list[list[int]],
 def test_the_guard_catches_the_eager_path(eager: LLM, prompts: list[list[int]],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The dynamic path reads host bounds (the budget's max) inside the iteration."""
-    guard, runner = SyncGuard(monkeypatch), eager.runner
+    guard, runner = SyncGuard(monkeypatch), eager.engine.runner
     monkeypatch.setattr(runner, "_commit", guard.wrap(runner._commit, armed=False))
     monkeypatch.setattr(runner, "_iteration", guard.wrap(runner._iteration, armed=True))
     monkeypatch.setattr(runner, "select", guard.wrap(runner.select, armed=True))
@@ -353,7 +355,7 @@ def test_the_guard_catches_the_eager_path(eager: LLM, prompts: list[list[int]],
 def test_eager_path_is_untouched_by_static_buffers(eager: LLM, prompts: list[list[int]]) -> None:
     eager.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True),
                    speculative=tiny_spec({"method": "vegas"}))
-    assert eager.graphs is None and eager.scratch_page == -1
+    assert eager.engine.runner.graphs is None and eager.engine.runner.scratch_page == -1
 
 
 # --- settings ---------------------------------------------------------------------------------
@@ -380,9 +382,10 @@ def test_max_model_len_bounds_the_static_shapes(tiny: Path, prompts: list[list[i
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True),
                         speculative=tiny_spec({"method": "vegas"}))
     assert [len(o.token_ids) for o in outs] == [40, 40, 96 - LENGTHS[2]]
-    assert llm.graphs is not None and llm.graphs.kv_len == llm.cache.pages_for(96 + 4) * 16
+    graphs, cache = llm.engine.runner.graphs, llm.engine.runner.cache
+    assert graphs is not None and graphs.kv_len == cache.pages_for(96 + 4) * 16
     # the selection ranks positions below max_model_len only (rows up to the end: above)
-    assert llm.graphs.shapes.rank_width == 96 < llm.graphs.kv_len
+    assert graphs.shapes.rank_width == 96 < graphs.kv_len
     with pytest.raises(ConfigError, match="exceeds the model's 256 positions"):
         LLM(str(tiny), max_model_len=512, **ENGINE)
 
@@ -408,9 +411,9 @@ def test_cuda_graphs_replay_equals_eager(tiny: Path, prompts: list[list[int]], b
     graphs = LLM(str(tiny), **cuda)  # on by default on CUDA
     static = LLM(str(tiny), cuda_graphs=False, static_shapes=True, **cuda)
     plain = LLM(str(tiny), cuda_graphs=False, **cuda)
-    monkeypatch.setattr(graphs.runner, "_commit", sync_mode(graphs.runner._commit, "default"))
-    monkeypatch.setattr(graphs.runner, "_iteration",
-                        sync_mode(graphs.runner._iteration, "error"))
+    runner = graphs.engine.runner
+    monkeypatch.setattr(runner, "_commit", sync_mode(runner._commit, "default"))
+    monkeypatch.setattr(runner, "_iteration", sync_mode(runner._iteration, "error"))
     # a sampled round's graph is captured at its first use (capturing synchronises, once)
     monkeypatch.setattr(GraphRunner, "_capture_now",
                         sync_mode(GraphRunner._capture_now, "default"))
@@ -421,12 +424,12 @@ def test_cuda_graphs_replay_equals_eager(tiny: Path, prompts: list[list[int]], b
         for batch in (params, sampled):
             same_tokens(static, graphs, prompts, batch, method)
             same_tokens(plain, graphs, prompts, batch, method)
-        runner = graphs.graphs
+        runner = graphs.engine.runner.graphs
         assert runner is not None and {b for _, b in runner.graphs} == {1, 2, 4}
         if method is not None:
             assert {k for k, _ in runner.graphs} == {"spec", "filtered"}
-        assert static.graphs is not None and not static.graphs.graphs
-    assert plain.graphs is None
+        assert static.engine.runner.graphs is not None and not static.engine.runner.graphs.graphs
+    assert plain.engine.runner.graphs is None
 
 
 @pytest.mark.gpu
@@ -438,8 +441,8 @@ def test_a_new_runner_captures_while_old_graph_memory_is_held(tiny: Path,
     llm = LLM(str(tiny), **dict(ENGINE, device="cuda", dtype="float32"))
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     llm.generate(prompts, params)
-    assert llm.graphs is not None
-    held = next(iter(llm.graphs.graphs.values())).out[0]  # a block of the old pool
+    assert llm.engine.runner.graphs is not None
+    held = next(iter(llm.engine.runner.graphs.graphs.values())).out[0]  # a block of the old pool
     out = llm.generate(prompts, params, speculative={"method": "vegas", "min_tokens": 4})
     assert [o.token_ids for o in out] == [o.token_ids for o in llm.generate(prompts, params)]
     assert held.is_cuda

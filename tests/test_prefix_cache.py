@@ -12,14 +12,15 @@ def test_repeated_prompt_hits_the_cache_and_gives_the_same_tokens(llm) -> None:
     prompt = list(range(300, 420))
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     first = llm.generate([prompt], params)[0].token_ids
-    assert tuple(prompt) in llm.prefix_cache.entries
+    assert tuple(prompt) in llm.engine.runner.prefiller.prefix.entries
     calls = []
-    original = llm.model.forward
-    llm.model.forward = lambda ids, *a, **k: calls.append(ids.shape) or original(ids, *a, **k)
+    model = llm.engine.runner.model
+    original = model.forward
+    model.forward = lambda ids, *a, **k: calls.append(ids.shape) or original(ids, *a, **k)
     try:
         second = llm.generate([prompt], params, speculative={"method": "vegas"})[0].token_ids
     finally:
-        llm.model.forward = original
+        model.forward = original
     assert second == first
     assert all(shape[1] <= 7 for shape in calls)  # no prefill chunk ran again, only decoding
 

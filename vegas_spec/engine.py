@@ -46,14 +46,13 @@ from vegas_spec.config import (
     spec_config,
 )
 from vegas_spec.executor import make_runner
-from vegas_spec.graphs import GraphRunner, StaticShapes, bucket_for, round_kind_of
+from vegas_spec.graphs import bucket_for, round_kind_of
 from vegas_spec.models.loader import resolve
 from vegas_spec.prefill_graphs import bucket_floor
 from vegas_spec.sampling import host_flags
 from vegas_spec.scheduler import PrefillPacer, Scheduler
 from vegas_spec.sequence import Detokenizer, Sequence
 from vegas_spec.speculative.adaptive import SpeculationController
-from vegas_spec.speculative.policies import Policy
 from vegas_spec.stats import PhaseTimer, RunStats, SeqStats
 from vegas_spec.tokenizer import encode, load_tokenizer, longest_token, text_decoder
 
@@ -460,35 +459,15 @@ class LLM:
                  **engine_kwargs: Any) -> None:
         self.engine = LLMEngine(model, speculative=speculative, **engine_kwargs)
 
-    # The engine's parts, by their familiar names.
-    runner = property(lambda self: self.engine.runner)
+    # What a caller reads: the settings (the engine's, the default method), the tokenizer,
+    # the model's config and context, and the device that `logits` returns on. The model,
+    # its cache and buffers are the runner's (`engine.runner`).
     config = property(lambda self: self.engine.config)
     spec = property(lambda self: self.engine.spec)
-    source = property(lambda self: self.engine.source)
     tokenizer = property(lambda self: self.engine.tokenizer)
     max_model_len = property(lambda self: self.engine.max_model_len)
-    device = property(lambda self: self.runner.device)
-    model_config = property(lambda self: self.runner.model_config)
-    model = property(lambda self: self.runner.model)
-    backend = property(lambda self: self.runner.backend)
-    cache = property(lambda self: self.runner.cache)
-    scratch_page = property(lambda self: self.runner.scratch_page)
-    prefill_graphs = property(lambda self: self.runner.prefill_graphs)
-    prefix_cache = property(lambda self: self.runner.prefix_cache)
-
-    @property
-    def graphs(self) -> GraphRunner | None:
-        return self.runner.graphs
-
-    @graphs.setter
-    def graphs(self, runner: GraphRunner | None) -> None:
-        self.runner.graphs = runner
-
-    def _graph_runner(self, spec: SpecConfig, policy: Policy | None, bsz: int) -> GraphRunner:
-        return self.runner._graph_runner(spec, policy, bsz)
-
-    def _static_shapes(self, spec: SpecConfig, policy: Policy | None) -> StaticShapes:
-        return self.runner._static_shapes(spec, policy)
+    device = property(lambda self: self.engine.runner.device)
+    model_config = property(lambda self: self.engine.runner.model_config)
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None, *,
@@ -513,9 +492,9 @@ class LLM:
         self._warn_capped(seqs, named)
         # Buffers (and CUDA graphs) for the largest batch these prompts can form, made once:
         # sized from the first admission, they would hold a later, larger batch to its rows.
-        self.runner.reserve(engine.scheduler.max_resident(seqs))
+        engine.runner.reserve(engine.scheduler.max_resident(seqs))
         if spec.speculative:  # a sampled batch's round graph too, before the decode loop
-            self.runner.warm_rounds((round_kind_of(*host_flags(params_list)),))
+            engine.runner.warm_rounds((round_kind_of(*host_flags(params_list)),))
         stats, wall, iterations = self._start_stats(spec, seqs)
         try:
             for seq in seqs:
@@ -542,7 +521,8 @@ class LLM:
 
     def _start_stats(self, spec: SpecConfig, seqs: list[Sequence],
                      ) -> tuple[RunStats, dict[str, float], int]:
-        timer = self.runner.timer = PhaseTimer(self.runner.device)
+        runner = self.engine.runner
+        timer = runner.timer = PhaseTimer(runner.device)
         stats = RunStats(spec.method, spec.gamma if spec.speculative else 0, timer,
                          prompt_tokens=sum(len(s.prompt_ids) for s in seqs),
                          seqs=[s.stats for s in seqs])
@@ -578,8 +558,8 @@ class LLM:
         if chunk is not None and (not is_int(chunk) or chunk < 1):
             raise ConfigError(f"chunk must be an integer >= 1, got {chunk!r}")
         seq = self.engine.sequence(token_ids, SamplingParams(max_tokens=1), text=False)
-        return self.runner.logits(seq.prompt_ids,
-                                  chunk or self.config.prefill_tokens(self.model_config))
+        return self.engine.runner.logits(seq.prompt_ids,
+                                         chunk or self.config.prefill_tokens(self.model_config))
 
     def next_token_logits(self, prompts: str | list[str] | list[int] | list[list[int]], *,
                           chat: bool = False):  # noqa: ANN201
@@ -587,11 +567,12 @@ class LLM:
         `generate` runs (batched, chunked, with the prefix cache when it is on)."""
         seqs = [self.engine.sequence(p, SamplingParams(max_tokens=1), chat, i, text=False)
                 for i, p in enumerate(prompt_list(prompts)[0])]
-        self.cache.check_fits([s.limit for s in seqs])
+        runner = self.engine.runner
+        runner.cache.check_fits([s.limit for s in seqs])
         for s in seqs:
-            s.pages = self.cache.allocate(s.limit)
+            s.pages = runner.cache.allocate(s.limit)
         try:
-            return self.runner.next_token_logits(seqs)
+            return runner.next_token_logits(seqs)
         finally:
             for s in seqs:
-                self.cache.release(s.pages)
+                runner.cache.release(s.pages)

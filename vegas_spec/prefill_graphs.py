@@ -2,10 +2,11 @@
 
 An eager prefill forward launches about ten kernels per layer from Python; on a small model
 the host then takes longer to issue a chunk than the GPU takes to run it, and a one-prompt
-prefill leaves the GPU idle most of the time. Here a chunk is packed on the host (tokens,
-positions, slots, the pieces' page rows and query tiles, the rows that end a prompt) into two
-flat buffers, copied to the device in two transfers, and the whole forward (every layer, the
-logits of the prompts' last rows, their selection scores and queries) is one graph replay.
+prefill leaves the GPU idle most of the time. Here a chunk is packed on the host by
+`prefill_packing` (tokens, positions, slots, the pieces' page rows and query tiles, the rows
+that end a prompt) into two flat buffers, copied to the device in two transfers, and the
+whole forward (every layer, the logits of the prompts' last rows, their selection scores and
+queries) is one graph replay.
 
 A graph is fixed by (token bucket, piece bucket, score kind): tokens are padded to the next
 bucket of the 1, 1.5, 2, 3, 4, 6, ... x 512 ladder (padding rows write only the scratch page
@@ -17,19 +18,19 @@ at once by `warm` (a server, before its first request: a capture takes far longe
 step, and every running sequence would wait for it). On CPU, or with a backend that needs
 the host lengths of the pieces (the torch backend), the same buffers run eagerly at the
 chunk's exact sizes (`pad_to` None; a test sets it to run the padding on CPU), so both paths
-share every line of the buffer logic."""
+share every line of the buffer logic, and the eager prefill's packing too."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from vegas_spec.attention.backend import AttentionBackend
-from vegas_spec.attention.context import LastRows, PrefillPlan, ScoreRequest, StepContext
+from vegas_spec.attention.context import ScoreRequest
 from vegas_spec.graphs import capture
 from vegas_spec.models.decoder import Decoder
+from vegas_spec.prefill_packing import Chunk, Layout, PackedPrefill, context, forward, last_rows
 
 
 def token_bucket(tokens: int, smallest: int = 512) -> int:
@@ -63,17 +64,6 @@ class ScoreKind:
     per_kv_head: bool
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """A packed chunk on the host: pieces (row, start, end) of `prompts` (batch rows) with
-    their sequences' pages; ends: the pieces that finish their prompt."""
-
-    prompts: list[list[int]]
-    pieces: list[tuple[int, int, int]]
-    pages: list[list[int]]
-    ends: list[int]
-
-
 class PrefillOutputs:
     """What a forward of S pieces gives: the last rows' queries q_out [layers, S, H, D],
     logits [S, V] and scores (a ScoreRequest of out [layers, S, 1, G, W], or None). The
@@ -95,36 +85,10 @@ class PrefillOutputs:
                                        score.mode, score.per_kv_head)
 
 
-class PrefillBuffers:
-    """Every tensor one bucket's forward reads or writes. ints (int64): tokens, positions,
-    slots [T]; last_index, last_pos, last_slots [S]. small (int32): cu_q [S + 2], start
-    [S + 1], table [S + 1, P], tiles [2, NT], last_table [S, P]. Piece S is always empty.
-    The outputs (q_out, logits, scores) are `outputs`' tensors."""
-
-    def __init__(self, tokens: int, pieces: int, pages: int, tiles: int,
-                 outputs: PrefillOutputs, device: torch.device) -> None:
-        t, s, p = tokens, pieces, pages
-        self.tokens_cap, self.pieces_cap, self.pages, self.tiles_cap = t, s, p, tiles
-        self.ints = torch.zeros(3 * t + 3 * s, dtype=torch.long, device=device)
-        self.small = torch.zeros(s + 2 + s + 1 + (s + 1) * p + 2 * tiles + s * p,
-                                 dtype=torch.int32, device=device)
-        i, m = self.ints, self.small
-        self.tokens, self.positions, self.slots = i[:t], i[t : 2 * t], i[2 * t : 3 * t]
-        self.last_index = i[3 * t : 3 * t + s]
-        self.last_pos = i[3 * t + s : 3 * t + 2 * s].view(s, 1)
-        self.last_slots = i[3 * t + 2 * s :].view(s, 1)
-        o = 0
-        self.cu_q, o = m[o : o + s + 2], o + s + 2
-        self.start, o = m[o : o + s + 1], o + s + 1
-        self.table, o = m[o : o + (s + 1) * p].view(s + 1, p), o + (s + 1) * p
-        self.tiles, o = m[o : o + 2 * tiles].view(2, tiles), o + 2 * tiles
-        self.last_table = m[o:].view(s, p)
-        self.q_out, self.logits, self.scores = outputs.q_out, outputs.logits, outputs.scores
-
-
 @dataclass
 class _Entry:
-    buf: PrefillBuffers
+    buf: PackedPrefill
+    out: PrefillOutputs
     graph: torch.cuda.CUDAGraph | None = None
 
 
@@ -174,20 +138,20 @@ class PrefillGraphs:
 
     def run(self, chunk: Chunk, score: ScoreKind | None,
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        total = sum(end - start for _, start, end in chunk.pieces)
+        total = sum(chunk.lengths)
         if self.pad_to is None:
             key = (total, len(chunk.pieces), score)
         else:
             key = (token_bucket(total, self.pad_to), piece_bucket(len(chunk.pieces)), score)
         entry = self._kept(key)
-        lengths, starts = self._fill(entry.buf, chunk)
+        self._fill(entry.buf, chunk)
         if entry.graph is not None:
             entry.graph.replay()
         else:
-            self._body(entry.buf, lengths, starts)
-        b, e = entry.buf, len(chunk.ends)
-        scores = None if b.scores is None else b.scores.out[:, :e]
-        return b.logits[:e], scores, b.q_out[:, :e]
+            self._body(entry, chunk)
+        out, e = entry.out, len(chunk.ends)
+        scores = None if out.scores is None else out.scores.out[:, :e]
+        return out.logits[:e], scores, out.q_out[:, :e]
 
     # --- buffers ----------------------------------------------------------------------------
 
@@ -202,13 +166,14 @@ class PrefillGraphs:
         return entry
 
     def _entry(self, tokens: int, pieces: int, score: ScoreKind | None) -> _Entry:
+        """Buffers of `pieces` pieces and as many last rows, and one empty piece past them
+        (the padding tiles')."""
         tiles = 0 if self.block_m is None else -(-tokens // self.block_m) + pieces
-        buf = PrefillBuffers(tokens, pieces, self.pages, max(tiles, 1),
-                             self._outputs(pieces, score), self.device)
-        entry = _Entry(buf)
-        self._fill(buf, Chunk([], [], [], []))  # all padding: touches only the scratch page
+        layout = Layout(tokens, pieces + 1, pieces, self.pages, max(tiles, 1))
+        entry = _Entry(PackedPrefill(layout, self.device), self._outputs(pieces, score))
+        self._fill(entry.buf, Chunk([], [], [], []))  # all padding: touches only the scratch page
         if self.capture:
-            entry.graph = self._capture(buf)
+            entry.graph = self._capture(entry)
         return entry
 
     def _outputs(self, pieces: int, score: ScoreKind | None) -> PrefillOutputs:
@@ -222,76 +187,29 @@ class PrefillGraphs:
                 self.outputs[pieces, score] = out
         return out
 
-    def _fill(self, buf: PrefillBuffers, chunk: Chunk) -> tuple[tuple[int, ...], ...]:
-        """Pack the chunk (padded to the buffers' shapes) on the host, copy it over in two
-        transfers -> the pieces' host lengths and starts."""
-        t, s, p, ps = buf.tokens_cap, buf.pieces_cap, buf.pages, self.page_size
-        scratch = np.full(p, self.scratch_page, dtype=np.int32)
-        ints = np.zeros(3 * t + 3 * s, dtype=np.int64)
-        ints[2 * t : 3 * t] = self.scratch_page * ps  # padding rows write the scratch page
-        lengths = [end - start for _, start, end in chunk.pieces]
-        starts = [start for _, start, _ in chunk.pieces]
-        offsets = np.cumsum([0, *lengths])
-        total = int(offsets[-1])
-        table = np.tile(scratch, (s + 1, 1))
-        for j, (row, a, b) in enumerate(chunk.pieces):
-            lo, hi = offsets[j], offsets[j + 1]
-            pos = np.arange(a, b)
-            pages = np.asarray(chunk.pages[row], dtype=np.int64)
-            ints[lo:hi] = chunk.prompts[row][a:b]
-            ints[t + lo : t + hi] = pos
-            ints[2 * t + lo : 2 * t + hi] = pages[pos // ps] * ps + pos % ps
-            table[j, : len(pages)] = pages
-        last_table = np.tile(scratch, (s, 1))
-        ints[3 * t : 3 * t + s] = t - 1
-        ints[3 * t + 2 * s :] = self.scratch_page * ps
-        for e, j in enumerate(chunk.ends):
-            row, _, end = chunk.pieces[j]
-            ints[3 * t + e] = offsets[j + 1] - 1
-            ints[3 * t + s + e] = end - 1
-            ints[3 * t + 2 * s + e] = ints[2 * t + offsets[j + 1] - 1]
-            last_table[e] = table[j]
-        cu = np.full(s + 2, total, dtype=np.int32)
-        cu[: len(offsets)] = offsets
-        start = np.zeros(s + 1, dtype=np.int32)
-        start[: len(starts)] = starts
-        tiles = np.zeros((2, buf.tiles_cap), dtype=np.int32)
-        tiles[0] = s  # padding tiles: the empty piece S
-        if self.block_m is not None:
-            real = self.backend.prefill_tile_list(lengths, starts, self.block_m)
-            tiles[:, : real.shape[1]] = real
-        small = np.concatenate([cu, start, table.ravel(), tiles.ravel(), last_table.ravel()])
-        self._upload(buf.ints, ints)
-        self._upload(buf.small, small)
-        return tuple(lengths), tuple(starts)
-
-    def _upload(self, dst: torch.Tensor, host: np.ndarray) -> None:
-        src = torch.from_numpy(host)
-        if dst.is_cuda:
-            src = src.pin_memory()
-        dst.copy_(src, non_blocking=True)
+    def _fill(self, buf: PackedPrefill, chunk: Chunk) -> None:
+        """The chunk packed into the buffers, padded to their shapes, with the backend's tile
+        list where its prefill reads one."""
+        tiles = None if self.block_m is None else self.backend.prefill_tile_list(
+            list(chunk.lengths), list(chunk.starts), self.block_m)
+        buf.fill(chunk, self.page_size, self.scratch_page, tiles)
 
     # --- the forward ------------------------------------------------------------------------
 
-    def _body(self, buf: PrefillBuffers, lengths: tuple[int, ...],
-              starts: tuple[int, ...]) -> None:
+    def _body(self, entry: _Entry, chunk: Chunk) -> None:
         """The forward a graph captures: the model over the packed tokens, then the logits of
         the last rows (their scores and queries are written inside the forward)."""
-        kv_len = self.pages * self.page_size
-        last = LastRows(buf.last_index, buf.last_pos, buf.last_slots, buf.last_table, kv_len,
-                        buf.q_out)
+        buf, out, kv_len = entry.buf, entry.out, self.pages * self.page_size
         memo = {} if self.block_m is None else {("prefill_tiles", self.block_m): buf.tiles}
-        plan = PrefillPlan(buf.cu_q, buf.start, lengths, starts, last, memo)
-        ctx = StepContext(positions=buf.positions[None], seq_lens=buf.start + buf.cu_q.diff(),
-                          slot_mapping=buf.slots[None], page_table=buf.table,
-                          page_size=self.page_size, kv_len_max=kv_len, scores=buf.scores,
-                          prefill=plan)
-        hidden = self.model(buf.tokens[None], ctx, self.kv_caches, self.backend)[0]
-        buf.logits.copy_(self.model.logits(hidden[buf.last_index], self.backend))
+        ctx = context(buf, chunk, self.page_size, kv_len, last_rows(buf, kv_len, out.q_out),
+                      out.scores, memo)
+        _, logits = forward(self.model, self.kv_caches, self.backend, buf, ctx)
+        assert logits is not None
+        out.logits.copy_(logits)
 
-    def _capture(self, buf: PrefillBuffers) -> torch.cuda.CUDAGraph:
+    def _capture(self, entry: _Entry) -> torch.cuda.CUDAGraph:
         """On the all-padding buffers; every capture shares one memory pool."""
-        graph, _ = capture(lambda: self._body(buf, (), ()), self.pool)
+        graph, _ = capture(lambda: self._body(entry, Chunk([], [], [], [])), self.pool)
         if self.pool is None:
             self.pool = graph.pool()
         return graph

@@ -97,8 +97,8 @@ def test_half_precision_is_as_close_as_transformers(dtype: str, tmp_path: Path) 
     ids = random_ids(60, seed=6)
     ref = hf_logits(model, ids)
     llm = engine(tmp_path, dtype=dtype)
-    assert llm.model.layers[0].qkv.weight.dtype == getattr(torch, dtype)
-    assert llm.cache.layers[0][0].dtype == getattr(torch, dtype)
+    assert llm.engine.runner.model.layers[0].qkv.weight.dtype == getattr(torch, dtype)
+    assert llm.engine.runner.cache.layers[0][0].dtype == getattr(torch, dtype)
     ours = llm.logits(ids)
     theirs = hf_logits(model.to(getattr(torch, dtype)), ids)
     assert ours.dtype == torch.float32
@@ -121,9 +121,9 @@ def test_families_are_what_they_claim(tmp_path: Path) -> None:
 
 def test_untied_head_is_not_the_embedding(tmp_path: Path) -> None:
     model = build_hf("llama-untied")
-    llm = engine(save(model, tmp_path))
-    assert not torch.equal(llm.model.lm_head.weight, llm.model.embed.weight)
-    torch.testing.assert_close(llm.model.lm_head.weight, model.lm_head.weight, rtol=0, atol=0)
+    ours = engine(save(model, tmp_path)).engine.runner.model
+    assert not torch.equal(ours.lm_head.weight, ours.embed.weight)
+    torch.testing.assert_close(ours.lm_head.weight, model.lm_head.weight, rtol=0, atol=0)
 
 
 def test_sharded_checkpoint(tmp_path: Path) -> None:
@@ -189,7 +189,7 @@ def test_generation_stops_at_the_context_end(tmp_path: Path) -> None:
     assert len(plain.token_ids) == 64 - 50 and plain.finish_reason == "length"
     spec = llm.generate([prompt], params, speculative=SpecConfig(method="full", gamma=MAX_GAMMA))
     assert spec[0].token_ids == plain.token_ids
-    assert len(llm.cache.free_pages) == llm.cache.num_pages
+    assert len(llm.engine.runner.cache.free_pages) == llm.engine.runner.cache.num_pages
 
 
 def test_eos_ids_of_generation_config(tmp_path: Path) -> None:

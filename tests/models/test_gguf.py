@@ -85,12 +85,12 @@ def test_real_gguf_weights_equal_transformers(llm, hf_model) -> None:
     cfg = llm.model_config
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     for i in (0, cfg.num_layers - 1):
-        ours = llm.model.layers[i].qkv.weight
+        ours = llm.engine.runner.model.layers[i].qkv.weight
         ref = hf_model.model.layers[i].self_attn
         assert torch.equal(ours[:q], ref.q_proj.weight)
         assert torch.equal(ours[q : q + kv], ref.k_proj.weight)
         assert torch.equal(ours[q + kv :], ref.v_proj.weight)
-    assert torch.equal(llm.model.embed.weight, hf_model.model.embed_tokens.weight)
+    assert torch.equal(llm.engine.runner.model.embed.weight, hf_model.model.embed_tokens.weight)
 
 
 @pytest.mark.slow

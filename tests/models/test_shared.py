@@ -27,8 +27,8 @@ def tiny(tmp_path: Path) -> Path:
 
 def test_engines_of_one_checkpoint_share_its_weights(tiny: Path) -> None:
     first, second = LLM(str(tiny), **ENGINE), LLM(str(tiny), max_num_seqs=2, **ENGINE)
-    assert second.model is first.model
-    assert second.cache is not first.cache  # each engine's own KV pool
+    assert second.engine.runner.model is first.engine.runner.model
+    assert second.engine.runner.cache is not first.engine.runner.cache  # each engine's own KV pool
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     assert second.generate([[5, 6, 7]], params)[0].token_ids == \
         first.generate([[5, 6, 7]], params)[0].token_ids
@@ -38,10 +38,12 @@ def test_another_dtype_or_fp8_drafts_is_a_model_of_its_own(tiny: Path) -> None:
     plain = LLM(str(tiny), **ENGINE)
     half = LLM(str(tiny), dtype="bfloat16", **ENGINE)
     fp8 = LLM(str(tiny), draft_weights="fp8", **ENGINE)
-    assert len({id(plain.model), id(half.model), id(fp8.model)}) == 3
-    assert half.model.layers[0].qkv.weight.dtype == torch.bfloat16
-    assert plain.model.layers[0].drafts is None and fp8.model.layers[0].drafts is not None
-    assert LLM(str(tiny), draft_weights="fp8", **ENGINE).model is fp8.model
+    models = [llm.engine.runner.model for llm in (plain, half, fp8)]
+    assert len(set(map(id, models))) == 3
+    assert models[1].layers[0].qkv.weight.dtype == torch.bfloat16
+    assert models[0].layers[0].drafts is None and models[2].layers[0].drafts is not None
+    again = LLM(str(tiny), draft_weights="fp8", **ENGINE)
+    assert again.engine.runner.model is models[2]
     assert plain.engine.draft_weight_bytes == 0 < fp8.engine.draft_weight_bytes
 
 
@@ -50,7 +52,7 @@ def test_a_rewritten_checkpoint_is_read_again(tiny: Path) -> None:
     weights = tiny / "model.safetensors"
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
-    assert LLM(str(tiny), **ENGINE).model is not old.model
+    assert LLM(str(tiny), **ENGINE).engine.runner.model is not old.engine.runner.model
 
 
 def test_the_model_goes_with_the_last_engine_that_holds_it(tiny: Path) -> None:
@@ -60,7 +62,7 @@ def test_the_model_goes_with_the_last_engine_that_holds_it(tiny: Path) -> None:
     assert len(held()) == 1
     del first
     gc.collect()
-    assert len(held()) == 1 and second.model is not None
+    assert len(held()) == 1 and second.engine.runner.model is not None
     del second
     gc.collect()
     assert not held()

@@ -692,7 +692,7 @@ def test_requests_that_may_fill_the_context_do_not_block_a_short_one() -> None:
     all five decode at once and a short request behind them is answered while they stream,
     the pool preempting and resuming the newest streams as they grow."""
     probe = LLM(None, max_model_len=1024, kv_cache_bytes=1 << 22)
-    page = probe.cache.bytes_per_page
+    page = probe.engine.runner.cache.bytes_per_page
     del probe
     running = Running(engine(max_num_seqs=8, max_model_len=1024, kv_cache_bytes=101 * page))
     body = {"model": MODEL, "max_tokens": 10**9, "temperature": 0, "ignore_eos": True,

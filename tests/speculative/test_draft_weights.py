@@ -50,13 +50,14 @@ def spec(method: str) -> SpecConfig:
 
 def test_the_copy_is_of_its_kind_per_projection(draft_llm) -> None:
     kind = draft_llm.engine.draft_weight_kind
-    layer = draft_llm.model.layers[0]
+    layers = draft_llm.engine.runner.model.layers
+    layer = layers[0]
     assert layer.drafts is not None and set(layer.drafts) == {"qkv", "o_proj", "gate_up", "down"}
     for name, w in layer.drafts.items():
         assert isinstance(w, KINDS[kind]) and w.shape == getattr(layer, name).weight.shape
-    total = sum(w.nbytes for lay in draft_llm.model.layers for w in lay.drafts.values())
-    model = sum(getattr(lay, name).weight.numel() for lay in draft_llm.model.layers
-                for name in layer.drafts)  # weights, each float32 here
+    total = sum(w.nbytes for lay in layers for w in lay.drafts.values())
+    # the weights, each float32 here
+    model = sum(getattr(lay, name).weight.numel() for lay in layers for name in layer.drafts)
     assert draft_llm.engine.draft_weight_bytes == total > 0
     # a byte (FP8) or half a byte (INT4) a weight, and their scales, against four
     assert total < (0.15 if kind == "int4" else 0.26) * 4 * model
@@ -106,7 +107,7 @@ def test_dynamic_path_quantised_drafts(prompts, kind: str) -> None:
     plain = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
                         speculative=spec("vegas"))
-    assert llm.graphs is None
+    assert llm.engine.runner.graphs is None
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
 
 

@@ -69,7 +69,7 @@ def test_local_context_selection_equals_plain(request, prompts, plain, variant,
     spec = SpecConfig(gamma=6, ratio=0.05, min_tokens=64, **variant)
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
                            speculative=spec)
-    assert (engine.graphs is not None) == static
+    assert (engine.engine.runner.graphs is not None) == static
     for out, ref in zip(outs, plain):
         assert out.token_ids == ref.token_ids
     stats = outs[0].stats

@@ -2,7 +2,8 @@
 indices, recent range and budget depend on that row alone), so joining sequences' plans are
 appended to the running rows' plans, which stay as they are, and the rows of sequences that
 leave between rounds are cut out of it. `selection_input` is what every plan is made from,
-on the dynamic path and inside a round's graph alike."""
+on the dynamic path and inside a round's graph alike; `score_request` what a full pass writes
+the scores that a policy selects from into."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-from vegas_spec.attention.context import SparsePlan
+from vegas_spec.attention.context import ScoreRequest, SparsePlan
 from vegas_spec.ops import cat_padded
 from vegas_spec.speculative.policies import Policy, SelectionInput
 
@@ -25,6 +26,19 @@ def selection_input(policy: Policy, backend: Any, scores: torch.Tensor | None,
     scores = backend.tp.sum_scores(scores, policy.per_kv_head)
     return SelectionInput(scores, row, accepted, lengths, gamma, kv_caches, page_table,
                           page_size, topk=backend.topk, topk_sum=backend.topk_sum)
+
+
+def score_request(policy: Policy | None, layers: int, kv_heads: int, bsz: int, n: int,
+                  width: int, prefill: bool, device: torch.device) -> ScoreRequest | None:
+    """The scores a full pass of bsz rows of n queries (the last row of a prompt: prefill)
+    emits for the policy: out [layers, bsz, R, G, width] (None: it selects without them)."""
+    if policy is None or not policy.wants_scores:
+        return None
+    rows = policy.score_rows(n, prefill)
+    groups = kv_heads if policy.per_kv_head else 1
+    out = torch.empty(layers, bsz, len(rows), groups, width, device=device)
+    return ScoreRequest(torch.tensor(rows, device=device), out, policy.score_mode,
+                        policy.per_kv_head)
 
 
 def cat_plans(a: SparsePlan | None, b: SparsePlan | None) -> SparsePlan | None:

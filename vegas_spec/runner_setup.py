@@ -1,0 +1,169 @@
+"""What a model runner runs on, loaded and sized once: the model (this rank's share under
+tensor parallelism, shared by the engines of a process: `models.shared`) and its FP8 or INT4
+draft copies, the attention backend, the KV pool sized from the
+memory they leave, the scratch page of the static shapes, the prefill graphs and the prefix
+cache; and, for each method and batch size, the decode loop's static shapes and the
+`GraphRunner` over them, rebuilt only when they change or the batch outgrows it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vegas_spec import parallel
+from vegas_spec.attention.backend import AttentionBackend, make_backend
+from vegas_spec.cache import PagedKVCache, available_bytes
+from vegas_spec.config import MAX_GAMMA, ConfigError, EngineConfig, ModelConfig, SpecConfig
+from vegas_spec.graphs import GraphRunner, StaticShapes, bucket_for
+from vegas_spec.input_batch import InputBatch
+from vegas_spec.models.decoder import Decoder, build_model
+from vegas_spec.models.loader import ModelSource, dummy_weights, load_config, load_weights
+from vegas_spec.models.shared import ModelKey, file_stamps, shared_model
+from vegas_spec.prefill import Prefiller
+from vegas_spec.prefill_graphs import PrefillGraphs
+from vegas_spec.prefix_cache import PrefixCache
+from vegas_spec.quant import fp8_supported
+from vegas_spec.speculative.policies import Policy, max_budget
+
+CPU_KV_BYTES = 2 << 30
+
+# "auto" draft weights are FP8 on GPUs that have FP8 conversions once this is True: on an
+# H200 the FP8 kernel still streams its weights no faster than cuBLAS streams bf16 ones, so a
+# draft step with FP8 copies is slower (BENCHMARKS.md §1.2).
+FP8_DRAFTS_BY_DEFAULT = False
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A runner's model and memory. model_config: the whole model's; local_config: this
+    rank's share (its heads, its KV heads in the cache); scratch_page: the page that padding
+    rows of the static shapes write (-1: no static shapes)."""
+
+    model_config: ModelConfig
+    local_config: ModelConfig
+    model: Decoder
+    backend: AttentionBackend
+    cache: PagedKVCache
+    scratch_page: int
+    draft_weight_bytes: int
+    max_model_len: int
+    draft_weight_kind: str = "model"  # what draft steps read: fp8, int4 or model
+
+
+def load(config: EngineConfig, source: ModelSource) -> Loaded:
+    """The model, its draft copies, the backend and the KV pool, in that order (the pool
+    takes what the weights leave)."""
+    device = torch.device(config.device)
+    cfg = load_config(source)
+    if (config.max_model_len or 0) > cfg.max_position_embeddings:
+        raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's "
+                          f"{cfg.max_position_embeddings} positions")
+    tp = parallel.current()
+    local = parallel.shard_config(cfg, tp.world_size)
+    # One model per checkpoint, dtype, device, rank and draft kind in a process: another
+    # engine's if one holds it. A draft copy is made before the KV budget, which the memory
+    # it takes then leaves out.
+    kind = draft_kind(config, device)
+    key = ModelKey(file_stamps(source), config.load_format, config.torch_dtype, device,
+                   tp.rank, tp.world_size, kind)
+    model = shared_model(key, lambda: _load_model(config, source, cfg, local, kind))
+    drafts = model.draft_weight_bytes()
+    backend = make_backend(config.resolved_backend, config.exact)
+    backend.tp = tp
+    cache = PagedKVCache.from_budget(local, kv_budget(config, device), config.page_size,
+                                     config.torch_dtype, device)
+    scratch = cache.allocate(1)[0] if config.static else -1
+    return Loaded(cfg, local, model, backend, cache, scratch, drafts,
+                  config.max_model_len or cfg.max_position_embeddings, kind)
+
+
+def _load_model(config: EngineConfig, source: ModelSource, cfg: ModelConfig,
+                local: ModelConfig, kind: str) -> Decoder:
+    """This rank's model read from the source (or drawn: load_format "dummy"), with its
+    `kind` draft copies (fp8 or int4; model: none)."""
+    device, tp = torch.device(config.device), parallel.current()
+    if config.load_format == "dummy":
+        weights = dummy_weights(cfg, config.torch_dtype, device, tp=tp)
+    else:
+        weights = load_weights(source, cfg, tp)
+    model = build_model(local, weights, config.torch_dtype, device)
+    if kind != "model":
+        model.make_draft_weights(kind)
+    return model
+
+
+def draft_kind(config: EngineConfig, device: torch.device) -> str:
+    """What `draft_weights` asks the draft steps to read: fp8, int4 or model; "auto" is
+    model until FP8 drafts measure faster than the model's weights
+    (`FP8_DRAFTS_BY_DEFAULT`)."""
+    mode = config.draft_weights
+    if mode == "auto":
+        mode = "fp8" if FP8_DRAFTS_BY_DEFAULT and fp8_supported(device) else "model"
+    if mode == "fp8" and device.type == "cuda" and not fp8_supported(device):
+        raise ConfigError("draft_weights fp8 needs a GPU with FP8 conversions (compute "
+                          "capability 8.9 or newer)")
+    return mode
+
+
+def kv_budget(config: EngineConfig, device: torch.device) -> int:
+    """Bytes of the KV pool: the configured ones, else a fraction of the free memory (on
+    CPU at most CPU_KV_BYTES)."""
+    if config.kv_cache_bytes is not None:
+        return int(config.kv_cache_bytes)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * config.kv_cache_fraction)
+    avail = available_bytes(device)
+    return CPU_KV_BYTES if avail is None else \
+        min(CPU_KV_BYTES, int(avail * config.kv_cache_fraction))
+
+
+def static_shapes(parts: Loaded, spec: SpecConfig, policy: Policy | None) -> StaticShapes:
+    """The shapes of the method's decode loop. The greedy round (`spec`) is captured with
+    the buffers; the sampled rounds at their first use (one engine serves both)."""
+    cache, max_len = parts.cache, parts.max_model_len
+    if policy is None:
+        return StaticShapes(("plain",), 0, cache.pages_for(max_len))
+    gamma, hkv = spec.gamma, parts.local_config.num_kv_heads
+    kmax = max_budget(spec, max_len)
+    # adaptive speculation runs plain steps where a round would not pay
+    return StaticShapes(
+        kinds=("spec", "plain") if spec.adaptive else ("spec",), verify_rows=gamma + 1,
+        draft_kind="plain" if policy.full_drafts else "draft",
+        plans=not policy.full_drafts,
+        pages=cache.pages_for(max_len + gamma + 1), kmax=kmax, rank_width=max_len,
+        index_width=policy.index_width(kmax), index_groups=hkv if policy.per_kv_head else 1,
+        recent_max=policy.recent_max(gamma),
+        score_rows=tuple(policy.score_rows(gamma + 1, False)) if policy.wants_scores else (),
+        score_groups=hkv if policy.per_kv_head else 1, score_mode=policy.score_mode,
+        per_kv_head=policy.per_kv_head)
+
+
+def reserve(rows: InputBatch, parts: Loaded, config: EngineConfig, spec: SpecConfig,
+            policy: Policy | None, bsz: int) -> None:
+    """The rows' static buffers (and graphs) for the method's shapes and bsz rows, rounded
+    up to a bucket: rebuilt only when the shapes change or the batch outgrows them, and
+    always with the policy that the round graphs make the next selection with."""
+    shapes, old = static_shapes(parts, spec, policy), rows.graphs
+    same = (old.policy.cfg if old and old.policy else None) == (policy.cfg if policy else None)
+    if old is not None and old.shapes == shapes and old.capacity >= bsz and same:
+        return
+    rows.graphs = None  # free the old buffers and graphs before capturing new ones
+    rows.graphs = GraphRunner(parts.model, parts.cache.layers, parts.backend, shapes,
+                              bucket_for(bsz), config.page_size, parts.scratch_page,
+                              config.graphs, policy)
+
+
+def prefiller(parts: Loaded, config: EngineConfig) -> Prefiller:
+    """The prefill step: under static shapes on the prefill graphs' buffers (their pages
+    the widest row's), with the prefix cache where it is on."""
+    graphs = None
+    if config.static:
+        pages = parts.cache.pages_for(parts.max_model_len + MAX_GAMMA + 1)
+        graphs = PrefillGraphs(parts.model, parts.cache.layers, parts.backend, config.page_size,
+                               pages, parts.scratch_page, config.graphs)
+    prefix = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 else None
+    cfg = parts.model_config
+    return Prefiller(parts.model, parts.cache, parts.backend, cfg.vocab_size,
+                     config.prefill_tokens(cfg), graphs, prefix)
