@@ -67,7 +67,7 @@ def load(config: EngineConfig, source: ModelSource) -> Loaded:
     kind = draft_kind(config, device)
     key = ModelKey(file_stamps(source), config.load_format, config.torch_dtype, device,
                    tp.rank, tp.world_size, kind)
-    model = shared_model(key, lambda: _load_model(config, source, cfg, local, kind))
+    model = shared_model(key, lambda: _load_model(config, source, cfg, local, kind, device, tp))
     drafts = model.draft_weight_bytes()
     backend = make_backend(config.resolved_backend, config.exact)
     backend.tp = tp
@@ -79,10 +79,10 @@ def load(config: EngineConfig, source: ModelSource) -> Loaded:
 
 
 def _load_model(config: EngineConfig, source: ModelSource, cfg: ModelConfig,
-                local: ModelConfig, kind: str) -> Decoder:
+                local: ModelConfig, kind: str, device: torch.device,
+                tp: parallel.TPGroup) -> Decoder:
     """This rank's model read from the source (or drawn: load_format "dummy"), with its
     `kind` draft copies (fp8 or int4; model: none)."""
-    device, tp = torch.device(config.device), parallel.current()
     if config.load_format == "dummy":
         weights = dummy_weights(cfg, config.torch_dtype, device, tp=tp)
     else:

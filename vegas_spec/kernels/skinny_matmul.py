@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from vegas_spec.quant import DraftWeight, Fp8Weight, Int4Weight
+from vegas_spec.quant import DRAFT_TYPES, DraftWeight, Int4Weight
 
 # Rows the kernel takes at most (one row block); callers fall back to F.linear beyond.
 MAX_ROWS = 64
@@ -202,7 +202,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | DraftWeight,
     MAX_ROWS rows in all (a ValueError beyond: callers take F.linear there); a draft weight
     (FP8 or INT4) takes any number of rows, MAX_DRAFT_ROWS a launch. `tiles`: by default
     `skinny_tiles` of the shape (INT4 walks K a group at a time whatever block_k)."""
-    draft = isinstance(weight, (Fp8Weight, Int4Weight))
+    draft = isinstance(weight, DRAFT_TYPES)
     n, k = weight.shape
     w = weight.data if draft else weight
     assert w.dim() == 2 and x.shape[-1] == k and w.stride(-1) == 1
@@ -221,7 +221,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | DraftWeight,
 def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.Tensor | None,
             out: torch.Tensor, tiles: SkinnyTiles | None) -> None:
     """One launch: rows [M, K] (M <= one row block) into out [M, N]."""
-    draft = isinstance(weight, (Fp8Weight, Int4Weight))
+    draft = isinstance(weight, DRAFT_TYPES)
     (m, k), n = rows.shape, weight.shape[0]
     block_m = block_rows(m, MAX_DRAFT_ROWS if draft else MAX_ROWS)
     cfg = tiles or skinny_tiles(m, n, k)
