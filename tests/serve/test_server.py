@@ -505,8 +505,9 @@ async def _burst(url: str, bodies: list[dict]) -> list[tuple[int, float, str]]:
 def test_bursts_of_64_wait_and_of_200_are_bounded(served: Running, offline: LLM) -> None:
     """At 8 rows and a queue bound of 64: a burst of 64 requests is answered in full, each
     as offline; of a burst of 200 while 8 streams decode, the queue takes 64 and the rest
-    are refused (429), as is every request after them, each within 100 ms (the check does
-    not wait for the engine's step), and every request the queue took is answered."""
+    are refused (429), as is every request after them, each within 100 ms or as fast as a
+    health check (the check does not wait for the engine's step), and every request the
+    queue took is answered."""
     url = f"{served.url}/v1/completions"
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
     bodies = [{"model": MODEL, "prompt": p, "max_tokens": 3, "temperature": 0} for p in prompts]
@@ -523,20 +524,24 @@ def test_bursts_of_64_wait_and_of_200_are_bounded(served: Running, offline: LLM)
             if served.engine.num_waiting == 64 or burst.done():
                 break
             time.sleep(0.02)
-        late = []  # one at a time, the queue full and the rows decoding: each refused at once
+        late, health = [], []  # one at a time, the queue full and the rows decoding
         for _ in range(10):
             started = time.perf_counter()
             status = httpx.post(url, json=bodies[0], timeout=300).status_code
             late.append((status, time.perf_counter() - started))
+            started = time.perf_counter()
+            assert httpx.get(f"{served.url}/health", timeout=300).status_code == 200
+            health.append(time.perf_counter() - started)
         assert served.engine.num_running == 8 and not burst.done()
         answers = burst.result()
         assert sorted({status for status, _, _ in answers}) == [200, 429]
         assert sum(status == 429 for status, _, _ in answers) == 200 - 64  # the queue took 64
         assert [status for status, _ in late] == [429] * 10
-        seconds = sorted(t for _, t in late)
-        # within 100 ms (at most twice that for the median on a loaded 2-core machine): the
-        # check does not wait for the step in flight, which takes longer on a CPU
-        assert seconds[0] < 0.1 and seconds[5] < 0.2 and seconds[-1] < 1.0, seconds
+        seconds, probe = sorted(t for _, t in late), sorted(health)
+        # within 100 ms, or as fast as the server answers a health check on a machine
+        # loaded by other work: the refusal does not wait for the step in flight
+        assert seconds[0] < max(0.1, 2 * probe[0]), (seconds, probe)
+        assert seconds[5] < max(0.2, 2 * probe[5]) and seconds[-1] < 1.0, (seconds, probe)
         for it in lines:  # the streams ran to their end meanwhile
             assert [line for line in it if line][-1] == "data: [DONE]"
     settle(served)
