@@ -26,6 +26,10 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 INT4_GROUPS = (128, 64, 32)  # group sizes, the first that divides K
 DRAFT_WEIGHTS = ("auto", "fp8", "int4", "model")
+# Rows up to which a draft step reads the copy; a wider one reads the model's weights, whose
+# product streams them faster there than the copy's kernel streams the copy
+# (docs/kernel-notes.md, draft weights).
+DRAFT_COPY_ROWS = 16
 
 
 @dataclass
@@ -98,14 +102,9 @@ class Int4Weight:
         return (self.values() * self.scale.repeat_interleave(self.group, dim=1)).to(dtype)
 
     def ref(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K] @ weight^T (+ bias) -> [..., N] in x's dtype: per group, x times the
-        integers summed in float32 and scaled per column, the groups' sums added in order
-        (the kernel's order)."""
-        n, k = self.shape
-        xs = x.float().reshape(*x.shape[:-1], k // self.group, self.group)
-        vs = self.values().view(n, k // self.group, self.group)
-        parts = torch.einsum("...gk,ngk->...gn", xs, vs) * self.scale.t()
-        out = parts.sum(dim=-2)
+        """x [..., K] @ weight^T (+ bias) -> [..., N] in x's dtype: the weight dequantised
+        to x's dtype, the products summed in float32 (the kernel's order)."""
+        out = torch.matmul(x.float(), self.dequantize(x.dtype).float().t())
         if bias is not None:
             out = out + bias.float()
         return out.to(x.dtype)

@@ -164,9 +164,9 @@ INT4_CASES = [(1, 96, 256, False, 1, 128), (7, 96, 192, True, 2, 64), (16, 80, 9
 @pytest.mark.parametrize("m,n,k,bias,split_k,group", INT4_CASES)
 def test_int4_weights_match_their_reference(m: int, n: int, k: int, bias: bool, split_k: int,
                                             group: int, dtype: torch.dtype) -> None:
-    """The integers times x summed in float32 per group, scaled per column and group: the
-    float64 product with the dequantised weight, to the dtype's rounding; the reference in
-    the kernel's order agrees."""
+    """K steps narrower than a group (64 against 128) and wider (64 against 32): the float64
+    product with the dequantised weight, to the dtype's rounding; the reference in the
+    kernel's order agrees."""
     gen = generator(m * n + k + group)
     x = randn(m, k, gen=gen, dtype=dtype)
     w = randn(n, k, gen=gen) / k ** 0.5
@@ -181,6 +181,22 @@ def test_int4_weights_match_their_reference(m: int, n: int, k: int, bias: bool, 
     assert float((got.double() - want).norm() / want.norm()) < REL_TOL[dtype]
     ref = q.ref(x, b)
     assert float((ref.double() - want).norm() / want.norm()) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("m,k,group", [(3, 1024, 128), (16, 576, 64), (128, 576, 32)])
+def test_int4_default_tiles_take_several_groups_a_step(m: int, k: int, group: int) -> None:
+    """The default tiles' K steps (256 up to 32 rows, 64 at 128) hold several groups or part
+    of one, K not a whole number of steps (576, SmolLM2's hidden size): each channel gets its
+    own group's scale."""
+    gen = generator(m + k)
+    x = randn(m, k, gen=gen)
+    w = randn(40, k, gen=gen) / k ** 0.5
+    w[:, group:2 * group] *= 50.0  # a group whose scale differs from its neighbours'
+    q = quantize_int4(w.to(DEVICE), group)
+    with nan_empty():
+        got = skinny_linear(x, q)
+    want = skinny_linear_ref(x.double(), q.dequantize(torch.float64))
+    assert float((got.double() - want).norm() / want.norm()) < REL_TOL[torch.float32]
 
 
 def test_quantize_int4_per_row_and_group() -> None:

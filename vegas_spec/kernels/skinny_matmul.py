@@ -24,10 +24,10 @@ FP8 weights (`quant.Fp8Weight`, a draft step's copy: e4m3 values and one scale p
 row) stream one byte a weight: each W tile is converted to x's dtype in registers (exact:
 e4m3 values are bf16, fp16 and fp32 values), the products accumulate in float32, and the
 column's scale multiplies the sum. INT4 weights (`quant.Int4Weight`: two 4-bit values a
-byte, one scale per row and group of input channels) stream half a byte a weight: a program
-walks K one group at a time, unpacks the group's bytes into the integers of its even and odd
-input channels (exact in x's dtype), takes them in two dots with x's even and odd channels,
-and adds the group's sum times its per-column scales (`_int4_kernel`). Draft weights take up
+byte, one scale per row and group of input channels) stream half a byte a weight: each
+BLOCK_K step of a program unpacks its bytes into the weight tile (each integer times its
+group's scale, in x's dtype) and takes it in one dot with the x tile, as FP8's tiles are
+(`_int4_kernel`): wide K steps keep enough bytes in flight. Draft weights take up
 to MAX_DRAFT_ROWS rows a launch. Oracles: `quant.Fp8Weight.ref`, `quant.Int4Weight.ref`."""
 
 from __future__ import annotations
@@ -164,30 +164,33 @@ def _sum_splits_kernel(p_ptr, b_ptr, y_ptr, MN, N, HAS_BIAS: tl.constexpr,
 @triton.jit(do_not_specialize=["M"])
 def _int4_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, k_split, K, stride_xm, stride_wn,
                  stride_sn, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, GROUP: tl.constexpr, SPLIT_K: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """Program (j, s): rows 0..M-1 x columns j*BLOCK_N.. over the groups of K range
-    s*k_split.. (K and k_split whole groups). Per group: the bytes [BLOCK_N, GROUP/2] hold
-    the even channels' integers in their low nibbles and the odd ones' in their high."""
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                 SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (j, s): rows 0..M-1 x columns j*BLOCK_N.. over K range s*k_split.. (a whole
+    number of BLOCK_K steps). Per step: the bytes [BLOCK_N, BLOCK_K/2] (channel 2i in the low
+    nibble of byte i, 2i + 1 in the high) become the weight tile [BLOCK_N, BLOCK_K] in x's
+    dtype, each value times its row's and group's scale, for one dot with the x tile."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    half = tl.arange(0, GROUP // 2)
+    rk = tl.arange(0, BLOCK_K)
+    half = tl.arange(0, BLOCK_K // 2)
     m_ok, n_ok = rm < M, rn < N
     x_row = x_ptr + rm[:, None] * stride_xm
     w_row = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    s_row = s_ptr + rn.to(tl.int64) * stride_sn
+    s_row = s_ptr + rn.to(tl.int64)[:, None] * stride_sn
     k_lo = tl.program_id(1) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_lo, k_hi, GROUP):
-        x_even = tl.load(x_row + (k0 + 2 * half)[None, :], mask=m_ok[:, None], other=0.0)
-        x_odd = tl.load(x_row + (k0 + 2 * half + 1)[None, :], mask=m_ok[:, None], other=0.0)
-        packed = tl.load(w_row + (k0 // 2 + half)[None, :], mask=n_ok[:, None], other=136)
-        low = ((packed & 15).to(tl.int32) - 8).to(x_ptr.dtype.element_ty)
-        high = ((packed >> 4).to(tl.int32) - 8).to(x_ptr.dtype.element_ty)
-        part = tl.dot(x_even, tl.trans(low), input_precision=DOT_PRECISION)
-        part = tl.dot(x_odd, tl.trans(high), part, input_precision=DOT_PRECISION)
-        acc += part * tl.load(s_row + k0 // GROUP, mask=n_ok, other=0.0)[None, :]
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = k0 + rk < k_hi
+        x = tl.load(x_row + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        pair_ok = n_ok[:, None] & (k0 + 2 * half < k_hi)[None, :]
+        packed = tl.load(w_row + (k0 // 2 + half)[None, :], mask=pair_ok, other=136)
+        scale = tl.load(s_row + ((k0 + 2 * half) // GROUP)[None, :], mask=pair_ok, other=0.0)
+        low = ((packed & 15).to(tl.int32) - 8).to(tl.float32) * scale
+        high = ((packed >> 4).to(tl.int32) - 8).to(tl.float32) * scale
+        w = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS and SPLIT_K == 1:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_block = y_ptr + tl.program_id(1).to(tl.int64) * M * stride_ym
@@ -201,7 +204,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | DraftWeight,
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, for at most
     MAX_ROWS rows in all (a ValueError beyond: callers take F.linear there); a draft weight
     (FP8 or INT4) takes any number of rows, MAX_DRAFT_ROWS a launch. `tiles`: by default
-    `skinny_tiles` of the shape (INT4 walks K a group at a time whatever block_k)."""
+    `skinny_tiles` of the shape."""
     draft = isinstance(weight, DRAFT_TYPES)
     n, k = weight.shape
     w = weight.data if draft else weight
@@ -225,9 +228,8 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.
     (m, k), n = rows.shape, weight.shape[0]
     block_m = block_rows(m, MAX_DRAFT_ROWS if draft else MAX_ROWS)
     cfg = tiles or skinny_tiles(m, n, k)
-    step = weight.group if isinstance(weight, Int4Weight) else cfg.block_k
     # K per split, a whole number of K steps; trailing splits may be empty (they write zeros).
-    k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), step) * step
+    k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     partials = out if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32,
                                                         device=rows.device)
     b = rows if bias is None else bias
@@ -239,7 +241,8 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.
             rows, weight.data, weight.scale, b, partials, m, n, k_split, k, rows.stride(0),
             weight.data.stride(0), weight.scale.stride(0), stride_ym,
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-            GROUP=weight.group, SPLIT_K=cfg.split_k, DOT_PRECISION=precision,
+            BLOCK_K=cfg.block_k, GROUP=weight.group, SPLIT_K=cfg.split_k,
+            DOT_PRECISION=precision,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         w, scale = (weight.data, weight.scale) if draft else (weight, None)
