@@ -81,6 +81,30 @@ def test_only_draft_steps_read_the_copy(draft_llm, prompts, plain,
     assert calls and set(calls) == {1}  # one-row draft steps only, never the verify's 7
 
 
+def test_draft_steps_wider_than_the_copys_rows_read_the_models_weights(
+        draft_llm, prompts, plain, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft step of more than `quant.DRAFT_COPY_ROWS` rows reads the model's weights (on
+    a GPU their product is the faster one there); greedy output stays plain decoding's."""
+    import vegas_spec.quant as quant
+
+    calls: list[int] = []
+    kind = KINDS[draft_llm.engine.draft_weight_kind]
+    real = kind.ref
+
+    def counted(weight, x, bias=None):  # noqa: ANN001, ANN202
+        calls.append(x.shape[0])
+        return real(weight, x, bias)
+
+    monkeypatch.setattr(kind, "ref", counted)
+    monkeypatch.setattr(quant, "DRAFT_COPY_ROWS", 2)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    outs = draft_llm.generate(prompts, params, speculative=spec("vegas"))  # 3 rows
+    assert not calls
+    assert [o.token_ids for o in outs] == [p.token_ids[:8] for p in plain]
+    draft_llm.generate(prompts[:2], params, speculative=spec("vegas"))
+    assert calls and max(calls) <= 2
+
+
 # INT4 drafts go through the same seam as FP8's: on the CPU, where each draft step unpacks
 # every weight in its reference, three policies (a scored selection, a per-step selector, a
 # fixed window) stand for the rest.

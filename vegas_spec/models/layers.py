@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from vegas_spec import quant
 from vegas_spec.config import ModelConfig
 from vegas_spec.quant import QUANTIZERS, DraftWeight
 
@@ -56,9 +57,9 @@ class LayerBase(nn.Module):
         self.drafts: dict[str, DraftWeight] | None = None  # the draft steps' copies
 
     def weight(self, name: str, ctx: StepContext) -> torch.Tensor | DraftWeight:
-        """Projection `name`'s weight for this step: its draft copy in a draft step where the
-        model made one (`make_drafts`), else the model's."""
-        if ctx.draft and self.drafts is not None:
+        """Projection `name`'s weight for this step: its draft copy in a draft step of at
+        most DRAFT_COPY_ROWS rows where the model made one (`make_drafts`), else the model's."""
+        if ctx.draft and self.drafts is not None and ctx.positions.numel() <= quant.DRAFT_COPY_ROWS:
             return self.drafts[name]
         return getattr(self, name).weight
 
