@@ -188,8 +188,10 @@ def test_occupancy_split_of_the_paged_kernel_matches_reference(
 @pytest.mark.parametrize("length,programs,head_dim,want", [
     (439, 192, 64, 256),  # SmolLM2 64 x 7.5K: 4 blocks, 3 programs per SM -> 2 splits
     (6617, 32, 64, 640),  # 52 blocks, 396 slots -> 12 splits
-    (200, 8, 64, 256),  # at least two blocks per split: 2 blocks -> 1 split
-    (300, 8, 64, 384),  # 3 blocks -> 1 split
+    (327, 96, 64, 384),  # SmolLM2 32 x 2K: 288 one-block programs > 132 SMs -> 1 split
+    (300, 150, 64, 384),  # at least two blocks per split: 3 blocks -> 1 split
+    (200, 8, 64, 128),  # one block a split: 2 x 8 programs fit on the SMs one each
+    (327, 24, 64, 128),  # SmolLM2 8 x 2K: 3 x 24 programs
     (1702, 128, 128, 640),  # an unlisted head dim: split_size_for's rule (3 splits)
     (6617, 32, 128, 768),  # (9 splits)
 ])
@@ -205,4 +207,5 @@ def test_sparse_splits_fill_one_wave_of_program_slots(
     if head_dim in sa.SPARSE_PROGRAMS_PER_SM:
         per_sm = sa.SPARSE_PROGRAMS_PER_SM[head_dim]
         assert splits * programs <= per_sm * 132  # one wave
+        assert size == 128 or size >= 256  # one block, or at least two
     assert sa.sparse_split_size(length, programs, 128, torch.device("cpu"), head_dim) == 512

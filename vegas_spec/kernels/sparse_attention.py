@@ -46,8 +46,10 @@ SPARSE_BLOCK_K = 128
 # A program walks its blocks as a chain of dependent loads (list entry, page, K/V rows), so a
 # small budget is bound by latency unless the SMs hold many programs. Programs of 4 warps one
 # SM holds, by head dim: the list is cut into as many splits as fill those slots in one
-# wave, at least two key blocks each (`sparse_split_size`). Head dims not listed keep the
-# paged kernel's occupancy split (`split_size_for`).
+# wave, at least two key blocks each, or one block each where those programs fit on the SMs
+# one apiece (few sequences: the chains then run side by side and the merge is cheap)
+# (`sparse_split_size`). Head dims not listed keep the paged kernel's occupancy split
+# (`split_size_for`).
 SPARSE_PROGRAMS_PER_SM: dict[int, int] | None = {64: 3}
 
 
@@ -134,14 +136,18 @@ def _sparse_split_kernel(
 def sparse_split_size(length: int, programs: int, block_k: int, device: torch.device,
                       head_dim: int) -> int:
     """Keys per split (a multiple of block_k) of a list of `length` keys walked by `programs`
-    programs per split: on a GPU, as many splits as fill the SMs' program slots
-    (`SPARSE_PROGRAMS_PER_SM`) in one wave, each at least two blocks long; elsewhere, or at
-    a head dim not listed there, `split_size_for`'s."""
+    programs per split: on a GPU, one block a split where that many programs fit on the SMs
+    one each, else as many splits as fill the SMs' program slots (`SPARSE_PROGRAMS_PER_SM`)
+    in one wave, each at least two blocks long; elsewhere, or at a head dim not listed
+    there, `split_size_for`'s."""
     per_sm = (SPARSE_PROGRAMS_PER_SM or {}).get(head_dim) if device.type == "cuda" else None
     if per_sm is None:
         return split_size_for(length, programs, block_k, device)
-    blocks = max(triton.cdiv(length, block_k), 1)
-    splits = max(1, min(per_sm * device_sms(device) // max(programs, 1), blocks // 2))
+    blocks, sms, programs = max(triton.cdiv(length, block_k), 1), device_sms(device), \
+        max(programs, 1)
+    if programs * blocks <= sms:
+        return block_k
+    splits = max(1, min(per_sm * sms // programs, blocks // 2))
     return triton.cdiv(blocks, splits) * block_k
 
 
