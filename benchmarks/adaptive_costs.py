@@ -8,7 +8,8 @@ For each run: decode tokens/s, tokens per iteration, the controller's rounds and
 plain step or a round: the device's time up to the iteration's one host read) and of
 `LLMEngine.step` (the whole iteration, its host work included), timed by wrapping those two
 methods. Each run follows a 64-token warm-up
-of the same batch (graphs captured there).
+of the same batch (graphs captured there). Plain steps and rounds are also counted by batch
+bucket (rows leave as they finish: the last buckets are the batch's tail).
 
     python benchmarks/adaptive_costs.py --max-tokens 2048 --batch 32 --out adaptive_costs.json
 """
@@ -40,6 +41,8 @@ class Clock:
     def __init__(self) -> None:
         self.label = ""
         self.times: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+        # (label, bucket) -> [plain steps, rounds]
+        self.kinds: dict[tuple[str, int], list[int]] = collections.defaultdict(lambda: [0, 0])
         decode, step = ModelRunner.decode, LLMEngine.step
 
         def timed_decode(runner: ModelRunner, draft: bool = True) -> Any:
@@ -52,6 +55,9 @@ class Clock:
             t = time.perf_counter()
             out = step(engine, *args, **kwargs)
             self.add("step", time.perf_counter() - t)
+            info = engine.last_step
+            if self.label and info.emitted:
+                self.kinds[(self.label, info.bucket)][int(info.drafted)] += 1
             return out
 
         ModelRunner.decode, LLMEngine.step = timed_decode, timed_step
@@ -66,6 +72,8 @@ class Clock:
             values = self.times[(label, kind)]
             out[f"{kind}_n"] = len(values)
             out[f"{kind}_ms"] = 1e3 * sum(values) / max(len(values), 1)
+        out["plain_and_rounds_by_bucket"] = {
+            bucket: counts for (at, bucket), counts in sorted(self.kinds.items()) if at == label}
         return out
 
 

@@ -11,8 +11,14 @@ that both estimates follow the context as it grows. A probe loses time: a probin
 costs c_round where plain steps would give its τ tokens in τ · c_plain, a probing plain step
 c_plain where rounds give a token in c_round / τ; probes are spaced so that this loss is at
 most `cost` of the time between them (and at least `probe`, at most `most` iterations
-apart). Nothing here touches the device; the choice changes only how many tokens are
-drafted, never which tokens are emitted."""
+apart).
+
+The first round after plain steps is dearer than the next ones (its rows are planned
+again on the host, their recent range having moved on), so its time is not a round's: a
+probing round is two rounds, the second measured. Were that first round measured, a
+probe would find rounds dearer than they are whenever plain steps ran before it, and the
+controller could stay on plain steps where rounds pay. Nothing here touches the device;
+the choice changes only how many tokens are drafted, never which tokens are emitted."""
 
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ class Bucket:
     round: Ema = field(default_factory=Ema)
     tokens: Ema = field(default_factory=lambda: Ema(skip=0))  # τ: tokens a row per round
     streak: int = 0  # iterations since the other choice last ran
+    settle: bool = False  # the last iteration was a round after plain steps: one more
 
 
 @dataclass
@@ -58,10 +65,11 @@ class SpeculationController:
     buckets: dict[int, Bucket] = field(default_factory=dict)
     plain_steps: int = 0
     rounds: int = 0
+    drafted: bool | None = None  # the last iteration's choice
 
     def choose(self, bucket: int) -> bool:
         b = self.buckets.setdefault(bucket, Bucket())
-        if b.round.value is None:  # measure a round first, then a plain step
+        if b.round.value is None or b.settle:  # measure a round first, then a plain step
             return True
         if b.plain.value is None:
             return False
@@ -81,8 +89,8 @@ class SpeculationController:
         plain, round_, tau = b.plain.value, b.round.value, _tau(b)
         if speculate:  # a plain step's token against a round's share of one
             loss, each = plain - round_ / tau, round_
-        else:  # a round's τ tokens against as many plain steps
-            loss, each = round_ - tau * plain, plain
+        else:  # two rounds' τ tokens each against as many plain steps
+            loss, each = 2 * (round_ - tau * plain), plain
         wanted = math.ceil(loss / (self.cost * each)) if loss > 0 else 0
         return min(max(self.probe, wanted), self.most)
 
@@ -90,7 +98,10 @@ class SpeculationController:
                 tokens_per_row: float | None = None) -> None:
         b = self.buckets.setdefault(bucket, Bucket())
         preferred = None if b.round.value is None or b.plain.value is None else self.pays(b)
-        (b.round if drafted else b.plain).add(seconds)
+        b.settle = drafted and self.drafted is False  # planned again: not a round's time
+        if not b.settle:
+            (b.round if drafted else b.plain).add(seconds)
+        self.drafted = drafted
         if drafted:
             self.rounds += 1
             if tokens_per_row is not None:
