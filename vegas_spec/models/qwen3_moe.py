@@ -37,7 +37,8 @@ def qwen3_moe_experts(hf: dict[str, Any]) -> Experts:
         raise ConfigError(f"{ARCHITECTURE} with dense layers (decoder_sparse_step={step}, "
                           f"mlp_only_layers={dense}) is not supported: every layer must be a "
                           "mixture of experts (decoder_sparse_step 1, no mlp_only_layers)")
-    key = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
+    key = "num_local_experts" if hf.get("num_experts") is None \
+        and hf.get("num_local_experts") is not None else "num_experts"
     experts, top_k = count_field(hf, key), count_field(hf, "num_experts_per_tok")
     if top_k > experts:
         raise ConfigError(f"num_experts_per_tok={top_k} is more than the {experts} experts")
