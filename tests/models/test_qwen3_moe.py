@@ -17,9 +17,9 @@ from conftest import TINY_IDS, TINY_METHODS, random_prompts, randomize_norms_and
 from safetensors import safe_open
 
 from vegas_spec import parallel
-from vegas_spec.config import ConfigError, SamplingParams, SpecConfig
+from vegas_spec.config import ConfigError, ModelConfig, SamplingParams, SpecConfig
 from vegas_spec.engine import LLM
-from vegas_spec.models import loader
+from vegas_spec.models import loader, registry
 
 VOCAB = 256
 TINY_MOE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -200,6 +200,12 @@ def test_a_layout_with_dense_layers_is_refused(folder: Path, tmp_path: Path, fie
 def test_more_experts_a_token_than_experts_is_refused() -> None:
     config = {**TINY_MOE, "architectures": ["Qwen3MoeForCausalLM"], "num_experts_per_tok": 9}
     with pytest.raises(ConfigError, match="^num_experts_per_tok=9 is more than the 8 experts$"):
-        from vegas_spec.config import ModelConfig
-
         ModelConfig.from_hf(config)
+
+
+def test_gguf_files_of_the_family_are_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="^GGUF architecture 'qwen3moe' is Qwen3MoeForCausalLM, "
+                                          "which is read from safetensors checkpoints only"):
+        registry.by_gguf("qwen3moe")
+    with pytest.raises(ConfigError, match="unsupported GGUF architecture 'foo'"):
+        registry.by_gguf("foo")
