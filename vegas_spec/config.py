@@ -536,13 +536,16 @@ class EngineConfig:
 
     def prefill_tokens(self, model: ModelConfig) -> int:
         """prefill_chunk, or by default the tokens whose activations (the widest tensors a
-        layer holds at once: gate/up and its product, q/k/v, attention output and the
-        residual stream) fit PREFILL_ACTIVATION_BYTES, in [2048, 32768] (Llama-3.1-8B in
-        bf16: 8192; SmolLM2-135M: 32768)."""
+        layer holds at once: gate/up and its product, each of a token's experts' in a
+        mixture of experts, with their outputs; q/k/v, attention output and the residual
+        stream) fit PREFILL_ACTIVATION_BYTES, in [2048, 32768] (Llama-3.1-8B in bf16: 8192;
+        SmolLM2-135M: 32768)."""
         if self.prefill_chunk is not None:
             return self.prefill_chunk
-        width = 3 * model.intermediate_size + (2 * model.num_heads + 2 * model.num_kv_heads) \
-            * model.head_dim + 3 * model.hidden_size
+        mlp = 3 * model.intermediate_size if not model.num_experts else \
+            model.experts_per_token * (3 * model.moe_intermediate_size + model.hidden_size)
+        width = mlp + (2 * model.num_heads + 2 * model.num_kv_heads) * model.head_dim \
+            + 3 * model.hidden_size
         tokens = PREFILL_ACTIVATION_BYTES // (width * DTYPES[self.dtype].itemsize)
         return max(2048, min(32768, tokens // 1024 * 1024))
 
