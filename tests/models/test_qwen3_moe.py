@@ -182,6 +182,17 @@ def test_a_prompt_alone_gives_its_tokens_in_a_batch_in_exact_mode(
     assert alone == together
 
 
+def test_triton_kernels_on_fixed_shapes_give_plain_tokens(folder: Path,
+                                                          prompts: list[list[int]]) -> None:
+    """The fused kernel in decode, draft and verify steps (the interpreter is slow: vegas, a
+    short prompt, the static shapes' buffers a GPU captures)."""
+    llm = engine(folder, backend="triton", static_shapes=True)
+    short, params = [prompts[0][:18]], SamplingParams(max_tokens=4, ignore_eos=True)
+    plain = [o.token_ids for o in llm.generate(short, params, speculative=PLAIN)]
+    outs = llm.generate(short, params, speculative=tiny_spec({"method": "vegas"}))
+    assert [o.token_ids for o in outs] == plain
+
+
 LAYOUTS = {"decoder_sparse_step": 2, "mlp_only_layers": [1]}
 
 
