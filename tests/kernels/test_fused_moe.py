@@ -1,13 +1,14 @@
 """The fused mixture of experts against its reference (`ops.moe_experts`) at several token
 counts, top-k and expert counts; its grouping of tokens by expert (fixed shapes, every pair
 once, each block one expert's); and exact mode: a token's output has the same bits whatever
-the other tokens of the step."""
+the other tokens of the step; on a GPU, routing, grouping and both kernels captured in one
+CUDA graph (fixed shapes, no host sync) replay other routings as eager runs compute them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import DEVICE, DTYPES, generator, nan_empty, randn, tol
+from kernel_cases import CUDA, DEVICE, DTYPES, generator, nan_empty, randn, tol
 
 from vegas_spec import ops
 from vegas_spec.kernels.fused_moe import fused_moe, group_by_expert, max_blocks
@@ -107,3 +108,29 @@ def test_exact_mode_rows_do_not_depend_on_the_step(dtype: torch.dtype) -> None:
         for rows in (slice(5, 6), slice(3, 10), slice(20, 45)):
             part = run(x[rows], gate_up, down, weights[rows], ids[rows])
             assert torch.equal(part, whole[rows]), rows
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need CUDA")
+def test_a_captured_step_replays_other_routings() -> None:
+    gen = generator(13)
+    t, e, k = 24, 64, 4
+    gate_up, down = experts(e, gen, torch.bfloat16)
+    x = randn(t, HIDDEN, gen=gen, dtype=torch.bfloat16)
+    logits = randn(t, e, gen=gen, dtype=torch.bfloat16)
+
+    def step() -> torch.Tensor:
+        return fused_moe(x, gate_up, down, *ops.route(logits, k, True))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles the kernels outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        x.copy_(randn(t, HIDDEN, gen=gen, dtype=torch.bfloat16))
+        logits.copy_(randn(t, e, gen=gen, dtype=torch.bfloat16) * 3)
+        graph.replay()
+        assert torch.equal(out, step())
