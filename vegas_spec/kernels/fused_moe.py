@@ -29,19 +29,22 @@ import triton.language as tl
 from vegas_spec.kernels.exact_matmul import MatmulTiles
 from vegas_spec.kernels.silu_mul import silu_mul
 
-# Pairs per expert (on average) up to which a GPU block holds 16 rows, else 64.
+# GPU tiles of both grouped matmuls (guesses, not yet measured): "few" where an expert has at
+# most SMALL_BLOCK_PAIRS pairs on average (decode steps), and for every step in exact mode,
+# whose tiles must not follow P; "many" otherwise.
+GPU_TILES = {"few": MatmulTiles(16, 64, 64, 4, 3), "many": MatmulTiles(64, 64, 64, 4, 3)}
 SMALL_BLOCK_PAIRS = 16
+# Under the interpreter, whose cost is per program and loop step: small row blocks, wide
+# column and reduction blocks.
+INTERPRETER_TILES = MatmulTiles(16, 64, 64, 1, 1)
 
 
 def moe_tiles(gpu: bool, pairs: int, experts: int, exact: bool) -> MatmulTiles:
-    """Tiles of both grouped matmuls (guesses, not yet measured): 16-row blocks where an expert
-    has few pairs (decode, and every step in exact mode, whose tiles must not follow P), 64
-    otherwise; under the interpreter, whose cost is per program and loop step, small row
-    blocks and wide column and reduction blocks."""
+    """The tiles of a launch of `pairs` pairs over `experts` experts (read at every launch)."""
     if not gpu:
-        return MatmulTiles(16, 64, 64, 1, 1)
-    small = exact or pairs <= SMALL_BLOCK_PAIRS * experts
-    return MatmulTiles(16 if small else 64, 64, 64, 4, 3)
+        return INTERPRETER_TILES
+    few = exact or pairs <= SMALL_BLOCK_PAIRS * experts
+    return GPU_TILES["few" if few else "many"]
 
 
 def max_blocks(pairs: int, experts: int, block_m: int) -> int:
