@@ -34,7 +34,8 @@ from vegas_spec.config import (
 from vegas_spec.engine import LLM
 from vegas_spec.models.loader import WeightError
 
-SUPPORTED = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+SUPPORTED = ("LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+             "Qwen3MoeForCausalLM")
 
 
 def tiny_checkpoint(folder: Path, family: str = "Llama", **overrides: Any) -> Path:

@@ -234,12 +234,15 @@ def test_two_ranks_give_one_ranks_logits(tiny: Path, tmp_path: Path) -> None:
 
 
 # Biases everywhere (o_proj's and down's added once, after the sum), q/k RMSNorm, tied and
-# untied heads: each written by transformers with random norms and biases.
+# untied heads, a mixture of experts: each written by transformers with random norms and biases.
 FAMILIES = {"llama-bias-untied": ("LlamaConfig", "LlamaForCausalLM", {
                 "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": False}),
             "qwen2-tied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
             "qwen3-bias": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16,
-                                                               "attention_bias": True})}
+                                                               "attention_bias": True}),
+            "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+                "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32, "norm_topk_prob": True})}
 
 
 def save_family(name: str, folder: Path) -> str:

@@ -92,6 +92,12 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     o_bias: bool = False
+    # a mixture of experts' sizes, as its family reads them (`models.family.Experts`; 0 and
+    # False: a dense model)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -101,7 +107,8 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Raises ConfigError for a missing or malformed field, or one this engine does not
         support. The architecture's family (`models.registry`, imported when this runs) says
-        which optional tensors the config switches on."""
+        which optional tensors the config switches on and, for a mixture of experts, its
+        experts' sizes."""
         if not isinstance(cfg, dict):
             raise ConfigError(f"the model config must be a JSON object, got {type(cfg).__name__}")
         from vegas_spec.models.registry import family_of
@@ -133,7 +140,14 @@ class ModelConfig:
             eos_token_ids=_ids(cfg.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id"),
             **family.switches(cfg)._asdict(),
+            **family.experts(cfg)._asdict(),
         )
+
+
+def count_field(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A positive integer field of an HF config (a family's own fields); missing (or null)
+    takes the default, else is a ConfigError naming the field."""
+    return _count(cfg, key, default)
 
 
 def _count(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
@@ -522,13 +536,16 @@ class EngineConfig:
 
     def prefill_tokens(self, model: ModelConfig) -> int:
         """prefill_chunk, or by default the tokens whose activations (the widest tensors a
-        layer holds at once: gate/up and its product, q/k/v, attention output and the
-        residual stream) fit PREFILL_ACTIVATION_BYTES, in [2048, 32768] (Llama-3.1-8B in
-        bf16: 8192; SmolLM2-135M: 32768)."""
+        layer holds at once: gate/up and its product, each of a token's experts' in a
+        mixture of experts, with their outputs; q/k/v, attention output and the residual
+        stream) fit PREFILL_ACTIVATION_BYTES, in [2048, 32768] (Llama-3.1-8B in bf16: 8192;
+        SmolLM2-135M: 32768)."""
         if self.prefill_chunk is not None:
             return self.prefill_chunk
-        width = 3 * model.intermediate_size + (2 * model.num_heads + 2 * model.num_kv_heads) \
-            * model.head_dim + 3 * model.hidden_size
+        mlp = 3 * model.intermediate_size if not model.num_experts else \
+            model.experts_per_token * (3 * model.moe_intermediate_size + model.hidden_size)
+        width = mlp + (2 * model.num_heads + 2 * model.num_kv_heads) * model.head_dim \
+            + 3 * model.hidden_size
         tokens = PREFILL_ACTIVATION_BYTES // (width * DTYPES[self.dtype].itemsize)
         return max(2048, min(32768, tokens // 1024 * 1024))
 

@@ -1,5 +1,6 @@
 """Plain-PyTorch references of the per-token steps around attention: RMSNorm (with the
 residual add before it), SiLU * up, RoPE, and the row-invariant projection of exact mode;
+of a mixture of experts' router (`route`) and experts (`moe_experts`);
 of the selection's top-k (`topk_positions`, with quest's pages expanded to their tokens
 by `expand_pages`); and of quest's page scores (`quest_page_scores_ref`).
 
@@ -82,6 +83,47 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor,
         flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
     out = torch.cat([F.linear(block, weight, bias) for block in flat.split(EXACT_ROWS)])
     return out[:m].view(*x.shape[:-1], n)
+
+
+def route(logits: torch.Tensor, top_k: int,
+          renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k] in the logits' dtype, expert ids [T, k] int64):
+    the top_k of softmax(logits) taken in float32, renormalised to sum to 1 where
+    `renormalize` (the config's `norm_topk_prob`), as transformers' Qwen3-MoE router. Each
+    row alone (softmax, top-k and the sum are per row), so exact mode needs no variant."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+def sum_slots(y: torch.Tensor) -> torch.Tensor:
+    """y [T, k, H] -> y[:, 0] + y[:, 1] + ... in slot order (the same for every row and T)."""
+    out = y[:, 0]
+    for j in range(1, y.shape[1]):
+        out = out + y[:, j]
+    return out
+
+
+def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                weights: torch.Tensor, ids: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    """A mixture of experts: x [T, H] -> [T, H], token t the sum over its slots j of
+    weights[t, j] * expert ids[t, j]'s down(SiLU(gate) * up) of x[t]; gate_up [E, 2I, H]
+    (each expert's gate rows, then its up rows), down [E, H, I], weights [T, k] in x's dtype.
+    Each product is rounded to x's dtype as transformers rounds it (gate/up, SiLU * up, down,
+    times the weight), the slots summed in slot order (`sum_slots`).
+
+    The oracle of `kernels.fused_moe` and the CPU path: every expert runs on every token and
+    the tokens it is not routed to are dropped, E / k times the products of the routed
+    computation but of fixed shapes, with no read of the routing on the host. In exact mode
+    the products are `exact_linear`'s and SiLU `exact_silu_mul`'s: each row alone."""
+    linear, act = (exact_linear, exact_silu_mul) if exact else (F.linear, silu_mul)
+    out = x.new_zeros(*ids.shape, x.shape[-1])  # [T, k, H]
+    for e in range(gate_up.shape[0]):
+        y = linear(act(linear(x, gate_up[e])), down[e])  # [T, H]
+        out = torch.where((ids == e)[..., None], y[:, None] * weights[..., None], out)
+    return sum_slots(out)
 
 
 def topk_positions(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,

@@ -9,6 +9,10 @@ nothing in `torch.distributed`. At world size N each rank holds:
   attention, RoPE, the KV cache (its KV heads only) and SiLU * up run locally;
 - o_proj and down row-parallel: the matching 1/N of their input columns; their partial
   outputs are summed by one all_reduce each (their bias, if any, added once after it);
+- a mixture of experts likewise, expert by expert: every rank holds every expert's 1/N of
+  the gate/up rows and of the down columns, and the router whole, so every rank routes
+  each token to the same experts; the weighted sum of a token's experts' partial outputs
+  is summed over the ranks by one all_reduce;
 - the embeddings and the LM head vocab-parallel: rows [r V/N, (r+1) V/N) of the vocabulary.
   An embedding lookup zeroes the ids outside the rank's rows and all_reduces (one non-zero
   term per element, so the sum is exact); the LM head's logit slices are all_gathered into
@@ -184,6 +188,8 @@ def check_divisible(cfg: ModelConfig, world_size: int) -> None:
     sizes = {"query heads (num_attention_heads)": cfg.num_heads,
              "KV heads (num_key_value_heads)": cfg.num_kv_heads,
              "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size}
+    if cfg.num_experts:
+        sizes["moe_intermediate_size"] = cfg.moe_intermediate_size
     bad = [f"{n} = {v}" for n, v in sizes.items() if v % world_size]
     if bad:
         raise ConfigError(f"tensor parallelism over {world_size} ranks needs the model's "
@@ -191,14 +197,16 @@ def check_divisible(cfg: ModelConfig, world_size: int) -> None:
 
 
 def shard_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
-    """The sizes one rank's layers hold: heads and intermediate size divided by world_size.
-    vocab_size stays whole: the LM head's gathered logits cover the full vocabulary."""
+    """The sizes one rank's layers hold: heads and intermediate sizes (every expert's too)
+    divided by world_size. vocab_size stays whole: the LM head's gathered logits cover the
+    full vocabulary; the experts stay whole in number (each rank holds a slice of each)."""
     check_divisible(cfg, world_size)
     if world_size == 1:
         return cfg
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // world_size,
                                num_kv_heads=cfg.num_kv_heads // world_size,
-                               intermediate_size=cfg.intermediate_size // world_size)
+                               intermediate_size=cfg.intermediate_size // world_size,
+                               moe_intermediate_size=cfg.moe_intermediate_size // world_size)
 
 
 def shard(w: torch.Tensor, dim: int | None, tp: TPGroup) -> torch.Tensor:

@@ -15,7 +15,9 @@ from vegas_spec.ops import (
     apply_rope,
     exact_linear,
     exact_silu_mul,
+    moe_experts,
     rms_norm,
+    route,
     silu_mul,
 )
 from vegas_spec.parallel import SINGLE, TPGroup
@@ -42,10 +44,14 @@ class AttentionBackend(ABC):
     elementwise, here through `exact_silu_mul`, whose exp takes one path for every element.
     Drafts never reach the output, so the sparse attention keeps its fastest tiling.
 
+    A mixture of experts' MLP is `moe` (the router's top-k, then `experts`: the reference
+    `ops.moe_experts` here, the fused kernel in the Triton backend).
+
     Tensor parallelism (`tp`, see `vegas_spec.parallel`) is the seam's too: the decoder
-    calls `row_linear` for o_proj and down (the partial products all_reduced), `embed` for
-    the vocabulary-parallel embeddings and `head_linear` for the LM head (the logit slices
-    all_gathered); at world size 1 they are `linear` and a plain lookup.
+    calls `row_linear` for o_proj and down and `moe` for the experts (the partial products
+    all_reduced, `sum_ranks`), `embed` for the vocabulary-parallel embeddings and
+    `head_linear` for the LM head (the logit slices all_gathered); at world size 1 they are
+    `linear` and a plain lookup.
     """
 
     name = "abstract"
@@ -126,9 +132,32 @@ class AttentionBackend(ABC):
         the sum."""
         if self.tp.world_size == 1:
             return self.linear(x, weight, bias)
-        part = self.linear(x, weight)
-        out = self.tp.sum_in_order(part) if self.exact else self.tp.all_reduce(part)
+        out = self.sum_ranks(self.linear(x, weight))
         return out if bias is None else out + bias
+
+    def sum_ranks(self, part: torch.Tensor) -> torch.Tensor:
+        """A row-parallel block's partial output [...] summed over the ranks (in exact mode in
+        rank order, the same for every shape)."""
+        if self.tp.world_size == 1:
+            return part
+        return self.tp.sum_in_order(part) if self.exact else self.tp.all_reduce(part)
+
+    def moe(self, x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor,
+            down: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+        """A mixture of experts: x [..., H] (normed) -> [..., H]. router_logits [..., E] pick
+        each token's top_k experts (`ops.route`), `experts` runs them on this rank's slice of
+        every expert (gate_up [E, 2I/N, H], down [E, H, I/N]), and the partial outputs are
+        summed over the ranks."""
+        weights, ids = route(router_logits.reshape(-1, router_logits.shape[-1]), top_k,
+                             renormalize)
+        out = self.experts(x.reshape(-1, x.shape[-1]), gate_up, down, weights, ids)
+        return self.sum_ranks(out).view(x.shape)
+
+    def experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H] through the experts ids [T, k] weighted by weights [T, k] -> [T, H]
+        (`ops.moe_experts`, in exact mode its row-invariant products)."""
+        return moe_experts(x, gate_up, down, weights, ids, self.exact)
 
     def head_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel LM head: x [..., hidden] @ weight [V/N, hidden]^T, the ranks'

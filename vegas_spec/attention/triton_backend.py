@@ -12,6 +12,7 @@ from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import StepContext
 from vegas_spec.kernels import topk as topk_kernel
 from vegas_spec.kernels.exact_matmul import exact_linear
+from vegas_spec.kernels.fused_moe import fused_moe
 from vegas_spec.kernels.paged_attention import paged_attention
 from vegas_spec.kernels.prefill_attention import (
     prefill_attention,
@@ -112,6 +113,10 @@ class TritonBackend(AttentionBackend):
         if self.exact:
             return exact_linear(x, weight, bias)
         return super().linear(x, weight, bias)
+
+    def experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return fused_moe(x, gate_up, down, weights, ids, self.exact)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)

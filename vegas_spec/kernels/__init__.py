@@ -13,6 +13,8 @@
                     quest's chosen pages expanded to their tokens in the same kernel
   quest_scores      quest's page scores for a draft row, from the pages' min/max keys
   exact_matmul      a projection whose rows do not depend on the number of rows (exact mode)
+  fused_moe         a mixture of experts: the tokens grouped by expert, two grouped matmuls
+                    that stream each hit expert's weights once a block of its tokens
   skinny_matmul     a projection of few rows that streams its weights once (the draft
                     steps' FP8 weights)
   sample            a token per row by argmax(p / E) with counter-based Exp(1) noise, in one
@@ -21,7 +23,7 @@
 Every kernel has a plain-PyTorch reference that is its test oracle:
 `vegas_spec.attention.torch_backend` (attention, KV store),
 `vegas_spec.ops` (`rms_norm`, `add_rms_norm`, `silu_mul`, `apply_rope`, `topk_positions`,
-`quest_page_scores_ref`),
+`quest_page_scores_ref`, `moe_experts`),
 `vegas_spec.sampling.exponential_argmax_ref` (sample) and `torch.nn.functional.linear`
 (exact_matmul, skinny_matmul). On a machine without CUDA the kernels run on CPU tensors under
 Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is first imported), patched below

@@ -7,8 +7,12 @@ into `gate_up`), its full shape from the config, the dim tensor parallelism spli
 column-parallel outputs and the vocabulary; `COLUMNS`: row-parallel inputs; None: whole),
 llama.cpp's name for it in a GGUF file, and for q/k the heads whose rows llama.cpp permutes.
 A layer's rows are named after the family's `layer_prefix` (`model.layers.{i}.`) and GGUF's
-`blk.{i}.`. The loader's expected shapes and GGUF names, the dummy weights, the tensor-parallel
-slices and the model's fused parameters are all read from these rows."""
+`blk.{i}.`. A row whose name holds `{e}` (`mlp.experts.{e}.up_proj.weight`) stands for one
+tensor per expert of a mixture of experts, its shape and split each expert's; its parameter
+stacks them, expert by expert ([experts, rows, columns]), the rows filling one parameter
+concatenated within each expert. The loader's expected shapes and GGUF names, the dummy
+weights, the tensor-parallel slices and the model's fused parameters are all read from these
+rows."""
 
 from __future__ import annotations
 
@@ -38,7 +42,10 @@ SIZES: dict[str, Callable[[ModelConfig], int]] = {
     "head": lambda c: c.head_dim,
     "q": lambda c: c.num_heads * c.head_dim,
     "kv": lambda c: c.num_kv_heads * c.head_dim,
+    "experts": lambda c: c.num_experts,
+    "moe_ffn": lambda c: c.moe_intermediate_size,
 }
+EXPERT = "{e}"  # in a row's name: one tensor per expert
 
 
 def dims(*names: str) -> Shape:
@@ -68,6 +75,16 @@ class Weight:
     when: Condition = always  # whether the config's checkpoints hold it
     rope_heads: Callable[[ModelConfig], int] | None = None  # q/k: heads llama.cpp permutes
 
+    @property
+    def per_expert(self) -> bool:
+        return EXPERT in self.hf
+
+    def names(self, cfg: ModelConfig) -> list[str]:
+        """The HF names the row stands for: its own, or one per expert."""
+        if not self.per_expert:
+            return [self.hf]
+        return [self.hf.format(e=e) for e in range(cfg.num_experts)]
+
 
 class Switches(NamedTuple):
     """The optional tensors a family's config switches on (`ModelConfig`'s fields)."""
@@ -76,6 +93,20 @@ class Switches(NamedTuple):
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+
+
+class Experts(NamedTuple):
+    """A mixture of experts' sizes, read from the HF config (`ModelConfig`'s fields); the
+    defaults are a dense model's."""
+
+    num_experts: int = 0
+    experts_per_token: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's
+    norm_topk_prob: bool = False  # the top-k probabilities renormalised to sum to 1
+
+
+def dense(hf: dict[str, Any]) -> Experts:
+    return Experts()
 
 
 @dataclass(frozen=True)
@@ -89,6 +120,7 @@ class Family:
     layer_prefix: str = "model.layers.{i}."
     gguf: str | None = None  # GGUF's `general.architecture` (None: not read from GGUF)
     gguf_permuted: bool = False  # llama.cpp interleaves the RoPE halves of q/k rows
+    experts: Callable[[dict[str, Any]], Experts] = dense  # read from the HF config
 
     def shapes(self, cfg: ModelConfig, world_size: int = 1) -> dict[str, tuple[int, ...]]:
         """Every tensor a checkpoint of cfg holds -> its shape, in table order (at world_size
@@ -96,14 +128,15 @@ class Family:
         rows = {w.hf: w for w in self.weights if w.when(cfg)}
         for i in range(cfg.num_layers):
             prefix = self.layer_prefix.format(i=i)
-            rows.update({prefix + w.hf: w for w in self.layer_weights if w.when(cfg)})
+            rows.update({prefix + name: w for w in self.layer_weights if w.when(cfg)
+                         for name in w.names(cfg)})
         return {name: shard_shape(w.shape(cfg), w.split, world_size) for name, w in rows.items()}
 
     def entry(self, name: str) -> Weight | None:
         """The row of full HF name `name` (None: not one of the family's)."""
         layer = _layer_part(name, self.layer_prefix)
         rows, rel = (self.weights, name) if layer is None else (self.layer_weights, layer[1])
-        return next((w for w in rows if w.hf == rel), None)
+        return next((w for w in rows if _matches(rel, w.hf)), None)
 
     def split_dim(self, name: str) -> int | None:
         """The dim of HF-named tensor `name` that tensor parallelism splits (None: whole)."""
@@ -132,6 +165,24 @@ def _layer_part(name: str, prefix: str) -> tuple[int, str] | None:
     return (int(index), rest) if sep and index.isdigit() else None
 
 
+def _matches(name: str, row: str) -> bool:
+    """Whether HF name `name` is the row's: its own, or for a per-expert row one expert's
+    ("mlp.experts.3.up_proj.weight" of "mlp.experts.{e}.up_proj.weight")."""
+    head, marker, tail = row.partition(EXPERT)
+    if not marker:
+        return name == row
+    if len(name) <= len(head) + len(tail) or not (name.startswith(head) and name.endswith(tail)):
+        return False
+    return name[len(head):len(name) - len(tail)].isdigit()
+
+
+def _tensor(w: Weight, tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """The row's tensor; a per-expert row's stacked [experts, ...]."""
+    if not w.per_expert:
+        return tensors[w.hf]
+    return torch.stack([tensors[name] for name in w.names(cfg)])
+
+
 def fill(module: nn.Module, rows: tuple[Weight, ...], tensors: dict[str, torch.Tensor],
          cfg: ModelConfig) -> None:
     """Set module's parameters from the HF tensors its rows name (row names relative to
@@ -139,8 +190,9 @@ def fill(module: nn.Module, rows: tuple[Weight, ...], tensors: dict[str, torch.T
     parts: dict[str, list[torch.Tensor]] = {}
     for w in rows:
         if w.when(cfg):
-            parts.setdefault(w.param, []).append(tensors[w.hf])
+            parts.setdefault(w.param, []).append(_tensor(w, tensors, cfg))
     for param, ts in parts.items():
         owner, _, leaf = param.rpartition(".")
-        value = ts[0] if len(ts) == 1 else torch.cat(ts)
+        # rows join along the output rows: dim 0, or 1 within each expert of a stack
+        value = ts[0] if len(ts) == 1 else torch.cat(ts, dim=max(ts[0].dim() - 2, 0))
         setattr(module.get_submodule(owner), leaf, nn.Parameter(value))

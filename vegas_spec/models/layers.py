@@ -4,9 +4,10 @@ A decoder layer is `LayerBase` (its place, its norms, the draft copies of its pr
 the pre-norm residual step) with an attention block and an MLP block mixed in: `Attention`
 (q/k/v fused in one projection, optional biases and q/k RMSNorm, the backend's attention over
 the paged cache, o_proj) and `DenseMLP` (gate/up fused, SiLU * up, down). `DecoderLayer` is
-both, the layer of every dense family; another MLP (a mixture of experts) is another block
-beside `DenseMLP`. A block's parameters are attributes of the layer (`qkv`, `o_proj`,
-`gate_up`, `down`, ...), the names a family's weight table fills.
+both, the layer of every dense family; `MoEDecoderLayer` has a mixture of experts, `MoEMLP`,
+in its place (a router, then each token's top-k experts, each a gated MLP). A block's
+parameters are attributes of the layer (`qkv`, `o_proj`, `gate_up`, `down`, `router`,
+`experts_gate_up`, ...), the names a family's weight table fills.
 
 The residual stream runs beside the hidden states (as vLLM's): each norm also adds the
 residual before it, so the backend can fuse add + norm, RoPE + KV store and SiLU * up into
@@ -137,7 +138,34 @@ class DenseMLP(LayerBase):
         return backend.row_linear(up, self.weight("down", ctx), self.down.bias)
 
 
+class MoEMLP(LayerBase):
+    """A mixture of experts: a router [E, hidden] (whole on every rank) picks each token's
+    cfg.experts_per_token experts, whose gated MLPs (gate/up fused per expert,
+    experts_gate_up [E, 2I, hidden]; experts_down [E, hidden, I]) the backend's `moe` runs,
+    the outputs weighted by the router's (renormalised where cfg.norm_topk_prob)
+    probabilities. Draft steps read the model's own expert weights (no draft copies)."""
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__(cfg, index)
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.router = nn.Linear(h, e, bias=False)
+        self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.experts_down = nn.Parameter(torch.empty(e, h, i))
+
+    def mlp(self, h: torch.Tensor, backend: AttentionBackend, ctx: StepContext) -> torch.Tensor:
+        """h [B, n, hidden] (normed) -> [B, n, hidden]."""
+        logits = backend.linear(h, self.router.weight)  # [B, n, E]
+        return backend.moe(h, logits, self.experts_gate_up, self.experts_down,
+                           self.cfg.experts_per_token, self.cfg.norm_topk_prob)
+
+
 class DecoderLayer(Attention, DenseMLP):
     """The dense families' layer: attention, then the gated MLP."""
 
     projections = ("qkv", "o_proj", "gate_up", "down")
+
+
+class MoEDecoderLayer(Attention, MoEMLP):
+    """A mixture-of-experts family's layer: attention, then the experts."""
+
+    projections = ("qkv", "o_proj")

@@ -1,16 +1,17 @@
 """The model families the engine runs, by HF architecture name: the one list of them.
 
-A family is one file (`llama`, `qwen2`, `qwen3`) of a `Family` over the shared layers; adding
-one is its file and its line in `FAMILIES`. `ModelConfig.from_hf` asks `family_of` which
-family an HF config is (refusing the others by name, listing these), the GGUF reader asks
-`by_gguf`, and the model, the loader and tensor parallelism read the family's weight table."""
+A family is one file (`llama`, `qwen2`, `qwen3`, `qwen3_moe`) of a `Family` over the shared
+layers; adding one is its file and its line in `FAMILIES`. `ModelConfig.from_hf` asks
+`family_of` which family an HF config is (refusing the others by name, listing these), the
+GGUF reader asks `by_gguf`, and the model, the loader and tensor parallelism read the
+family's weight table."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from vegas_spec.config import ConfigError
-from vegas_spec.models import llama, qwen2, qwen3
+from vegas_spec.models import llama, qwen2, qwen3, qwen3_moe
 from vegas_spec.models.family import Family
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
@@ -18,6 +19,7 @@ FAMILIES: dict[str, Family] = {f.architecture: f for f in (
     llama.MISTRAL,
     qwen2.QWEN2,
     qwen3.QWEN3,
+    qwen3_moe.QWEN3_MOE,
 )}
 
 
@@ -48,6 +50,12 @@ def by_gguf(name: Any) -> Family:  # noqa: ANN401 - a GGUF field, of any type
     """The family of GGUF `general.architecture` name."""
     found = next((f for f in FAMILIES.values() if f.gguf is not None and f.gguf == name), None)
     if found is None:
+        # llama.cpp names an architecture by its HF model_type without underscores (qwen3moe)
+        known = next((f for f in FAMILIES.values()
+                      if f.model_type.replace("_", "") == name and f.gguf is None), None)
+        if known is not None:
+            raise ConfigError(f"GGUF architecture {name!r} is {known.architecture}, which is "
+                              "read from safetensors checkpoints only, not from GGUF files")
         names = ", ".join(f.gguf for f in FAMILIES.values() if f.gguf is not None)
         raise ConfigError(f"unsupported GGUF architecture {name!r}; supported: {names}")
     return found

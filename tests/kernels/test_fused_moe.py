@@ -1,0 +1,136 @@
+"""The fused mixture of experts against its reference (`ops.moe_experts`) at several token
+counts, top-k and expert counts; its grouping of tokens by expert (fixed shapes, every pair
+once, each block one expert's); and exact mode: a token's output has the same bits whatever
+the other tokens of the step; on a GPU, routing, grouping and both kernels captured in one
+CUDA graph (fixed shapes, no host sync) replay other routings as eager runs compute them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import CUDA, DEVICE, DTYPES, generator, nan_empty, randn, tol
+
+from vegas_spec import ops
+from vegas_spec.kernels.fused_moe import fused_moe, group_by_expert, max_blocks
+
+HIDDEN, INTER = 64, 32
+
+
+def experts(e: int, gen: torch.Generator, dtype: torch.dtype = torch.float32,
+            hidden: int = HIDDEN, inter: int = INTER) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random gate_up [E, 2I, H] and down [E, H, I], scaled so outputs stay near 1."""
+    return (randn(e, 2 * inter, hidden, gen=gen, dtype=dtype) / hidden ** 0.5,
+            randn(e, hidden, inter, gen=gen, dtype=dtype) / inter ** 0.5)
+
+
+def routed(t: int, e: int, k: int, gen: torch.Generator, dtype: torch.dtype = torch.float32,
+           renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    return ops.route(randn(t, e, gen=gen, dtype=dtype) * 2, k, renormalize)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (3, 8, 1), (7, 4, 4), (40, 8, 2), (33, 16, 3),
+                                   (2, 16, 8)])
+def test_matches_reference(t: int, e: int, k: int, dtype: torch.dtype) -> None:
+    gen = generator(100 * t + 10 * e + k)
+    x = randn(t, HIDDEN, gen=gen, dtype=dtype)
+    gate_up, down = experts(e, gen, dtype)
+    weights, ids = routed(t, e, k, gen, dtype, renormalize=k > 1)
+    with nan_empty():  # a pair the kernels skip would leave NaN in their buffers
+        got = fused_moe(x, gate_up, down, weights, ids)
+    assert got.shape == (t, HIDDEN) and got.dtype == dtype
+    ref = ops.moe_experts(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(got, ref, **tol(dtype))
+
+
+def test_odd_sizes_and_no_tokens() -> None:
+    """Sizes off the tiles (hidden 40, intermediate 24) and a step of no tokens."""
+    gen = generator(5)
+    gate_up, down = experts(6, gen, hidden=40, inter=24)
+    x = randn(9, 40, gen=gen)
+    weights, ids = routed(9, 6, 2, gen)
+    torch.testing.assert_close(fused_moe(x, gate_up, down, weights, ids),
+                               ops.moe_experts(x, gate_up, down, weights, ids), **tol(x.dtype))
+    none = fused_moe(x[:0], gate_up, down, weights[:0], ids[:0])
+    assert none.shape == (0, 40)
+
+
+def test_reference_is_transformers_routing() -> None:
+    """The router: softmax in float32, top-k, renormalised only where asked."""
+    gen = generator(3)
+    logits = randn(5, 8, gen=gen)
+    for renormalize in (False, True):
+        weights, ids = ops.route(logits, 3, renormalize)
+        probs = torch.softmax(logits, -1)
+        top = probs.topk(3, -1)
+        want = top.values / top.values.sum(-1, keepdim=True) if renormalize else top.values
+        assert torch.equal(ids, top.indices)
+        torch.testing.assert_close(weights, want)
+
+
+@pytest.mark.parametrize("t,e,k,block", [(1, 8, 2, 16), (40, 8, 2, 16), (5, 64, 4, 16),
+                                         (100, 4, 2, 16), (50, 8, 3, 4)])
+def test_grouping_puts_every_pair_once_in_a_block_of_its_expert(t: int, e: int, k: int,
+                                                                block: int) -> None:
+    gen = generator(t + e)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(DEVICE)
+    if t == 100:  # most pairs on one expert: its run spans several blocks
+        ids[:, 0] = 0
+    pair_of, expert_of = group_by_expert(ids, e, block)
+    nb = max_blocks(t * k, e, block)
+    assert pair_of.shape == (nb * block,) and expert_of.shape == (nb,)
+    rows = pair_of.view(nb, block).long()
+    real = rows < t * k
+    assert sorted(rows[real].tolist()) == list(range(t * k))
+    flat = ids.reshape(-1)
+    used = expert_of >= 0
+    for b in range(nb):
+        assert bool(used[b]) == bool(real[b].any())
+        assert (flat[rows[b][real[b]]] == expert_of[b]).all()
+    assert used.long().diff().le(0).all(), "unused blocks come last"
+    blocks = -(-torch.bincount(flat, minlength=e) // block)
+    assert int(used.sum()) == int(blocks.sum())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_exact_mode_rows_do_not_depend_on_the_step(dtype: torch.dtype) -> None:
+    """Kernel (exact=True) and reference (exact=True): a token's output has the same bits
+    alone, in a verify-sized step and in a large one, where its pairs sit in other blocks
+    beside other tokens."""
+    gen = generator(11)
+    e, k, t = 8, 2, 48
+    gate_up, down = experts(e, gen, dtype)
+    x = randn(t, HIDDEN, gen=gen, dtype=dtype)
+    weights, ids = routed(t, e, k, gen, dtype)
+    for run in (lambda *a: fused_moe(*a, exact=True),
+                lambda *a: ops.moe_experts(*a, exact=True)):
+        whole = run(x, gate_up, down, weights, ids)
+        for rows in (slice(5, 6), slice(3, 10), slice(20, 45)):
+            part = run(x[rows], gate_up, down, weights[rows], ids[rows])
+            assert torch.equal(part, whole[rows]), rows
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need CUDA")
+def test_a_captured_step_replays_other_routings() -> None:
+    gen = generator(13)
+    t, e, k = 24, 64, 4
+    gate_up, down = experts(e, gen, torch.bfloat16)
+    x = randn(t, HIDDEN, gen=gen, dtype=torch.bfloat16)
+    logits = randn(t, e, gen=gen, dtype=torch.bfloat16)
+
+    def step() -> torch.Tensor:
+        return fused_moe(x, gate_up, down, *ops.route(logits, k, True))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles the kernels outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        x.copy_(randn(t, HIDDEN, gen=gen, dtype=torch.bfloat16))
+        logits.copy_(randn(t, e, gen=gen, dtype=torch.bfloat16) * 3)
+        graph.replay()
+        assert torch.equal(out, step())

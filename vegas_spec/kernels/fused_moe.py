@@ -1,0 +1,159 @@
+"""A mixture of experts in two grouped matmuls, the tokens grouped by expert: every program
+computes a block of one expert's (token, slot) pairs and streams that expert's weights once
+for them, so a step reads the weights of the experts it hits and no others.
+
+Oracle: `vegas_spec.ops.moe_experts` (to rounding).
+
+Grouping (`group_by_expert`, plain PyTorch of fixed shapes with no read of the routing on the
+host, so a decode step can be captured in a CUDA graph): the P = T·k pairs are sorted by
+expert (stably), and each expert's run is padded to whole blocks of BLOCK_M rows. At most
+min(P, cdiv(P, BLOCK_M) + min(E, P) - 1) blocks are used (each used block holds a pair, and
+an expert's last block wastes fewer than BLOCK_M rows), a bound set by the shapes alone: the
+launch has that many row blocks, and a block past the last used one (expert -1) reads and
+writes nothing. A padding row is pair P, which no program loads or stores.
+
+Then, as vLLM's fused_moe: (1) pair p's gate/up row, x[p // k] @ gate_up[e]^T, into a
+[P, 2I] buffer; (2) SiLU(gate) * up (`silu_mul`); (3) pair p's down row times its routing
+weight, into [P, H]; (4) each token's k rows summed in slot order. Every product is rounded
+to x's dtype where transformers rounds it. The tiles depend on P in the default mode only:
+in exact mode (`exact=True`) one tiling for every P, and a row's sum over K walks the same
+blocks in the same order wherever its pair lands, so a token's output does not depend on the
+other tokens of the step (the premise of `exact_matmul`: the dot computes rows alike)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vegas_spec.kernels.exact_matmul import MatmulTiles
+from vegas_spec.kernels.silu_mul import silu_mul
+
+# GPU tiles of both grouped matmuls (guesses, not yet measured): "few" where an expert has at
+# most SMALL_BLOCK_PAIRS pairs on average (decode steps), and for every step in exact mode,
+# whose tiles must not follow P; "many" otherwise.
+GPU_TILES = {"few": MatmulTiles(16, 64, 64, 4, 3), "many": MatmulTiles(64, 64, 64, 4, 3)}
+SMALL_BLOCK_PAIRS = 16
+# Under the interpreter, whose cost is per program and loop step: small row blocks, wide
+# column and reduction blocks.
+INTERPRETER_TILES = MatmulTiles(16, 64, 64, 1, 1)
+
+
+def moe_tiles(gpu: bool, pairs: int, experts: int, exact: bool) -> MatmulTiles:
+    """The tiles of a launch of `pairs` pairs over `experts` experts (read at every launch)."""
+    if not gpu:
+        return INTERPRETER_TILES
+    few = exact or pairs <= SMALL_BLOCK_PAIRS * experts
+    return GPU_TILES["few" if few else "many"]
+
+
+def max_blocks(pairs: int, experts: int, block_m: int) -> int:
+    """The most blocks of block_m rows that `pairs` pairs over `experts` experts fill."""
+    return min(pairs, triton.cdiv(pairs, block_m) + min(experts, pairs) - 1)
+
+
+def group_by_expert(ids: torch.Tensor, experts: int,
+                    block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T, k] expert ids -> (pair_of [NB * block_m] int32: the pair each block row computes,
+    P for padding; expert_of [NB] int32: each block's expert, -1 past the last used block),
+    NB = `max_blocks`. Fixed shapes, no host sync."""
+    flat = ids.reshape(-1)
+    pairs, dev = flat.numel(), flat.device
+    counts = torch.zeros(experts, dtype=torch.int64, device=dev).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    blocks = (counts + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks, 0)  # [E] one past each expert's last block
+    first_pair = torch.cumsum(counts, 0) - counts  # [E] its first place in the sorted order
+    order = torch.sort(flat, stable=True).indices
+    expert = flat[order]
+    rank = torch.arange(pairs, device=dev) - first_pair[expert]  # within its expert
+    dest = (block_end - blocks)[expert] * block_m + rank
+    nb = max_blocks(pairs, experts, block_m)
+    pair_of = torch.full((nb * block_m,), pairs, dtype=torch.int64, device=dev)
+    pair_of.scatter_(0, dest, order)
+    expert_of = torch.searchsorted(block_end, torch.arange(nb, device=dev), right=True)
+    expert_of = torch.where(expert_of < experts, expert_of, -1)
+    return pair_of.int(), expert_of.int()
+
+
+# P stays a runtime value: a one-token step and a many-token step run one compiled program.
+@triton.jit(do_not_specialize=["num_pairs"])
+def _expert_matmul_kernel(a_ptr, w_ptr, r_ptr, y_ptr, pair_ptr, expert_ptr, num_pairs, N, K,
+                          stride_am, stride_we, stride_wn, stride_ym,
+                          PAIRS_PER_ROW: tl.constexpr, WEIGHTED: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
+    """Program (j, b): y[p, j*BLOCK_N..] = a[p // PAIRS_PER_ROW] @ w[e]^T for the pairs p of
+    block b, e its expert (times r[p] where WEIGHTED). A block of expert -1 loops zero times
+    and stores nothing."""
+    block = tl.program_id(1)
+    expert = tl.load(expert_ptr + block)
+    pairs = tl.load(pair_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_ok = pairs < num_pairs
+    rows = (pairs // PAIRS_PER_ROW).to(tl.int64)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    a_row = a_ptr + rows[:, None] * stride_am
+    w_row = w_ptr + expert.to(tl.int64) * stride_we + rn.to(tl.int64)[:, None] * stride_wn
+    k_end = tl.where(expert >= 0, K, 0)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, k_end, BLOCK_K):
+        k = k0 + rk
+        k_ok = k < K
+        a = tl.load(a_row + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    dtype = y_ptr.dtype.element_ty
+    y = acc.to(dtype)
+    if WEIGHTED:  # rounded as torch's product of two dtype values: in float32, then cast
+        r = tl.load(r_ptr + pairs, mask=m_ok, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) * r[:, None]).to(dtype)
+    tl.store(y_ptr + pairs.to(tl.int64)[:, None] * stride_ym + rn[None, :], y,
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _expert_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                   groups: tuple[torch.Tensor, torch.Tensor], pairs_per_row: int,
+                   cfg: MatmulTiles, r: torch.Tensor | None = None) -> None:
+    """out [P, N] = a [rows, K] rows by pair @ w [E, N, K]^T by the pairs' experts (* r [P])."""
+    pair_of, expert_of = groups
+    n, k = w.shape[1], w.shape[2]
+    _expert_matmul_kernel[(triton.cdiv(n, cfg.block_n), expert_of.numel())](
+        a, w, out if r is None else r, out, pair_of, expert_of, out.shape[0], n, k,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), PAIRS_PER_ROW=pairs_per_row,
+        WEIGHTED=r is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+              weights: torch.Tensor, ids: torch.Tensor, exact: bool = False, *,
+              tiles: MatmulTiles | None = None) -> torch.Tensor:
+    """x [T, H] through its experts -> [T, H] (`ops.moe_experts`'s contract): gate_up
+    [E, 2I, H], down [E, H, I], weights [T, k] in x's dtype, ids [T, k] expert ids."""
+    (t, hidden), (experts, two_i, _) = x.shape, gate_up.shape
+    assert gate_up.shape[2] == hidden and down.shape == (experts, hidden, two_i // 2)
+    assert ids.shape == weights.shape and ids.shape[0] == t and weights.dtype == x.dtype
+    assert x.dtype == gate_up.dtype == down.dtype and x.stride(-1) == 1
+    assert gate_up.is_contiguous() and down.is_contiguous()
+    top_k = ids.shape[1]
+    pairs = t * top_k
+    if pairs == 0:
+        return x.new_zeros(t, hidden)
+    cfg = tiles or moe_tiles(x.is_cuda, pairs, experts, exact)
+    groups = group_by_expert(ids, experts, cfg.block_m)
+    gate_up_out = torch.empty(pairs, two_i, dtype=x.dtype, device=x.device)
+    _expert_matmul(x, gate_up, gate_up_out, groups, top_k, cfg)
+    act = silu_mul(gate_up_out)  # [P, I]
+    out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    _expert_matmul(act, down, out, groups, 1, cfg, weights.reshape(-1).contiguous())
+    return _sum_slots(out.view(t, top_k, hidden))
+
+
+def _sum_slots(y: torch.Tensor) -> torch.Tensor:
+    """y [T, k, H] -> y[:, 0] + y[:, 1] + ... in slot order (`ops.sum_slots`)."""
+    out = y[:, 0]
+    for j in range(1, y.shape[1]):
+        out = out + y[:, j]
+    return out
