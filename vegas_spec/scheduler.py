@@ -11,28 +11,23 @@ admitted request keeps making progress and none holds pages it has not yet writt
 back when a sequence finishes or is aborted. Prompts are prefilled in pieces under a per-step
 token budget, oldest first, so a long prompt cannot stall the running sequences for more
 than one budget's forward; `PrefillPacer` can size that budget from measured step times
-while rows decode. Knows nothing of tensors. Imports `sequence`."""
+while rows decode.
+
+With the prefix cache on, a sequence takes the cached full pages its prompt starts with by
+reference (`place`) and prefills only the rest; a sequence admitted before the pages of its
+prefix were computed (by another sequence prefilling in the same steps) looks again when its
+first piece is chosen and swaps its own pages for the shared ones (`_rebind`); the pages a
+prefill completes are named for the sequences after it (`prefilled`). The scheduler alone
+takes and releases pages. Knows nothing of tensors. Imports `sequence` and `pages`."""
 
 from __future__ import annotations
 
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from vegas_spec.pages import PageAllocator
 from vegas_spec.sequence import Sequence, Status
-
-
-class PagePool(Protocol):
-    free_pages: list[int]
-
-    def pages_for(self, tokens: int) -> int: ...
-
-    def allocate(self, tokens: int) -> list[int]: ...
-
-    def take(self, pages: int) -> list[int]: ...
-
-    def release(self, pages: list[int]) -> None: ...
 
 
 @dataclass
@@ -120,7 +115,7 @@ WATERMARK = 0.01  # of the pool, kept free at admission for the running sequence
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_num_seqs: int, prefill_budget: int,
+    def __init__(self, pool: PageAllocator, max_num_seqs: int, prefill_budget: int,
                  grow_tokens: int = GROW_TOKENS) -> None:
         self.pool, self.max_num_seqs, self.prefill_budget = pool, max_num_seqs, prefill_budget
         self.grow_tokens = grow_tokens
@@ -128,7 +123,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0
         # pages the queue's head may not take while sequences run
-        self.watermark = math.ceil(WATERMARK * len(pool.free_pages))
+        self.watermark = math.ceil(WATERMARK * pool.num_free)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -150,20 +145,53 @@ class Scheduler:
     def admit(self, row_limit: int) -> list[Sequence]:
         """Move waiting sequences to running, oldest first, while fewer than row_limit (and
         max_num_seqs) run and their first pages fit (beside the watermark, while others
-        run); each takes them now."""
+        run; cached prefix pages cost only the parked ones they take); each takes them now."""
         admitted = []
         limit = min(row_limit, self.max_num_seqs)
         while self.waiting and len(self.running) < limit:
             seq = self.waiting[0]
             spare = self.watermark if self.running else 0
-            if self.footprint(seq) + spare > len(self.pool.free_pages):
+            hit = self.pool.cached_prefix(seq.prefill_ids)
+            need = self.footprint(seq) - len(hit) + self.pool.unheld(hit)
+            if need + spare > self.pool.num_free:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            seq.pages = self.pool.allocate(self._tokens(seq))
+            self.place(seq, self._tokens(seq))
             seq.status = Status.RUNNING
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def place(self, seq: Sequence, tokens: int) -> None:
+        """seq takes the pages of `tokens` slots (the caller has checked that they fit): its
+        prompt's longest cached prefix by reference (prefilled already), the rest new."""
+        hit = self.pool.cached_prefix(seq.prefill_ids)
+        self.pool.share(hit)
+        seq.cached = seq.prefilled = len(hit) * self.pool.page_size
+        seq.pages = hit + self.pool.allocate(tokens - seq.cached)
+        if self.pool.prefix is not None:
+            self.pool.prefix.stats.queried += len(seq.prefill_ids)
+            self.pool.prefix.stats.hit += seq.cached
+
+    def _rebind(self, seq: Sequence) -> None:
+        """Before seq's first piece (nothing past its cached prefix computed yet): the
+        cached prefix may have grown since it was placed (others' prefills): its own pages
+        there go back and it takes the cached ones."""
+        hit, have = self.pool.cached_prefix(seq.prefill_ids), seq.cached // self.pool.page_size
+        if len(hit) <= have:
+            return
+        assert hit[:have] == seq.pages[:have]
+        self.pool.share(hit[have:])
+        self.pool.release(seq.pages[have : len(hit)])
+        seq.pages[have : len(hit)] = hit[have:]
+        if self.pool.prefix is not None:
+            self.pool.prefix.stats.hit += (len(hit) - have) * self.pool.page_size
+        seq.cached = seq.prefilled = len(hit) * self.pool.page_size
+
+    def prefilled(self, pieces: list[Piece]) -> None:
+        """After a prefill ran `pieces`: the pages it completed become shareable."""
+        for p in pieces:
+            self.pool.name(p.seq.prefill_ids, p.seq.pages, p.end)
 
     def grow(self, rows: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """Before a decode iteration over `rows` (running sequences, oldest first): each gets
@@ -177,7 +205,7 @@ class Scheduler:
             need = self.pool.pages_for(self._tokens(seq, ahead=0))
             if len(seq.pages) >= need:
                 continue
-            while need - len(seq.pages) > len(self.pool.free_pages):
+            while need - len(seq.pages) > self.pool.num_free:
                 victim = self._victim(seq)
                 self.preempt(victim)
                 preempted.append(victim)
@@ -185,7 +213,7 @@ class Scheduler:
                     break
             else:
                 more = self.pool.pages_for(self._tokens(seq)) - len(seq.pages)
-                seq.pages += self.pool.take(min(more, len(self.pool.free_pages)))
+                seq.pages += self.pool.take(min(more, self.pool.num_free))
                 grown.append(seq)
         return [s for s in grown if s.status is Status.RUNNING], preempted
 
@@ -208,7 +236,7 @@ class Scheduler:
     def max_resident(self, seqs: list[Sequence]) -> int:
         """The most of `seqs` that could run at once: at most max_num_seqs, and no more
         than the free pages admit, the smallest sequences counted first."""
-        left, count = len(self.pool.free_pages), 0
+        left, count = self.pool.num_free, 0
         for need in sorted(self.footprint(s) for s in seqs):
             if need > left or count == self.max_num_seqs:
                 break
@@ -226,10 +254,11 @@ class Scheduler:
         budget ends."""
         pieces, left = [], self.prefill_budget if budget is None else budget
         for seq in self.running:
-            todo = len(seq.prefill_ids) - seq.prefilled
-            if todo <= 0 or left <= 0:
+            if seq.prefilled >= len(seq.prefill_ids) or left <= 0:
                 continue
-            take = min(todo, left)
+            if seq.prefilled == seq.cached:  # its first piece
+                self._rebind(seq)
+            take = min(len(seq.prefill_ids) - seq.prefilled, left)
             pieces.append(Piece(seq, seq.prefilled, seq.prefilled + take))
             left -= take
         return pieces
