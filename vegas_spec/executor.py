@@ -11,12 +11,11 @@ broadcasts a `Call`, a method name and plain host arguments, and every worker ma
 call on its own runner, so all ranks run the same forwards on the same shapes and meet in
 the same collectives. A sequence is sent whole when it starts (`SeqSpec`: request id, prompt
 ids, sampling, limit, headroom, pages, the positions its cached prefix covers, and a
-preempted one's output so far), its pages with each prefill piece (a first piece may trade
-its own pages for newly cached ones) and each `grow`, and by request id otherwise; workers
-append the tokens of their own decode outputs (equal on every rank: the logits are), and
-rank 0 sends which rows finished with the `select` that drops them, so EOS, stop strings and
-aborts are decided in rank 0 only. Unseeded sampling gets a seed from rank 0, so every rank
-draws the same tokens.
+preempted one's output so far), its new pages with each `grow`, and by request id otherwise;
+workers append the tokens of their own decode outputs (equal on every rank: the logits
+are), and rank 0 sends which rows finished with the `select` that drops them, so EOS, stop
+strings and aborts are decided in rank 0 only. Unseeded sampling gets a seed from rank 0,
+so every rank draws the same tokens.
 
 A worker that dies is an `ExecutorError` naming its rank and exit code in rank 0 (its next
 collective fails, or, should it block, a watcher thread ends the process); a worker whose
@@ -389,7 +388,7 @@ class RunnerProxy:
         self._run("start", ([SeqSpec.of(s) for s in seqs],), seqs)
 
     def prefill(self, pieces: list[Piece]) -> tuple[list[Sequence], list[int]]:
-        wire = [(p.seq.request_id, p.start, p.end, list(p.seq.pages)) for p in pieces]
+        wire = [(p.seq.request_id, p.start, p.end) for p in pieces]
         return self._run("prefill", (wire,), pieces)
 
     def join(self, seqs: list[Sequence]) -> None:
@@ -469,9 +468,7 @@ class Mirror:
             self.seqs.update((s.request_id, s) for s in seqs)
             runner.start(seqs)
         elif method == "prefill":
-            pieces = [Piece(self.seqs[rid], a, b) for rid, a, b, _ in args[0]]
-            for piece, (*_, pages) in zip(pieces, args[0]):
-                piece.seq.pages = pages
+            pieces = [Piece(self.seqs[rid], a, b) for rid, a, b in args[0]]
             self.done, first = runner.prefill(pieces)
             for seq, tok in zip(self.done, first):
                 seq.output.append(tok)

@@ -14,11 +14,12 @@ than one budget's forward; `PrefillPacer` can size that budget from measured ste
 while rows decode.
 
 With the prefix cache on, a sequence takes the cached full pages its prompt starts with by
-reference (`place`) and prefills only the rest; a sequence admitted before the pages of its
-prefix were computed (by another sequence prefilling in the same steps) looks again when its
-first piece is chosen and swaps its own pages for the shared ones (`_rebind`); the pages a
-prefill completes are named for the sequences after it (`prefilled`). The scheduler alone
-takes and releases pages. Knows nothing of tensors. Imports `sequence` and `pages`."""
+reference (`place`) and prefills only the rest; the pages a prefill completes are named for
+the sequences after it (`prefilled`), and the head of the queue waits while a running
+sequence computes the next page of its prompt (`_coming`: many requests with one system
+prompt compute it once, not once each in the steps before it is cached). The scheduler alone
+takes and releases pages. Knows nothing of tensors. Imports `sequence`, `pages` and
+`prefix_cache` (names)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from vegas_spec.pages import PageAllocator
+from vegas_spec.prefix_cache import Name, page_names, shareable
 from vegas_spec.sequence import Sequence, Status
 
 
@@ -124,6 +126,8 @@ class Scheduler:
         self.preemptions = 0
         # pages the queue's head may not take while sequences run
         self.watermark = math.ceil(WATERMARK * pool.num_free)
+        # the names of the full prompt pages of the running sequences still prefilling
+        self._names: dict[Sequence, list[Name]] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -145,7 +149,8 @@ class Scheduler:
     def admit(self, row_limit: int) -> list[Sequence]:
         """Move waiting sequences to running, oldest first, while fewer than row_limit (and
         max_num_seqs) run and their first pages fit (beside the watermark, while others
-        run; cached prefix pages cost only the parked ones they take); each takes them now."""
+        run; cached prefix pages cost only the parked ones they take); each takes them now.
+        The head waits while a running sequence computes the next page of its prompt."""
         admitted = []
         limit = min(row_limit, self.max_num_seqs)
         while self.waiting and len(self.running) < limit:
@@ -153,10 +158,13 @@ class Scheduler:
             spare = self.watermark if self.running else 0
             hit = self.pool.cached_prefix(seq.prefill_ids)
             need = self.footprint(seq) - len(hit) + self.pool.unheld(hit)
-            if need + spare > self.pool.num_free:
+            if need + spare > self.pool.num_free or self._coming(seq, len(hit)):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.place(seq, self._tokens(seq))
+            if self.pool.prefix is not None and seq.prefilled < len(seq.prefill_ids):
+                self._names[seq] = page_names(seq.prefill_ids, self.pool.page_size,
+                                              len(seq.prefill_ids) // self.pool.page_size)
             seq.status = Status.RUNNING
             self.running.append(seq)
             admitted.append(seq)
@@ -173,25 +181,23 @@ class Scheduler:
             self.pool.prefix.stats.queried += len(seq.prefill_ids)
             self.pool.prefix.stats.hit += seq.cached
 
-    def _rebind(self, seq: Sequence) -> None:
-        """Before seq's first piece (nothing past its cached prefix computed yet): the
-        cached prefix may have grown since it was placed (others' prefills): its own pages
-        there go back and it takes the cached ones."""
-        hit, have = self.pool.cached_prefix(seq.prefill_ids), seq.cached // self.pool.page_size
-        if len(hit) <= have:
-            return
-        assert hit[:have] == seq.pages[:have]
-        self.pool.share(hit[have:])
-        self.pool.release(seq.pages[have : len(hit)])
-        seq.pages[have : len(hit)] = hit[have:]
-        if self.pool.prefix is not None:
-            self.pool.prefix.stats.hit += (len(hit) - have) * self.pool.page_size
-        seq.cached = seq.prefilled = len(hit) * self.pool.page_size
+    def _coming(self, seq: Sequence, cached: int) -> bool:
+        """Whether a running sequence is computing the page of seq's prompt after its
+        `cached` cached pages now: seq then waits for it rather than computing it again."""
+        size = self.pool.page_size
+        if not self._names or cached >= shareable(len(seq.prefill_ids), size):
+            return False
+        name = page_names(seq.prefill_ids, size, cached + 1)[cached]
+        return any(len(names) > cached and names[cached] == name
+                   and other.prefilled < (cached + 1) * size
+                   for other, names in self._names.items())
 
     def prefilled(self, pieces: list[Piece]) -> None:
         """After a prefill ran `pieces`: the pages it completed become shareable."""
         for p in pieces:
             self.pool.name(p.seq.prefill_ids, p.seq.pages, p.end)
+            if p.end == len(p.seq.prefill_ids):
+                self._names.pop(p.seq, None)
 
     def grow(self, rows: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """Before a decode iteration over `rows` (running sequences, oldest first): each gets
@@ -229,6 +235,7 @@ class Scheduler:
         """A running sequence gives its pages back and waits at the head of the queue."""
         self.running.remove(seq)
         self.pool.release(seq.pages)
+        self._names.pop(seq, None)
         seq.requeue()
         self.waiting.appendleft(seq)
         self.preemptions += 1
@@ -254,11 +261,10 @@ class Scheduler:
         budget ends."""
         pieces, left = [], self.prefill_budget if budget is None else budget
         for seq in self.running:
-            if seq.prefilled >= len(seq.prefill_ids) or left <= 0:
+            todo = len(seq.prefill_ids) - seq.prefilled
+            if todo <= 0 or left <= 0:
                 continue
-            if seq.prefilled == seq.cached:  # its first piece
-                self._rebind(seq)
-            take = min(len(seq.prefill_ids) - seq.prefilled, left)
+            take = min(todo, left)
             pieces.append(Piece(seq, seq.prefilled, seq.prefilled + take))
             left -= take
         return pieces
@@ -270,5 +276,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.pool.release(seq.pages)
+        self._names.pop(seq, None)
         seq.pages = []
         seq.status = Status.FINISHED
