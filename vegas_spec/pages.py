@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from vegas_spec.config import ConfigError
-from vegas_spec.prefix_cache import PrefixCache
+from vegas_spec.prefix_cache import Name, PrefixCache, page_names, shareable
 
 
 class OutOfMemoryError(ConfigError):
@@ -103,15 +103,25 @@ class PageAllocator:
         """How many of `pages` no one holds (parked: sharing them takes them from the free)."""
         return sum(self.refs[p] == 0 for p in pages)
 
-    def cached_prefix(self, ids: list[int]) -> list[int]:
-        """The named pages of the longest cached prefix of ids ([]: prefix cache off)."""
-        return [] if self.prefix is None else self.prefix.match(ids)
+    def names(self, ids: list[int]) -> list[Name]:
+        """The names of the full pages of ids ([]: prefix cache off)."""
+        return [] if self.prefix is None else \
+            page_names(ids, self.page_size, len(ids) // self.page_size)
 
-    def name(self, ids: list[int], pages: list[int], upto: int) -> None:
+    def cached_prefix(self, ids: list[int], names: list[Name] | None = None) -> list[int]:
+        """The named pages of the longest cached prefix of ids (`names`: theirs, if made
+        already), never the page of its last token ([]: prefix cache off)."""
+        if self.prefix is None:
+            return []
+        names = self.names(ids) if names is None else names
+        return self.prefix.match(names[: shareable(len(ids), self.page_size)])
+
+    def name(self, ids: list[int], pages: list[int], upto: int,
+             names: list[Name] | None = None) -> None:
         """Positions below `upto` of ids are computed into pages: the full ones become
-        shareable (nothing with the prefix cache off)."""
+        shareable (nothing with the prefix cache off); names: ids' page names, if made."""
         if self.prefix is not None:
-            self.prefix.name(ids, pages, upto)
+            self.prefix.name(ids, pages, upto, names)
 
     def shrink(self, num_pages: int) -> None:
         """Use only pages below num_pages (before any is taken: tensor parallelism's ranks

@@ -58,20 +58,24 @@ class PrefixCache:
         self.parked: OrderedDict[int, None] = OrderedDict()
         self.stats = PrefixStats()
 
-    def match(self, ids: list[int]) -> list[int]:
-        """The pages of the longest cached prefix of ids (`shareable` pages at most)."""
+    def match(self, names: list[Name]) -> list[int]:
+        """The pages of the longest run of `names` from the first that are cached."""
         pages = []
-        for name in page_names(ids, self.page_size, shareable(len(ids), self.page_size)):
+        for name in names:
             page = self.page_of.get(name)
             if page is None:
                 break
             pages.append(page)
         return pages
 
-    def name(self, ids: list[int], pages: list[int], upto: int) -> None:
+    def name(self, ids: list[int], pages: list[int], upto: int,
+             names: list[Name] | None = None) -> None:
         """Pages of ids whose positions below `upto` are computed: each full one gets its
-        name, unless the page has one or another page holds that prefix already."""
-        for page, name in zip(pages, page_names(ids, self.page_size, upto // self.page_size)):
+        name (from `names` where given), unless the page has one or another page holds that
+        prefix already."""
+        full = upto // self.page_size
+        names = page_names(ids, self.page_size, full) if names is None else names[:full]
+        for page, name in zip(pages, names):
             if page not in self.name_of and name not in self.page_of:
                 self.page_of[name], self.name_of[page] = page, name
 

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from vegas_spec.pages import PageAllocator
-from vegas_spec.prefix_cache import Name, page_names, shareable
+from vegas_spec.prefix_cache import Name, shareable
 from vegas_spec.sequence import Sequence, Status
 
 
@@ -128,6 +128,7 @@ class Scheduler:
         self.watermark = math.ceil(WATERMARK * pool.num_free)
         # the names of the full prompt pages of the running sequences still prefilling
         self._names: dict[Sequence, list[Name]] = {}
+        self._head: tuple[Sequence, int, list[Name]] | None = None  # `_head_names`' last
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -156,24 +157,25 @@ class Scheduler:
         while self.waiting and len(self.running) < limit:
             seq = self.waiting[0]
             spare = self.watermark if self.running else 0
-            hit = self.pool.cached_prefix(seq.prefill_ids)
+            names = self._head_names(seq)
+            hit = self.pool.cached_prefix(seq.prefill_ids, names)
             need = self.footprint(seq) - len(hit) + self.pool.unheld(hit)
-            if need + spare > self.pool.num_free or self._coming(seq, len(hit)):
+            if need + spare > self.pool.num_free or self._coming(seq, names, len(hit)):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.place(seq, self._tokens(seq))
-            if self.pool.prefix is not None and seq.prefilled < len(seq.prefill_ids):
-                self._names[seq] = page_names(seq.prefill_ids, self.pool.page_size,
-                                              len(seq.prefill_ids) // self.pool.page_size)
+            self.place(seq, self._tokens(seq), names)
+            if names and seq.prefilled < len(seq.prefill_ids):
+                self._names[seq] = names
             seq.status = Status.RUNNING
             self.running.append(seq)
             admitted.append(seq)
         return admitted
 
-    def place(self, seq: Sequence, tokens: int) -> None:
+    def place(self, seq: Sequence, tokens: int, names: list[Name] | None = None) -> None:
         """seq takes the pages of `tokens` slots (the caller has checked that they fit): its
-        prompt's longest cached prefix by reference (prefilled already), the rest new."""
-        hit = self.pool.cached_prefix(seq.prefill_ids)
+        prompt's longest cached prefix by reference (prefilled already), the rest new.
+        names: its prompt's page names, if made already."""
+        hit = self.pool.cached_prefix(seq.prefill_ids, names)
         self.pool.share(hit)
         seq.cached = seq.prefilled = len(hit) * self.pool.page_size
         seq.pages = hit + self.pool.allocate(tokens - seq.cached)
@@ -181,21 +183,27 @@ class Scheduler:
             self.pool.prefix.stats.queried += len(seq.prefill_ids)
             self.pool.prefix.stats.hit += seq.cached
 
-    def _coming(self, seq: Sequence, cached: int) -> bool:
+    def _head_names(self, seq: Sequence) -> list[Name]:
+        """The page names of the head's prompt, made once while it waits at the head."""
+        if self._head is None or self._head[0] is not seq \
+                or self._head[1] != len(seq.prefill_ids):
+            self._head = (seq, len(seq.prefill_ids), self.pool.names(seq.prefill_ids))
+        return self._head[2]
+
+    def _coming(self, seq: Sequence, names: list[Name], cached: int) -> bool:
         """Whether a running sequence is computing the page of seq's prompt after its
         `cached` cached pages now: seq then waits for it rather than computing it again."""
         size = self.pool.page_size
         if not self._names or cached >= shareable(len(seq.prefill_ids), size):
             return False
-        name = page_names(seq.prefill_ids, size, cached + 1)[cached]
-        return any(len(names) > cached and names[cached] == name
+        return any(len(theirs) > cached and theirs[cached] == names[cached]
                    and other.prefilled < (cached + 1) * size
-                   for other, names in self._names.items())
+                   for other, theirs in self._names.items())
 
     def prefilled(self, pieces: list[Piece]) -> None:
         """After a prefill ran `pieces`: the pages it completed become shareable."""
         for p in pieces:
-            self.pool.name(p.seq.prefill_ids, p.seq.pages, p.end)
+            self.pool.name(p.seq.prefill_ids, p.seq.pages, p.end, self._names.get(p.seq))
             if p.end == len(p.seq.prefill_ids):
                 self._names.pop(p.seq, None)
 
