@@ -55,26 +55,29 @@ def test_one_chunk_and_many_chunks_match_transformers(llm, hf_model, essays) -> 
 
 @pytest.mark.slow
 def test_prefix_cache_hit_prefills_only_the_rest(llm, hf_model, essays) -> None:
-    """A prompt that extends a cached one restores the cached positions and prefills only the
-    new ones, reading the restored keys from its pages: same logits as transformers."""
+    """A prompt that extends a cached one takes its full pages and prefills only the rest,
+    reading the shared keys from those pages: same logits as transformers."""
     ids = _essay_ids(llm, essays, 360)
     ids[0] = 17  # a prefix no other test stores
-    llm.next_token_logits([ids[:201]])  # stores positions 0..200
+    llm.next_token_logits([ids[:201]])  # caches its 12 full pages, positions 0..191
     calls: list[tuple[int, ...]] = []
     original, llm.engine.runner.model.forward = _count_forwards(llm, calls)
     try:
         got = llm.next_token_logits([ids])[0]
     finally:
         llm.engine.runner.model.forward = original
-    assert calls == [(1, 360 - 201)]  # only the positions the cache did not hold
-    assert_close_logits(got[None], hf_logits(hf_model, ids)[-1:])
+    assert calls == [(1, 360 - 192)]  # only the positions the cached pages do not hold
+    ref = hf_logits(hf_model, ids)[-1:]
+    assert_close_logits(got[None], ref)
     calls.clear()
     llm.engine.runner.model.forward = _count_forwards(llm, calls)[1]
     try:
         again = llm.next_token_logits([ids])[0]
     finally:
         llm.engine.runner.model.forward = original
-    assert calls == [] and torch.equal(again, got)  # a whole hit runs no forward
+    # a whole hit computes only the page of its last token (22 full pages are cached)
+    assert calls == [(1, 360 - 352)]
+    assert_close_logits(again[None], ref)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -155,8 +158,8 @@ def test_fixed_shape_prefill_scores_and_tokens(tmp_path: Path) -> None:
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "fixed-shape"])
 def test_mixed_prefix_hits_give_plain_tokens(static: bool, tmp_path: Path) -> None:
     """One batch holding a whole prefix-cache hit, a prompt that extends a cached one and a
-    miss, decoded with vegas (whose first selection of the whole hit is scored from the kept
-    queries): the tokens of plain decoding without a cache."""
+    miss, decoded with vegas (each first selection scored over the shared pages' keys): the
+    tokens of plain decoding without a cache."""
     model = build_hf("qwen2")
     folder = save(model, tmp_path)
     a, b, c = (random_ids(n, seed=n + 7) for n in (50, 41, 33))
@@ -173,9 +176,9 @@ def test_mixed_prefix_hits_give_plain_tokens(static: bool, tmp_path: Path) -> No
     finally:
         cached.engine.runner.model.forward = original
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    if not static:  # 12 new tokens of b's extension and 33 of c, in chunks of 32 (the
-        # rows that completed decode between them: forwards of at most γ + 1 = 4 tokens)
-        assert [c for c in calls if c[1] > 4][:2] == [(1, 32), (1, 13)]
+    if not static:  # past the cached full pages: 2 tokens of a (48 cached), 21 of b's
+        # extension (32 cached) and 33 of c, in chunks of 32
+        assert [c for c in calls if c[1] > 4][:2] == [(1, 32), (1, 24)]
 
 
 def test_warm_up_makes_every_prefill_shape_first(tmp_path: Path) -> None:

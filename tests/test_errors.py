@@ -384,7 +384,7 @@ def test_sequences_of_different_lengths_share_the_pool(tiny_llm: LLM) -> None:
     total = len(cache.free_pages)
     assert total == cache.num_pages
     granted: list[list[int]] = []
-    allocate = cache.allocate
+    allocate = cache.pages.allocate
 
     def spy(tokens: int) -> list[int]:
         pages = allocate(tokens)
@@ -392,11 +392,11 @@ def test_sequences_of_different_lengths_share_the_pool(tiny_llm: LLM) -> None:
         return pages
 
     prompts = [[7] * 3, [8] * 30, [9] * 12]
-    cache.allocate = spy  # type: ignore[method-assign]
+    cache.pages.allocate = spy  # type: ignore[method-assign]
     try:
         outs = tiny_llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
     finally:
-        del cache.allocate
+        del cache.pages.allocate
     assert [len(o.token_ids) for o in outs] == [10, 10, 10]
     assert len(granted) == 3
     flat = [p for pages in granted for p in pages]

@@ -1,17 +1,22 @@
 """Paged KV cache: one pool of fixed-size pages shared by all sequences.
 
 Per layer the cache is a [num_pages * page_size, Hkv, D] tensor for K and one for V; a
-sequence owns a list of pages (its page table) and token position p lives in slot
-page_table[p // page_size] * page_size + p % page_size."""
+sequence holds a list of pages (its page table) and token position p lives in slot
+page_table[p // page_size] * page_size + p % page_size. Which pages are free, held or shared
+is the host's `pages.PageAllocator`, which the pool carries beside its tensors."""
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 
-from vegas_spec.config import ConfigError, ModelConfig
+from vegas_spec.config import ModelConfig
+from vegas_spec.pages import OutOfMemoryError, PageAllocator, fmt_bytes
+from vegas_spec.prefix_cache import PrefixCache
+
+__all__ = ["OutOfMemoryError", "PagedKVCache", "available_bytes", "check_memory", "fmt_bytes",
+           "page_bytes", "slots_of"]
 
 
 def slots_of(page_table: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -21,21 +26,9 @@ def slots_of(page_table: torch.Tensor, pos: torch.Tensor, page_size: int) -> tor
     return (pages * page_size + flat % page_size).reshape(pos.shape)
 
 
-class OutOfMemoryError(ConfigError):
-    """The requested batch does not fit the KV budget."""
-
-
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
     itemsize = torch.empty(0, dtype=dtype).element_size()
     return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -79,48 +72,47 @@ def check_memory(budget_bytes: int, device: torch.device) -> None:
 
 
 class PagedKVCache:
+    """The KV pool: the K/V tensors of every layer and their dtype on the device, and the
+    pages that index them on the host (`pages`, a `PageAllocator`: free list, reference
+    counts and, with prefix_bytes > 0, the prefix cache's shared pages, of which up to
+    prefix_bytes stay cached while no sequence holds them). The scheduler takes and releases
+    the pages; the runner reads and writes the tensors."""
+
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.cfg, self.page_size, self.num_pages = cfg, page_size, num_pages
+                 device: torch.device, prefix_bytes: int = 0) -> None:
+        self.cfg, self.page_size, self.dtype = cfg, page_size, dtype
         self.bytes_per_page = page_bytes(cfg, page_size, dtype)
         shape = (num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
         self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
                         torch.zeros(shape, dtype=dtype, device=device))
                        for _ in range(cfg.num_layers)]
-        self.free_pages = list(range(num_pages - 1, -1, -1))
+        prefix = PrefixCache(page_size, prefix_bytes // self.bytes_per_page) \
+            if prefix_bytes > 0 else None
+        self.pages = PageAllocator(num_pages, page_size, self.bytes_per_page, prefix)
 
     @classmethod
     def from_budget(cls, cfg: ModelConfig, budget_bytes: int, page_size: int,
-                    dtype: torch.dtype, device: torch.device) -> PagedKVCache:
+                    dtype: torch.dtype, device: torch.device,
+                    prefix_bytes: int = 0) -> PagedKVCache:
         pages = budget_bytes // page_bytes(cfg, page_size, dtype)
         if pages < 1:
             raise OutOfMemoryError(f"KV budget {fmt_bytes(budget_bytes)} holds no page of "
                                    f"{fmt_bytes(page_bytes(cfg, page_size, dtype))}")
         check_memory(pages * page_bytes(cfg, page_size, dtype), device)
-        return cls(cfg, pages, page_size, dtype, device)
+        return cls(cfg, pages, page_size, dtype, device, prefix_bytes)
+
+    # The pages' side, for setup and tests: the scheduler works on `pages` itself.
+    num_pages = property(lambda self: self.pages.num_pages)
+    free_pages = property(lambda self: self.pages.free_pages)
 
     def pages_for(self, tokens: int) -> int:
-        return math.ceil(tokens / self.page_size)
+        return self.pages.pages_for(tokens)
 
     def check_fits(self, token_counts: list[int]) -> None:
-        """Refuse up front a batch whose sequences cannot all be resident at once."""
-        need = sum(self.pages_for(t) for t in token_counts)
-        if need > len(self.free_pages):
-            raise OutOfMemoryError(
-                f"batch needs {need} KV pages ({fmt_bytes(need * self.bytes_per_page)}) but "
-                f"only {len(self.free_pages)} are free "
-                f"({fmt_bytes(len(self.free_pages) * self.bytes_per_page)} "
-                f"of a {fmt_bytes(self.num_pages * self.bytes_per_page)} pool); "
-                "lower the batch size or max_tokens, or raise the KV budget")
+        self.pages.check_fits(token_counts)
 
     def allocate(self, tokens: int) -> list[int]:
-        """Pages for `tokens` slots."""
-        self.check_fits([tokens])
-        return self.take(self.pages_for(tokens))
-
-    def take(self, pages: int) -> list[int]:
-        """`pages` free pages (the caller has checked that they are free)."""
-        return [self.free_pages.pop() for _ in range(pages)]
+        return self.pages.allocate(tokens)
 
     def release(self, pages: list[int]) -> None:
-        self.free_pages.extend(reversed(pages))
+        self.pages.release(pages)

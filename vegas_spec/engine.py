@@ -50,7 +50,7 @@ from vegas_spec.graphs import bucket_for, round_kind_of
 from vegas_spec.models.loader import resolve
 from vegas_spec.prefill_graphs import bucket_floor
 from vegas_spec.sampling import host_flags
-from vegas_spec.scheduler import PrefillPacer, Scheduler
+from vegas_spec.scheduler import Piece, PrefillPacer, Scheduler
 from vegas_spec.sequence import Detokenizer, Sequence
 from vegas_spec.speculative.adaptive import SpeculationController
 from vegas_spec.stats import PhaseTimer, RunStats, SeqStats
@@ -156,7 +156,7 @@ class LLMEngine:
         # under tensor parallelism (a `launch`), a proxy mirroring each call to the workers
         self.runner = make_runner(self.config, self.source, self.spec)
         budget = self.config.prefill_tokens(self.runner.model_config)
-        self.scheduler = Scheduler(self.runner.cache, max_num_seqs, budget)
+        self.scheduler = Scheduler(self.runner.cache.pages, max_num_seqs, budget)
         pacing = self.config.prefill_pacing
         self.pacer = None if pacing is None else PrefillPacer(budget, pacing)
         self._tokenizer = None
@@ -372,6 +372,7 @@ class LLMEngine:
         pieces = scheduler.prefill_pieces(budget)
         info.prefill_tokens = sum(p.end - p.start for p in pieces)
         done, first = runner.prefill(pieces)
+        scheduler.prefilled(pieces)
         info.first_tokens = len(done)
         if not done:
             return
@@ -558,8 +559,13 @@ class LLM:
         if chunk is not None and (not is_int(chunk) or chunk < 1):
             raise ConfigError(f"chunk must be an integer >= 1, got {chunk!r}")
         seq = self.engine.sequence(token_ids, SamplingParams(max_tokens=1), text=False)
-        return self.engine.runner.logits(seq.prompt_ids,
-                                         chunk or self.config.prefill_tokens(self.model_config))
+        pool = self.engine.scheduler.pool
+        pages = pool.allocate(len(seq.prompt_ids))
+        try:
+            return self.engine.runner.logits(
+                seq.prompt_ids, pages, chunk or self.config.prefill_tokens(self.model_config))
+        finally:
+            pool.release(pages)
 
     def next_token_logits(self, prompts: str | list[str] | list[int] | list[list[int]], *,
                           chat: bool = False):  # noqa: ANN201
@@ -567,12 +573,14 @@ class LLM:
         `generate` runs (batched, chunked, with the prefix cache when it is on)."""
         seqs = [self.engine.sequence(p, SamplingParams(max_tokens=1), chat, i, text=False)
                 for i, p in enumerate(prompt_list(prompts)[0])]
-        runner = self.engine.runner
-        runner.cache.check_fits([s.limit for s in seqs])
+        scheduler = self.engine.scheduler
+        scheduler.pool.check_fits([s.limit for s in seqs])
         for s in seqs:
-            s.pages = runner.cache.allocate(s.limit)
+            scheduler.place(s, s.limit)  # its cached prefix by reference
         try:
-            return runner.next_token_logits(seqs)
+            logits = self.engine.runner.next_token_logits(seqs)
+            scheduler.prefilled([Piece(s, s.prefilled, len(s.prefill_ids)) for s in seqs])
+            return logits
         finally:
             for s in seqs:
-                runner.cache.release(s.pages)
+                scheduler.pool.release(s.pages)

@@ -10,11 +10,12 @@ prefill, join, grow, decode, select, drop, clear, logits, next_token_logits) ran
 broadcasts a `Call`, a method name and plain host arguments, and every worker makes the same
 call on its own runner, so all ranks run the same forwards on the same shapes and meet in
 the same collectives. A sequence is sent whole when it starts (`SeqSpec`: request id, prompt
-ids, sampling, limit, headroom, pages, and a preempted one's output so far), its new pages
-with each `grow`, and by request id otherwise; workers append the tokens of their own
-decode outputs (equal on every rank: the logits are), and rank 0 sends which rows finished
-with the `select` that drops them, so EOS, stop strings and aborts are decided in rank 0
-only. Unseeded sampling gets a seed from rank 0, so every rank draws the same tokens.
+ids, sampling, limit, headroom, pages, the positions its cached prefix covers, and a
+preempted one's output so far), its new pages with each `grow`, and by request id otherwise;
+workers append the tokens of their own decode outputs (equal on every rank: the logits
+are), and rank 0 sends which rows finished with the `select` that drops them, so EOS, stop
+strings and aborts are decided in rank 0 only. Unseeded sampling gets a seed from rank 0,
+so every rank draws the same tokens.
 
 A worker that dies is an `ExecutorError` naming its rank and exit code in rank 0 (its next
 collective fails, or, should it block, a watcher thread ends the process); a worker whose
@@ -65,15 +66,17 @@ class SeqSpec:
     headroom: int
     pages: list[int]
     output: list[int]  # a preempted sequence's output so far, prefilled again
+    prefilled: int = 0  # positions on pages taken from the prefix cache
 
     @classmethod
     def of(cls, seq: Sequence) -> SeqSpec:
         return cls(seq.request_id, list(seq.prompt_ids), seq.params, seq.limit, seq.headroom,
-                   list(seq.pages), list(seq.output))
+                   list(seq.pages), list(seq.output), seq.prefilled)
 
     def mirror(self) -> Sequence:
         return Sequence(self.request_id, self.prompt_ids, self.prompt_ids, self.params,
                         self.limit, self.headroom, pages=list(self.pages),
+                        prefilled=self.prefilled, cached=self.prefilled,
                         output=list(self.output), prefill_ids=self.prompt_ids + self.output)
 
 
@@ -409,8 +412,9 @@ class RunnerProxy:
     def clear(self) -> None:
         self._run("clear", ())
 
-    def logits(self, token_ids: list[int], chunk: int) -> torch.Tensor:
-        return self._run("logits", (list(token_ids), chunk), token_ids, chunk)
+    def logits(self, token_ids: list[int], pages: list[int], chunk: int) -> torch.Tensor:
+        return self._run("logits", (list(token_ids), list(pages), chunk), token_ids, pages,
+                         chunk)
 
     def next_token_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         return self._run("next_token_logits", ([SeqSpec.of(s) for s in seqs],), seqs)
@@ -440,10 +444,7 @@ def agree_pages(runner: ModelRunner, channel: Channel) -> None:
 
     pages = torch.tensor([runner.cache.num_pages])
     dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=channel.group)
-    n = int(pages.item())
-    if n < runner.cache.num_pages:
-        runner.cache.num_pages = n
-        runner.cache.free_pages = [p for p in runner.cache.free_pages if p < n]
+    runner.cache.pages.shrink(int(pages.item()))
 
 
 # --- ranks 1..N-1: the worker loop -------------------------------------------------------

@@ -118,22 +118,21 @@ class ModelRunner:
     def clear(self) -> None:
         """Forget every row (after a failure: the caller releases the sequences' pages)."""
         self._round, self._ready, self._stale = None, None, False
-        self.prefiller.whole.clear()
         self.input.clear()
 
     # --- prefill ------------------------------------------------------------------------
 
     def start(self, seqs: list[Sequence]) -> None:
-        """Sequences just admitted: each prompt's longest cached prefix is copied into its
-        pages (seq.prefilled says how far)."""
-        self.prefiller.start(seqs)
+        """Sequences just admitted, their pages (cached prefix pages among them) placed by
+        the scheduler: nothing to do on one rank (under tensor parallelism the proxy sends
+        them to the workers here)."""
 
     @torch.inference_mode()
     def prefill(self, pieces: list[Piece]) -> tuple[list[Sequence], list[int]]:
         """Run the pieces (packed, in forwards of prefill_chunk tokens) -> the sequences whose
-        prompts are now complete (those found whole in the prefix cache too) and their first
-        tokens; `join` then gives the ones that go on decoding their rows."""
-        seqs = self.prefiller.sequences(pieces)
+        prompts are now complete and their first tokens; `join` then gives the ones that go
+        on decoding their rows."""
+        seqs = list(dict.fromkeys(p.seq for p in pieces))
         if not seqs:
             return [], []
         with self.timer.phase("prefill"):
@@ -155,14 +154,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def next_token_logits(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Logits [B, V] (float32) of the token after each prompt (pages held by the caller),
-        through the prefill that decoding runs (batched, chunked, the prefix cache on)."""
+        """Logits [B, V] (float32) of the token after each prompt (pages held by the caller,
+        cached prefixes among them), through the prefill that decoding runs (batched,
+        chunked)."""
         return self.prefiller.next_token_logits(seqs)
 
     @torch.inference_mode()
-    def logits(self, token_ids: list[int], chunk: int) -> torch.Tensor:
-        """Logits [n, V] (float32) of every prompt position, in forwards of `chunk` tokens."""
-        return self.prefiller.logits(token_ids, chunk)
+    def logits(self, token_ids: list[int], pages: list[int], chunk: int) -> torch.Tensor:
+        """Logits [n, V] (float32) of every prompt position, in forwards of `chunk` tokens,
+        on `pages` (held by the caller)."""
+        return self.prefiller.logits(token_ids, pages, chunk)
 
     # --- rows ---------------------------------------------------------------------------
 
@@ -196,9 +197,7 @@ class ModelRunner:
     @torch.inference_mode()
     def drop(self, seq: Sequence) -> None:
         """A sequence that leaves between steps (aborted): its row goes now, before the next
-        iteration, and the survivors keep the plans already made for them; a prompt found
-        whole in the prefix cache and not yet run is forgotten."""
-        self.prefiller.whole.pop(id(seq), None)
+        iteration, and the survivors keep the plans already made for them."""
         self.input.drop(seq)
 
     def _refresh_plan(self, batch: Batch) -> None:

@@ -1,8 +1,8 @@
 """What a model runner runs on, loaded and sized once: the model (this rank's share under
 tensor parallelism, shared by the engines of a process: `models.shared`) and its FP8 or INT4
-draft copies, the attention backend, the KV pool sized from the
-memory they leave, the scratch page of the static shapes, the prefill graphs and the prefix
-cache; and, for each method and batch size, the decode loop's static shapes and the
+draft copies, the attention backend, the KV pool sized from the memory they leave (its pages
+with the prefix cache where it is on), the scratch page of the static shapes and the prefill
+graphs; and, for each method and batch size, the decode loop's static shapes and the
 `GraphRunner` over them, rebuilt only when they change or the batch outgrows it."""
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from vegas_spec.models.loader import ModelSource, dummy_weights, load_config, lo
 from vegas_spec.models.shared import ModelKey, file_stamps, shared_model
 from vegas_spec.prefill import Prefiller
 from vegas_spec.prefill_graphs import PrefillGraphs
-from vegas_spec.prefix_cache import PrefixCache
 from vegas_spec.quant import fp8_supported
 from vegas_spec.speculative.policies import Policy, max_budget
 
@@ -72,7 +71,7 @@ def load(config: EngineConfig, source: ModelSource) -> Loaded:
     backend = make_backend(config.resolved_backend, config.exact)
     backend.tp = tp
     cache = PagedKVCache.from_budget(local, kv_budget(config, device), config.page_size,
-                                     config.torch_dtype, device)
+                                     config.torch_dtype, device, config.prefix_cache_bytes)
     scratch = cache.allocate(1)[0] if config.static else -1
     return Loaded(cfg, local, model, backend, cache, scratch, drafts,
                   config.max_model_len or cfg.max_position_embeddings, kind)
@@ -157,13 +156,12 @@ def reserve(rows: InputBatch, parts: Loaded, config: EngineConfig, spec: SpecCon
 
 def prefiller(parts: Loaded, config: EngineConfig) -> Prefiller:
     """The prefill step: under static shapes on the prefill graphs' buffers (their pages
-    the widest row's), with the prefix cache where it is on."""
+    the widest row's)."""
     graphs = None
     if config.static:
         pages = parts.cache.pages_for(parts.max_model_len + MAX_GAMMA + 1)
         graphs = PrefillGraphs(parts.model, parts.cache.layers, parts.backend, config.page_size,
                                pages, parts.scratch_page, config.graphs)
-    prefix = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes > 0 else None
     cfg = parts.model_config
     return Prefiller(parts.model, parts.cache, parts.backend, cfg.vocab_size,
-                     config.prefill_tokens(cfg), graphs, prefix)
+                     config.prefill_tokens(cfg), graphs)

@@ -11,28 +11,25 @@ admitted request keeps making progress and none holds pages it has not yet writt
 back when a sequence finishes or is aborted. Prompts are prefilled in pieces under a per-step
 token budget, oldest first, so a long prompt cannot stall the running sequences for more
 than one budget's forward; `PrefillPacer` can size that budget from measured step times
-while rows decode. Knows nothing of tensors. Imports `sequence`."""
+while rows decode.
+
+With the prefix cache on, a sequence takes the cached full pages its prompt starts with by
+reference (`place`) and prefills only the rest; the pages a prefill completes are named for
+the sequences after it (`prefilled`), and the head of the queue waits while a running
+sequence computes the next page of its prompt (`_coming`: many requests with one system
+prompt compute it once, not once each in the steps before it is cached). The scheduler alone
+takes and releases pages. Knows nothing of tensors. Imports `sequence`, `pages` and
+`prefix_cache` (names)."""
 
 from __future__ import annotations
 
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from vegas_spec.pages import PageAllocator
+from vegas_spec.prefix_cache import Name, shareable
 from vegas_spec.sequence import Sequence, Status
-
-
-class PagePool(Protocol):
-    free_pages: list[int]
-
-    def pages_for(self, tokens: int) -> int: ...
-
-    def allocate(self, tokens: int) -> list[int]: ...
-
-    def take(self, pages: int) -> list[int]: ...
-
-    def release(self, pages: list[int]) -> None: ...
 
 
 @dataclass
@@ -120,7 +117,7 @@ WATERMARK = 0.01  # of the pool, kept free at admission for the running sequence
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_num_seqs: int, prefill_budget: int,
+    def __init__(self, pool: PageAllocator, max_num_seqs: int, prefill_budget: int,
                  grow_tokens: int = GROW_TOKENS) -> None:
         self.pool, self.max_num_seqs, self.prefill_budget = pool, max_num_seqs, prefill_budget
         self.grow_tokens = grow_tokens
@@ -128,7 +125,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0
         # pages the queue's head may not take while sequences run
-        self.watermark = math.ceil(WATERMARK * len(pool.free_pages))
+        self.watermark = math.ceil(WATERMARK * pool.num_free)
+        # the names of the full prompt pages of the running sequences still prefilling
+        self._names: dict[Sequence, list[Name]] = {}
+        self._head: tuple[Sequence, int, list[Name]] | None = None  # `_head_names`' last
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -150,20 +150,62 @@ class Scheduler:
     def admit(self, row_limit: int) -> list[Sequence]:
         """Move waiting sequences to running, oldest first, while fewer than row_limit (and
         max_num_seqs) run and their first pages fit (beside the watermark, while others
-        run); each takes them now."""
+        run; cached prefix pages cost only the parked ones they take); each takes them now.
+        The head waits while a running sequence computes the next page of its prompt."""
         admitted = []
         limit = min(row_limit, self.max_num_seqs)
         while self.waiting and len(self.running) < limit:
             seq = self.waiting[0]
             spare = self.watermark if self.running else 0
-            if self.footprint(seq) + spare > len(self.pool.free_pages):
+            names = self._head_names(seq)
+            hit = self.pool.cached_prefix(seq.prefill_ids, names)
+            need = self.footprint(seq) - len(hit) + self.pool.unheld(hit)
+            if need + spare > self.pool.num_free or self._coming(seq, names, len(hit)):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            seq.pages = self.pool.allocate(self._tokens(seq))
+            self.place(seq, self._tokens(seq), names)
+            if names and seq.prefilled < len(seq.prefill_ids):
+                self._names[seq] = names
             seq.status = Status.RUNNING
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def place(self, seq: Sequence, tokens: int, names: list[Name] | None = None) -> None:
+        """seq takes the pages of `tokens` slots (the caller has checked that they fit): its
+        prompt's longest cached prefix by reference (prefilled already), the rest new.
+        names: its prompt's page names, if made already."""
+        hit = self.pool.cached_prefix(seq.prefill_ids, names)
+        self.pool.share(hit)
+        seq.cached = seq.prefilled = len(hit) * self.pool.page_size
+        seq.pages = hit + self.pool.allocate(tokens - seq.cached)
+        if self.pool.prefix is not None:
+            self.pool.prefix.stats.queried += len(seq.prefill_ids)
+            self.pool.prefix.stats.hit += seq.cached
+
+    def _head_names(self, seq: Sequence) -> list[Name]:
+        """The page names of the head's prompt, made once while it waits at the head."""
+        if self._head is None or self._head[0] is not seq \
+                or self._head[1] != len(seq.prefill_ids):
+            self._head = (seq, len(seq.prefill_ids), self.pool.names(seq.prefill_ids))
+        return self._head[2]
+
+    def _coming(self, seq: Sequence, names: list[Name], cached: int) -> bool:
+        """Whether a running sequence is computing the page of seq's prompt after its
+        `cached` cached pages now: seq then waits for it rather than computing it again."""
+        size = self.pool.page_size
+        if not self._names or cached >= shareable(len(seq.prefill_ids), size):
+            return False
+        return any(len(theirs) > cached and theirs[cached] == names[cached]
+                   and other.prefilled < (cached + 1) * size
+                   for other, theirs in self._names.items())
+
+    def prefilled(self, pieces: list[Piece]) -> None:
+        """After a prefill ran `pieces`: the pages it completed become shareable."""
+        for p in pieces:
+            self.pool.name(p.seq.prefill_ids, p.seq.pages, p.end, self._names.get(p.seq))
+            if p.end == len(p.seq.prefill_ids):
+                self._names.pop(p.seq, None)
 
     def grow(self, rows: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """Before a decode iteration over `rows` (running sequences, oldest first): each gets
@@ -177,7 +219,7 @@ class Scheduler:
             need = self.pool.pages_for(self._tokens(seq, ahead=0))
             if len(seq.pages) >= need:
                 continue
-            while need - len(seq.pages) > len(self.pool.free_pages):
+            while need - len(seq.pages) > self.pool.num_free:
                 victim = self._victim(seq)
                 self.preempt(victim)
                 preempted.append(victim)
@@ -185,7 +227,7 @@ class Scheduler:
                     break
             else:
                 more = self.pool.pages_for(self._tokens(seq)) - len(seq.pages)
-                seq.pages += self.pool.take(min(more, len(self.pool.free_pages)))
+                seq.pages += self.pool.take(min(more, self.pool.num_free))
                 grown.append(seq)
         return [s for s in grown if s.status is Status.RUNNING], preempted
 
@@ -201,6 +243,7 @@ class Scheduler:
         """A running sequence gives its pages back and waits at the head of the queue."""
         self.running.remove(seq)
         self.pool.release(seq.pages)
+        self._names.pop(seq, None)
         seq.requeue()
         self.waiting.appendleft(seq)
         self.preemptions += 1
@@ -208,7 +251,7 @@ class Scheduler:
     def max_resident(self, seqs: list[Sequence]) -> int:
         """The most of `seqs` that could run at once: at most max_num_seqs, and no more
         than the free pages admit, the smallest sequences counted first."""
-        left, count = len(self.pool.free_pages), 0
+        left, count = self.pool.num_free, 0
         for need in sorted(self.footprint(s) for s in seqs):
             if need > left or count == self.max_num_seqs:
                 break
@@ -241,5 +284,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.pool.release(seq.pages)
+        self._names.pop(seq, None)
         seq.pages = []
         seq.status = Status.FINISHED

@@ -137,6 +137,7 @@ class Sequence:
     status: Status = Status.WAITING
     pages: list[int] = field(default_factory=list)
     prefilled: int = 0  # positions of prefill_ids whose K/V are in the cache
+    cached: int = 0  # of those, the first ones, on pages taken from the prefix cache
     # the ids a prefill runs over: the prompt, or after a preemption the prompt and output
     prefill_ids: list[int] = field(default_factory=list)
     preemptions: int = 0
@@ -232,7 +233,7 @@ class Sequence:
     def requeue(self) -> None:
         """Preempted (its pages already released): waiting again, to prefill its prompt and
         the output so far before it decodes on."""
-        self.status, self.prefilled, self.pages = Status.WAITING, 0, []
+        self.status, self.prefilled, self.cached, self.pages = Status.WAITING, 0, 0, []
         self.prefill_ids = self.prompt_ids + self.output
         self.preemptions += 1
 

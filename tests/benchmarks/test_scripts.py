@@ -354,3 +354,14 @@ def test_selection_sweep_runs_every_cell_with_stream_and_vanilla(tmp_path: Path)
         assert c["budget_mean"] >= 16
         # greedy speculative output is vanilla's (float32 on CPU), sampled is not compared
         assert c.get("same_as_vanilla") == (2 if c["sampling"] == "greedy" else None)
+
+
+def test_prefix_share_holds_the_prefix_once_with_the_cache_on(tmp_path: Path) -> None:
+    out = tmp_path / "share.json"
+    run("prefix_share.py", "--device", "cpu", "--dtype", "float32", "--requests", "3",
+        "--prefix-tokens", "80", "--own-tokens", "4", "--max-tokens", "2", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    off, on = rows["off"], rows["on"]
+    assert off["prompt_tokens"] == on["prompt_tokens"] == 3 * 84
+    assert off["computed_tokens"] == 3 * 84 and on["computed_tokens"] == 84 + 2 * (84 - 80)
+    assert on["peak_pages"] < off["peak_pages"] and on["ttft_max_s"] > 0

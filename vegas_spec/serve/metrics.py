@@ -70,4 +70,4 @@ class Metrics:
     def gauges(self, engine: LLMEngine) -> None:
         self.waiting.set(engine.num_waiting)
         self.running.set(engine.num_running)
-        self.free_pages.set(len(engine.runner.cache.free_pages))
+        self.free_pages.set(engine.scheduler.pool.num_free)
