@@ -15,7 +15,7 @@ run: setup
 # Two workers, one per core of a 2-core CI machine; each test file stays on one worker, so
 # a file's model fixtures load once.
 test: setup
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=15
+	.venv/bin/python -m pytest -q -n auto --dist loadfile --durations=15
 
 # The tests that need CUDA (CI has no GPU, where they skip): every kernel compiled, the real
 # model's lossless and exact checks, the engine's graphs, prefill and steps on the GPU, and

@@ -44,6 +44,23 @@ def _return_freed_memory() -> None:
 
 
 _return_freed_memory()
+# Resident memory a worker may peak at (a file holding the real model beside transformers'
+# oracle), and the most workers `-n auto` starts: one a core, as many as the memory
+# available at the start holds at that peak (at least one), so a machine whose other
+# processes leave 3 GB runs the suite in one worker instead of failing it.
+WORKER_PEAK_BYTES = 2_800_000_000
+MOST_WORKERS = 2
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's: -p no:xdist runs without it
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    from vegas_spec.cache import available_bytes
+
+    avail = available_bytes(torch.device("cpu"))
+    by_memory = MOST_WORKERS if avail is None else avail // WORKER_PEAK_BYTES
+    return max(1, min(os.cpu_count() or 1, MOST_WORKERS, by_memory))
+
+
 # The cores are shared among pytest-xdist's workers (one each on CI's two cores).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))

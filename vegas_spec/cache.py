@@ -51,15 +51,40 @@ def available_bytes(device: torch.device) -> int | None:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (OSError, ValueError, AttributeError):
             return None
-    try:  # a container's limit (cgroup v2)
-        with open("/sys/fs/cgroup/memory.max") as f:
+    room = cgroup_room()
+    return max(avail if room is None else min(avail, room), 0)
+
+
+def cgroup_room(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> int | None:
+    """Bytes the process's memory cgroup (v2, or v1's memory controller) may still take:
+    its limit less its usage, at the container's root and at the process's own group (a
+    job may run in a group of its own below it). None where no limit is set or none can
+    be read."""
+    try:
+        with open(own) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    v2 = [line.split(":", 2)[2] for line in lines if line.startswith("0::")]
+    v1 = [line.split(":", 2)[2] for line in lines if line.split(":")[1:2] == ["memory"]]
+    groups = [(root, "memory.max", "memory.current")]
+    groups += [(f"{root}{path}", "memory.max", "memory.current") for path in v2 if path != "/"]
+    groups += [(f"{root}/memory{path}", "memory.limit_in_bytes", "memory.usage_in_bytes")
+               for path in v1]
+    rooms = [r for r in (_room(*g) for g in groups) if r is not None]
+    return min(rooms) if rooms else None
+
+
+def _room(folder: str, limit_file: str, usage_file: str) -> int | None:
+    try:
+        with open(f"{folder}/{limit_file}") as f:
             limit = f.read().strip()
-        if limit != "max":
-            with open("/sys/fs/cgroup/memory.current") as f:
-                avail = min(avail, int(limit) - int(f.read()))
+        if limit == "max" or int(limit) >= 1 << 62:  # no limit (v1 writes a huge number)
+            return None
+        with open(f"{folder}/{usage_file}") as f:
+            return int(limit) - int(f.read())
     except (OSError, ValueError):
-        pass
-    return max(avail, 0)
+        return None
 
 
 def check_memory(budget_bytes: int, device: torch.device) -> None:
