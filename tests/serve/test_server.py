@@ -376,7 +376,9 @@ def test_forms_the_api_accepts(served: Running, offline: LLM) -> None:
     client = served.client()
     out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4,
                                     extra_body={"temperature": None, "top_p": None, "n": None})
-    assert out.choices[0].finish_reason == "length"
+    # sampled at the default temperature: the end of text may come within the 4 tokens
+    reason, tokens = out.choices[0].finish_reason, out.usage.completion_tokens
+    assert reason in ("length", "stop") and (tokens == 4) == (reason == "length") and tokens
     parts = [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}]
     chat = client.chat.completions.create(
         model=MODEL, max_tokens=4, temperature=0,
@@ -678,7 +680,7 @@ def test_a_queued_client_that_leaves_gives_its_place_up() -> None:
             with cf.ThreadPoolExecutor(1) as pool:  # its place is free for the next one
                 nxt = pool.submit(httpx.post, url, timeout=300,
                                   json={**long, "stream": False, "max_tokens": 3})
-                for _ in range(100):
+                for _ in range(400):  # a machine loaded by other work takes its time
                     if running.engine.num_waiting == 1:
                         break
                     time.sleep(0.05)
