@@ -80,19 +80,21 @@ class TritonBackend(AttentionBackend):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
-               rope: torch.Tensor) -> torch.Tensor:
+               rope: torch.Tensor, sinks: torch.Tensor | None = None,
+               window: int = 0) -> torch.Tensor:
         """The seam's `attend`; a one-row draft step runs RoPE, the KV store and its sparse
         attention as one kernel (`SPARSE_ROPE`), and a selector (quest's) rotates the q it
         scores pages with inside its own kernel."""
         plan = ctx.sparse
-        if not (SPARSE_ROPE and plan is not None and ctx.prefill is None and q.shape[1] == 1):
-            return super().attend(layer, q, k, v, k_cache, v_cache, ctx, rope)
+        if not (SPARSE_ROPE and plan is not None and ctx.prefill is None and q.shape[1] == 1
+                and not window):
+            return super().attend(layer, q, k, v, k_cache, v_cache, ctx, rope, sinks, window)
         if plan.selector is not None:
             indices = plan.selector(layer, q, ctx, self, rope)
         else:
             assert plan.indices is not None
             indices = plan.indices[layer]
-        return self.sparse(q, k_cache, v_cache, indices, ctx,
+        return self.sparse(q, k_cache, v_cache, indices, ctx, sinks,
                            new=NewKV(k, v, rope, ctx.slot_mapping))
 
     def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -115,7 +117,14 @@ class TritonBackend(AttentionBackend):
         return super().linear(x, weight, bias)
 
     def experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+                weights: torch.Tensor, ids: torch.Tensor,
+                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                limit: float = 0.0) -> torch.Tensor:
+        """The fused kernel; gpt-oss's experts (biases, clamped SwiGLU) run the reference
+        `ops.moe_experts` (every expert on every token: correct, not fast)."""
+        if gate_up_bias is not None or down_bias is not None or limit > 0:
+            return super().experts(x, gate_up, down, weights, ids, gate_up_bias, down_bias,
+                                   limit)
         return fused_moe(x, gate_up, down, weights, ids, self.exact)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

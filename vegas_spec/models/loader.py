@@ -225,7 +225,7 @@ def _safetensors_slices(path: Path, family: Family, tp: TPGroup) -> dict[str, to
                 out[key] = f.get_tensor(key)
                 continue
             cut = tp.rank_slice(shape[dim])
-            out[key] = part[cut] if dim == 0 else part[:, cut]
+            out[key] = part[(slice(None),) * dim + (cut,)]
     return out
 
 
