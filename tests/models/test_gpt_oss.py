@@ -87,8 +87,10 @@ def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor) -> None:
 
 PROMPT = random_prompts(1, (40,), VOCAB)[0]  # five sliding windows
 
+# the Triton kernels run under the interpreter (slow: one setting)
 SETTINGS = {"one-chunk": {}, "chunks-of-7": {"prefill_chunk": 7}, "exact": {"exact": True},
-            "exact-chunks-of-16": {"exact": True, "prefill_chunk": 16}}
+            "exact-chunks-of-16": {"exact": True, "prefill_chunk": 16},
+            "triton-chunks-of-16": {"backend": "triton", "prefill_chunk": 16}}
 
 
 def test_the_config_reads_windows_sinks_and_experts(folder: Path) -> None:
@@ -185,6 +187,21 @@ def test_every_method_gives_plain_tokens(oss_llm: LLM, prompts: list[list[int]],
                                          plain: list[list[int]], method: dict) -> None:
     outs = oss_llm.generate(prompts, PARAMS, speculative=tiny_spec(method))
     assert [o.token_ids for o in outs] == plain
+
+
+def test_triton_backend_on_fixed_shapes_gives_plain_tokens(folder: Path,
+                                                           prompts: list[list[int]]) -> None:
+    """The Triton backend (its prefill kernel with sinks and windows; the references for the
+    decode, draft and verify steps of such layers) on the static shapes' buffers a GPU
+    captures: vegas's tokens are plain decoding's, past the window (the interpreter is slow:
+    a short prompt)."""
+    llm = engine(folder, backend="triton", static_shapes=True)
+    short, params = [prompts[0][:18]], SamplingParams(max_tokens=4, ignore_eos=True)
+    plain = [o.token_ids for o in llm.generate(short, params, speculative=PLAIN)]
+    outs = llm.generate(short, params, speculative=tiny_spec({"method": "vegas"}))
+    assert [o.token_ids for o in outs] == plain
+    torch_plain = engine(folder).generate(short, params, speculative=PLAIN)[0].token_ids
+    assert plain == [torch_plain]
 
 
 def test_plain_tokens_are_transformers_greedy_tokens(hf: transformers.PreTrainedModel,
