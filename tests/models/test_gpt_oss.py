@@ -18,6 +18,7 @@ from conftest import TINY_IDS, TINY_METHODS, random_prompts, randomize_norms_and
 from safetensors import safe_open
 
 from vegas_spec import parallel
+from vegas_spec.attention.torch_backend import paged_attention_ref
 from vegas_spec.config import ConfigError, ModelConfig, SamplingParams, SpecConfig
 from vegas_spec.engine import LLM
 from vegas_spec.models import loader
@@ -248,3 +249,25 @@ def test_every_layer_full_needs_no_window() -> None:
     config = {**TINY_OSS, "architectures": ["GptOssForCausalLM"], "sliding_window": None,
               "layer_types": ["full_attention"] * 4}
     assert ModelConfig.from_hf(config).layer_windows == (0, 0, 0, 0)
+
+
+def test_weight_scores_count_the_sink_in_their_denominator() -> None:
+    """vegas's verify-pass weights with sinks: each head's softmax over [sink, keys], the sink
+    dropped, summed over the heads; on a sliding layer only the window's keys score."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 4, 16, generator=gen)  # two rows, 4 heads over 2 kv heads
+    k_cache, v_cache = torch.randn(16, 2, 16, generator=gen), torch.randn(16, 2, 16, generator=gen)
+    table, positions = torch.tensor([[0]]), torch.tensor([[5, 6]])
+    sinks = torch.tensor([3.0, -1.0, 0.5, 2.0])
+    _, scores = paged_attention_ref(q, k_cache, v_cache, table, positions, 16, 7, 0.25,
+                                    torch.tensor([0, 1]), "weight", sinks=sinks)
+    assert scores is not None and scores.shape == (1, 2, 1, 7)
+    for row, pos in enumerate((5, 6)):
+        expected = torch.zeros(7)
+        for h in range(4):
+            logits = (k_cache[: pos + 1, h // 2] @ q[0, row, h]) * 0.25
+            expected[: pos + 1] += torch.softmax(torch.cat([sinks[h:h + 1], logits]), 0)[1:]
+        torch.testing.assert_close(scores[0, row, 0], expected)
+    _, windowed = paged_attention_ref(q, k_cache, v_cache, table, positions, 16, 7, 0.25,
+                                      torch.tensor([1]), "weight", sinks=sinks, window=3)
+    assert windowed is not None and not windowed[0, 0, 0, :4].any() and windowed[0, 0, 0, 4:].all()
