@@ -92,16 +92,30 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     o_bias: bool = False
+    sinks: bool = False  # a learned logit per query head in every softmax's denominator
+    # each layer's sliding window (its family's `windows`): a query at position p sees keys
+    # p - w + 1 .. p; 0: full attention; () every layer full. Unlike `sliding_window` (one
+    # window for every layer, refused past it), these windows are attended as they are.
+    layer_windows: tuple[int, ...] = ()
     # a mixture of experts' sizes, as its family reads them (`models.family.Experts`; 0 and
     # False: a dense model)
     num_experts: int = 0
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False  # each expert's gate/up and down biased
+    # > 0: the experts' activation is gpt-oss's clamped SwiGLU, (up + 1) * gate *
+    # sigmoid(1.702 * gate) with gate <= limit and |up| <= limit; 0: SiLU(gate) * up
+    swiglu_limit: float = 0.0
 
     @property
     def rope(self) -> dict[str, Any]:
         return dict(self.rope_scaling)
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (0: full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -122,6 +136,7 @@ class ModelConfig:
         hidden = _count(cfg, "hidden_size")
         head_dim = _count(cfg, "head_dim", hidden // heads)
         theta, rope = _rope(cfg)
+        windows = family.windows(cfg)
         return cls(
             architecture=family.architecture,
             vocab_size=_count(cfg, "vocab_size"),
@@ -136,7 +151,8 @@ class ModelConfig:
             rope_scaling=tuple(sorted(rope.items())),
             max_position_embeddings=_count(cfg, "max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            sliding_window=_sliding_window(cfg),
+            sliding_window=None if windows else _sliding_window(cfg),
+            layer_windows=windows,
             eos_token_ids=_ids(cfg.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id"),
             **family.switches(cfg)._asdict(),
@@ -148,6 +164,11 @@ def count_field(cfg: dict[str, Any], key: str, default: int | None = None) -> in
     """A positive integer field of an HF config (a family's own fields); missing (or null)
     takes the default, else is a ConfigError naming the field."""
     return _count(cfg, key, default)
+
+
+def real_field(cfg: dict[str, Any], key: str, default: float) -> float:
+    """A positive number field of an HF config (a family's own fields), as `count_field`."""
+    return _real(cfg, key, default)
 
 
 def _count(cfg: dict[str, Any], key: str, default: int | None = None) -> int:

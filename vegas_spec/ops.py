@@ -11,6 +11,8 @@ too wide for its kernel). Imports only `torch`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -47,6 +49,34 @@ def exact_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     g = gate.float()
     sigmoid = torch.softmax(torch.stack([g, torch.zeros_like(g)], dim=-1), dim=-1)[..., 0]
     return (g * sigmoid).to(gate.dtype) * up
+
+
+SWIGLU_ALPHA = 1.702  # gpt-oss's sigmoid slope
+
+
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, exact: bool = False) -> torch.Tensor:
+    """gate_up [..., 2I] -> gpt-oss's (up + 1) * gate * sigmoid(1.702 * gate) [..., I], gate
+    clamped to at most `limit` and up to [-limit, limit] first, in gate_up's dtype as
+    transformers computes it. exact: the sigmoid as `exact_silu_mul`'s (one path for every
+    element)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    z = gate * SWIGLU_ALPHA
+    if exact:
+        zf = z.float()
+        sigmoid = torch.softmax(torch.stack([zf, torch.zeros_like(zf)], -1), -1)[..., 0]
+        sigmoid = sigmoid.to(gate.dtype)
+    else:
+        sigmoid = torch.sigmoid(z)
+    return (up + 1) * (gate * sigmoid)
+
+
+def expert_activation(limit: float, exact: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The experts' gate/up activation: SiLU(gate) * up, or where limit > 0 gpt-oss's
+    `clamped_swiglu`."""
+    if limit > 0:
+        return lambda gate_up: clamped_swiglu(gate_up, limit, exact)
+    return exact_silu_mul if exact else silu_mul
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -107,7 +137,9 @@ def sum_slots(y: torch.Tensor) -> torch.Tensor:
 
 
 def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                weights: torch.Tensor, ids: torch.Tensor, exact: bool = False) -> torch.Tensor:
+                weights: torch.Tensor, ids: torch.Tensor, exact: bool = False,
+                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                limit: float = 0.0) -> torch.Tensor:
     """A mixture of experts: x [T, H] -> [T, H], token t the sum over its slots j of
     weights[t, j] * expert ids[t, j]'s down(SiLU(gate) * up) of x[t]; gate_up [E, 2I, H]
     (each expert's gate rows, then its up rows), down [E, H, I], weights [T, k] in x's dtype.
@@ -117,11 +149,16 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     The oracle of `kernels.fused_moe` and the CPU path: every expert runs on every token and
     the tokens it is not routed to are dropped, E / k times the products of the routed
     computation but of fixed shapes, with no read of the routing on the host. In exact mode
-    the products are `exact_linear`'s and SiLU `exact_silu_mul`'s: each row alone."""
-    linear, act = (exact_linear, exact_silu_mul) if exact else (F.linear, silu_mul)
+    the products are `exact_linear`'s and SiLU `exact_silu_mul`'s: each row alone.
+
+    gpt-oss's experts: biases gate_up_bias [E, 2I] and down_bias [E, H] added to each
+    expert's products, and with limit > 0 the `clamped_swiglu` activation."""
+    linear, act = exact_linear if exact else F.linear, expert_activation(limit, exact)
     out = x.new_zeros(*ids.shape, x.shape[-1])  # [T, k, H]
     for e in range(gate_up.shape[0]):
-        y = linear(act(linear(x, gate_up[e])), down[e])  # [T, H]
+        b_up = None if gate_up_bias is None else gate_up_bias[e]
+        b_down = None if down_bias is None else down_bias[e]
+        y = linear(act(linear(x, gate_up[e], b_up)), down[e], b_down)  # [T, H]
         out = torch.where((ids == e)[..., None], y[:, None] * weights[..., None], out)
     return sum_slots(out)
 

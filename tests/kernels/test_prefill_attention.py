@@ -131,3 +131,32 @@ def test_reference_is_plain_causal_attention() -> None:
 def test_flops_count_causal_pairs() -> None:
     # 2 queries after 3 cached keys see 4 and 5 keys: 9 pairs, 4·H·D FLOPs each
     assert prefill_flops([2], [3], heads=2, dim=8) == 4 * 2 * 8 * 9
+
+
+SINK_CASES = [
+    (Case((45,), (0,), 4, 2, 32, page_size=8), 8, False),  # gpt-oss's window, no sinks
+    (Case((40, 17), (37, 100), 4, 2, 32, page_size=8), 8, True),  # later chunks, both
+    (Case((33,), (20,), 4, 4, 32), 0, True),  # sinks alone
+    (Case((50,), (5,), 4, 2, 32, page_size=4), 40, True),  # a window wider than a block
+]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("case,window,sinks", SINK_CASES)
+def test_sinks_and_sliding_windows_match_reference(case: Case, window: int, sinks: bool,
+                                                   splits: int) -> None:
+    """gpt-oss's attention: a sink logit per head in the denominator, the keys of the last
+    `window` positions; the key axis whole or split."""
+    cache, q, cu, starts = _inputs(case, torch.float32, seed=7 + window)
+    sink = randn(case.heads, gen=generator(3)) * 2 if sinks else None
+    cfg = prefill_config(case.dim, q.is_cuda)
+    tiles = prefill_tiles(list(case.lengths), list(case.starts), cfg.block_m, q.device)
+    out = prefill_attention(q, cache.k, cache.v, cache.page_table, cu, starts, tiles,
+                            case.page_size, case.dim ** -0.5, config=cfg, splits=splits,
+                            sinks=sink, window=window)
+    ref = prefill_attention_ref(q, cache.k, cache.v, cache.page_table, case.lengths,
+                                case.starts, case.page_size, case.dim ** -0.5, sink, window)
+    plain = prefill_attention_ref(q, cache.k, cache.v, cache.page_table, case.lengths,
+                                  case.starts, case.page_size, case.dim ** -0.5)
+    assert (ref - plain).abs().max() > 0.05  # the sinks and the window matter here
+    torch.testing.assert_close(out, ref, **tol(torch.float32))

@@ -62,11 +62,16 @@ class AttentionBackend(ABC):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
-               rope: torch.Tensor) -> torch.Tensor:
+               rope: torch.Tensor, sinks: torch.Tensor | None = None,
+               window: int = 0) -> torch.Tensor:
+        """sinks [H] (None: none): a learned logit per query head that joins every softmax's
+        denominator, scores' included; window > 0: a sliding-window layer, whose query at
+        position p sees keys p - window + 1..p, and whose draft steps attend to that window
+        as it is (no selection: the window is the draft's)."""
         q = self.rope_store(q, k, v, k_cache, v_cache, ctx, rope)
         if ctx.prefill is not None:
             assert ctx.sparse is None, "a packed prefill attends to everything"
-            out = self.prefill(q[0], k_cache, v_cache, ctx)
+            out = self.prefill(q[0], k_cache, v_cache, ctx, sinks, window)
             last = ctx.prefill.last
             if last is not None:
                 q_last = q[0, last.index]
@@ -74,28 +79,29 @@ class AttentionBackend(ABC):
                     last.q_out[layer] = q_last
                 if ctx.scores is not None:
                     self.last_row_scores(layer, q_last, k_cache, v_cache, last, ctx.scores,
-                                         ctx.page_size)
+                                         ctx.page_size, sinks, window)
             return out[None]
-        if ctx.sparse is None:
-            return self.full(layer, q, k_cache, v_cache, ctx)
+        if ctx.sparse is None or window:
+            return self.full(layer, q, k_cache, v_cache, ctx, sinks, window)
         plan = ctx.sparse
         if plan.selector is not None:
             indices = plan.selector(layer, q, ctx, self)
         else:
             assert plan.indices is not None
             indices = plan.indices[layer]
-        return self.sparse(q, k_cache, v_cache, indices, ctx)
+        return self.sparse(q, k_cache, v_cache, indices, ctx, sinks)
 
     def last_row_scores(self, layer: int, q_last: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, last: LastRows, scores: ScoreRequest,
-                        page_size: int) -> None:
+                        page_size: int, sinks: torch.Tensor | None = None,
+                        window: int = 0) -> None:
         """Selection scores of prompts' last rows (q_last [S', H, D], rotated) into
         scores.out[layer] ([S', R, G, W]): a one-row full-attention step over their pages,
         whose attention output is dropped."""
         ctx = StepContext(positions=last.positions, seq_lens=last.positions[:, -1] + 1,
                           slot_mapping=last.slots, page_table=last.page_table,
                           page_size=page_size, kv_len_max=last.kv_len_max, scores=scores)
-        self.full(layer, q_last[:, None], k_cache, v_cache, ctx)
+        self.full(layer, q_last[:, None], k_cache, v_cache, ctx, sinks, window)
 
     def prefill_block_rows(self, head_dim: int, device: torch.device) -> int | None:
         """Query rows per tile of this backend's prefill kernel, whose tile list
@@ -143,21 +149,31 @@ class AttentionBackend(ABC):
         return self.tp.sum_in_order(part) if self.exact else self.tp.all_reduce(part)
 
     def moe(self, x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor,
-            down: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+            down: torch.Tensor, top_k: int, renormalize: bool,
+            gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+            limit: float = 0.0) -> torch.Tensor:
         """A mixture of experts: x [..., H] (normed) -> [..., H]. router_logits [..., E] pick
         each token's top_k experts (`ops.route`), `experts` runs them on this rank's slice of
-        every expert (gate_up [E, 2I/N, H], down [E, H, I/N]), and the partial outputs are
-        summed over the ranks."""
+        every expert (gate_up [E, 2I/N, H], down [E, H, I/N]; gpt-oss's biases gate_up_bias
+        [E, 2I/N] and down_bias [E, H], the latter in rank 0's part only, so that the sum
+        adds it once; its clamped SwiGLU where limit > 0), and the partial outputs are summed
+        over the ranks."""
         weights, ids = route(router_logits.reshape(-1, router_logits.shape[-1]), top_k,
                              renormalize)
-        out = self.experts(x.reshape(-1, x.shape[-1]), gate_up, down, weights, ids)
+        if self.tp.rank != 0:
+            down_bias = None
+        out = self.experts(x.reshape(-1, x.shape[-1]), gate_up, down, weights, ids,
+                           gate_up_bias, down_bias, limit)
         return self.sum_ranks(out).view(x.shape)
 
     def experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+                weights: torch.Tensor, ids: torch.Tensor,
+                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                limit: float = 0.0) -> torch.Tensor:
         """x [T, H] through the experts ids [T, k] weighted by weights [T, k] -> [T, H]
         (`ops.moe_experts`, in exact mode its row-invariant products)."""
-        return moe_experts(x, gate_up, down, weights, ids, self.exact)
+        return moe_experts(x, gate_up, down, weights, ids, self.exact, gate_up_bias, down_bias,
+                           limit)
 
     def head_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel LM head: x [..., hidden] @ weight [V/N, hidden]^T, the ranks'
@@ -188,16 +204,19 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def full(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             ctx: StepContext) -> torch.Tensor: ...
+             ctx: StepContext, sinks: torch.Tensor | None = None,
+             window: int = 0) -> torch.Tensor: ...
 
     @abstractmethod
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                ctx: StepContext) -> torch.Tensor:
+                ctx: StepContext, sinks: torch.Tensor | None = None,
+                window: int = 0) -> torch.Tensor:
         """q [T, H, D] of the packed pieces of ctx.prefill -> [T, H, D]."""
 
     @abstractmethod
     def sparse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               indices: torch.Tensor, ctx: StepContext) -> torch.Tensor: ...
+               indices: torch.Tensor, ctx: StepContext,
+               sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
     @abstractmethod
     def quest_page_scores(self, q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,

@@ -19,16 +19,29 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     v_cache.index_copy_(0, slots, v.reshape(-1, *v.shape[2:]).to(v_cache.dtype))
 
 
+def _sink_softmax(logits: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last axis of logits [B, Hkv, g, n, L] (scaled, masked), with sinks
+    [Hkv * g] (a learned logit per query head, gpt-oss's) joining the denominator only: the
+    sink is column 0 of the softmax, then dropped, so a key's place in the reduction is the
+    same for every row and key-axis length (exact mode's premise)."""
+    if sinks is None:
+        return torch.softmax(logits, dim=-1)
+    _, hkv, g, _, _ = logits.shape
+    sink = sinks.float().view(1, hkv, g, 1, 1).expand(*logits.shape[:-1], 1)
+    return torch.softmax(torch.cat([sink, logits], dim=-1), dim=-1)[..., 1:]
+
+
 def _softmax_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    valid: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor,
-                                                                torch.Tensor]:
-    """q [B, n, Hkv, g, D]; keys/values [B, Hkv, L, D]; valid [B, Hkv or 1, n, L].
+                    valid: torch.Tensor, scale: float, sinks: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [B, n, Hkv, g, D]; keys/values [B, Hkv, L, D]; valid [B, Hkv or 1, n, L]; sinks
+    [Hkv * g] or None (`_sink_softmax`).
 
     Returns out [B, n, Hkv, g, D] (q's dtype), raw logits s = q.k and softmax p,
     both [B, Hkv, g, n, L] float32."""
     s = torch.einsum("bnhgd,bhld->bhgnl", q.float(), keys.float())
     mask = valid.unsqueeze(2)
-    p = torch.softmax((s * scale).masked_fill(~mask, float("-inf")), dim=-1)
+    p = _sink_softmax((s * scale).masked_fill(~mask, float("-inf")), sinks)
     p = torch.nan_to_num(p, nan=0.0)  # a row with no valid key (never in practice)
     out = torch.einsum("bhgnl,bhld->bnhgd", p, values.float())
     return out.to(q.dtype), s.masked_fill(~mask, 0.0), p
@@ -50,8 +63,8 @@ def _product_sum(a: torch.Tensor, b: torch.Tensor, shape: tuple[int, ...]) -> to
 
 
 def _exact_softmax_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                          valid: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor,
-                                                                      torch.Tensor]:
+                          valid: torch.Tensor, scale: float, sinks: torch.Tensor | None = None,
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_softmax_attend` with each query row's bits independent of the other rows of the call
     and of how far the key axis reaches past the row's last visible key (exact mode).
 
@@ -71,7 +84,7 @@ def _exact_softmax_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
                                                                    dim))
                    for k in keys.split(EXACT_KEYS, dim=2)], dim=-1)  # [B, Hkv, g, n, L']
     mask = valid.unsqueeze(2)
-    p = torch.softmax((s * scale).masked_fill(~mask, float("-inf")), dim=-1)
+    p = _sink_softmax((s * scale).masked_fill(~mask, float("-inf")), sinks)
     p = torch.nan_to_num(p, nan=0.0)
     acc = torch.zeros(bsz, hkv, g, n, dim, dtype=torch.float32, device=q.device)
     for j, v in enumerate(values.split(EXACT_KEYS, dim=2)):
@@ -83,37 +96,43 @@ def _exact_softmax_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
 
 
 def _visible_keys(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                  positions: torch.Tensor, page_size: int,
-                  kv_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  positions: torch.Tensor, page_size: int, kv_len: int,
+                  window: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keys 0..kv_len-1 of each sequence from its pages: keys, values [B, Hkv, L, D] and
-    valid [B, 1, n, L] (query i of sequence b sees keys 0..positions[b, i])."""
+    valid [B, 1, n, L] (query i of sequence b sees keys 0..positions[b, i]; with a sliding
+    window w > 0 only the last w of them, positions[b, i] - w + 1..positions[b, i])."""
     bsz = page_table.shape[0]
     key_pos = torch.arange(kv_len, device=positions.device).expand(bsz, kv_len)
     slots = slots_of(page_table, key_pos, page_size)
     keys = k_cache[slots].transpose(1, 2)
     values = v_cache[slots].transpose(1, 2)
-    valid = (key_pos[:, None, :] <= positions[:, :, None]).unsqueeze(1)
-    return keys, values, valid
+    valid = key_pos[:, None, :] <= positions[:, :, None]
+    if window:
+        valid &= key_pos[:, None, :] > positions[:, :, None] - window
+    return keys, values, valid.unsqueeze(1)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
                         kv_len: int, scale: float, score_rows: torch.Tensor | None = None,
                         score_mode: str = "weight", per_kv_head: bool = False,
-                        exact: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        exact: bool = False, sinks: torch.Tensor | None = None,
+                        window: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Full causal attention of n queries per sequence over its pages.
 
     q [B, n, H, D]; positions [B, n]; kv_len >= every sequence length.
-    Query i of sequence b sees keys 0..positions[b, i].
+    Query i of sequence b sees keys 0..positions[b, i] (with window w > 0 the last w of
+    them); sinks [H] (None: none) join each head's softmax denominator.
     Scores (if score_rows [R] is given): [B, R, G, kv_len] float32 summed over the query heads
     (G = Hkv if per_kv_head else 1), softmax weights or raw logits q.k, 0 where not visible.
     exact: each row's output bits independent of n, B and kv_len (`_exact_softmax_attend`)."""
     bsz, n, heads, dim = q.shape
     hkv = k_cache.shape[1]
     keys, values, valid = _visible_keys(k_cache, v_cache, page_table, positions, page_size,
-                                        kv_len)
+                                        kv_len, window)
     attend = _exact_softmax_attend if exact else _softmax_attend
-    out, s, p = attend(q.view(bsz, n, hkv, heads // hkv, dim), keys, values, valid, scale)
+    out, s, p = attend(q.view(bsz, n, hkv, heads // hkv, dim), keys, values, valid, scale,
+                       sinks)
     scores = None
     if score_rows is not None:
         picked = (p if score_mode == "weight" else s)[:, :, :, score_rows.long()]
@@ -124,17 +143,20 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           page_table: torch.Tensor, lengths: tuple[int, ...],
-                          starts: tuple[int, ...], page_size: int, scale: float) -> torch.Tensor:
+                          starts: tuple[int, ...], page_size: int, scale: float,
+                          sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Causal attention of packed prompt pieces (the prefill kernel's oracle).
 
     q [T, H, D]: piece s is the next lengths[s] rows, positions starts[s] .. starts[s] +
     lengths[s] - 1 of the sequence with pages page_table[s]; query i of piece s sees keys
-    0 .. starts[s] + i, all in the cache. Returns [T, H, D] (rows past the pieces: 0)."""
+    0 .. starts[s] + i (with window w > 0 the last w of them), all in the cache; sinks [H]
+    as `paged_attention_ref`'s. Returns [T, H, D] (rows past the pieces: 0)."""
     out, offset = torch.zeros_like(q), 0
     for s, (n, start) in enumerate(zip(lengths, starts)):
         pos = (start + torch.arange(n, device=q.device))[None]  # [1, n]
         piece, _ = paged_attention_ref(q[None, offset : offset + n], k_cache, v_cache,
-                                       page_table[s : s + 1], pos, page_size, start + n, scale)
+                                       page_table[s : s + 1], pos, page_size, start + n, scale,
+                                       sinks=sinks, window=window)
         out[offset : offset + n] = piece[0]
         offset += n
     return out
@@ -142,11 +164,15 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 def prefill_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             page_table: torch.Tensor, lengths: tuple[int, ...],
-                            starts: tuple[int, ...], page_size: int,
-                            scale: float) -> torch.Tensor:
+                            starts: tuple[int, ...], page_size: int, scale: float,
+                            sinks: torch.Tensor | None = None, window: int = 0,
+                            exact: bool = True) -> torch.Tensor:
     """`prefill_attention_ref` in exact mode: a row's bits do not depend on how its prompt is
     cut into chunks or packed with others (each row is reduced over keys 0.. its position by
-    `_exact_softmax_attend`, whatever rows share the call). Slow: the CPU path of exact mode."""
+    `_exact_softmax_attend`, whatever rows share the call). Slow: the CPU path of exact mode.
+    With exact=False the same calls of at most EXACT_PREFILL_ROWS rows through the default
+    reference: the CPU path of attention with sinks or a sliding window, which torch's fused
+    attention does not take."""
     out, offset = torch.zeros_like(q), 0
     for s, (n, start) in enumerate(zip(lengths, starts)):
         for first in range(0, n, EXACT_PREFILL_ROWS):
@@ -155,7 +181,8 @@ def prefill_attention_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             at = offset + first
             piece, _ = paged_attention_ref(q[None, at:at + rows], k_cache, v_cache,
                                            page_table[s:s + 1], pos, page_size,
-                                           start + first + rows, scale, exact=True)
+                                           start + first + rows, scale, exact=exact,
+                                           sinks=sinks, window=window)
             out[at:at + rows] = piece[0]
         offset += n
     return out
@@ -205,12 +232,13 @@ def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def sparse_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
                          indices: torch.Tensor, recent_start: torch.Tensor, recent_max: int,
-                         scale: float) -> torch.Tensor:
+                         scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over selected positions plus a contiguous recent range.
 
     q [B, n, H, D]; indices [B, G, K] positions (-1 = unused; G = 1 shares them across the
     kv heads); recent_start [B]; query i sees recent positions recent_start..positions[b, i]
-    (at most recent_max of them) and every listed index (all lie before recent_start)."""
+    (at most recent_max of them) and every listed index (all lie before recent_start);
+    sinks [H] (None: none) join each head's softmax denominator."""
     bsz, n, heads, dim = q.shape
     hkv, groups = k_cache.shape[1], indices.shape[1]
     recent = recent_start[:, None, None] + torch.arange(recent_max, device=q.device)
@@ -226,7 +254,7 @@ def sparse_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         values = v_cache[slots, head[None, :, None]]
     valid = (pos[:, :, None, :] >= 0) & (pos[:, :, None, :] <= positions[:, None, :, None])
     out, _, _ = _softmax_attend(q.view(bsz, n, hkv, heads // hkv, dim), keys, values, valid,
-                                scale)
+                                scale, sinks)
     return out.reshape(bsz, n, heads, dim)
 
 
@@ -252,32 +280,38 @@ class TorchBackend(AttentionBackend):
         store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
     def full(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             ctx: StepContext) -> torch.Tensor:
+             ctx: StepContext, sinks: torch.Tensor | None = None,
+             window: int = 0) -> torch.Tensor:
         req = ctx.scores
-        if req is None and not self.exact and q.device.type == "cpu":
+        plain = sinks is None and not window  # what torch's fused attention takes
+        if req is None and plain and not self.exact and q.device.type == "cpu":
             return paged_attention_sdpa(q, k_cache, v_cache, ctx.page_table, ctx.positions,
                                         ctx.page_size, ctx.kv_len_max, q.shape[-1] ** -0.5)
         out, scores = paged_attention_ref(
             q, k_cache, v_cache, ctx.page_table, ctx.positions, ctx.page_size, ctx.kv_len_max,
             q.shape[-1] ** -0.5, None if req is None else req.rows,
             "weight" if req is None else req.mode, req is not None and req.per_kv_head,
-            exact=self.exact)
+            exact=self.exact, sinks=sinks, window=window)
         if req is not None and scores is not None:
             write_scores(req, layer, scores)
         return out
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                ctx: StepContext) -> torch.Tensor:
+                ctx: StepContext, sinks: torch.Tensor | None = None,
+                window: int = 0) -> torch.Tensor:
         plan = ctx.prefill
         assert plan is not None
-        attend = prefill_attention_exact if self.exact else prefill_attention_sdpa
-        return attend(q, k_cache, v_cache, ctx.page_table, plan.lengths, plan.starts,
-                      ctx.page_size, q.shape[-1] ** -0.5)
+        args = (q, k_cache, v_cache, ctx.page_table, plan.lengths, plan.starts, ctx.page_size,
+                q.shape[-1] ** -0.5)
+        if self.exact or sinks is not None or window:
+            return prefill_attention_exact(*args, sinks=sinks, window=window, exact=self.exact)
+        return prefill_attention_sdpa(*args)
 
     def sparse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               indices: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+               indices: torch.Tensor, ctx: StepContext,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         plan = ctx.sparse
         assert plan is not None
         return sparse_attention_ref(q, k_cache, v_cache, ctx.page_table, ctx.positions,
                                     ctx.page_size, indices, plan.recent_start, plan.recent_max,
-                                    q.shape[-1] ** -0.5)
+                                    q.shape[-1] ** -0.5, sinks)

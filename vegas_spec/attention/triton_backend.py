@@ -10,6 +10,11 @@ import torch
 from vegas_spec import ops
 from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import StepContext
+from vegas_spec.attention.torch_backend import (
+    paged_attention_ref,
+    sparse_attention_ref,
+    write_scores,
+)
 from vegas_spec.kernels import topk as topk_kernel
 from vegas_spec.kernels.exact_matmul import exact_linear
 from vegas_spec.kernels.fused_moe import fused_moe
@@ -80,13 +85,15 @@ class TritonBackend(AttentionBackend):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
-               rope: torch.Tensor) -> torch.Tensor:
+               rope: torch.Tensor, sinks: torch.Tensor | None = None,
+               window: int = 0) -> torch.Tensor:
         """The seam's `attend`; a one-row draft step runs RoPE, the KV store and its sparse
         attention as one kernel (`SPARSE_ROPE`), and a selector (quest's) rotates the q it
         scores pages with inside its own kernel."""
         plan = ctx.sparse
-        if not (SPARSE_ROPE and plan is not None and ctx.prefill is None and q.shape[1] == 1):
-            return super().attend(layer, q, k, v, k_cache, v_cache, ctx, rope)
+        if not (SPARSE_ROPE and plan is not None and ctx.prefill is None and q.shape[1] == 1
+                and not window and sinks is None):
+            return super().attend(layer, q, k, v, k_cache, v_cache, ctx, rope, sinks, window)
         if plan.selector is not None:
             indices = plan.selector(layer, q, ctx, self, rope)
         else:
@@ -115,7 +122,14 @@ class TritonBackend(AttentionBackend):
         return super().linear(x, weight, bias)
 
     def experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+                weights: torch.Tensor, ids: torch.Tensor,
+                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                limit: float = 0.0) -> torch.Tensor:
+        """The fused kernel; gpt-oss's experts (biases, clamped SwiGLU) run the reference
+        `ops.moe_experts` (every expert on every token: correct, not fast)."""
+        if gate_up_bias is not None or down_bias is not None or limit > 0:
+            return super().experts(x, gate_up, down, weights, ids, gate_up_bias, down_bias,
+                                   limit)
         return fused_moe(x, gate_up, down, weights, ids, self.exact)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -129,9 +143,22 @@ class TritonBackend(AttentionBackend):
         return silu_mul(gate_up)
 
     def full(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             ctx: StepContext) -> torch.Tensor:
-        """Scores, if requested, go straight into ctx.scores.out[layer] ([B, R, G, W])."""
+             ctx: StepContext, sinks: torch.Tensor | None = None,
+             window: int = 0) -> torch.Tensor:
+        """Scores, if requested, go straight into ctx.scores.out[layer] ([B, R, G, W]). A
+        layer with sinks or a sliding window (gpt-oss's) runs the PyTorch reference: correct
+        and capturable (fixed shapes, no host reads), not fast; the decode kernel does not
+        take them yet."""
         req = ctx.scores
+        if sinks is not None or window:
+            out, scores = paged_attention_ref(
+                q, k_cache, v_cache, ctx.page_table, ctx.positions, ctx.page_size,
+                ctx.kv_len_max, q.shape[-1] ** -0.5, None if req is None else req.rows,
+                "weight" if req is None else req.mode, req is not None and req.per_kv_head,
+                exact=self.exact, sinks=sinks, window=window)
+            if req is not None and scores is not None:
+                write_scores(req, layer, scores)
+            return out
         if req is not None:
             assert req.out.shape[3] == (k_cache.shape[1] if req.per_kv_head else 1)
         return paged_attention(
@@ -141,10 +168,12 @@ class TritonBackend(AttentionBackend):
             exact=self.exact)
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                ctx: StepContext) -> torch.Tensor:
+                ctx: StepContext, sinks: torch.Tensor | None = None,
+                window: int = 0) -> torch.Tensor:
         """The tile list is built once per step (ctx.prefill.memo) and read by every layer.
         Key splits where the launch has too few programs to fill the GPU (a small chunk), in
-        the default mode only (they make a row's rounding depend on its chunk)."""
+        the default mode only (they make a row's rounding depend on its chunk). The kernel
+        takes sinks and a sliding window itself."""
         plan = ctx.prefill
         assert plan is not None
         cfg = prefill_config(q.shape[-1], q.is_cuda)
@@ -156,7 +185,7 @@ class TritonBackend(AttentionBackend):
         splits = 1 if self.exact else prefill_splits(q.shape[1], tiles.shape[1], q.device)
         return prefill_attention(q, k_cache, v_cache, ctx.page_table, plan.cu_q, plan.start,
                                  tiles, ctx.page_size, q.shape[-1] ** -0.5, config=cfg,
-                                 splits=splits)
+                                 splits=splits, sinks=sinks, window=window)
 
     def prefill_block_rows(self, head_dim: int, device: torch.device) -> int | None:
         return prefill_config(head_dim, device.type == "cuda").block_m
@@ -166,12 +195,17 @@ class TritonBackend(AttentionBackend):
         return tile_list(lengths, starts, block_m)
 
     def sparse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               indices: torch.Tensor, ctx: StepContext, new: NewKV | None = None,
-               ) -> torch.Tensor:
+               indices: torch.Tensor, ctx: StepContext, sinks: torch.Tensor | None = None,
+               new: NewKV | None = None) -> torch.Tensor:
         """The seam's `sparse`; with `new`, q before RoPE and the step's own k and v stored
-        by the same kernel (`attend`)."""
+        by the same kernel (`attend`). With sinks, the PyTorch reference (as `full`)."""
         plan = ctx.sparse
         assert plan is not None
+        if sinks is not None:
+            assert new is None, "attend stores k and v first where a layer has sinks"
+            return sparse_attention_ref(q, k_cache, v_cache, ctx.page_table, ctx.positions,
+                                        ctx.page_size, indices, plan.recent_start,
+                                        plan.recent_max, q.shape[-1] ** -0.5, sinks)
         return sparse_attention(q, k_cache, v_cache, ctx.page_table, ctx.positions,
                                 ctx.page_size, indices, plan.recent_start, plan.recent_max,
                                 q.shape[-1] ** -0.5, new=new)

@@ -147,12 +147,13 @@ def _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr, SAFE: tl.con
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, cu_ptr, start_ptr, tiles_ptr,
-                    acc_ptr, m_ptr, l_ptr, num_tiles, num_tokens, qk_scale,
+                    acc_ptr, m_ptr, l_ptr, sinks_ptr, num_tiles, num_tokens, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch,
                     stride_tb,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
-                    PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLITS: tl.constexpr):
+                    PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLITS: tl.constexpr,
+                    SINKS: tl.constexpr, WINDOW: tl.constexpr):
     h = tl.program_id(0)
     tile = tl.program_id(1)
     kvh = h // GROUP
@@ -176,6 +177,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, cu_ptr, start_ptr, 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if SINKS:  # the head's sink logit as a key of value 0 (split 0's): m = sink, l = 1
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        first_split = tl.program_id(2) == 0
+        m_i = tl.where(first_split, tl.zeros([BLOCK_M], tl.float32) + sink, m_i)
+        l_i = tl.where(first_split, l_i + 1.0, l_i)
     if SPLITS == 1:
         lo = 0
         hi = last
@@ -183,6 +189,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, cu_ptr, start_ptr, 
         per = tl.cdiv(tl.cdiv(last, SPLITS), BLOCK_N) * BLOCK_N
         lo = tl.program_id(2) * per
         hi = tl.minimum(lo + per, last)
+    if WINDOW > 0:  # from the block of the tile's first row's first key, every block masked
+        lo = tl.maximum(lo, tl.maximum(ctx0 + first - WINDOW + 1, 0) // BLOCK_N * BLOCK_N)
+        full = lo
     for start in range(lo, tl.minimum(full, hi), BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         k, v = _load_kv(k_ptr, v_ptr, table, kpos, kpos >= 0, kvh, d, d_ok, stride_cs,
@@ -196,10 +205,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, cu_ptr, start_ptr, 
                         stride_ch, PAGE, True, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :]
+        if WINDOW > 0:
+            visible &= kpos[None, :] > qpos[:, None] - WINDOW
         s = tl.where(visible, s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION, SPLITS > 1)
-    if SPLITS == 1:
-        out = acc / l_i[:, None]
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION,
+                                      SPLITS > 1 or (WINDOW > 0 and not SINKS))
+    if SPLITS == 1:  # (rows past the piece may see no key in a window: l = 0, not stored)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
     else:
@@ -230,7 +242,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       page_table: torch.Tensor, cu_q: torch.Tensor, starts: torch.Tensor,
                       tiles: torch.Tensor, page_size: int, scale: float, *,
                       config: PrefillConfig | None = None,
-                      out: torch.Tensor | None = None, splits: int = 1) -> torch.Tensor:
+                      out: torch.Tensor | None = None, splits: int = 1,
+                      sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Causal attention of packed prompt pieces over their pages.
 
     q [T, H, D] (RoPE applied); k_cache, v_cache [num_slots, Hkv, D], every key of every
@@ -238,8 +251,11 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     cu_q [S + 1] int32: piece s is q[cu_q[s]:cu_q[s + 1]]; starts [S] int32: the position of
     its first query (the keys before it are cached context); tiles: `prefill_tiles` of the
     same pieces for `config.block_m`. Query i of piece s (position starts[s] + i) sees keys
-    0 .. starts[s] + i. splits: programs per tile along its keys (> 1: float32 partials and
-    a merge). Returns [T, H, D] in q's dtype (into `out` if given)."""
+    0 .. starts[s] + i (window > 0: only the last `window` of them; a row's blocks before
+    its first key add exact zeros, so its bits do not depend on its tile). sinks [H] (None:
+    none): a logit per head in the softmax denominator, split 0's initial state. splits:
+    programs per tile along its keys (> 1: float32 partials and a merge). Returns [T, H, D]
+    in q's dtype (into `out` if given)."""
     _check(q, k_cache, v_cache, page_table, cu_q, starts)
     tokens, heads, dim = q.shape
     cfg = config or prefill_config(dim, q.is_cuda)
@@ -250,6 +266,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if tokens == 0 or num_tiles == 0:
         return out
     assert 1 <= splits <= MAX_SPLITS
+    assert sinks is None or (sinks.shape == (heads,) and sinks.device == q.device)
     parts = Partials.empty(splits, tokens, heads, dim, q.device) if splits > 1 else None
     if parts is not None:
         assert out.is_contiguous(), "a split prefill merges into a contiguous out"
@@ -258,12 +275,13 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _prefill_kernel[(heads, num_tiles, splits)](
         q, k_cache, v_cache, out, page_table, cu_q, starts, tiles,
         *((parts.acc, parts.m, parts.l) if parts is not None else (out, out, out)),
-        num_tiles, tokens, scale * LOG2E,
+        out if sinks is None else sinks, num_tiles, tokens, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
         GROUP=heads // k_cache.shape[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, HEAD_DIM=dim, EVEN_D=block_d == dim, PAGE=page_size,
-        DOT_PRECISION=precision, SPLITS=splits, num_warps=cfg.num_warps,
+        DOT_PRECISION=precision, SPLITS=splits, SINKS=sinks is not None, WINDOW=window,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     if parts is not None:
         merge_splits(parts, out.view(1, tokens, heads, dim), None)

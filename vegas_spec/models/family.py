@@ -10,7 +10,9 @@ A layer's rows are named after the family's `layer_prefix` (`model.layers.{i}.`)
 `blk.{i}.`. A row whose name holds `{e}` (`mlp.experts.{e}.up_proj.weight`) stands for one
 tensor per expert of a mixture of experts, its shape and split each expert's; its parameter
 stacks them, expert by expert ([experts, rows, columns]), the rows filling one parameter
-concatenated within each expert. The loader's expected shapes and GGUF names, the dummy
+concatenated within each expert. A row's `convert` puts a checkpoint's tensor in its
+parameter's layout (gpt-oss's fused expert stacks, saved transposed and interleaved), its shape
+and split staying the checkpoint's. The loader's expected shapes and GGUF names, the dummy
 weights, the tensor-parallel slices and the model's fused parameters are all read from these
 rows."""
 
@@ -44,6 +46,8 @@ SIZES: dict[str, Callable[[ModelConfig], int]] = {
     "kv": lambda c: c.num_kv_heads * c.head_dim,
     "experts": lambda c: c.num_experts,
     "moe_ffn": lambda c: c.moe_intermediate_size,
+    "moe_gate_up": lambda c: 2 * c.moe_intermediate_size,
+    "heads": lambda c: c.num_heads,
 }
 EXPERT = "{e}"  # in a row's name: one tensor per expert
 
@@ -74,6 +78,9 @@ class Weight:
     gguf: str  # llama.cpp's name (a layer's: after "blk.{i}.")
     when: Condition = always  # whether the config's checkpoints hold it
     rope_heads: Callable[[ModelConfig], int] | None = None  # q/k: heads llama.cpp permutes
+    # the checkpoint's tensor -> the parameter's layout (None: as it is), e.g. an expert
+    # stack saved transposed; shape and split stay the checkpoint's
+    convert: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def per_expert(self) -> bool:
@@ -93,6 +100,8 @@ class Switches(NamedTuple):
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    sinks: bool = False  # attention sinks: a learned logit per query head
+
 
 
 class Experts(NamedTuple):
@@ -103,10 +112,18 @@ class Experts(NamedTuple):
     experts_per_token: int = 0  # top-k
     moe_intermediate_size: int = 0  # each expert's
     norm_topk_prob: bool = False  # the top-k probabilities renormalised to sum to 1
+    router_bias: bool = False
+    expert_bias: bool = False  # each expert's gate/up and down biased
+    swiglu_limit: float = 0.0  # > 0: gpt-oss's clamped SwiGLU (`ModelConfig.swiglu_limit`)
 
 
 def dense(hf: dict[str, Any]) -> Experts:
     return Experts()
+
+
+def full_attention(hf: dict[str, Any]) -> tuple[int, ...]:
+    """Every layer attends to every earlier position (`ModelConfig.layer_windows` ())."""
+    return ()
 
 
 @dataclass(frozen=True)
@@ -121,6 +138,8 @@ class Family:
     gguf: str | None = None  # GGUF's `general.architecture` (None: not read from GGUF)
     gguf_permuted: bool = False  # llama.cpp interleaves the RoPE halves of q/k rows
     experts: Callable[[dict[str, Any]], Experts] = dense  # read from the HF config
+    # each layer's sliding window, read from the HF config (`ModelConfig.layer_windows`)
+    windows: Callable[[dict[str, Any]], tuple[int, ...]] = full_attention
 
     def shapes(self, cfg: ModelConfig, world_size: int = 1) -> dict[str, tuple[int, ...]]:
         """Every tensor a checkpoint of cfg holds -> its shape, in table order (at world_size
@@ -177,10 +196,12 @@ def _matches(name: str, row: str) -> bool:
 
 
 def _tensor(w: Weight, tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
-    """The row's tensor; a per-expert row's stacked [experts, ...]."""
+    """The row's tensor in its parameter's layout; a per-expert row's stacked [experts, ...]."""
     if not w.per_expert:
-        return tensors[w.hf]
-    return torch.stack([tensors[name] for name in w.names(cfg)])
+        tensor = tensors[w.hf]
+    else:
+        tensor = torch.stack([tensors[name] for name in w.names(cfg)])
+    return tensor if w.convert is None else w.convert(tensor)
 
 
 def fill(module: nn.Module, rows: tuple[Weight, ...], tensors: dict[str, torch.Tensor],

@@ -94,7 +94,9 @@ class LayerBase(nn.Module):
 
 class Attention(LayerBase):
     """Self-attention: q/k/v in one projection (bias where cfg.qkv_bias), q/k RMSNorm per head
-    where cfg.qk_norm, RoPE + KV store + attention by the backend, o_proj."""
+    where cfg.qk_norm, RoPE + KV store + attention by the backend, o_proj. Where cfg.sinks a
+    learned logit per query head (`sinks` [H]) joins the softmax denominator; the layer's
+    sliding window (`cfg.window(index)`, 0: none) limits the keys a query sees."""
 
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__(cfg, index)
@@ -104,6 +106,8 @@ class Attention(LayerBase):
         self.o_proj = nn.Linear(self.q_size, h, bias=cfg.o_bias)
         self.q_norm = norm(d) if cfg.qk_norm else None
         self.k_norm = norm(d) if cfg.qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.sinks else None
+        self.window = cfg.window(index)
 
     def attention(self, h: torch.Tensor, rope: torch.Tensor, cache: tuple[torch.Tensor, ...],
                   backend: AttentionBackend, ctx: StepContext) -> torch.Tensor:
@@ -118,7 +122,8 @@ class Attention(LayerBase):
         if self.q_norm is not None and self.k_norm is not None:
             q = backend.norm(q, self.q_norm, cfg.rms_norm_eps)
             k = backend.norm(k, self.k_norm, cfg.rms_norm_eps)
-        out = backend.attend(self.index, q, k, v, cache[0], cache[1], ctx, rope)
+        out = backend.attend(self.index, q, k, v, cache[0], cache[1], ctx, rope, self.sinks,
+                             self.window)
         return backend.row_linear(out.reshape(bsz, n, self.q_size), self.weight("o_proj", ctx),
                                   self.o_proj.bias)
 
@@ -143,20 +148,28 @@ class MoEMLP(LayerBase):
     cfg.experts_per_token experts, whose gated MLPs (gate/up fused per expert,
     experts_gate_up [E, 2I, hidden]; experts_down [E, hidden, I]) the backend's `moe` runs,
     the outputs weighted by the router's (renormalised where cfg.norm_topk_prob)
-    probabilities. Draft steps read the model's own expert weights (no draft copies)."""
+    probabilities. Draft steps read the model's own expert weights (no draft copies).
+    gpt-oss's: a router bias (cfg.router_bias), each expert's biases (cfg.expert_bias:
+    experts_gate_up_bias [E, 2I], experts_down_bias [E, hidden]) and the clamped SwiGLU
+    (cfg.swiglu_limit > 0)."""
 
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__(cfg, index)
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.router = nn.Linear(h, e, bias=False)
+        self.router = nn.Linear(h, e, bias=cfg.router_bias)
         self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
         self.experts_down = nn.Parameter(torch.empty(e, h, i))
+        biased = cfg.expert_bias
+        self.experts_gate_up_bias = nn.Parameter(torch.empty(e, 2 * i)) if biased else None
+        self.experts_down_bias = nn.Parameter(torch.empty(e, h)) if biased else None
 
     def mlp(self, h: torch.Tensor, backend: AttentionBackend, ctx: StepContext) -> torch.Tensor:
         """h [B, n, hidden] (normed) -> [B, n, hidden]."""
-        logits = backend.linear(h, self.router.weight)  # [B, n, E]
+        cfg = self.cfg
+        logits = backend.linear(h, self.router.weight, self.router.bias)  # [B, n, E]
         return backend.moe(h, logits, self.experts_gate_up, self.experts_down,
-                           self.cfg.experts_per_token, self.cfg.norm_topk_prob)
+                           cfg.experts_per_token, cfg.norm_topk_prob, self.experts_gate_up_bias,
+                           self.experts_down_bias, cfg.swiglu_limit)
 
 
 class DecoderLayer(Attention, DenseMLP):

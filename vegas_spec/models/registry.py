@@ -1,7 +1,7 @@
 """The model families the engine runs, by HF architecture name: the one list of them.
 
-A family is one file (`llama`, `qwen2`, `qwen3`, `qwen3_moe`) of a `Family` over the shared
-layers; adding one is its file and its line in `FAMILIES`. `ModelConfig.from_hf` asks
+A family is one file (`llama`, `qwen2`, `qwen3`, `qwen3_moe`, `gpt_oss`) of a `Family` over
+the shared layers; adding one is its file and its line in `FAMILIES`. `ModelConfig.from_hf` asks
 `family_of` which family an HF config is (refusing the others by name, listing these), the
 GGUF reader asks `by_gguf`, and the model, the loader and tensor parallelism read the
 family's weight table."""
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from vegas_spec.config import ConfigError
-from vegas_spec.models import llama, qwen2, qwen3, qwen3_moe
+from vegas_spec.models import gpt_oss, llama, qwen2, qwen3, qwen3_moe
 from vegas_spec.models.family import Family
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
@@ -20,6 +20,7 @@ FAMILIES: dict[str, Family] = {f.architecture: f for f in (
     qwen2.QWEN2,
     qwen3.QWEN3,
     qwen3_moe.QWEN3_MOE,
+    gpt_oss.GPT_OSS,
 )}
 
 

@@ -1,0 +1,273 @@
+"""gpt-oss on a tiny random checkpoint written by transformers itself: the same logits as
+transformers on prompts longer than the sliding window (one prefill chunk or many, exact
+mode), the fused 3-D expert tensors read by the family's table (and cut for tensor
+parallelism), greedy output of every speculative method equal to plain decoding's (default
+and exact mode), and the variants the family does not run refused in one line. MXFP4 expert
+weights: tests/models/test_mxfp4.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from conftest import TINY_IDS, TINY_METHODS, random_prompts, randomize_norms_and_biases, tiny_spec
+from safetensors import safe_open
+
+from vegas_spec import parallel
+from vegas_spec.attention.torch_backend import paged_attention_ref
+from vegas_spec.config import ConfigError, ModelConfig, SamplingParams, SpecConfig
+from vegas_spec.engine import LLM
+from vegas_spec.models import loader
+
+VOCAB = 256
+WINDOW = 8
+LIMIT = 1.5  # a clamp the random model's activations reach (the published models': 7)
+TINY_OSS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                num_experts_per_tok=2, sliding_window=WINDOW, max_position_embeddings=256,
+                initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+                rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                 "original_max_position_embeddings": 64})
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+PLAIN = SpecConfig(method="vanilla")
+
+
+def build_hf(seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
+    """A random float32 gpt-oss whose norms, biases and sinks are random too, its SwiGLU
+    clamped at LIMIT."""
+    torch.manual_seed(seed)
+    config = transformers.GptOssConfig(**{**TINY_OSS, **overrides})
+    model = transformers.GptOssForCausalLM(config).float().eval()
+    randomize_norms_and_biases(model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+            layer.mlp.experts.limit = LIMIT
+    return model
+
+
+def save(model: transformers.PreTrainedModel, path: Path) -> Path:
+    """The checkpoint, its config saying the clamp (transformers reads none: it is fixed)."""
+    model.save_pretrained(str(path))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "swiglu_limit": LIMIT}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf() -> transformers.PreTrainedModel:
+    return build_hf()
+
+
+@pytest.fixture(scope="module")
+def folder(hf: transformers.PreTrainedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save(hf, tmp_path_factory.mktemp("gpt-oss"))
+
+
+def engine(folder: Path, **kwargs: Any) -> LLM:
+    return LLM(str(folder), kv_cache_bytes=4 << 20, **kwargs)
+
+
+def hf_logits(model: transformers.PreTrainedModel, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """As test_families: an absolute or a relative bound."""
+    assert ours.shape == ref.shape
+    diff = (ours - ref).abs().max().item()
+    rel = diff / ref.abs().max().item()
+    assert diff <= 1e-3 or rel <= 1e-4, f"max abs diff {diff:.3g}, relative {rel:.3g}"
+
+
+PROMPT = random_prompts(1, (40,), VOCAB)[0]  # five sliding windows
+
+# the Triton kernels run under the interpreter (slow: one setting)
+SETTINGS = {"one-chunk": {}, "chunks-of-7": {"prefill_chunk": 7}, "exact": {"exact": True},
+            "exact-chunks-of-16": {"exact": True, "prefill_chunk": 16},
+            "triton-chunks-of-16": {"backend": "triton", "prefill_chunk": 16}}
+
+
+def test_the_config_reads_windows_sinks_and_experts(folder: Path) -> None:
+    cfg = loader.load_config(loader.resolve(folder))
+    assert cfg.layer_windows == (WINDOW, 0, WINDOW, 0) and cfg.sliding_window is None
+    assert cfg.sinks and cfg.qkv_bias and cfg.o_bias and cfg.router_bias and cfg.expert_bias
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.moe_intermediate_size) == (4, 2, 32)
+    assert cfg.swiglu_limit == LIMIT and cfg.norm_topk_prob
+    assert cfg.rope["rope_type"] == "yarn" and cfg.rope["factor"] == 32.0
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_logits_match_transformers(hf: transformers.PreTrainedModel, folder: Path,
+                                   setting: str) -> None:
+    ref = hf_logits(hf, PROMPT)
+    assert ref.std() > 0.5, "the random model is too close to uniform to test anything"
+    assert_close_logits(engine(folder, **SETTINGS[setting]).logits(PROMPT), ref)
+
+
+def test_sinks_windows_and_the_clamp_change_the_logits(hf: transformers.PreTrainedModel,
+                                                       folder: Path) -> None:
+    """Each of the three is exercised: without it transformers' own logits move."""
+    ref = hf_logits(hf, PROMPT)
+    model = build_hf()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)
+    assert (hf_logits(model, PROMPT) - ref).abs().max() > 0.1
+    model = build_hf(layer_types=["full_attention"] * 4)
+    assert (hf_logits(model, PROMPT) - ref).abs().max() > 0.1
+    model = build_hf()
+    for layer in model.model.layers:
+        layer.mlp.experts.limit = 1e4
+    assert (hf_logits(model, PROMPT) - ref).abs().max() > 0.1
+
+
+def test_the_checkpoint_holds_fused_expert_tensors(folder: Path) -> None:
+    """What transformers saves is what the table names; the layer holds gate rows, then up
+    rows, as the shared MoE layer reads them."""
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        gate_up = f.get_tensor("model.layers.1.mlp.experts.gate_up_proj")
+        bias = f.get_tensor("model.layers.1.mlp.experts.gate_up_proj_bias")
+        down = f.get_tensor("model.layers.1.mlp.experts.down_proj")
+    cfg = loader.load_config(loader.resolve(folder))
+    assert saved == loader.expected_shapes(cfg)
+    assert saved["model.layers.1.mlp.experts.gate_up_proj"] == (4, 64, 64)
+    assert saved["model.layers.1.mlp.experts.down_proj"] == (4, 32, 64)
+    assert saved["model.layers.0.self_attn.sinks"] == (4,)
+    layer = engine(folder).engine.runner.model.layers[1]
+    assert torch.equal(layer.experts_gate_up[3, :32], gate_up[3, :, 0::2].T)
+    assert torch.equal(layer.experts_gate_up[3, 32:], gate_up[3, :, 1::2].T)
+    assert torch.equal(layer.experts_gate_up_bias[3, 32:], bias[3, 1::2])
+    assert torch.equal(layer.experts_down[2], down[2].T)
+
+
+def test_tensor_parallel_slices_cut_every_expert(folder: Path) -> None:
+    """The experts' intermediate axis and the sink heads are cut; the slices of two ranks
+    read from the file join into the whole tensors."""
+    source = loader.resolve(folder)
+    cfg = loader.load_config(source)
+    whole = loader.load_weights(source, cfg)
+    shards = [loader.load_weights(source, cfg, parallel.TPGroup(2, r)) for r in range(2)]
+    assert shards[0]["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 32)
+    assert shards[1]["model.layers.0.mlp.experts.down_proj"].shape == (4, 16, 64)
+    assert shards[1]["model.layers.0.self_attn.sinks"].shape == (2,)
+    for name, w in whole.items():
+        dim = parallel.split_dim(name)
+        joined = w if dim is None else torch.cat([s[name] for s in shards], dim)
+        assert torch.equal(joined, w), name
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(2, (40, 23), VOCAB)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["default", "exact"])
+def oss_llm(folder: Path, request: pytest.FixtureRequest) -> LLM:
+    """float32, or exact mode in bfloat16 (where a row computed another way would round
+    differently)."""
+    if request.param:
+        return engine(folder, exact=True, dtype="bfloat16")
+    return engine(folder)
+
+
+@pytest.fixture(scope="module")
+def plain(oss_llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.token_ids for o in oss_llm.generate(prompts, PARAMS, speculative=PLAIN)]
+
+
+@pytest.mark.parametrize("method", TINY_METHODS[1:], ids=TINY_IDS[1:])
+def test_every_method_gives_plain_tokens(oss_llm: LLM, prompts: list[list[int]],
+                                         plain: list[list[int]], method: dict) -> None:
+    outs = oss_llm.generate(prompts, PARAMS, speculative=tiny_spec(method))
+    assert [o.token_ids for o in outs] == plain
+
+
+def test_triton_backend_on_fixed_shapes_gives_plain_tokens(folder: Path,
+                                                           prompts: list[list[int]]) -> None:
+    """The Triton backend (its prefill kernel with sinks and windows; the references for the
+    decode, draft and verify steps of such layers) on the static shapes' buffers a GPU
+    captures: vegas's tokens are plain decoding's, past the window (the interpreter is slow:
+    a short prompt)."""
+    llm = engine(folder, backend="triton", static_shapes=True)
+    short, params = [prompts[0][:18]], SamplingParams(max_tokens=4, ignore_eos=True)
+    plain = [o.token_ids for o in llm.generate(short, params, speculative=PLAIN)]
+    outs = llm.generate(short, params, speculative=tiny_spec({"method": "vegas"}))
+    assert [o.token_ids for o in outs] == plain
+    torch_plain = engine(folder).generate(short, params, speculative=PLAIN)[0].token_ids
+    assert plain == [torch_plain]
+
+
+def test_plain_tokens_are_transformers_greedy_tokens(hf: transformers.PreTrainedModel,
+                                                     folder: Path,
+                                                     prompts: list[list[int]]) -> None:
+    """Decoding past the window, token by token, as transformers' own greedy generation."""
+    ours = engine(folder).generate(prompts[:1], PARAMS, speculative=PLAIN)[0].token_ids
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(prompts[:1]), max_new_tokens=8, do_sample=False)
+    assert ours == ref[0, len(prompts[0]):].tolist()
+
+
+def write_config(folder: Path, tmp_path: Path, **changes: Any) -> Path:
+    config = json.loads((folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+    return tmp_path
+
+
+REFUSED = {
+    "layer type": ({"layer_types": ["sliding_attention", "chunked_attention",
+                                    "full_attention", "full_attention"]},
+                   "unsupported layer_types chunked_attention; supported: sliding_attention, "
+                   "full_attention"),
+    "layer count": ({"layer_types": ["full_attention"] * 3},
+                    "layer_types names 3 layers, num_hidden_layers is 4"),
+    "quantization": ({"quantization_config": {"quant_method": "fp8"}},
+                     "GptOssForCausalLM quantized as 'fp8' is not supported"),
+    "top-k": ({"num_experts_per_tok": 5}, "num_experts_per_tok=5 is more than the 4 experts"),
+    "window": ({"sliding_window": 0}, "'sliding_window' must be a positive integer, got 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_unsupported_variants_are_refused_in_one_line(folder: Path, tmp_path: Path,
+                                                      case: str) -> None:
+    changes, expected = REFUSED[case]
+    path = write_config(folder, tmp_path, **changes)
+    with pytest.raises(ConfigError) as err:
+        LLM(str(path), load_format="dummy", kv_cache_bytes=1 << 20)
+    assert "\n" not in str(err.value) and expected in str(err.value)
+
+
+def test_every_layer_full_needs_no_window() -> None:
+    config = {**TINY_OSS, "architectures": ["GptOssForCausalLM"], "sliding_window": None,
+              "layer_types": ["full_attention"] * 4}
+    assert ModelConfig.from_hf(config).layer_windows == (0, 0, 0, 0)
+
+
+def test_weight_scores_count_the_sink_in_their_denominator() -> None:
+    """vegas's verify-pass weights with sinks: each head's softmax over [sink, keys], the sink
+    dropped, summed over the heads; on a sliding layer only the window's keys score."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 4, 16, generator=gen)  # two rows, 4 heads over 2 kv heads
+    k_cache, v_cache = torch.randn(16, 2, 16, generator=gen), torch.randn(16, 2, 16, generator=gen)
+    table, positions = torch.tensor([[0]]), torch.tensor([[5, 6]])
+    sinks = torch.tensor([3.0, -1.0, 0.5, 2.0])
+    _, scores = paged_attention_ref(q, k_cache, v_cache, table, positions, 16, 7, 0.25,
+                                    torch.tensor([0, 1]), "weight", sinks=sinks)
+    assert scores is not None and scores.shape == (1, 2, 1, 7)
+    for row, pos in enumerate((5, 6)):
+        expected = torch.zeros(7)
+        for h in range(4):
+            logits = (k_cache[: pos + 1, h // 2] @ q[0, row, h]) * 0.25
+            expected[: pos + 1] += torch.softmax(torch.cat([sinks[h:h + 1], logits]), 0)[1:]
+        torch.testing.assert_close(scores[0, row, 0], expected)
+    _, windowed = paged_attention_ref(q, k_cache, v_cache, table, positions, 16, 7, 0.25,
+                                      torch.tensor([1]), "weight", sinks=sinks, window=3)
+    assert windowed is not None and not windowed[0, 0, 0, :4].any() and windowed[0, 0, 0, 4:].all()

@@ -1,0 +1,104 @@
+"""MXFP4 expert weights, as gpt-oss checkpoints ship them: known codes give known values,
+the dequantised stacks equal transformers' own conversion, and a checkpoint written here with
+`*_blocks`/`*_scales` in place of the experts' tensors gives transformers' logits of the same
+weights; a half pair is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conftest import random_prompts
+from safetensors.torch import load_file, save_file
+from test_gpt_oss import VOCAB, assert_close_logits, build_hf, hf_logits, save
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from vegas_spec.engine import LLM
+from vegas_spec.models import loader, mxfp4
+from vegas_spec.models.loader import WeightError
+
+EXPERTS = ("gate_up_proj", "down_proj")
+Quantized = tuple[Path, transformers.PreTrainedModel]
+
+
+def test_known_codes_give_known_values() -> None:
+    """Byte 0x2F: low nibble 0xF (-6) first, high nibble 0x2 (1); scale 128: times 2."""
+    blocks = torch.zeros(1, 16, dtype=torch.uint8)
+    blocks[0, 0], blocks[0, 1] = 0x2F, 0x9B  # -6, 1, then 0xB (-1.5), 0x9 (-0.5)
+    values = mxfp4.dequantize(blocks, torch.tensor([128], dtype=torch.uint8), torch.float32)
+    assert values.shape == (32,)  # one block of 32
+    assert values[:4].tolist() == [-12.0, 2.0, -3.0, -1.0] and not values[4:].any()
+    half = mxfp4.dequantize(blocks, torch.tensor([126], dtype=torch.uint8), torch.float32)
+    assert half[:2].tolist() == [-3.0, 0.5]
+
+
+def random_pair(shape: tuple[int, ...], gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """blocks [E, rows, G, 16], scales [E, rows, G] of random codes, scales 2^-4..2^0."""
+    blocks = torch.randint(0, 256, (*shape, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(123, 128, shape, dtype=torch.uint8, generator=gen)
+    return blocks, scales
+
+
+def test_expert_stacks_equal_transformers_conversion() -> None:
+    gen = torch.Generator().manual_seed(0)
+    blocks, scales = random_pair((3, 10, 2), gen)
+    ours = mxfp4.expert_tensor(blocks, scales)
+    assert ours.shape == (3, 64, 10) and ours.dtype == torch.bfloat16
+    assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales))
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory: pytest.TempPathFactory) -> Quantized:
+    """A tiny gpt-oss checkpoint whose experts are MXFP4 pairs, and transformers' model
+    holding their values."""
+    model = build_hf(seed=3)
+    folder = save(model, tmp_path_factory.mktemp("gpt-oss-mxfp4"))
+    tensors = load_file(str(folder / "model.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    for i, layer in enumerate(model.model.layers):
+        for name in EXPERTS:
+            stored = getattr(layer.mlp.experts, name)  # [E, in, out]
+            e, rows, cols = stored.shape
+            blocks, scales = random_pair((e, cols, rows // 32), gen)
+            key = f"model.layers.{i}.mlp.experts.{name}"
+            del tensors[key]
+            tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+            with torch.no_grad():
+                stored.copy_(convert_moe_packed_tensors(blocks, scales).float())
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, model
+
+
+def test_a_checkpoint_of_mxfp4_experts_gives_transformers_logits(quantized: Quantized) -> None:
+    folder, model = quantized
+    prompt = random_prompts(1, (30,), VOCAB)[0]
+    ref = hf_logits(model, prompt)
+    assert ref.std() > 0.5
+    assert_close_logits(LLM(str(folder), kv_cache_bytes=4 << 20).logits(prompt), ref)
+
+
+def test_the_loader_gives_the_dequantised_tensors(quantized: Quantized) -> None:
+    folder, model = quantized
+    source = loader.resolve(folder)
+    weights = loader.load_weights(source, loader.load_config(source))
+    assert not any(k.endswith(("_blocks", "_scales")) for k in weights)
+    assert torch.equal(weights["model.layers.2.mlp.experts.down_proj"].float(),
+                       model.model.layers[2].mlp.experts.down_proj)
+
+
+def test_blocks_without_scales_are_refused(quantized: Quantized, tmp_path: Path) -> None:
+    folder, _ = quantized
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    source = loader.resolve(tmp_path)
+    with pytest.raises(WeightError, match="down_proj_blocks has no model.layers.1.mlp.experts"
+                                          ".down_proj_scales"):
+        loader.load_weights(source, loader.load_config(source))
