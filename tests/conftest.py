@@ -116,6 +116,20 @@ def kv_bytes(lengths: list[int], token_bytes: int = SMOLLM_TOKEN_BYTES,
 SHARED_BATCH = [2700 + 32, 2300 + 32, 2000 + 32]
 
 
+def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
+    """A transformers model's logits [T, V] (float32) of one prompt: the oracle."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """Our logits against the oracle's: within an absolute or a relative bound."""
+    assert ours.shape == ref.shape
+    diff = (ours - ref).abs().max().item()
+    rel = diff / ref.abs().max().item()
+    assert diff <= 1e-3 or rel <= 1e-4, f"max abs diff {diff:.3g}, relative {rel:.3g}"
+
+
 def randomize_norms_and_biases(model: torch.nn.Module) -> None:
     """Norm weights uniform in [0.5, 1.5] and biases N(0, 0.2), where init leaves 1 and 0."""
     with torch.no_grad():

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import randomize_norms_and_biases
+from conftest import assert_close_logits, hf_logits, randomize_norms_and_biases
 
 from vegas_spec.config import MAX_GAMMA, SamplingParams, SpecConfig
 from vegas_spec.engine import LLM
@@ -55,18 +55,6 @@ def build_hf(family: str, seed: int = 0, **overrides: Any) -> transformers.PreTr
 def save(model: transformers.PreTrainedModel, folder: Path, **kwargs: Any) -> Path:
     model.save_pretrained(str(folder), **kwargs)
     return folder
-
-
-def hf_logits(model: transformers.PreTrainedModel, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
-
-
-def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    assert ours.shape == ref.shape
-    diff = (ours - ref).abs().max().item()
-    rel = diff / ref.abs().max().item()
-    assert diff <= 1e-3 or rel <= 1e-4, f"max abs diff {diff:.3g}, relative {rel:.3g}"
 
 
 def random_ids(n: int, seed: int) -> list[int]:

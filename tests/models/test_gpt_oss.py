@@ -14,7 +14,15 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import TINY_IDS, TINY_METHODS, random_prompts, randomize_norms_and_biases, tiny_spec
+from conftest import (
+    TINY_IDS,
+    TINY_METHODS,
+    assert_close_logits,
+    hf_logits,
+    random_prompts,
+    randomize_norms_and_biases,
+    tiny_spec,
+)
 from safetensors import safe_open
 
 from vegas_spec import parallel
@@ -71,19 +79,6 @@ def folder(hf: transformers.PreTrainedModel, tmp_path_factory: pytest.TempPathFa
 
 def engine(folder: Path, **kwargs: Any) -> LLM:
     return LLM(str(folder), kv_cache_bytes=4 << 20, **kwargs)
-
-
-def hf_logits(model: transformers.PreTrainedModel, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
-
-
-def assert_close_logits(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    """As test_families: an absolute or a relative bound."""
-    assert ours.shape == ref.shape
-    diff = (ours - ref).abs().max().item()
-    rel = diff / ref.abs().max().item()
-    assert diff <= 1e-3 or rel <= 1e-4, f"max abs diff {diff:.3g}, relative {rel:.3g}"
 
 
 PROMPT = random_prompts(1, (40,), VOCAB)[0]  # five sliding windows

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import random_prompts
+from conftest import assert_close_logits, hf_logits, random_prompts
 from safetensors.torch import load_file, save_file
-from test_gpt_oss import VOCAB, assert_close_logits, build_hf, hf_logits, save
+from test_gpt_oss import VOCAB, build_hf, save
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from vegas_spec.engine import LLM
