@@ -24,6 +24,7 @@ from conftest import (
 from vegas_spec import SamplingParams
 from vegas_spec.engine import LLM, LLMEngine, RequestOutput
 from vegas_spec.scheduler import PrefillPacer
+from vegas_spec.step import StepPlan
 
 VOCAB, CONFIG, ENGINE = TINY_VOCAB, TINY_LLAMA, TINY_ENGINE
 METHODS, IDS = TINY_METHODS, TINY_IDS
@@ -123,14 +124,14 @@ def test_offline_rows_decode_once_every_admitted_prompt_is_prefilled(
     request gets its tokens alone."""
     llm = LLM(str(tiny), prefill_chunk=32, static_shapes=static, **ENGINE)
     engine = llm.engine
-    decode = engine._decode_step
+    decoded = engine._decoded
     during: list[tuple[bool, int]] = []
 
-    def spy(touched: dict, info: Any) -> None:
+    def spy(result: Any, touched: dict, info: Any) -> None:
         during.append((engine.scheduler.prefilling(), engine.num_running))
-        decode(touched, info)
+        decoded(result, touched, info)
 
-    engine._decode_step = spy  # type: ignore[method-assign]
+    engine._decoded = spy  # type: ignore[method-assign]
     outs = llm.generate(prompts, [params(n) for n in MAX_TOKENS],
                         speculative=tiny_spec({"method": "vegas"}))
     assert [o.token_ids for o in outs] == alone["vegas"]
@@ -213,22 +214,22 @@ def test_abort_frees_the_row_and_pages_before_the_next_step(
     assert engine.num_waiting == 0 and engine.num_running == 2
     assert len(cache.free_pages) == before + held and not gone.pages
     batch = engine.runner.batch
-    assert batch is not None and all(s is not gone for s in batch.seqs)
+    assert batch is not None and rids[0] not in batch.ids
     if static:
         assert engine.runner.graphs is not None and engine.runner.graphs.rows == 2
     decoded = []
-    decode = engine.runner.decode
+    execute = engine.runner.execute
 
-    def recording(draft: bool = True) -> Any:
-        out = decode(draft)
-        decoded.append(out.seqs)
+    def recording(plan: StepPlan) -> Any:
+        out = execute(plan)
+        decoded.append(out.rows)
         return out
 
-    engine.runner.decode = recording  # type: ignore[method-assign]
+    engine.runner.execute = recording  # type: ignore[method-assign]
     final: dict[str, RequestOutput] = {}
     while engine.has_unfinished():
         final.update({o.request_id: o for o in engine.step()})
-    assert decoded and all(s is not gone for seqs in decoded for s in seqs)
+    assert decoded and all(rids[0] not in rows for rows in decoded)
     assert rids[0] not in final and queued not in final
     assert [final[r].token_ids for r in rids[1:]] == alone[method][1:3]
     assert len(cache.free_pages) == free and engine.runner.batch is None
