@@ -6,6 +6,7 @@ buffers (whose rows move when sequences leave), and every page must come back.""
 from __future__ import annotations
 
 import itertools
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +188,37 @@ def test_paced_prefill_takes_the_pacers_budget_while_others_decode(
     assert prefilled[:3] == [30, 30, 30] and sum(prefilled) == len(prompts[4])
     assert final[first].token_ids == alone["vegas"][3]
     assert final[late].token_ids == alone["vegas"][4]
+
+
+def test_a_step_is_one_plan_of_plain_data(tiny: Path, prompts: list[list[int]],
+                                          alone: dict[str, list[list[int]]]) -> None:
+    """Every step reaches the runner as one `execute` whose plan is host data only (it
+    pickles, as tensor parallelism broadcasts it, and holds no Sequence); the rows that
+    finish leave with the next plan, the last ones in a plan of their own, and the runner's
+    rows are request ids."""
+    engine = LLMEngine(str(tiny), speculative=tiny_spec({"method": "vegas"}), **ENGINE)
+    plans: list[StepPlan] = []
+    execute = engine.runner.execute
+
+    def recording(plan: StepPlan) -> Any:
+        plans.append(plan)
+        return execute(plan)
+
+    engine.runner.execute = recording  # type: ignore[method-assign]
+    rids = [engine.add_request(p, params(n)) for p, n in zip(prompts[:2], MAX_TOKENS[:2])]
+    final: dict[str, RequestOutput] = {}
+    steps = 0
+    while engine.has_unfinished():
+        final.update({o.request_id: o for o in engine.step()})
+        steps += 1
+        if engine.runner.batch is not None:  # the rows that finished are still there
+            held = [r for r in engine.runner.batch.ids if r not in engine.scheduler.leaving]
+            assert held == [s.request_id for s in engine.scheduler.rows]
+    assert [final[r].token_ids for r in rids] == alone["vegas"][:2]
+    assert len(plans) == steps + 1 and not plans[-1].prefill and not plans[-1].decode
+    assert sorted(r for p in plans for r in p.leave) == sorted(rids)
+    assert rids[0] in plans[-1].leave  # the longer one finishes last
+    assert b"Sequence" not in pickle.dumps(plans) and engine.runner.batch is None
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
