@@ -10,11 +10,11 @@ prefilled in the first step, and times each phase of every step that only decode
 `--batch` rows, by wall-clock timers around the engine's methods (greedy, ignore_eos: rows
 that the random model drafts badly for decode longer, alone, and are not counted):
 
-    schedule  admission, prefill pieces (none), reservation          LLMEngine._prefill_step
-    inputs    the iteration's tensor bookkeeping around the steps    ModelRunner.decode
+    schedule  the step's plan: admission, pieces (none), pages       LLMEngine._plan
+    inputs    the step's tensor bookkeeping around the iteration     ModelRunner.execute, decode
     commit    the one device-to-host read and its unpacking         ModelRunner._commit
-    rows      per row: tokens appended, stops, statistics            LLMEngine._decode_step
-    select    finished rows dropped, the next plan (unless made)     ModelRunner.select
+    rows      per row: tokens appended, stops, statistics            LLMEngine._decoded
+    select    finished rows dropped, the next plan (unless made)     ModelRunner._leave, _select
     outputs   finished requests released (and, with --stream, the    LLMEngine.step
               step's RequestOutputs and their text deltas)
 
@@ -63,9 +63,10 @@ HOST = ("schedule", "inputs", "commit", "rows", "select", "outputs")
 DEVICE = ("graph", "sample")
 # (owner, method, phase) of every timed method
 TIMED: list[tuple[Any, str, str]] = [
-    (LLMEngine, "step", "outputs"), (LLMEngine, "_prefill_step", "schedule"),
-    (LLMEngine, "_decode_step", "rows"), (ModelRunner, "decode", "inputs"),
-    (ModelRunner, "_commit", "commit"), (ModelRunner, "select", "select"),
+    (LLMEngine, "step", "outputs"), (LLMEngine, "_plan", "schedule"),
+    (LLMEngine, "_decoded", "rows"), (ModelRunner, "execute", "inputs"),
+    (ModelRunner, "decode", "inputs"), (ModelRunner, "_commit", "commit"),
+    (ModelRunner, "_leave", "select"), (ModelRunner, "_select", "select"),
     (GraphRunner, "_replay", "graph"), (model_runner, "next_tokens", "sample"),
 ]
 

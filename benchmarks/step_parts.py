@@ -17,13 +17,13 @@ Two passes per method:
   device work is its own; the median seconds per part of the steps that prefilled, and of the
   decode-only steps:
 
-      admit    admission, prefix lookup, buffer reservation   Scheduler.admit, ModelRunner.start
+      admit    admission, prefix lookup, buffer reservation   Scheduler.admit, ModelRunner.reserve
       forward  the packed prefill forward(s) of the step's pieces   Prefiller.step
-      first    the first tokens of the prompts that end here        ModelRunner.prefill (the rest)
-      join     their rows: page table, first selection (eager)      ModelRunner.join
+      first    the first tokens of the prompts that end here        ModelRunner._prefill (the rest)
+      join     their rows: page table, first selection (eager)      ModelRunner._join
       decode   the decode iteration of every row                    ModelRunner.decode
-      select   finished rows out, the next plan if not made         ModelRunner.select
-      engine   the rest of LLMEngine.step (bookkeeping, outputs)
+      select   finished rows out, the next plan if not made         ModelRunner._leave, _select
+      engine   the rest of LLMEngine.step (planning, bookkeeping, outputs)
 
   (Drained parts add each part's launch latency to its time, so their sum exceeds the wall
   pass's step; they say where the time goes, the wall pass how much there is.)
@@ -57,10 +57,11 @@ from vegas_spec.tokenizer import load_tokenizer
 PARTS = ("admit", "forward", "first", "join", "decode", "select", "engine")
 # (owner, method, part) of every timed method; LLMEngine.step's own time is "engine"
 TIMED: list[tuple[Any, str, str]] = [
-    (LLMEngine, "step", "engine"), (Scheduler, "admit", "admit"), (ModelRunner, "start", "admit"),
-    (ModelRunner, "reserve", "admit"), (ModelRunner, "prefill", "first"),
-    (Prefiller, "step", "forward"), (ModelRunner, "join", "join"),
-    (ModelRunner, "decode", "decode"), (ModelRunner, "select", "select"),
+    (LLMEngine, "step", "engine"), (Scheduler, "admit", "admit"),
+    (ModelRunner, "reserve", "admit"), (ModelRunner, "_prefill", "first"),
+    (Prefiller, "step", "forward"), (ModelRunner, "_join", "join"),
+    (ModelRunner, "decode", "decode"), (ModelRunner, "_leave", "select"),
+    (ModelRunner, "_select", "select"),
 ]
 
 

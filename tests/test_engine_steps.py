@@ -6,6 +6,7 @@ buffers (whose rows move when sequences leave), and every page must come back.""
 from __future__ import annotations
 
 import itertools
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from conftest import (
 from vegas_spec import SamplingParams
 from vegas_spec.engine import LLM, LLMEngine, RequestOutput
 from vegas_spec.scheduler import PrefillPacer
+from vegas_spec.step import StepPlan
 
 VOCAB, CONFIG, ENGINE = TINY_VOCAB, TINY_LLAMA, TINY_ENGINE
 METHODS, IDS = TINY_METHODS, TINY_IDS
@@ -123,14 +125,14 @@ def test_offline_rows_decode_once_every_admitted_prompt_is_prefilled(
     request gets its tokens alone."""
     llm = LLM(str(tiny), prefill_chunk=32, static_shapes=static, **ENGINE)
     engine = llm.engine
-    decode = engine._decode_step
+    decoded = engine._decoded
     during: list[tuple[bool, int]] = []
 
-    def spy(touched: dict, info: Any) -> None:
+    def spy(result: Any, touched: dict, info: Any) -> None:
         during.append((engine.scheduler.prefilling(), engine.num_running))
-        decode(touched, info)
+        decoded(result, touched, info)
 
-    engine._decode_step = spy  # type: ignore[method-assign]
+    engine._decoded = spy  # type: ignore[method-assign]
     outs = llm.generate(prompts, [params(n) for n in MAX_TOKENS],
                         speculative=tiny_spec({"method": "vegas"}))
     assert [o.token_ids for o in outs] == alone["vegas"]
@@ -188,6 +190,37 @@ def test_paced_prefill_takes_the_pacers_budget_while_others_decode(
     assert final[late].token_ids == alone["vegas"][4]
 
 
+def test_a_step_is_one_plan_of_plain_data(tiny: Path, prompts: list[list[int]],
+                                          alone: dict[str, list[list[int]]]) -> None:
+    """Every step reaches the runner as one `execute` whose plan is host data only (it
+    pickles, as tensor parallelism broadcasts it, and holds no Sequence); the rows that
+    finish leave with the next plan, the last ones in a plan of their own, and the runner's
+    rows are request ids."""
+    engine = LLMEngine(str(tiny), speculative=tiny_spec({"method": "vegas"}), **ENGINE)
+    plans: list[StepPlan] = []
+    execute = engine.runner.execute
+
+    def recording(plan: StepPlan) -> Any:
+        plans.append(plan)
+        return execute(plan)
+
+    engine.runner.execute = recording  # type: ignore[method-assign]
+    rids = [engine.add_request(p, params(n)) for p, n in zip(prompts[:2], MAX_TOKENS[:2])]
+    final: dict[str, RequestOutput] = {}
+    steps = 0
+    while engine.has_unfinished():
+        final.update({o.request_id: o for o in engine.step()})
+        steps += 1
+        if engine.runner.batch is not None:  # the rows that finished are still there
+            held = [r for r in engine.runner.batch.ids if r not in engine.scheduler.leaving]
+            assert held == [s.request_id for s in engine.scheduler.rows]
+    assert [final[r].token_ids for r in rids] == alone["vegas"][:2]
+    assert len(plans) == steps + 1 and not plans[-1].prefill and not plans[-1].decode
+    assert sorted(r for p in plans for r in p.leave) == sorted(rids)
+    assert rids[0] in plans[-1].leave  # the longer one finishes last
+    assert b"Sequence" not in pickle.dumps(plans) and engine.runner.batch is None
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("method", ["vegas", "quest"])
 def test_abort_frees_the_row_and_pages_before_the_next_step(
@@ -213,22 +246,22 @@ def test_abort_frees_the_row_and_pages_before_the_next_step(
     assert engine.num_waiting == 0 and engine.num_running == 2
     assert len(cache.free_pages) == before + held and not gone.pages
     batch = engine.runner.batch
-    assert batch is not None and all(s is not gone for s in batch.seqs)
+    assert batch is not None and rids[0] not in batch.ids
     if static:
         assert engine.runner.graphs is not None and engine.runner.graphs.rows == 2
     decoded = []
-    decode = engine.runner.decode
+    execute = engine.runner.execute
 
-    def recording(draft: bool = True) -> Any:
-        out = decode(draft)
-        decoded.append(out.seqs)
+    def recording(plan: StepPlan) -> Any:
+        out = execute(plan)
+        decoded.append(out.rows)
         return out
 
-    engine.runner.decode = recording  # type: ignore[method-assign]
+    engine.runner.execute = recording  # type: ignore[method-assign]
     final: dict[str, RequestOutput] = {}
     while engine.has_unfinished():
         final.update({o.request_id: o for o in engine.step()})
-    assert decoded and all(s is not gone for seqs in decoded for s in seqs)
+    assert decoded and all(rids[0] not in rows for rows in decoded)
     assert rids[0] not in final and queued not in final
     assert [final[r].token_ids for r in rids[1:]] == alone[method][1:3]
     assert len(cache.free_pages) == free and engine.runner.batch is None

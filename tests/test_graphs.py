@@ -153,8 +153,8 @@ def test_runner_is_reused_then_rebuilt_for_a_larger_batch(tiny: Path, eager: LLM
 def test_leaving_rows_keep_every_sampling_setting() -> None:
     params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate((1.0, 0.5, 0.75))]
     sampling = BatchSampling.build(params, torch.device("cpu"))
-    batch = Batch([None] * 3, torch.zeros(3, 2, dtype=torch.int32), torch.arange(3),  # type: ignore[list-item]
-                  torch.arange(3), sampling)
+    batch = Batch(["a", "b", "c"], [0, 1, 2], torch.zeros(3, 2, dtype=torch.int32),
+                  torch.arange(3), torch.arange(3), sampling)
     kept = batch.keep([0, 2], torch.tensor([0, 2])).sampling
     assert kept.temperature.tolist() == [1.0, 0.75]
     assert kept.seeds.tolist() == [0, 2]
@@ -275,7 +275,8 @@ def test_static_iteration_reads_the_device_once(static: LLM, eager: LLM, prompts
     iteration = guard.wrap(runner._iteration, armed=True)
     monkeypatch.setattr(runner, "_commit", lambda *a: calls.append("read") or commit(*a))
     monkeypatch.setattr(runner, "_iteration", lambda *a: calls.append("it") or iteration(*a))
-    for name in ("select", "join"):  # the selections after an iteration and after prefill
+    # the rows that leave, the selections after an iteration and after prefill
+    for name in ("_leave", "_select", "_join"):
         monkeypatch.setattr(runner, name, guard.wrap(getattr(runner, name), True))
     outs = static.generate(prompts, params, speculative=tiny_spec(method))
     assert [o.token_ids for o in outs] == expected
@@ -346,7 +347,7 @@ def test_the_guard_catches_the_eager_path(eager: LLM, prompts: list[list[int]],
     guard, runner = SyncGuard(monkeypatch), eager.engine.runner
     monkeypatch.setattr(runner, "_commit", guard.wrap(runner._commit, armed=False))
     monkeypatch.setattr(runner, "_iteration", guard.wrap(runner._iteration, armed=True))
-    monkeypatch.setattr(runner, "select", guard.wrap(runner.select, armed=True))
+    monkeypatch.setattr(runner, "_select", guard.wrap(runner._select, armed=True))
     with pytest.raises(AssertionError, match=r"host sync inside an iteration: Tensor.__int__"):
         eager.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True),
                        speculative=tiny_spec({"method": "vegas"}))

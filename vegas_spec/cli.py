@@ -786,7 +786,7 @@ def _failure(err: Exception) -> str | None:
 
 def _run_command(args: argparse.Namespace, argv: list[str]) -> int:
     """The command, on rank 0 of --tensor-parallel ranks (their workers started here, or
-    torchrun's); a torchrun rank other than 0 mirrors rank 0's model calls instead."""
+    torchrun's); a torchrun rank other than 0 makes rank 0's model calls instead."""
     from vegas_spec.executor import launch, under_torchrun
 
     tp = getattr(args, "tensor_parallel", 1)

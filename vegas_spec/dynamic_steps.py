@@ -36,7 +36,7 @@ class DynamicSteps:
         accepted [B] and emitted [B, γ+1], as `speculate` returns them, and the verify
         step's scores [layers, B, R, G, W] (None: the policy selects without them)."""
         bound, s, cfg = batch.longest, batch.sampling, self.cache.cfg
-        req = score_request(policy, cfg.num_layers, cfg.num_kv_heads, len(batch.seqs),
+        req = score_request(policy, cfg.num_layers, cfg.num_kv_heads, len(batch.ids),
                             gamma + 1, bound + gamma + 1, False, batch.lengths.device)
 
         def step(kind: str, tokens: torch.Tensor, positions: torch.Tensor,

@@ -1,12 +1,15 @@
 """`LLMEngine`: add_request, abort and step; `LLM(model, **kw).generate(prompts, params)`.
 
-One engine step: the scheduler admits waiting requests (rows and KV pages permitting), the
-model runner prefills the next pieces of the admitted prompts (at most one prefill budget of
-tokens), the prompts that complete give their first token and join the input batch, the rows
-get the KV pages their iteration writes (the newest sequences preempted where the pool runs
-out), then one decode iteration runs over every row (one token each, or a draft-verify-accept
-round of 1 to γ+1 tokens). Each request that got tokens gets a `RequestOutput` with its text
-delta; finished requests give their pages back. The offline `LLM.generate` and the server are loops
+One engine step is one message each way: the scheduler plans it (`StepPlan`: it admits
+waiting requests, rows and KV pages permitting, takes the next pieces of the admitted prompts,
+at most one prefill budget of tokens, and gives the rows the KV pages their iteration writes,
+the newest sequences preempted where the pool runs out; the adaptive controller says whether
+the iteration drafts), and the model runner executes it: it prefills the pieces, the prompts
+that complete give their first token and join the input batch, then one decode iteration
+runs over every row (one token each, or a draft-verify-accept round of 1 to γ+1 tokens),
+returning a `StepResult`. The engine appends its tokens to the sequences; each request that
+got tokens gets a `RequestOutput` with its text delta; finished requests give their pages
+back, and their rows leave with the next plan. The offline `LLM.generate` and the server are loops
 over `step()`; offline, more prompts than fit at once simply queue, the admitted prompts are
 all prefilled before their rows decode (`step(prefill_first=True)`: every decode iteration
 then runs the whole batch), and no step makes outputs (each request's text is decoded once,
@@ -51,9 +54,10 @@ from vegas_spec.models.loader import resolve
 from vegas_spec.prefill_graphs import bucket_floor
 from vegas_spec.sampling import host_flags
 from vegas_spec.scheduler import Piece, PrefillPacer, Scheduler
-from vegas_spec.sequence import Detokenizer, Sequence
+from vegas_spec.sequence import Detokenizer, Sequence, Status
 from vegas_spec.speculative.adaptive import SpeculationController
 from vegas_spec.stats import PhaseTimer, RunStats, SeqStats
+from vegas_spec.step import Prefill, StepPlan, StepResult
 from vegas_spec.tokenizer import encode, load_tokenizer, longest_token, text_decoder
 
 
@@ -153,7 +157,7 @@ class LLMEngine:
         if self.config.kv_cache_bytes is not None:  # before loading anything
             check_memory(self.config.kv_cache_bytes, torch.device(self.config.device))
         self.source = resolve(model)
-        # under tensor parallelism (a `launch`), a proxy mirroring each call to the workers
+        # under tensor parallelism (a `launch`), one that broadcasts each call to the workers
         self.runner = make_runner(self.config, self.source, self.spec)
         budget = self.config.prefill_tokens(self.runner.model_config)
         self.scheduler = Scheduler(self.runner.cache.pages, max_num_seqs, budget)
@@ -290,13 +294,14 @@ class LLMEngine:
         if seq is None or seq.finished:
             return False
         seq.finish("abort")
-        self.runner.drop(seq)
+        self.runner.drop(seq.request_id)
         self._release(seq)
         return True
 
     def abort_all(self) -> None:
         """Every request dropped and every page back (after an error or an interrupt)."""
         self.runner.clear()
+        self.scheduler.leaving = []
         for seq in list(self.seqs.values()):
             seq.finish("abort")
             self._release(seq)
@@ -340,82 +345,91 @@ class LLMEngine:
         self.last_step = info = StepInfo(gamma=self.spec.gamma if self.spec.speculative else 0)
         t0 = time.perf_counter()
         budget = self._prefill_budget()
-        self._prefill_step(touched, info, budget)
-        t1 = time.perf_counter()
-        if self.runner.batch is not None and not (prefill_first
-                                                  and self.scheduler.prefilling()):
-            self._decode_step(touched, info)
+        plan = self._plan(info, budget, prefill_first)
+        result = self.runner.execute(plan)
+        self._first_tokens(result, touched, info)
+        if plan.decode:
+            self._decoded(result, touched, info)
+        self.scheduler.stepped()
+        self._empty_rows()
         t2 = time.perf_counter()
-        self.wall["prefill"] += t1 - t0
-        self.wall["decode"] += t2 - t1
-        info.seconds, info.prefill_seconds = t2 - t0, t1 - t0
+        prefill_s = result.prefill_seconds if plan.decode else t2 - t0
+        self.wall["prefill"] += prefill_s
+        self.wall["decode"] += t2 - t0 - prefill_s
+        info.seconds, info.prefill_seconds = t2 - t0, prefill_s
         if self.pacer is not None:
             self.pacer.observe(info.prefill_tokens, bool(info.emitted), info.seconds, budget)
         outs = [self._output(s) for s in touched.values()] if collect else []
         for seq in touched.values():
-            if seq.finished:  # its row, if it had one, left in `select`
+            if seq.finished:  # its row, if it had one, leaves with the next plan
                 self._release(seq)
         if info.emitted and self.controller is not None:
             # the iteration's whole cost, its host work included (scheduling, appending,
             # outputs: paid per iteration, whatever the tokens), but not a prefill's
+            spent = time.perf_counter() - t0
             self.controller.observe(info.bucket, info.drafted,
-                                    time.perf_counter() - (t1 if info.prefill_tokens else t0),
+                                    spent - (prefill_s if info.prefill_tokens else 0.0),
                                     sum(info.emitted) / len(info.emitted))
         return outs
 
-    def _prefill_step(self, touched: dict[str, Sequence], info: StepInfo,
-                      budget: int | None) -> None:
-        runner, scheduler = self.runner, self.scheduler
-        admitted = scheduler.admit(runner.row_limit(scheduler.max_num_seqs))
-        runner.reserve(len(scheduler.running))
-        runner.start(admitted)
-        pieces = scheduler.prefill_pieces(budget)
-        info.prefill_tokens = sum(p.end - p.start for p in pieces)
-        done, first = runner.prefill(pieces)
-        scheduler.prefilled(pieces)
-        info.first_tokens = len(done)
-        if not done:
-            return
-        for seq, tok in zip(done, first):
-            seq.append([tok])
-            touched[seq.request_id] = seq
-        runner.join([s for s in done if not s.finished])
+    def _plan(self, info: StepInfo, budget: int | None, prefill_first: bool) -> StepPlan:
+        """The scheduler's plan of this step, with the adaptive controller's choice of a
+        round or a plain step for its decode iteration."""
+        scheduler = self.scheduler
+        preemptions = scheduler.preemptions
+        plan = scheduler.schedule(self.runner.row_limit(scheduler.max_num_seqs), budget,
+                                  prefill_first)
+        info.prefill_tokens = sum(len(p.tokens) for p in plan.prefill)
+        info.preempted = scheduler.preemptions - preemptions
+        if not plan.decode:
+            return plan
+        info.bucket = bucket_for(len(scheduler.rows))
+        if self.controller is None or self.controller.choose(info.bucket):
+            return plan
+        return dataclasses.replace(plan, draft=False)
+
+    def _empty_rows(self) -> None:
+        """Finished rows leave with the next plan; where no row is left in use they leave
+        now, in a plan of their own, so that an idle runner holds no rows (its buffers are
+        sized again, its method may change)."""
+        scheduler = self.scheduler
+        if scheduler.leaving and not scheduler.rows:
+            self.runner.execute(StepPlan(leave=tuple(scheduler.leaving)))
+            scheduler.leaving = []
+
+    def _first_tokens(self, result: StepResult, touched: dict[str, Sequence],
+                      info: StepInfo) -> None:
+        """The first tokens of the prompts the step completed (a sequence preempted since
+        its piece was planned waits to be prefilled again: its token is dropped)."""
+        info.first_tokens = len(result.first)
+        for rid, tok in result.first:
+            seq = self.seqs[rid]
+            if seq.status is Status.RUNNING:
+                seq.append([tok])
+                touched[rid] = seq
+
+    def _decoded(self, result: StepResult, touched: dict[str, Sequence],
+                 info: StepInfo) -> None:
+        """The decode iteration's tokens, appended row by row (a row whose first token
+        ended it decoded in vain: it leaves with the next plan)."""
+        self.iterations += 1
+        info.drafted = result.drafted
+        for rid, tokens, budget in zip(result.rows, result.tokens, result.budgets):
+            seq = self.seqs[rid]
+            if seq.finished:
+                continue
+            info.emitted.append(len(tokens))
+            seq.stats.record(len(tokens), budget, result.drafted)
+            seq.append(tokens)
+            touched[rid] = seq
 
     def _prefill_budget(self) -> int | None:
         """This step's prompt tokens: the pacer's (on a whole bucket of the prefill graphs, so
         no forward is padded), or None for the scheduler's fixed budget."""
         if self.pacer is None:
             return None
-        tokens = self.pacer.budget(decoding=self.runner.batch is not None)
+        tokens = self.pacer.budget(decoding=bool(self.scheduler.rows))
         return min(tokens, bucket_floor(tokens))
-
-    def _grow(self, info: StepInfo) -> bool:
-        """Pages for every row's next iteration: rows that took pages get them in the page
-        tables, preempted ones leave theirs -> whether rows are left to decode."""
-        runner = self.runner
-        assert runner.batch is not None
-        grown, preempted = self.scheduler.grow(list(runner.batch.seqs))
-        info.preempted = len(preempted)
-        for seq in preempted:
-            runner.drop(seq)
-        if grown:
-            runner.grow(grown)
-        return runner.batch is not None
-
-    def _decode_step(self, touched: dict[str, Sequence], info: StepInfo) -> None:
-        if not self._grow(info):
-            return
-        info.bucket = bucket_for(self.runner.rows)
-        draft = self.controller is None or self.controller.choose(info.bucket)
-        out = self.runner.decode(draft)
-        self.iterations += 1
-        info.drafted = out.drafted
-        for seq, tokens, budget in zip(out.seqs, out.tokens, out.budgets):
-            info.emitted.append(len(tokens))
-            seq.stats.record(len(tokens), budget, out.drafted)
-            seq.append(tokens)
-            touched[seq.request_id] = seq
-        self.runner.select()
 
     def _output(self, seq: Sequence) -> RequestOutput:
         """The step's output of seq: a finished one's ids are its output list (it no longer
@@ -578,7 +592,9 @@ class LLM:
         for s in seqs:
             scheduler.place(s, s.limit)  # its cached prefix by reference
         try:
-            logits = self.engine.runner.next_token_logits(seqs)
+            logits = self.engine.runner.next_token_logits(
+                [Prefill(s.request_id, s.prefilled, tuple(s.prefill_ids[s.prefilled :]),
+                         len(s.prefill_ids), tuple(s.pages), s.params) for s in seqs])
             scheduler.prefilled([Piece(s, s.prefilled, len(s.prefill_ids)) for s in seqs])
             return logits
         finally:

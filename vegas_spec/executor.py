@@ -1,27 +1,25 @@
-"""Tensor-parallel execution with one scheduler: rank 0 runs the engine, ranks 1..N-1 mirror
-its model runner.
+"""Tensor-parallel execution with one scheduler: rank 0 runs the engine, ranks 1..N-1 run
+the same model runner calls on their shards.
 
 `launch(N, device)` makes this process rank 0 of N: it starts N - 1 worker processes
 (`python -m vegas_spec.worker`, or takes torchrun's ranks), joins the group (gloo on CPU,
 NCCL on CUDA, with a gloo group of its own for control messages) and watches the workers.
-An engine built while a launch is active wraps its `ModelRunner` in a `RunnerProxy`: before
-each runner call that touches the device (reserve, warm_prefill, warm_rounds, set_spec, start,
-prefill, join, grow, decode, select, drop, clear, logits, next_token_logits) rank 0
-broadcasts a `Call`, a method name and plain host arguments, and every worker makes the same
-call on its own runner, so all ranks run the same forwards on the same shapes and meet in
-the same collectives. A sequence is sent whole when it starts (`SeqSpec`: request id, prompt
-ids, sampling, limit, headroom, pages, the positions its cached prefix covers, and a
-preempted one's output so far), its new pages with each `grow`, and by request id otherwise;
-workers append the tokens of their own decode outputs (equal on every rank: the logits
-are), and rank 0 sends which rows finished with the `select` that drops them, so EOS, stop
-strings and aborts are decided in rank 0 only. Unseeded sampling gets a seed from rank 0,
-so every rank draws the same tokens.
+An engine built while a launch is active gets a `ParallelRunner`: before each runner call
+that touches the device rank 0 broadcasts a `Call`, a method name and plain host arguments,
+and every worker makes the same call on its own `ModelRunner`, so all ranks run the same
+forwards on the same shapes and meet in the same collectives. A step is one call,
+`execute` with the scheduler's `StepPlan` (request ids, token ids, page ids, sampling
+settings: everything a rank needs), so workers hold no sequences and replay nothing; the
+other calls are the settings and warm-ups, an abort's `drop`, `clear` and the logits
+helpers. Each rank's runner returns the same `StepResult` (the logits are equal on every
+rank); rank 0's engine alone reads it. Unseeded sampling gets a seed from rank 0 in the
+plan, so every rank draws the same tokens.
 
 A worker that dies is an `ExecutorError` naming its rank and exit code in rank 0 (its next
 collective fails, or, should it block, a watcher thread ends the process); a worker whose
 rank 0 dies fails its next receive and exits. World size 1 never comes here: the engine
-uses its `ModelRunner` directly. Imports `config`, `parallel`, `sequence`, `scheduler`,
-`sampling` (for types) and `model_runner`."""
+uses its `ModelRunner` directly. Imports `config`, `parallel`, `models.loader`, `step` and
+`model_runner`."""
 
 from __future__ import annotations
 
@@ -34,17 +32,16 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vegas_spec import parallel
-from vegas_spec.config import ConfigError, EngineConfig, SamplingParams, SpecConfig
-from vegas_spec.model_runner import ModelRunner, StepOutput
+from vegas_spec.config import ConfigError, EngineConfig, SpecConfig
+from vegas_spec.model_runner import ModelRunner
 from vegas_spec.models.loader import ModelSource, load_config
-from vegas_spec.scheduler import Piece
-from vegas_spec.sequence import Sequence
+from vegas_spec.step import Prefill, StepPlan, StepResult
 
 TIMEOUT_S = 600  # a collective that waits longer fails (a rank that stopped answering)
 STUCK_S = 30  # a dead worker that rank 0 has not noticed by then ends rank 0 (blocked in NCCL)
@@ -53,31 +50,6 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE")
 
 class ExecutorError(RuntimeError):
     """A tensor-parallel worker died or failed: the engine cannot go on."""
-
-
-@dataclass(frozen=True)
-class SeqSpec:
-    """What a worker needs to rebuild a sequence's mirror."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    limit: int
-    headroom: int
-    pages: list[int]
-    output: list[int]  # a preempted sequence's output so far, prefilled again
-    prefilled: int = 0  # positions on pages taken from the prefix cache
-
-    @classmethod
-    def of(cls, seq: Sequence) -> SeqSpec:
-        return cls(seq.request_id, list(seq.prompt_ids), seq.params, seq.limit, seq.headroom,
-                   list(seq.pages), list(seq.output), seq.prefilled)
-
-    def mirror(self) -> Sequence:
-        return Sequence(self.request_id, self.prompt_ids, self.prompt_ids, self.params,
-                        self.limit, self.headroom, pages=list(self.pages),
-                        prefilled=self.prefilled, cached=self.prefilled,
-                        output=list(self.output), prefill_ids=self.prompt_ids + self.output)
 
 
 @dataclass(frozen=True)
@@ -253,7 +225,7 @@ _active: Executor | None = None
 
 
 def active() -> Executor | None:
-    """The executor engines built now mirror to (None: single process, or SPMD ranks)."""
+    """The executor engines built now broadcast to (None: single process, or SPMD ranks)."""
     return _active
 
 
@@ -335,12 +307,16 @@ def _init_watched(world_size: int, device: str, procs: list[subprocess.Popen]) -
     return box["channel"]
 
 
-# --- rank 0: the runner proxy -----------------------------------------------------------
+# --- rank 0: the runner that broadcasts ----------------------------------------------------
+
+# the runner's calls that every rank makes, each with plain host arguments (a step: `execute`)
+CALLS = frozenset({"execute", "drop", "clear", "reserve", "warm_prefill", "warm_rounds",
+                   "set_spec", "logits", "next_token_logits"})
 
 
-class RunnerProxy:
-    """Rank 0's ModelRunner, each device call sent to the workers first; every other
-    attribute is the runner's own."""
+class ParallelRunner:
+    """Rank 0's ModelRunner, each call of `CALLS` broadcast to the workers first; every
+    other attribute is the runner's own."""
 
     def __init__(self, executor: Executor, config: EngineConfig, source: ModelSource,
                  spec: SpecConfig) -> None:
@@ -360,64 +336,49 @@ class RunnerProxy:
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._runner, name, value)
 
-    def _run(self, method: str, wire: tuple, *args: Any) -> Any:
-        """Send `method` with the host arguments `wire`, then make the call here with args."""
+    def _run(self, method: str, *args: Any) -> Any:
+        """Send `method` with its arguments to every worker, then make the call here."""
         executor: Executor = self._executor
-        executor.send(Call(self._engine, method, wire))
+        executor.send(Call(self._engine, method, args))
         return _guard(executor, lambda: getattr(self._runner, method)(*args))
 
-    def reserve(self, rows: int) -> None:
-        self._run("reserve", (rows,), rows)
+    def execute(self, plan: StepPlan) -> StepResult:
+        if any(p.ends and p.params.seed is None for p in plan.prefill):
+            plan = dataclasses.replace(plan, prefill=tuple(_seeded(p) for p in plan.prefill))
+        return self._run("execute", plan)
 
-    def warm_prefill(self, max_pieces: int) -> int:
-        return self._run("warm_prefill", (max_pieces,), max_pieces)
-
-    def warm_rounds(self, kinds: tuple[str, ...] | None = None) -> None:
-        self._run("warm_rounds", (kinds,), kinds)
-
-    def set_spec(self, spec: SpecConfig) -> None:
-        self._run("set_spec", (spec,), spec)
-
-    def start(self, seqs: list[Sequence]) -> None:
-        if not seqs:
-            return self._runner.start(seqs)
-        for seq in seqs:  # every rank draws from the same seed
-            if seq.params.seed is None:
-                seq.params = dataclasses.replace(
-                    seq.params, seed=int(torch.randint(2**62, ()).item()))
-        self._run("start", ([SeqSpec.of(s) for s in seqs],), seqs)
-
-    def prefill(self, pieces: list[Piece]) -> tuple[list[Sequence], list[int]]:
-        wire = [(p.seq.request_id, p.start, p.end) for p in pieces]
-        return self._run("prefill", (wire,), pieces)
-
-    def join(self, seqs: list[Sequence]) -> None:
-        self._run("join", ([s.request_id for s in seqs],), seqs)
-
-    def grow(self, seqs: list[Sequence]) -> None:
-        self._run("grow", ([(s.request_id, list(s.pages)) for s in seqs],), seqs)
-
-    def decode(self, draft: bool = True) -> StepOutput:
-        return self._run("decode", (draft,), draft)
-
-    def select(self) -> None:
-        batch = self._runner.batch
-        done = [] if batch is None else [(s.request_id, s.finish_reason) for s in batch.seqs
-                                         if s.finished]
-        self._run("select", (done,))
-
-    def drop(self, seq: Sequence) -> None:
-        self._run("drop", (seq.request_id,), seq)
+    def drop(self, request_id: str) -> None:
+        self._run("drop", request_id)
 
     def clear(self) -> None:
-        self._run("clear", ())
+        self._run("clear")
+
+    def reserve(self, rows: int) -> None:
+        self._run("reserve", rows)
+
+    def warm_prefill(self, max_pieces: int) -> int:
+        return self._run("warm_prefill", max_pieces)
+
+    def warm_rounds(self, kinds: tuple[str, ...] | None = None) -> None:
+        self._run("warm_rounds", kinds)
+
+    def set_spec(self, spec: SpecConfig) -> None:
+        self._run("set_spec", spec)
 
     def logits(self, token_ids: list[int], pages: list[int], chunk: int) -> torch.Tensor:
-        return self._run("logits", (list(token_ids), list(pages), chunk), token_ids, pages,
-                         chunk)
+        return self._run("logits", list(token_ids), list(pages), chunk)
 
-    def next_token_logits(self, seqs: list[Sequence]) -> torch.Tensor:
-        return self._run("next_token_logits", ([SeqSpec.of(s) for s in seqs],), seqs)
+    def next_token_logits(self, pieces: list[Prefill]) -> torch.Tensor:
+        return self._run("next_token_logits", pieces)
+
+
+def _seeded(piece: Prefill) -> Prefill:
+    """A completing piece whose sampling has no seed, given one (every rank draws the same
+    tokens)."""
+    if not piece.ends or piece.params.seed is not None:
+        return piece
+    seed = int(torch.randint(2**62, ()).item())
+    return dataclasses.replace(piece, params=dataclasses.replace(piece.params, seed=seed))
 
 
 def _guard(executor: Executor, fn: Any) -> Any:
@@ -450,68 +411,9 @@ def agree_pages(runner: ModelRunner, channel: Channel) -> None:
 # --- ranks 1..N-1: the worker loop -------------------------------------------------------
 
 
-@dataclass
-class Mirror:
-    """A worker's runner and the mirrors of rank 0's sequences that hold its rows."""
-
-    runner: ModelRunner
-    seqs: dict[str, Sequence] = field(default_factory=dict)
-    done: list[Sequence] = field(default_factory=list)  # the last prefill's completed ones
-
-    def apply(self, method: str, args: tuple) -> None:
-        """Make rank 0's call on this rank's runner."""
-        runner = self.runner
-        if method in ("reserve", "warm_prefill", "warm_rounds", "set_spec"):
-            getattr(runner, method)(*args)
-        elif method == "start":
-            seqs = [s.mirror() for s in args[0]]
-            self.seqs.update((s.request_id, s) for s in seqs)
-            runner.start(seqs)
-        elif method == "prefill":
-            pieces = [Piece(self.seqs[rid], a, b) for rid, a, b in args[0]]
-            self.done, first = runner.prefill(pieces)
-            for seq, tok in zip(self.done, first):
-                seq.output.append(tok)
-        elif method == "join":
-            keep = set(args[0])
-            runner.join([self.seqs[rid] for rid in args[0]])
-            for seq in self.done:
-                if seq.request_id not in keep:
-                    self.seqs.pop(seq.request_id, None)
-            self.done = []
-        elif method == "grow":
-            seqs = [self.seqs[rid] for rid, _ in args[0]]
-            for seq, (_, pages) in zip(seqs, args[0]):
-                seq.pages = pages
-            runner.grow(seqs)
-        elif method == "decode":
-            out = runner.decode(*args)
-            for seq, tokens in zip(out.seqs, out.tokens):
-                seq.output.extend(tokens)
-        elif method == "select":
-            for rid, reason in args[0]:
-                seq = self.seqs.pop(rid, None)
-                if seq is not None:
-                    seq.finish_reason = reason
-            runner.select()
-        elif method == "drop":
-            seq = self.seqs.pop(args[0], None)
-            if seq is not None:
-                runner.drop(seq)
-        elif method == "clear":
-            runner.clear()
-            self.seqs.clear()
-        elif method == "logits":
-            runner.logits(*args)
-        elif method == "next_token_logits":
-            runner.next_token_logits([s.mirror() for s in args[0]])
-        else:
-            raise ExecutorError(f"unknown call {method!r}")
-
-
 def serve(channel: Channel) -> None:
     """A worker rank's loop: make every call rank 0 sends until it says stop."""
-    engines: dict[int, Mirror] = {}
+    engines: dict[int, ModelRunner] = {}
     while True:
         call = channel.recv()
         for engine in call.freed:
@@ -521,14 +423,17 @@ def serve(channel: Channel) -> None:
         if call.method == "build":
             runner = ModelRunner(*call.args)
             agree_pages(runner, channel)
-            engines[call.engine] = Mirror(runner)
+            engines[call.engine] = runner
             continue
-        engines[call.engine].apply(call.method, call.args)
+        if call.method not in CALLS:
+            raise ExecutorError(f"unknown call {call.method!r}")
+        getattr(engines[call.engine], call.method)(*call.args)
 
 
 def make_runner(config: EngineConfig, source: ModelSource, spec: SpecConfig) -> ModelRunner:
-    """The engine's runner: mirrored to the workers while a launch is active, else plain."""
+    """The engine's runner: its calls broadcast to the workers while a launch is active, else
+    plain."""
     executor = active()
     if executor is None:
         return ModelRunner(config, source, spec)
-    return RunnerProxy(executor, config, source, spec)  # type: ignore[return-value]
+    return ParallelRunner(executor, config, source, spec)  # type: ignore[return-value]

@@ -18,8 +18,8 @@ import torch
 from vegas_spec.attention.context import SparsePlan
 from vegas_spec.graphs import GraphRunner
 from vegas_spec.sampling import BatchSampling
-from vegas_spec.sequence import Sequence
 from vegas_spec.speculative.planning import cat_plans, take_plan
+from vegas_spec.step import Prefill
 
 
 def upload(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -30,20 +30,22 @@ def upload(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tens
     return host.to(device, non_blocking=True)
 
 
-def page_table(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
-    """[len(seqs), P] int32: each sequence's pages, 0 past them (P: the most pages)."""
-    width = max(len(s.pages) for s in seqs)
-    return upload([s.pages + [0] * (width - len(s.pages)) for s in seqs], device).to(
-        torch.int32)
+def page_table(pages: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
+    """[len(pages), P] int32: each row's pages, 0 past them (P: the most pages)."""
+    width = max(map(len, pages))
+    return upload([list(p) + [0] * (width - len(p)) for p in pages], device).to(torch.int32)
 
 
 @dataclass
 class Batch:
-    """Device state of the decoding rows. lengths [B] committed KV length; last [B] the
-    newest token (not yet in the cache); page_table [B, P]; plan: the next draft round's
-    selection on the dynamic path (under static shapes it lives in the runner's buffers)."""
+    """Device state of the decoding rows. ids: each row's request id; committed: the same
+    rows' committed KV lengths on the host (bounds without reading the device); lengths [B]
+    committed KV length; last [B] the newest token (not yet in the cache); page_table [B, P];
+    plan: the next draft round's selection on the dynamic path (under static shapes it lives
+    in the runner's buffers)."""
 
-    seqs: list[Sequence]
+    ids: list[str]
+    committed: list[int]
     page_table: torch.Tensor
     lengths: torch.Tensor
     last: torch.Tensor
@@ -53,21 +55,23 @@ class Batch:
     @property
     def longest(self) -> int:
         """The longest committed length, from the host (no device read)."""
-        return max(s.committed for s in self.seqs)
+        return max(self.committed)
 
     def keep(self, keep: list[int], idx: torch.Tensor) -> Batch:
         """The rows `keep` (idx: the same on the device); the plan is made again."""
-        return Batch([self.seqs[i] for i in keep], self.page_table[idx], self.lengths[idx],
-                     self.last[idx], self.sampling.rows(keep, idx))
+        return Batch([self.ids[i] for i in keep], [self.committed[i] for i in keep],
+                     self.page_table[idx], self.lengths[idx], self.last[idx],
+                     self.sampling.rows(keep, idx))
 
     def cat(self, other: Batch) -> Batch:
         """These rows followed by other's, page tables padded to the wider one."""
         width = max(self.page_table.shape[1], other.page_table.shape[1])
         tables = [torch.nn.functional.pad(t, (0, width - t.shape[1]))
                   for t in (self.page_table, other.page_table)]
-        return Batch(self.seqs + other.seqs, torch.cat(tables), torch.cat([self.lengths,
-                     other.lengths]), torch.cat([self.last, other.last]),
-                     self.sampling.cat(other.sampling), cat_plans(self.plan, other.plan))
+        return Batch(self.ids + other.ids, self.committed + other.committed,
+                     torch.cat(tables), torch.cat([self.lengths, other.lengths]),
+                     torch.cat([self.last, other.last]), self.sampling.cat(other.sampling),
+                     cat_plans(self.plan, other.plan))
 
 
 @dataclass
@@ -89,27 +93,27 @@ class Round:
 
 @dataclass
 class Ready:
-    """The sequences whose prompts a prefill completed, each with its first token, until
+    """The prompts a prefill completed (their pieces), each with its first token, until
     they join: first, lengths [n] (the prompts'); scores [layers, n, 1, G, W] of their last
     rows (None: none asked)."""
 
-    seqs: list[Sequence]
+    pieces: list[Prefill]
     first: torch.Tensor
     sampling: BatchSampling
     scores: torch.Tensor | None
     lengths: torch.Tensor
 
-    def joining(self, seqs: list[Sequence], device: torch.device,
-                ) -> tuple[Batch, torch.Tensor | None] | None:
-        """The rows of those of `seqs` that go on decoding, in order, and their scores (None:
-        no row joins)."""
-        keep = [i for i, s in enumerate(self.seqs) if s in seqs]
+    def joining(self, device: torch.device) -> tuple[Batch, torch.Tensor | None] | None:
+        """The rows of the prompts that go on decoding (`Prefill.joins`), in order, and their
+        scores (None: no row joins)."""
+        keep = [i for i, p in enumerate(self.pieces) if p.joins]
         if not keep:
             return None
         idx = upload(keep, device)
-        joined = [self.seqs[i] for i in keep]
-        new = Batch(joined, page_table(joined, device), self.lengths[idx], self.first[idx],
-                    self.sampling.rows(keep, idx))
+        joined = [self.pieces[i] for i in keep]
+        new = Batch([p.request_id for p in joined], [p.total for p in joined],
+                    page_table([p.pages for p in joined], device), self.lengths[idx],
+                    self.first[idx], self.sampling.rows(keep, idx))
         return new, None if self.scores is None else self.scores[:, idx]
 
 
@@ -124,7 +128,7 @@ class InputBatch:
 
     @property
     def rows(self) -> int:
-        return 0 if self.batch is None else len(self.batch.seqs)
+        return 0 if self.batch is None else len(self.batch.ids)
 
     def place(self, new: Batch) -> int:
         """Buffer rows for sequences about to join -> the first of them (their first plan is
@@ -154,20 +158,14 @@ class InputBatch:
             self.batch.plan = take_plan(old.plan, idx)
         return idx
 
-    def drop(self, seq: Sequence) -> None:
-        """seq's row goes (if it has one); the survivors keep their plans."""
-        batch = self.batch
-        if batch is not None and any(s is seq for s in batch.seqs):
-            self.keep([i for i, s in enumerate(batch.seqs) if s is not seq], plans=True)
-
-    def grow(self, seqs: list[Sequence]) -> None:
-        """Rows whose sequences took more pages: their page-table rows rewritten, the batch's
-        table widened where they outgrow it."""
+    def grow(self, rows: tuple[tuple[str, tuple[int, ...]], ...]) -> None:
+        """Rows whose sequences took more pages (request id, all its pages): their page-table
+        rows rewritten, the batch's table widened where they outgrow it."""
         batch = self.batch
         assert batch is not None
-        where = {id(s): i for i, s in enumerate(batch.seqs)}
-        idx = upload([where[id(s)] for s in seqs], self.device)
-        table = page_table(seqs, self.device)
+        where = {rid: i for i, rid in enumerate(batch.ids)}
+        idx = upload([where[rid] for rid, _ in rows], self.device)
+        table = page_table([pages for _, pages in rows], self.device)
         width = table.shape[1]
         if width > batch.page_table.shape[1]:
             batch.page_table = torch.nn.functional.pad(

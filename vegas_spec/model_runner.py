@@ -1,16 +1,21 @@
 """The model runner: runs one step at a time over the model, the paged KV cache and the
 persistent input batch (`input_batch`), all loaded and sized by `runner_setup`.
 
-A prefill runs the pieces the scheduler chose (`prefill`: packed into forwards, each prompt's
-first selection scored in the forward that computes its last token); the prompts that
-complete join the batch with the first plan of their own prefill scores. A decode iteration
-is one token per row (`vanilla`) or one draft-verify-accept round (`speculative.round`),
-which under static shapes is one graph, greedy or sampled; each iteration reads the device
-once (`_commit`), returning a typed `StepOutput`. Knows nothing of queues."""
+`execute` takes one `StepPlan` and returns one `StepResult`: the rows that leave go first
+(the survivors keep their plans; the next selection after a round is made for them now,
+unless the round's graph made it), then the plan's prompt pieces are prefilled (packed into
+forwards, each prompt's first selection scored in the forward that computes its last token;
+the prompts that complete give their first tokens and join the batch with the first plan of
+their own prefill scores), the grown rows' page tables are rewritten, and one decode
+iteration runs over every row: one token per row (`vanilla`) or one draft-verify-accept round
+(`speculative.round`), which under static shapes is one graph, greedy or sampled. An
+iteration reads the device once (`_commit`). The runner keeps only its rows' device state
+and request ids; it knows nothing of queues, sequences or who owns which page."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import time
 
 import torch
 
@@ -23,28 +28,14 @@ from vegas_spec.input_batch import Batch, InputBatch, Ready, Round
 from vegas_spec.models.loader import ModelSource
 from vegas_spec.prefill import completed
 from vegas_spec.sampling import next_tokens
-from vegas_spec.scheduler import Piece
-from vegas_spec.sequence import Sequence
 from vegas_spec.speculative.planning import selection_input
 from vegas_spec.speculative.policies import Policy, make_policy
 from vegas_spec.stats import PhaseTimer
-
-
-@dataclass
-class StepOutput:
-    """One decode iteration, on the host: per row its sequence, the tokens it emitted
-    (1..γ+1) and the selection budget its drafts read (None: no sparse drafts); drafted:
-    the iteration was a round (False: a plain step)."""
-
-    seqs: list[Sequence]
-    tokens: list[list[int]]
-    budgets: list[int | None]
-    drafted: bool = False
+from vegas_spec.step import Prefill, StepPlan, StepResult
 
 
 class ModelRunner:
-    """One engine's steps: `start`, `prefill` and `join` for prompts, `grow`, `decode`,
-    `select` and `drop` for the rows, in the order the engine calls them."""
+    """One engine's steps: `execute` a `StepPlan`; `drop` an aborted row between steps."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, spec: SpecConfig) -> None:
         self.config, self.source, self.device = config, source, torch.device(config.device)
@@ -57,9 +48,8 @@ class ModelRunner:
         self.steps = DynamicSteps(self.model, self.cache, self.backend)
         self.timer = PhaseTimer(self.device)
         self.input = InputBatch(self.device)
-        self._round: Round | None = None
+        self._round: Round | None = None  # the last round's, until its next plan is made
         self._stale = False  # plain steps ran since the last plan: refresh it before a round
-        self._ready: Ready | None = None  # the last prefill's completed prompts
         self.set_spec(spec)
 
     @property
@@ -94,9 +84,10 @@ class ModelRunner:
             return min(self.graphs.capacity, max_num_seqs)
         return max_num_seqs
 
+    @torch.inference_mode(False)
     def reserve(self, rows: int) -> None:
         """Static shapes: buffers (and graphs) for `rows` rows of this method, rebuilt only
-        while no row is in use."""
+        while no row is in use (ordinary tensors, whichever mode the caller is in)."""
         if self.config.static and self.batch is None and rows > 0:
             runner_setup.reserve(self.input, self.parts, self.config, self.spec, self.policy,
                                  rows)
@@ -117,88 +108,89 @@ class ModelRunner:
 
     def clear(self) -> None:
         """Forget every row (after a failure: the caller releases the sequences' pages)."""
-        self._round, self._ready, self._stale = None, None, False
+        self._round, self._stale = None, False
         self.input.clear()
 
-    # --- prefill ------------------------------------------------------------------------
-
-    def start(self, seqs: list[Sequence]) -> None:
-        """Sequences just admitted, their pages (cached prefix pages among them) placed by
-        the scheduler: nothing to do on one rank (under tensor parallelism the proxy sends
-        them to the workers here)."""
+    # --- the step -----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, pieces: list[Piece]) -> tuple[list[Sequence], list[int]]:
-        """Run the pieces (packed, in forwards of prefill_chunk tokens) -> the sequences whose
-        prompts are now complete and their first tokens; `join` then gives the ones that go
-        on decoding their rows."""
-        seqs = list(dict.fromkeys(p.seq for p in pieces))
-        if not seqs:
-            return [], []
-        with self.timer.phase("prefill"):
-            logits, scores = self.prefiller.step(seqs, pieces, self.policy)
-        self._ready = ready = completed(seqs, logits, scores, self.device)
-        return ([], []) if ready is None else (ready.seqs, ready.first.tolist())
+    def execute(self, plan: StepPlan) -> StepResult:
+        """One step of the plan (see `StepPlan` for its order) -> its result."""
+        self._leave(plan.leave)
+        self.reserve(plan.reserve)
+        self._select()
+        t0 = time.perf_counter()
+        first = self._prefill(list(plan.prefill)) if plan.prefill else []
+        prefill_seconds = time.perf_counter() - t0
+        if plan.pages:
+            self.input.grow(plan.pages)
+        if not plan.decode:
+            return StepResult(first, prefill_seconds=prefill_seconds)
+        out = self.decode(plan.draft)
+        return dataclasses.replace(out, first=first, prefill_seconds=prefill_seconds)
 
     @torch.inference_mode()
-    def join(self, seqs: list[Sequence]) -> None:
-        """Rows for the sequences of the last prefill that go on decoding (a subset of them,
-        in order), each with the first plan of its own prefill scores."""
-        assert self._ready is not None
-        joining, self._ready = self._ready.joining(seqs, self.device), None
-        if joining is None:
+    def drop(self, request_id: str) -> None:
+        """A row that leaves between steps (aborted): it goes now, before the next step, and
+        the survivors keep the plans already made for them."""
+        self._leave((request_id,))
+
+    def _leave(self, ids: tuple[str, ...]) -> None:
+        """The rows of `ids` go (ids without a row are ignored); the survivors move down in
+        order, keeping their plans (after a round, its outputs move with them)."""
+        batch, rnd = self.batch, self._round
+        if batch is None or not ids:
             return
-        new, scores = joining
-        new.plan = self._first_plan(new, scores, self.input.place(new))  # its last prompt row
-        self.input.append(new)
+        gone = set(ids)
+        alive = [i for i, rid in enumerate(batch.ids) if rid not in gone]
+        if len(alive) == len(batch.ids):
+            return
+        # after a round the dynamic plan is made again (`_select`); a plain step's is kept
+        idx = self.input.keep(alive, plans=rnd is None)
+        self._round = None if rnd is None or idx is None else rnd.take(idx)
+
+    def _select(self) -> None:
+        """After a round, once the rows that leave are gone: the next draft round's KV
+        positions, unless the round's graph already chose them (`planned`); plain decoding
+        has no round and makes no plan."""
+        rnd, self._round = self._round, None
+        if rnd is None or rnd.planned or self.batch is None:
+            return
+        self.batch.plan = self._plan(self.batch, rnd.scores, rnd.row, rnd.accepted, 0)
+
+    def _prefill(self, pieces: list[Prefill]) -> list[tuple[str, int]]:
+        """Run the pieces (packed, in forwards of prefill_chunk tokens) -> the first token of
+        each prompt they complete (the prefill's one host read); those that join take rows."""
+        with self.timer.phase("prefill"):
+            logits, scores = self.prefiller.step(pieces, self.policy)
+        ready = completed(pieces, logits, scores, self.device)
+        if ready is None:
+            return []
+        first = [(p.request_id, tok) for p, tok in zip(ready.pieces, ready.first.tolist())]
+        self._join(ready)
+        return first
+
+    def _join(self, ready: Ready) -> None:
+        """Rows for the completed prompts that go on decoding, after the rows in use, each
+        with the first plan of its own prefill scores."""
+        joining = ready.joining(self.device)
+        if joining is not None:
+            new, scores = joining
+            new.plan = self._first_plan(new, scores, self.input.place(new))  # last prompt row
+            self.input.append(new)
 
     @torch.inference_mode()
-    def next_token_logits(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Logits [B, V] (float32) of the token after each prompt (pages held by the caller,
-        cached prefixes among them), through the prefill that decoding runs (batched,
-        chunked)."""
-        return self.prefiller.next_token_logits(seqs)
+    def next_token_logits(self, pieces: list[Prefill]) -> torch.Tensor:
+        """Logits [B, V] (float32) of the token after each prompt, each piece its prompt's
+        rest (pages held by the caller, cached prefixes among them), through the prefill
+        that decoding runs (batched, chunked)."""
+        return self.prefiller.next_token_logits(pieces)
 
     @torch.inference_mode()
     def logits(self, token_ids: list[int], pages: list[int], chunk: int) -> torch.Tensor:
         """Logits [n, V] (float32) of every prompt position, in forwards of `chunk` tokens,
         on `pages` (held by the caller)."""
         return self.prefiller.logits(token_ids, pages, chunk)
-
-    # --- rows ---------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def grow(self, seqs: list[Sequence]) -> None:
-        """Rows whose sequences took more pages (`Scheduler.grow`): their page-table rows
-        rewritten (the batch's, the graphs' buffers)."""
-        self.input.grow(seqs)
-
-    @torch.inference_mode()
-    def select(self) -> None:
-        """After the tokens of an iteration are appended: drop the finished rows (the
-        survivors move down, keeping their plans), then choose the next draft round's KV
-        positions unless the round's graph already did (`planned`); plain decoding has no
-        round and makes no plan."""
-        batch, rnd = self.batch, self._round
-        assert batch is not None
-        self._round = None
-        alive = [i for i, s in enumerate(batch.seqs) if not s.finished]
-        if len(alive) < len(batch.seqs):
-            # after a plain step the rows keep the plans they had
-            idx = self.input.keep(alive, plans=rnd is None)
-            if idx is None or rnd is None:
-                return
-            rnd = rnd.take(idx)
-        if rnd is None or rnd.planned:  # plain decoding, or a round that planned
-            return
-        assert self.batch is not None
-        self.batch.plan = self._plan(self.batch, rnd.scores, rnd.row, rnd.accepted, 0)
-
-    @torch.inference_mode()
-    def drop(self, seq: Sequence) -> None:
-        """A sequence that leaves between steps (aborted): its row goes now, before the next
-        iteration, and the survivors keep the plans already made for them."""
-        self.input.drop(seq)
 
     def _refresh_plan(self, batch: Batch) -> None:
         """Before a round that follows plain steps: the last plan's recent range no longer
@@ -233,15 +225,18 @@ class ModelRunner:
     # --- decode -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def decode(self, draft: bool = True) -> StepOutput:
-        """One iteration over every row: a draft-verify-accept round, or a plain step (plain
-        decoding, or draft False: where a round would not pay, the plan kept for the next)."""
-        assert self.batch is not None
-        out = self._iteration(self.batch, draft)
+    def decode(self, draft: bool = True) -> StepResult:
+        """One iteration over every row (the step's last part): a draft-verify-accept round,
+        or a plain step (plain decoding, or draft False: where a round would not pay, the
+        plan kept for the next)."""
+        batch = self.batch
+        assert batch is not None
+        out = self._iteration(batch, draft)
+        batch.committed = [n + len(t) for n, t in zip(batch.committed, out.tokens)]
         self.timer.flush()
         return out
 
-    def _iteration(self, batch: Batch, draft: bool = True) -> StepOutput:
+    def _iteration(self, batch: Batch, draft: bool = True) -> StepResult:
         if self.policy is None or not draft:  # one token a row: nothing to accept
             with self.timer.phase("decode"):
                 tokens = self._plain_step(batch)
@@ -256,23 +251,22 @@ class ModelRunner:
         batch.lengths = batch.lengths + accepted + 1
         batch.last = emitted.gather(1, accepted[:, None])[:, 0]
         self._round = Round(scores, row, accepted, planned)
-        out = self._commit(batch, accepted, emitted, budget)
-        out.drafted = True
-        return out
+        return self._commit(batch, accepted, emitted, budget)
 
     def _commit(self, batch: Batch, accepted: torch.Tensor | None, emitted: torch.Tensor,
-                budget: torch.Tensor | None) -> StepOutput:
+                budget: torch.Tensor | None) -> StepResult:
         """The iteration's one host read: accepted [B], emitted [B, n] and the budgets [B]
         the drafts read come back in one transfer (accepted None: plain decoding, emitted
         [B] one token a row)."""
-        seqs = list(batch.seqs)
+        ids = list(batch.ids)
         if accepted is None:
-            return StepOutput(seqs, [[t] for t in emitted.tolist()], [None] * len(seqs))
+            return StepResult(rows=ids, tokens=[[t] for t in emitted.tolist()],
+                              budgets=[None] * len(ids))
         cols = [accepted[:, None], emitted] + ([] if budget is None else [budget[:, None]])
         rows = torch.cat(cols, 1).tolist()
         tokens = [row[1 : row[0] + 2] for row in rows]
         budgets = [None] * len(rows) if budget is None else [row[-1] for row in rows]
-        return StepOutput(seqs, tokens, budgets)
+        return StepResult(rows=ids, tokens=tokens, budgets=budgets, drafted=True)
 
     def _plain_step(self, batch: Batch) -> torch.Tensor:
         """One token a row with full attention -> the next tokens [B]."""

@@ -33,14 +33,14 @@ Dummy weights are generated whole from one seed, then sliced, so they are the sa
 at every world size.
 
 How the engine runs under TP (`vegas_spec.executor`): the scheduler and the engine stay in
-rank 0; ranks 1..N-1 are workers that mirror each `ModelRunner` call rank 0 makes (reserve,
-start, prefill pieces, join, decode, select, drop, clear), sent as small host messages over
-a gloo group before the call, so every rank runs the same forwards on the same shapes (one
+rank 0; ranks 1..N-1 are workers that make each `ModelRunner` call rank 0 makes, above all
+one `execute` per step with the scheduler's `StepPlan` (plain host data, broadcast over a
+gloo group before the call), so every rank runs the same forwards on the same shapes (one
 CUDA graph per rank, the collectives captured inside). Greedy and sampled tokens come from
 logits that are identical on every rank, with the same counter-based draws (rank 0 seeds
-unseeded requests; rank 0 decides where to speculate and sends it with the decode call), so
-all ranks accept the same drafts and workers take their tokens from their own
-outputs; which rows finish (EOS, stop strings, aborts) rank 0 decides and sends. Selection
+unseeded requests in the plan; the plan says whether the iteration drafts), so all ranks
+accept the same drafts; workers hold no sequences: which rows finish (EOS, stop strings,
+aborts) rank 0 decides, and the next plan (or a `drop`) takes their rows out. Selection
 reads each rank's
 own heads' scores: per-KV-head selection (`granularity="kv_head"`) is local by nature;
 head-aggregated scores are all_reduced (`TPGroup.sum_scores`: summed over the ranks' heads,

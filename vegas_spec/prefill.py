@@ -2,8 +2,9 @@
 tokens (`prefill_packing`), each prompt's first selection scored in the forward that computes
 its last token, on the prefill graphs' buffers under static shapes (a replay on CUDA), else
 on buffers of each chunk's exact sizes. A prompt whose first pages the scheduler took from the
-prefix cache starts after them (`Sequence.prefilled`): its pieces read the shared keys from
-their pages, as a chunked prompt reads its earlier chunks' keys."""
+prefix cache starts after them (`Prefill.start`): its pieces read the shared keys from
+their pages, as a chunked prompt reads its earlier chunks' keys. A piece carries only the ids
+of its own positions (`Window` shows it to the packer as its whole prompt)."""
 
 from __future__ import annotations
 
@@ -28,22 +29,39 @@ from vegas_spec.prefill_packing import (
     last_rows,
 )
 from vegas_spec.sampling import BatchSampling, next_tokens
-from vegas_spec.scheduler import Piece
-from vegas_spec.sequence import Sequence
 from vegas_spec.speculative.planning import score_request
 from vegas_spec.speculative.policies import Policy
+from vegas_spec.step import Prefill
 
 
-def completed(seqs: list[Sequence], logits: torch.Tensor, scores: torch.Tensor | None,
+class Window:
+    """A piece's prompt as the packer reads it: its length, and the ids of the piece's own
+    positions (the only ones it slices)."""
+
+    __slots__ = ("piece",)
+
+    def __init__(self, piece: Prefill) -> None:
+        self.piece = piece
+
+    def __len__(self) -> int:
+        return self.piece.total
+
+    def __getitem__(self, span: slice) -> tuple[int, ...]:
+        start = self.piece.start
+        assert span.start >= start and span.stop <= self.piece.end, "outside the piece"
+        return self.piece.tokens[span.start - start : span.stop - start]
+
+
+def completed(pieces: list[Prefill], logits: torch.Tensor, scores: torch.Tensor | None,
               device: torch.device) -> Ready | None:
-    """The sequences of a prefill whose prompts are now complete, each with its first token
-    (the token after prefill_ids, drawn from the logits [B, V]) -> None: none is."""
-    ready = [i for i, s in enumerate(seqs) if s.prefilled == len(s.prefill_ids)]
+    """The pieces of a prefill that complete their prompts, each with its first token (the
+    token after the prompt, drawn from the logits [B, V]) -> None: none does."""
+    ready = [i for i, p in enumerate(pieces) if p.ends]
     if not ready:
         return None
-    done, idx = [seqs[i] for i in ready], upload(ready, device)
-    sampling = BatchSampling.build([s.params for s in done], device)
-    lengths = upload([len(s.prefill_ids) for s in done], device)
+    done, idx = [pieces[i] for i in ready], upload(ready, device)
+    sampling = BatchSampling.build([p.params for p in done], device)
+    lengths = upload([p.total for p in done], device)
     first = next_tokens(logits[idx], sampling, lengths)
     return Ready(done, first, sampling, None if scores is None else scores[:, idx], lengths)
 
@@ -85,33 +103,29 @@ class Prefiller:
         self.device = cache.layers[0][0].device
         self.page_size = cache.page_size
 
-    def step(self, seqs: list[Sequence], pieces: list[Piece], policy: Policy | None,
+    def step(self, pieces: list[Prefill], policy: Policy | None,
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The pieces of seqs (the pieces' sequences, in order) -> the next-token logits
+        """The pieces (one per prompt: batch row i is pieces[i]'s) -> the next-token logits
         [B, V] and the policy's scores of the prompts' last rows (`run`)."""
-        row = {id(s): i for i, s in enumerate(seqs)}
-        logits, scores = self.run(seqs, [(row[id(p.seq)], p.start, p.end) for p in pieces],
-                                  policy)
-        for p in pieces:
-            p.seq.prefilled = p.end
-        return logits, scores
+        spans = [(i, p.start, p.end) for i, p in enumerate(pieces)]
+        return self.run([Window(p) for p in pieces], [list(p.pages) for p in pieces], spans,
+                        policy)
 
-    def next_token_logits(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Logits [B, V] of the token after each prompt (pages held by the caller, the first
-        `prefilled` positions computed)."""
-        spans = [(i, s.prefilled, len(s.prefill_ids)) for i, s in enumerate(seqs)]
-        return self.run(seqs, spans, None)[0]
+    def next_token_logits(self, pieces: list[Prefill]) -> torch.Tensor:
+        """Logits [B, V] of the token after each prompt, each piece its prompt's rest (pages
+        held by the caller, the positions before it computed)."""
+        return self.step(pieces, None)[0]
 
-    def run(self, seqs: list[Sequence], spans: list[Span], policy: Policy | None,
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Prompt positions `spans` (row, start, end) of seqs, packed -> the next-token logits
-        [B, V] and, if the policy selects from them, the scores [layers, B, 1, G, W] of the
-        last rows of the prompts that end here (other rows: undefined)."""
-        prompts = [s.prefill_ids for s in seqs]
+    def run(self, prompts: list, pages: list[list[int]], spans: list[Span],
+            policy: Policy | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Prompt positions `spans` (row, start, end) of prompts (each on its `pages`), packed
+        -> the next-token logits [B, V] and, if the policy selects from them, the scores
+        [layers, B, 1, G, W] of the last rows of the prompts that end here (other rows:
+        undefined)."""
         scores = score_request(policy, self.local.num_layers, self.local.num_kv_heads,
-                               len(seqs), 1, max(map(len, prompts)), True, self.device)
-        sink = _Sink(torch.empty(len(seqs), self.vocab, device=self.device), scores)
-        for chunk in chunks(prompts, spans, [s.pages for s in seqs], self.budget):
+                               len(prompts), 1, max(map(len, prompts)), True, self.device)
+        sink = _Sink(torch.empty(len(prompts), self.vocab, device=self.device), scores)
+        for chunk in chunks(prompts, spans, pages, self.budget):
             self._chunk(chunk, sink)
         return sink.logits, None if scores is None else scores.out
 

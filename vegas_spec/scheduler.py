@@ -1,5 +1,5 @@
-"""Waiting and running queues: which requests run, and which prompt positions are prefilled
-in the next step.
+"""Waiting and running queues: which requests run, and what each step does (`schedule`: one
+`StepPlan` for the model runner, whose `StepResult` the engine appends to the sequences).
 
 Requests are admitted first come, first served while a row is free (`row_limit`) and the
 pages of their prompt fit in the pool. A sequence's pages grow as it decodes (`grow`, before
@@ -18,11 +18,16 @@ reference (`place`) and prefills only the rest; the pages a prefill completes ar
 the sequences after it (`prefilled`), and the head of the queue waits while a running
 sequence computes the next page of its prompt (`_coming`: many requests with one system
 prompt compute it once, not once each in the steps before it is cached). The scheduler alone
-takes and releases pages. Knows nothing of tensors. Imports `sequence`, `pages` and
+takes and releases pages, and alone moves a sequence on: its prefilled positions advance
+when a step is planned (as vLLM's computed tokens), and it knows which sequences hold the
+runner's rows, in row order (`rows`), and which rows leave in the next plan (`leaving`:
+those that finished); the pages a prefill completes are named once the step ran
+(`stepped`). Knows nothing of tensors. Imports `sequence`, `step`, `pages` and
 `prefix_cache` (names)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 from vegas_spec.pages import PageAllocator
 from vegas_spec.prefix_cache import Name, shareable
 from vegas_spec.sequence import Sequence, Status
+from vegas_spec.step import Prefill, StepPlan
 
 
 @dataclass
@@ -129,6 +135,9 @@ class Scheduler:
         # the names of the full prompt pages of the running sequences still prefilling
         self._names: dict[Sequence, list[Name]] = {}
         self._head: tuple[Sequence, int, list[Name]] | None = None  # `_head_names`' last
+        self.rows: list[Sequence] = []  # the sequences that hold the runner's rows, in order
+        self.leaving: list[str] = []  # request ids of rows that finished: they leave next
+        self._planned: list[Piece] = []  # the pieces of the step planned last, until it ran
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -199,6 +208,53 @@ class Scheduler:
         return any(len(theirs) > cached and theirs[cached] == names[cached]
                    and other.prefilled < (cached + 1) * size
                    for other, theirs in self._names.items())
+
+    def schedule(self, row_limit: int, budget: int | None = None,
+                 prefill_first: bool = False) -> StepPlan:
+        """The next step: admission (while fewer than row_limit run), the prompt pieces of
+        one budget (prefilled from now on), and, unless prefill_first holds the rows back
+        while a prompt is still incomplete, one decode iteration over the rows (those in
+        use and the prompts completed now that go on decoding), each with the pages it
+        writes (the newest sequences preempted where the pool runs out)."""
+        self.admit(row_limit)
+        reserve = len(self.running)
+        self._planned = pieces = self.prefill_pieces(budget)
+        for p in pieces:
+            p.seq.prefilled = p.end
+        prefill = [self._piece(p) for p in pieces]
+        rows = self.rows + [p.seq for p, w in zip(pieces, prefill) if w.joins]
+        decode = bool(rows) and not (prefill_first and self.prefilling())
+        grown, preempted = self.grow(rows) if decode else ([], [])
+        leave, self.leaving = self.leaving, []
+        if preempted:  # a preempted prompt's piece still runs (it was planned), then it waits
+            prefill = [w if not w.joins or p.seq.status is Status.RUNNING
+                       else dataclasses.replace(w, joins=False)
+                       for p, w in zip(pieces, prefill)]
+            leave += [s.request_id for s in self.rows if s.status is not Status.RUNNING]
+        self.rows = [s for s in rows if s.status is Status.RUNNING]
+        return StepPlan(tuple(leave), reserve, tuple(prefill),
+                        tuple((s.request_id, tuple(s.pages)) for s in grown),
+                        decode and bool(self.rows))
+
+    @staticmethod
+    def _piece(p: Piece) -> Prefill:
+        """The plan's copy of a piece: its ids and the sequence's pages; one that completes
+        its prompt joins unless its first token is the last that the length allows."""
+        seq = p.seq
+        total = len(seq.prefill_ids)
+        joins = p.end == total and seq.limit - seq.num_tokens > 1
+        return Prefill(seq.request_id, p.start, tuple(seq.prefill_ids[p.start : p.end]), total,
+                       tuple(seq.pages), seq.params, joins)
+
+    def stepped(self) -> None:
+        """After the planned step ran and its tokens are appended: the pages its prefill
+        completed become shareable (a preempted sequence's are gone already), and the rows
+        whose sequences finished leave with the next plan."""
+        pieces, self._planned = self._planned, []
+        self.prefilled([p for p in pieces if p.seq.status is Status.RUNNING])
+        if any(s.finished for s in self.rows):
+            self.leaving += [s.request_id for s in self.rows if s.finished]
+            self.rows = [s for s in self.rows if not s.finished]
 
     def prefilled(self, pieces: list[Piece]) -> None:
         """After a prefill ran `pieces`: the pages it completed become shareable."""
@@ -281,6 +337,8 @@ class Scheduler:
         """A running or waiting sequence is done (finished or aborted): its pages go back."""
         if seq in self.running:
             self.running.remove(seq)
+            if seq in self.rows:
+                self.rows.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.pool.release(seq.pages)

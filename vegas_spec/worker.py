@@ -1,7 +1,8 @@
 """A tensor-parallel worker process: `python -m vegas_spec.worker`, started by `launch` with
 RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and VEGAS_TP_DEVICE in its
-environment. It joins the group and mirrors rank 0's model-runner calls until rank 0 says
-stop (exit 0) or goes away (its next receive fails: exit 1)."""
+environment. It joins the group and makes rank 0's model-runner calls (a step: one plan) on
+its own runner until rank 0 says stop (exit 0) or goes away (its next receive fails: exit
+1)."""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from conftest import (
 from vegas_spec import SamplingParams, SpecConfig
 from vegas_spec.engine import LLM, LLMEngine
 from vegas_spec.speculative.adaptive import Ema, SpeculationController
+from vegas_spec.step import StepPlan
 
 
 def drive(controller: SpeculationController, iterations: int, plain_s: float, round_s: float,
@@ -198,15 +199,14 @@ def test_a_round_after_plain_steps_plans_from_the_newest_token(
     engine.step(prefill_first=True)
     runner = engine.runner
     for _ in range(3):
-        runner.decode(False)
-        runner.select()
+        runner.execute(StepPlan(decode=True, draft=False))
     assert runner._stale
     runner._refresh_plan(runner.batch)
     assert not runner._stale
     recent = runner.graphs.buf.recent_start[: runner.rows] if static \
         else runner.batch.plan.recent_start
     assert torch.equal(recent, runner.batch.lengths - 1)
-    out = runner.decode(True)  # a round from the fresh plan
+    out = runner.execute(StepPlan(decode=True))  # a round from the fresh plan
     assert out.drafted and all(1 <= len(t) <= 4 for t in out.tokens)
 
 
@@ -239,11 +239,11 @@ def test_an_iteration_costs_its_host_work_but_not_a_prefill(
     folder = config_folder(tmp_path_factory, "tiny-costs", TINY_LLAMA)
     engine = Engine(str(folder), speculative=tiny_spec({"method": "stream"}), **TINY_ENGINE)
     slow_host, slow_prefill = 0.05, 0.3
-    select = ModelRunner.select
-    monkeypatch.setattr(ModelRunner, "select",
+    select = ModelRunner._select
+    monkeypatch.setattr(ModelRunner, "_select",
                         lambda self: (time.sleep(slow_host), select(self))[1])
-    prefill = ModelRunner.prefill
-    monkeypatch.setattr(ModelRunner, "prefill",
+    prefill = ModelRunner._prefill
+    monkeypatch.setattr(ModelRunner, "_prefill",
                         lambda self, pieces: (time.sleep(slow_prefill if pieces else 0),
                                               prefill(self, pieces))[1])
     a, b = random_prompts(3, (40, 50), TINY_VOCAB)
