@@ -18,7 +18,8 @@ scaled per column."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,10 +40,15 @@ class Fp8Weight:
 
     data: torch.Tensor
     scale: torch.Tensor
+    kept: dict = field(default_factory=dict, repr=False, compare=False)  # `on_cpu_once`
 
     @property
     def shape(self) -> torch.Size:
         return self.data.shape
+
+    def values(self) -> torch.Tensor:
+        """The e4m3 values [N, K] in float32 (exact)."""
+        return on_cpu_once(self.kept, self.data, "values", lambda: self.data.float())
 
     @property
     def nbytes(self) -> int:
@@ -53,6 +59,18 @@ class Fp8Weight:
 
     def ref(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return fp8_linear_ref(x, self, bias)
+
+
+def on_cpu_once(kept: dict, data: torch.Tensor, key: object,
+                make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """make() -> a float copy of a draft weight for the references: on CPU made once and
+    kept (a CPU draft step would otherwise convert every weight of the model again), on
+    another device made at each call (kept, it would undo the copy's saving of memory)."""
+    if data.device.type != "cpu":
+        return make()
+    if key not in kept:
+        kept[key] = make()
+    return kept[key]
 
 
 def quantize_fp8(weight: torch.Tensor) -> Fp8Weight:
@@ -68,7 +86,7 @@ def fp8_linear_ref(x: torch.Tensor, weight: Fp8Weight,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ (data * scale)^T (+ bias) -> [..., N] in x's dtype: the e4m3 values times
     x in float32, scaled per column after the sum (the kernel's order)."""
-    out = torch.matmul(x.float(), weight.data.float().t()) * weight.scale
+    out = torch.matmul(x.float(), weight.values().t()) * weight.scale
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
@@ -83,6 +101,7 @@ class Int4Weight:
     data: torch.Tensor
     scale: torch.Tensor
     group: int
+    kept: dict = field(default_factory=dict, repr=False, compare=False)  # `on_cpu_once`
 
     @property
     def shape(self) -> torch.Size:
@@ -104,7 +123,9 @@ class Int4Weight:
     def ref(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] @ weight^T (+ bias) -> [..., N] in x's dtype: the weight dequantised
         to x's dtype, the products summed in float32 (the kernel's order)."""
-        out = torch.matmul(x.float(), self.dequantize(x.dtype).float().t())
+        w = on_cpu_once(self.kept, self.data, x.dtype,
+                        lambda: self.dequantize(x.dtype).float())
+        out = torch.matmul(x.float(), w.t())
         if bias is not None:
             out = out + bias.float()
         return out.to(x.dtype)
