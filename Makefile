@@ -12,8 +12,8 @@ run: setup
 	.venv/bin/python scripts/essay.py --words 700 | .venv/bin/vegas generate --method vegas \
 		--max-tokens 64 --stats --prompt-file -
 
-# Two workers, one per core of a 2-core CI machine; each test file stays on one worker, so
-# a file's model fixtures load once.
+# One worker a core, at most two, as many as the free memory holds (tests/conftest.py); each
+# test file stays on one worker, so a file's model fixtures load once.
 test: setup
 	.venv/bin/python -m pytest -q -n auto --dist loadfile --durations=15
 
