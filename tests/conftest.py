@@ -166,6 +166,34 @@ def random_prompts(seed: int, lengths: tuple[int, ...], vocab: int) -> list[list
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+# The families' checkpoint tests (tests/models): each module gives its checkpoint as a
+# `folder` fixture and its vocabulary size as VOCAB; these run every method on it.
+@pytest.fixture(scope="module")
+def family_prompts(request: pytest.FixtureRequest) -> list[list[int]]:
+    """Two random prompts of the module's VOCAB."""
+    return random_prompts(2, (40, 23), request.module.VOCAB)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["default", "exact"])
+def family_llm(folder: Path, request: pytest.FixtureRequest) -> Any:
+    """The module's checkpoint in float32, or in exact mode in bfloat16 (where a row
+    computed another way would round differently)."""
+    from vegas_spec.engine import LLM
+
+    kwargs = {"exact": True, "dtype": "bfloat16"} if request.param else {}
+    return LLM(str(folder), kv_cache_bytes=4 << 20, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def family_plain(family_llm: Any, family_prompts: list[list[int]]) -> list[list[int]]:
+    """Plain decoding's 8 tokens of each prompt."""
+    from vegas_spec.config import SamplingParams
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    outs = family_llm.generate(family_prompts, params, speculative=tiny_spec(None))
+    return [o.token_ids for o in outs]
+
+
 def package_dir(name: str) -> Path:
     spec = importlib.util.find_spec(name)
     assert spec is not None and spec.origin is not None, f"{name} is not installed"

@@ -159,40 +159,21 @@ def test_tensor_parallel_slices_cut_every_expert(folder: Path) -> None:
         assert torch.equal(joined, w), name
 
 
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    return random_prompts(2, (40, 23), VOCAB)
-
-
-@pytest.fixture(scope="module", params=[False, True], ids=["default", "exact"])
-def oss_llm(folder: Path, request: pytest.FixtureRequest) -> LLM:
-    """float32, or exact mode in bfloat16 (where a row computed another way would round
-    differently)."""
-    if request.param:
-        return engine(folder, exact=True, dtype="bfloat16")
-    return engine(folder)
-
-
-@pytest.fixture(scope="module")
-def plain(oss_llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    return [o.token_ids for o in oss_llm.generate(prompts, PARAMS, speculative=PLAIN)]
-
-
 @pytest.mark.parametrize("method", TINY_METHODS[1:], ids=TINY_IDS[1:])
-def test_every_method_gives_plain_tokens(oss_llm: LLM, prompts: list[list[int]],
-                                         plain: list[list[int]], method: dict) -> None:
-    outs = oss_llm.generate(prompts, PARAMS, speculative=tiny_spec(method))
-    assert [o.token_ids for o in outs] == plain
+def test_every_method_gives_plain_tokens(family_llm: LLM, family_prompts: list[list[int]],
+                                         family_plain: list[list[int]], method: dict) -> None:
+    outs = family_llm.generate(family_prompts, PARAMS, speculative=tiny_spec(method))
+    assert [o.token_ids for o in outs] == family_plain
 
 
 def test_triton_backend_on_fixed_shapes_gives_plain_tokens(folder: Path,
-                                                           prompts: list[list[int]]) -> None:
+                                                           family_prompts: list[list[int]]) -> None:
     """The Triton backend (its prefill kernel with sinks and windows; the references for the
     decode, draft and verify steps of such layers) on the static shapes' buffers a GPU
     captures: vegas's tokens are plain decoding's, past the window (the interpreter is slow:
     a short prompt)."""
     llm = engine(folder, backend="triton", static_shapes=True)
-    short, params = [prompts[0][:18]], SamplingParams(max_tokens=4, ignore_eos=True)
+    short, params = [family_prompts[0][:18]], SamplingParams(max_tokens=4, ignore_eos=True)
     plain = [o.token_ids for o in llm.generate(short, params, speculative=PLAIN)]
     outs = llm.generate(short, params, speculative=tiny_spec({"method": "vegas"}))
     assert [o.token_ids for o in outs] == plain
@@ -202,12 +183,12 @@ def test_triton_backend_on_fixed_shapes_gives_plain_tokens(folder: Path,
 
 def test_plain_tokens_are_transformers_greedy_tokens(hf: transformers.PreTrainedModel,
                                                      folder: Path,
-                                                     prompts: list[list[int]]) -> None:
+                                                     family_prompts: list[list[int]]) -> None:
     """Decoding past the window, token by token, as transformers' own greedy generation."""
-    ours = engine(folder).generate(prompts[:1], PARAMS, speculative=PLAIN)[0].token_ids
+    ours = engine(folder).generate(family_prompts[:1], PARAMS, speculative=PLAIN)[0].token_ids
     with torch.no_grad():
-        ref = hf.generate(torch.tensor(prompts[:1]), max_new_tokens=8, do_sample=False)
-    assert ours == ref[0, len(prompts[0]):].tolist()
+        ref = hf.generate(torch.tensor(family_prompts[:1]), max_new_tokens=8, do_sample=False)
+    assert ours == ref[0, len(family_prompts[0]):].tolist()
 
 
 def write_config(folder: Path, tmp_path: Path, **changes: Any) -> Path:

@@ -125,64 +125,45 @@ def test_tensor_parallel_slices_cut_every_expert(folder: Path) -> None:
         parallel.check_divisible(cfg, 3)
 
 
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    return random_prompts(2, (40, 23), VOCAB)
-
-
-@pytest.fixture(scope="module", params=[False, True], ids=["default", "exact"])
-def moe_llm(folder: Path, request: pytest.FixtureRequest) -> LLM:
-    """float32, or exact mode in bfloat16 (where a row computed another way would round
-    differently)."""
-    if request.param:
-        return engine(folder, exact=True, dtype="bfloat16")
-    return engine(folder)
-
-
-@pytest.fixture(scope="module")
-def plain(moe_llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    return [o.token_ids for o in moe_llm.generate(prompts, PARAMS, speculative=PLAIN)]
-
-
 @pytest.mark.parametrize("method", TINY_METHODS[1:], ids=TINY_IDS[1:])
-def test_every_method_gives_plain_tokens(moe_llm: LLM, prompts: list[list[int]],
-                                         plain: list[list[int]], method: dict) -> None:
-    outs = moe_llm.generate(prompts, PARAMS, speculative=tiny_spec(method))
-    assert [o.token_ids for o in outs] == plain
+def test_every_method_gives_plain_tokens(family_llm: LLM, family_prompts: list[list[int]],
+                                         family_plain: list[list[int]], method: dict) -> None:
+    outs = family_llm.generate(family_prompts, PARAMS, speculative=tiny_spec(method))
+    assert [o.token_ids for o in outs] == family_plain
     if method["method"] != "full":
-        assert outs[0].stats["budget_mean"] < 0.5 * len(prompts[0])  # the drafts are sparse
+        assert outs[0].stats["budget_mean"] < 0.5 * len(family_prompts[0])  # the drafts are sparse
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int4"])
-def test_draft_copies_leave_the_experts_to_the_model(folder: Path, prompts: list[list[int]],
+def test_draft_copies_leave_the_experts_to_the_model(folder: Path, family_prompts: list[list[int]],
                                                      kind: str) -> None:
     """Draft copies of attention's projections only; the experts' own weights serve the
     drafts, on the static shapes' buffers too, and the tokens stay plain decoding's."""
     llm = engine(folder, draft_weights=kind, static_shapes=True)
     layer = llm.engine.runner.model.layers[0]
     assert layer.drafts is not None and set(layer.drafts) == {"qkv", "o_proj"}
-    plain = [o.token_ids for o in llm.generate(prompts, PARAMS, speculative=PLAIN)]
-    outs = llm.generate(prompts, PARAMS, speculative=tiny_spec({"method": "vegas"}))
+    plain = [o.token_ids for o in llm.generate(family_prompts, PARAMS, speculative=PLAIN)]
+    outs = llm.generate(family_prompts, PARAMS, speculative=tiny_spec({"method": "vegas"}))
     assert [o.token_ids for o in outs] == plain
 
 
 def test_a_prompt_alone_gives_its_tokens_in_a_batch_in_exact_mode(
-        folder: Path, prompts: list[list[int]]) -> None:
+        folder: Path, family_prompts: list[list[int]]) -> None:
     """bfloat16, where rounding shows: a prompt alone (prefilled in chunks of 16) against the
     batch (one chunk). The fused kernel's rows: tests/kernels/test_fused_moe.py."""
     batch = engine(folder, exact=True, dtype="bfloat16")
     chunked = engine(folder, exact=True, dtype="bfloat16", prefill_chunk=16)
-    together = [o.token_ids for o in batch.generate(prompts, PARAMS, speculative=PLAIN)]
-    alone = [chunked.generate([p], PARAMS, speculative=PLAIN)[0].token_ids for p in prompts]
+    together = [o.token_ids for o in batch.generate(family_prompts, PARAMS, speculative=PLAIN)]
+    alone = [chunked.generate([p], PARAMS, speculative=PLAIN)[0].token_ids for p in family_prompts]
     assert alone == together
 
 
 def test_triton_kernels_on_fixed_shapes_give_plain_tokens(folder: Path,
-                                                          prompts: list[list[int]]) -> None:
+                                                          family_prompts: list[list[int]]) -> None:
     """The fused kernel in decode, draft and verify steps (the interpreter is slow: vegas, a
     short prompt, the static shapes' buffers a GPU captures)."""
     llm = engine(folder, backend="triton", static_shapes=True)
-    short, params = [prompts[0][:18]], SamplingParams(max_tokens=4, ignore_eos=True)
+    short, params = [family_prompts[0][:18]], SamplingParams(max_tokens=4, ignore_eos=True)
     plain = [o.token_ids for o in llm.generate(short, params, speculative=PLAIN)]
     outs = llm.generate(short, params, speculative=tiny_spec({"method": "vegas"}))
     assert [o.token_ids for o in outs] == plain
