@@ -415,11 +415,12 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
 def projection_bandwidth(llm: LLM, rows: int, bandwidth: float, reps: int) -> dict:
     """Each projection (and the LM head) at M = rows: µs per call and the weight bytes it
     streams per second as a fraction of the copy bandwidth. Every call of the timed graph
-    uses the next layer's weight, so that no weight is read from L2."""
+    uses the next layer's weight, so that no weight is read from L2. A mixture of experts'
+    layers: the attention's projections only (the experts are no nn.Linear)."""
     from vegas_spec.graphs import capture
 
     model, linear, out = llm.engine.runner.model, llm.engine.runner.backend.linear, {}
-    names = ("qkv", "o_proj", "gate_up", "down")
+    names = [n for n in ("qkv", "o_proj", "gate_up", "down") if hasattr(model.layers[0], n)]
     groups = {n: [getattr(layer, n) for layer in model.layers] for n in names}
     groups["lm_head"] = [model.lm_head]
     for name, mods in groups.items():
