@@ -34,6 +34,7 @@ expert, far above these floors:
 
     python benchmarks/step_profile.py --config benchmarks/configs/qwen3-30b-a3b \
         --contexts 4096 --batches 1 16 64 --brief --out qwen3_moe_steps.json
+
 `--modes default exact` runs every (context, batch) in both modes, each in an engine of its
 own, and ends with exact mode's cost: plain steps per second and vegas's projected tokens
 per second (τ · batch / (round + host work)) in exact mode against the default mode
