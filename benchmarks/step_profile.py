@@ -20,6 +20,21 @@ verify step with scores also its score rows' logits, written and read back as
 `score_bytes_per_key` counts them) over the measured copy bandwidth;
 `floor_verify_over_plain` is that floor over the measured plain step: the least verify / plain
 any kernel of this design can reach.
+A mixture of experts' step streams only the experts its tokens hit, so its weight bytes
+(`weight_bytes_plain`, `_verify`, `_draft`) count in every layer the distinct experts its
+router picked, counted from one eager forward of the step's inputs (`experts_hit_<step>`,
+the mean over the layers), and beside them under uniform routing, E·(1 - (1 - k/E)^n) for
+n = batch x rows tokens (`..._expected`, and `byte_ideal_speedup_expected`): a verify step's
+γ+1 rows a sequence hit more experts than a plain step's one, which eats into the speedup at
+a small batch (`--batches 1 16 64`; a closing table lists each step's experts and weight
+bytes and the projected and byte-ideal speedups). The dummy weights' biases, ones, are drawn
+as their weights for a mixture of experts (`spread_biases`), else gpt-oss's route every token
+alike. gpt-oss's experts (biased, clamped SwiGLU) still run the reference that reads every
+expert, far above these floors:
+
+    python benchmarks/step_profile.py --config benchmarks/configs/qwen3-30b-a3b \
+        --contexts 4096 --batches 1 16 64 --brief --out qwen3_moe_steps.json
+
 `--modes default exact` runs every (context, batch) in both modes, each in an engine of its
 own, and ends with exact mode's cost: plain steps per second and vegas's projected tokens
 per second (τ · batch / (round + host work)) in exact mode against the default mode
@@ -52,6 +67,7 @@ import functools
 import itertools
 import json
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +83,7 @@ from vegas_spec.kernels import sparse_attention as sa
 from vegas_spec.kernels import split_merge, tuned
 from vegas_spec.kernels import topk as tk
 from vegas_spec.models.loader import load_config, resolve
+from vegas_spec.ops import route
 from vegas_spec.sampling import BatchSampling
 from vegas_spec.speculative.policies import SelectionInput, make_policy
 
@@ -139,6 +156,127 @@ def draft_weight_bytes(llm: LLM) -> int:
     return total
 
 
+def expected_experts_hit(experts: int, top_k: int, tokens: int) -> float:
+    """The expected number of distinct experts that `tokens` routed tokens hit in one layer,
+    assuming each token picks its top_k of the `experts` experts uniformly at random and
+    independently of the other tokens (the dummy router's case, roughly: random weights on
+    random tokens; a trained router's skewed load hits fewer). One token misses a given
+    expert with probability 1 - k/E, so E·(1 - (1 - k/E)^n) are hit. 0 without experts."""
+    if experts == 0:
+        return 0.0
+    return experts * (1 - (1 - top_k / experts) ** tokens)
+
+
+def expert_bytes(cfg: ModelConfig, itemsize: int) -> int:
+    """One expert's weights in one layer: gate/up [2I, H] and down [H, I], and where
+    cfg.expert_bias (gpt-oss) their biases [2I] and [H]; 0 for a dense model."""
+    if not cfg.num_experts:
+        return 0
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    return itemsize * (3 * h * i + (2 * i + h if cfg.expert_bias else 0))
+
+
+def routed_weight_bytes(cfg: ModelConfig, all_bytes: int, itemsize: int,
+                        hits: Sequence[float]) -> float:
+    """`all_bytes` (every weight read once: `weight_bytes` or `draft_weight_bytes`, i.e.
+    attention projections, norms, routers, LM head and every expert) with each layer's
+    experts counted only for those its tokens hit: hits[l] distinct experts in layer l. A
+    dense config's: all_bytes as it is."""
+    if not cfg.num_experts:
+        return all_bytes
+    assert len(hits) == cfg.num_layers, f"{len(hits)} layers' hits, {cfg.num_layers} layers"
+    per = expert_bytes(cfg, itemsize)
+    return all_bytes - cfg.num_layers * cfg.num_experts * per + per * sum(hits)
+
+
+def expected_weight_bytes(cfg: ModelConfig, all_bytes: int, itemsize: int, rows: int,
+                          batch: int) -> float:
+    """The weight bytes a step of `batch` sequences of `rows` rows each (1: a plain or draft
+    step; γ+1: a verify step) is expected to stream: `routed_weight_bytes` with
+    `expected_experts_hit` of rows × batch tokens in every layer (uniform routing). A dense
+    config's: all_bytes, whatever rows and batch."""
+    hit = expected_experts_hit(cfg.num_experts, cfg.experts_per_token, rows * batch)
+    return routed_weight_bytes(cfg, all_bytes, itemsize, [hit] * cfg.num_layers)
+
+
+def spread_biases(model: torch.nn.Module, seed: int = 0) -> None:
+    """Every bias of dummy weights drawn as the loader draws weights, N(0, 0.02), in place of
+    its ones: a constant o_proj bias (gpt-oss's) swamps the residual stream of random
+    weights, and every token then routes to the same experts."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                gen = torch.Generator(p.device).manual_seed(seed)
+                p.normal_(0.0, 0.02, generator=gen)
+                seed += 1
+
+
+@contextlib.contextmanager
+def routing_recorded(backend: Any) -> Iterator[list[torch.Tensor]]:
+    """While open, every `moe` call of `backend` also appends the expert ids [T, k] its
+    router logits pick (`ops.route`, as `moe` routes them), one entry a layer."""
+    ids: list[torch.Tensor] = []
+    moe = backend.moe
+
+    def recording(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor, top_k: int, renormalize: bool,
+                  *rest: Any) -> torch.Tensor:
+        ids.append(route(logits.reshape(-1, logits.shape[-1]), top_k, renormalize)[1])
+        return moe(x, logits, gate_up, down, top_k, renormalize, *rest)
+
+    backend.moe = recording
+    try:
+        yield ids
+    finally:
+        del backend.moe
+
+
+def experts_hit(runner: GraphRunner, kind: str) -> list[int]:
+    """Distinct experts each layer routes the tokens of `runner`'s last `kind` step to: one
+    eager forward of the inputs in its buffers (tokens, positions, plan) with the routing
+    recorded, since a replayed graph's routing stays inside it. The forward rewrites the K
+    and V the step wrote, the same values."""
+    with routing_recorded(runner.backend) as ids:
+        runner._forward(kind, runner.rows)
+    return [int(i.unique().numel()) for i in ids]
+
+
+def expert_itemsize(llm: LLM) -> int:
+    """Bytes of one element of the experts' weights (0 for a dense model)."""
+    layer = llm.engine.runner.model.layers[0]
+    weights = getattr(layer, "experts_gate_up", None)
+    return 0 if weights is None else weights.element_size()
+
+
+def step_weights(cfg: ModelConfig, bsz: int, gamma: int, all_bytes: dict[str, int],
+                 itemsize: int, hits: dict[str, list[int]]) -> dict:
+    """Each step's weight bytes (`weight_bytes_plain`, `_verify`, `_draft`): of a dense
+    model all_bytes[step]; of a mixture of experts only the experts hit, counted (`hits`,
+    `experts_hit_<step>`: their mean over the layers) and expected under uniform routing
+    (`..._expected`)."""
+    out: dict = {}
+    for step, base in all_bytes.items():
+        rows = gamma + 1 if step == "verify" else 1
+        if not cfg.num_experts:
+            out[f"weight_bytes_{step}"] = base
+            continue
+        out[f"experts_hit_{step}"] = sum(hits[step]) / len(hits[step])
+        out[f"experts_hit_{step}_expected"] = expected_experts_hit(
+            cfg.num_experts, cfg.experts_per_token, rows * bsz)
+        out[f"weight_bytes_{step}"] = routed_weight_bytes(cfg, base, itemsize, hits[step])
+        out[f"weight_bytes_{step}_expected"] = expected_weight_bytes(cfg, base, itemsize,
+                                                                     rows, bsz)
+    return out
+
+
+def set_floors(row: dict, moved: dict[str, int], bandwidth: float, suffix: str = "") -> None:
+    """row["floor_<step><suffix>_ms"]: the step's weight bytes (row["weight_bytes_<step>
+    <suffix>"]) and the other bytes it moves (`moved`: K/V, scores) over the bandwidth."""
+    for step, other in moved.items():
+        row[f"floor_{step}{suffix}_ms"] = 1e3 * (row[f"weight_bytes_{step}{suffix}"]
+                                                 + other) / bandwidth
+
+
 def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.Namespace,
             bandwidth: float, rank_width: str = "library") -> dict:
     cfg, dev = llm.model_config, llm.device
@@ -154,6 +292,7 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
             * llm.engine.runner.cache.layers[0][0].element_size()
         wbytes = weight_bytes(llm)
         profiles: dict[str, str] = {}
+        hits: dict[str, list[int]] = {}  # each step's experts hit, layer by layer (MoE)
 
         plain = graph_runner(llm, SpecConfig(method="vanilla"), None, bsz)
         plain.set_rows(0, table)
@@ -161,6 +300,8 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         out["plain_ms"] = median_ms(step, args.reps)
         if args.profile:
             profiles["plain"] = kernel_table(step)
+        if cfg.num_experts:
+            hits["plain"] = experts_hit(plain, "plain")
         llm.engine.runner.graphs = None
 
         if not args.brief:
@@ -183,6 +324,8 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         if args.profile:
             profiles["verify"] = kernel_table(verify)
         verify()
+        if cfg.num_experts:
+            hits["verify"] = experts_hit(runner, "verify")
         # the host bounds of the runner's shapes, as the engine's selection has them
         inp = runner.bound(SelectionInput(
             runner.scores(), lengths, torch.zeros_like(lengths), lengths + 1, gamma,
@@ -207,6 +350,8 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         if args.profile:
             profiles["draft"] = kernel_table(draft)
             profiles["select"] = kernel_table(select)
+        if cfg.num_experts:
+            hits["draft"] = experts_hit(runner, "draft")
         plan = policy.plan(inp)
         llm.engine.runner.graphs = None
 
@@ -236,11 +381,15 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         score_bytes = bsz * context * cfg.num_layers * score_bytes_per_key(
             scored.score_mode, cfg.num_heads, cfg.num_kv_heads, len(scored.score_rows),
             scored.score_groups) if scored.score_rows else 0
-        out["floor_plain_ms"] = 1e3 * (wbytes + full_kv) / bandwidth
+        out.update(step_weights(cfg, bsz, gamma, {
+            "plain": wbytes, "verify": wbytes, "draft": draft_weight_bytes(llm)},
+            expert_itemsize(llm), hits))
         # the verify step with scores also writes and reads back its rows' logits
-        out["floor_verify_ms"] = 1e3 * (wbytes + full_kv + score_bytes) / bandwidth
+        moved = {"plain": full_kv, "verify": full_kv + score_bytes, "draft": sparse_kv}
+        set_floors(out, moved, bandwidth)
+        if cfg.num_experts:
+            set_floors(out, moved, bandwidth, "_expected")
         out["score_bytes"] = score_bytes
-        out["floor_draft_ms"] = 1e3 * (draft_weight_bytes(llm) + sparse_kv) / bandwidth
         out["weight_bytes"], out["kv_bytes"] = wbytes, full_kv
         for k in ("plain", "verify", "draft"):
             out[f"{k}_vs_floor"] = out[f"{k}_ms"] / out[f"floor_{k}_ms"]
@@ -267,11 +416,12 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
 def projection_bandwidth(llm: LLM, rows: int, bandwidth: float, reps: int) -> dict:
     """Each projection (and the LM head) at M = rows: µs per call and the weight bytes it
     streams per second as a fraction of the copy bandwidth. Every call of the timed graph
-    uses the next layer's weight, so that no weight is read from L2."""
+    uses the next layer's weight, so that no weight is read from L2. A mixture of experts'
+    layers: the attention's projections only (the experts are no nn.Linear)."""
     from vegas_spec.graphs import capture
 
     model, linear, out = llm.engine.runner.model, llm.engine.runner.backend.linear, {}
-    names = ("qkv", "o_proj", "gate_up", "down")
+    names = [n for n in ("qkv", "o_proj", "gate_up", "down") if hasattr(model.layers[0], n)]
     groups = {n: [getattr(layer, n) for layer in model.layers] for n in names}
     groups["lm_head"] = [model.lm_head]
     for name, mods in groups.items():
@@ -313,8 +463,9 @@ def project(row: dict, gamma: int, tau: float) -> None:
     row["projected_sampled_speedup"] = tau * row["plain_ms"] / (
         row["round_sampled_ms"] + row["host_gap_ms"])
     row["sampled_vs_greedy_round"] = row["round_sampled_ms"] / row["round_ms"]
-    row["byte_ideal_speedup"] = tau * row["floor_plain_ms"] / (
-        gamma * row["floor_draft_ms"] + row["floor_verify_ms"])
+    for suffix in ("", "_expected") if "floor_plain_expected_ms" in row else ("",):
+        row[f"byte_ideal_speedup{suffix}"] = tau * row[f"floor_plain{suffix}_ms"] / (
+            gamma * row[f"floor_draft{suffix}_ms"] + row[f"floor_verify{suffix}_ms"])
 
 
 def quest_draft_ms(llm: LLM, spec: SpecConfig, bsz: int, table: torch.Tensor,
@@ -383,6 +534,25 @@ def cost_table(lines: list[dict]) -> str:
             f"{c['plain_tok_s_exact']:.0f} | {100 * c['plain_slowdown']:.1f}% | "
             f"{c['vegas_tok_s_default']:.0f} | {c['vegas_tok_s_exact']:.0f} | "
             f"{100 * c['vegas_slowdown']:.1f}% |" for c in lines]
+    return "\n".join([head, *body])
+
+
+def moe_table(rows: list[dict], experts: int) -> str:
+    """Per row: each step's experts hit (mean over the layers, of `experts`; counted, and in
+    brackets expected under uniform routing), its weight bytes, and the projected and
+    byte-ideal speedups (counted; uniform)."""
+    head = (f"| context | batch | experts hit of {experts}: plain | verify | draft "
+            "| weight GB: plain | verify | draft | projected | byte-ideal | uniform |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
+    body = []
+    for r in rows:
+        hit = " | ".join(f"{r[f'experts_hit_{k}']:.1f} ({r[f'experts_hit_{k}_expected']:.1f})"
+                         for k in ("plain", "verify", "draft"))
+        gb = " | ".join(f"{r[f'weight_bytes_{k}'] / 1e9:.2f}"
+                        for k in ("plain", "verify", "draft"))
+        body.append(f"| {r['context']} | {r['batch']} | {hit} | {gb} | "
+                    f"{r['projected_speedup']:.2f} | {r['byte_ideal_speedup']:.2f} | "
+                    f"{r['byte_ideal_speedup_expected']:.2f} |")
     return "\n".join([head, *body])
 
 
@@ -581,6 +751,8 @@ def main() -> None:
         for k, v in llm.engine.runner.cache.layers:
             k.normal_()
             v.normal_()
+        if model.num_experts:  # routing follows the values: spread as a trained model's
+            spread_biases(llm.engine.runner.model)
         summing = llm.engine.runner.backend.topk_sum
         for (bsz, tiles, width, sparse, least, fused, sums, fill, lanes,
              verify) in itertools.product(args.batches, tilings, args.rank_widths,
@@ -623,6 +795,8 @@ def main() -> None:
     cost = exact_cost(rows)
     if cost:
         print(cost_table(cost), flush=True)
+    if model.num_experts:
+        print(moe_table(rows, model.num_experts), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows, "exact_cost": cost}, indent=1))
 

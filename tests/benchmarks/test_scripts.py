@@ -11,24 +11,31 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from vegas_spec.kernels import paged_attention as pa
 
 ROOT = Path(__file__).resolve().parents[2]
+# tests/models/test_qwen3_moe.py's tiny model, with room for step_profile's contexts
+TINY_MOE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
 TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 32,
         "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
         "bos_token_id": 1, "eos_token_id": 2}
 
 
-def run(script: str, *args: str) -> None:
+def run(script: str, *args: str) -> str:
     """Runs benchmarks/SCRIPT ARGS in a process of its own, on one torch thread: its tiny
     sizes gain nothing from more, and more threads wait on each other when the cores are
-    busy (with pytest-xdist's other workers)."""
+    busy (with pytest-xdist's other workers) -> its standard output."""
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
                           cwd=ROOT / "benchmarks", capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, f"{script} failed:\n{done.stderr[-3000:]}"
+    return done.stdout
 
 
 def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> None:
@@ -54,6 +61,12 @@ def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> No
     assert row["select_ms"] > 0 and row["select_reference_ms"] > 0
     assert row["ideal_speedup_at_7_tokens_round"] > 0
     assert row["floor_draft_ms"] < row["floor_plain_ms"] < row["floor_verify_ms"]
+    # a dense model's steps read every weight once (CPU runs count 1e10 bytes/s)
+    assert row["weight_bytes_plain"] == row["weight_bytes_verify"] == row["weight_bytes"]
+    assert row["floor_plain_ms"] == 1e3 * (row["weight_bytes"] + row["kv_bytes"]) / 1e10
+    assert row["floor_verify_ms"] == 1e3 * (row["weight_bytes"] + row["kv_bytes"]
+                                            + row["score_bytes"]) / 1e10
+    assert "experts_hit_plain" not in row and "byte_ideal_speedup_expected" not in row
     # vegas's two score rows' logits, one per query head, written and read back
     layers, heads = (TINY[k] for k in ("num_hidden_layers", "num_attention_heads"))
     per_key = 2 * 4 * heads * 2 + 4 * 2  # float32 logits of 2 rows x heads, 2 scores
@@ -77,6 +90,42 @@ def test_step_profile_draft_weights_side_by_side(tmp_path: Path) -> None:
     assert (model["draft_weights"], fp8["draft_weights"]) == ("model", "fp8")
     assert fp8["floor_draft_ms"] < model["floor_draft_ms"]
     assert fp8["floor_plain_ms"] == model["floor_plain_ms"] and fp8["draft_ms"] > 0
+
+
+def test_step_profile_counts_the_experts_each_step_hits(tmp_path: Path) -> None:
+    """A mixture of experts (the tiny Qwen3-MoE of tests/models, 8 experts, top-2): each
+    step's floor counts only the experts its tokens hit, counted from its routing and
+    expected under uniform routing. One sequence: the plain and draft steps hit 2 experts a
+    layer, the verify step's 7 rows more; 16 sequences: the verify step hits all 8, every
+    weight."""
+    config = transformers.Qwen3MoeConfig(**TINY_MOE)
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    config.save_pretrained(str(tmp_path))
+    out = tmp_path / "steps.json"
+    stdout = run("step_profile.py", "--config", str(tmp_path), "--contexts", "64", "--batches",
+                 "1", "16", "--reps", "1", "--min-tokens", "16", "--host-gap-tokens", "4",
+                 "--brief", "--out", str(out))
+    one, many = json.loads(out.read_text())["rows"]
+    layers, experts, k = 2, 8, 2
+    per = 4 * 3 * TINY_MOE["hidden_size"] * TINY_MOE["moe_intermediate_size"]  # float32
+    dense = one["weight_bytes"] - layers * experts * per
+    for step in ("plain", "draft"):
+        assert one[f"experts_hit_{step}"] == one[f"experts_hit_{step}_expected"] == k
+        assert one[f"weight_bytes_{step}"] == dense + layers * k * per
+    assert k < one["experts_hit_verify"] <= experts
+    assert one["experts_hit_verify_expected"] == pytest.approx(experts * (1 - 0.75 ** 7))
+    assert one["weight_bytes_verify"] == dense + layers * one["experts_hit_verify"] * per
+    assert one["floor_plain_ms"] == 1e3 * (one["weight_bytes_plain"] + one["kv_bytes"]) / 1e10
+    assert one["floor_verify_ms"] > one["floor_plain_ms"] > one["floor_draft_ms"]
+    assert many["experts_hit_verify"] == experts  # 112 tokens: all hit
+    assert many["weight_bytes_verify"] == many["weight_bytes"]
+    assert k < many["experts_hit_plain"] <= experts
+    assert many["weight_bytes_plain"] <= many["weight_bytes_verify"]
+    for row in (one, many):
+        assert row["byte_ideal_speedup"] > 0 and row["byte_ideal_speedup_expected"] > 0
+        assert row["projected_speedup"] > 0
+    # the closing table: one line a (context, batch)
+    assert f"| 64 | 1 | {k}.0 ({k}.0) | " in stdout and "| 64 | 16 | " in stdout
 
 
 def test_step_profile_measures_exact_mode_against_the_default(tmp_path: Path) -> None:
