@@ -284,9 +284,12 @@ def _paged_split_kernel(
             _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr,
                          sc_desc, desc_row, R_PAD, GROUP_PAD, BLOCK_K, MODE, USE_DESC,
                          WHOLE_BLOCKS, DOT_PRECISION)
-        visible = kpos[None, :] <= pos[:, None]
-        if WINDOW > 0:  # the last WINDOW keys up to the row's position
-            visible &= kpos[None, :] > pos[:, None] - WINDOW
+        if WINDOW > 0:
+            # the last WINDOW keys up to the row's position, 0 <= pos - key < WINDOW, as one
+            # unsigned compare (a key past pos wraps around): fewer registers than two
+            visible = (pos[:, None] - kpos[None, :]).to(tl.uint32, bitcast=True) < WINDOW
+        else:
+            visible = kpos[None, :] <= pos[:, None]
         x = tl.where(visible, s * scale, float("-inf"))
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
