@@ -9,7 +9,9 @@ weight-mode pass with each of `SCORE_STORES`.
     python benchmarks/kernel_regs.py [--arch 90] [--block-k 64 --stages 2 --maxnreg 128]
 
 `--maxnreg` compiles with that cap on the registers per thread (0: ptxas's choice), to see
-which cap a tile fits without spills and how many programs an SM holds.
+which cap a tile fits without spills and how many programs an SM holds. `--sinks` and
+`--window W` compile gpt-oss's variants (attention sinks, a sliding window of W keys), e.g.
+gpt-oss-20b's verify step: `--heads 64 --kv-heads 8 --head-dim 64 --sinks --window 128`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from vegas_spec.kernels.split_merge import MAX_LANES, MIN_DOT  # noqa: E402
 # argument -> type of the split kernel's runtime arguments (pointers 16-byte aligned)
 POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i32",
             "pos_ptr": "*i64", "out_ptr": "*bf16", "lse_ptr": "*fp32", "acc_ptr": "*fp32",
-            "m_ptr": "*fp32", "l_ptr": "*fp32", "rows_ptr": "*i64", "sc_ptr": "*fp32"}
+            "m_ptr": "*fp32", "l_ptr": "*fp32", "rows_ptr": "*i64", "sc_ptr": "*fp32",
+            "sinks_ptr": "*bf16"}
 SCALARS = {"scale": "fp32"}
 
 
@@ -109,6 +112,8 @@ def main() -> None:
     ap.add_argument("--maxnreg", type=int,
                     help="registers per thread ptxas may use (0: its own choice; default: "
                          "the library's at this head dim)")
+    ap.add_argument("--sinks", action="store_true", help="a sink logit per query head")
+    ap.add_argument("--window", type=int, default=0, help="a sliding window of W keys")
     args = ap.parse_args()
     library = pa.score_tiles(args.head_dim)
     args.block_k = args.block_k or library.block_k
@@ -120,7 +125,8 @@ def main() -> None:
                   MIN_DOT // group_pad, 1)
     base = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_N=block_n, BLOCK_K=args.block_k,
                 BLOCK_D=max(triton.next_power_of_2(args.head_dim), 16),
-                HEAD_DIM=args.head_dim, SINGLE=False, DOT_PRECISION="tf32")
+                HEAD_DIM=args.head_dim, SINGLE=False, DOT_PRECISION="tf32", SINKS=args.sinks,
+                WINDOW=args.window)
     r_pad = pa._rows_pad(args.score_rows, group_pad, gpu=True)
     variants = [("no scores", dict(MODE=0, R_PAD=1, WRITE_LSE=False, USE_DESC=False,
                                    WHOLE_BLOCKS=False))]
@@ -138,7 +144,8 @@ def main() -> None:
                           "programs_per_sm": programs_per_sm(found["registers"],
                                                              kern.metadata.shared, args.warps),
                           "block_k": args.block_k, "stages": args.stages,
-                          "warps": args.warps, "maxnreg": args.maxnreg}), flush=True)
+                          "warps": args.warps, "maxnreg": args.maxnreg, "sinks": args.sinks,
+                          "window": args.window}), flush=True)
 
 
 if __name__ == "__main__":

@@ -78,17 +78,19 @@ def test_per_token_steps_are_row_wise(backend: str, dtype: torch.dtype) -> None:
 
 
 def _attend(backend: str, q: torch.Tensor, cache, table: torch.Tensor, pos: torch.Tensor,
-            kv_len: int, scores: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One exact full-attention call (scores of rows 0 and n-1, as Collect-2)."""
+            kv_len: int, scores: bool, sinks: torch.Tensor | None = None,
+            window: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One exact full-attention call (scores of rows 0 and n-1, as Collect-2), with a
+    layer's sinks and sliding window where given."""
     bsz, n = pos.shape
     rows = torch.tensor([0, n - 1], device=DEVICE) if scores else None
     scale = DIM ** -0.5
     if backend == "torch":
         return paged_attention_ref(q, cache.k, cache.v, table, pos, PAGE, kv_len, scale, rows,
-                                   exact=True)
+                                   exact=True, sinks=sinks, window=window)
     out = torch.zeros(bsz, 2, 1, kv_len, device=DEVICE) if scores else None
     return paged_attention(q, cache.k, cache.v, table, pos, PAGE, kv_len, scale, rows, out,
-                           exact=True), out
+                           exact=True, sinks=sinks, window=window), out
 
 
 class _GpuQuery:
@@ -134,23 +136,44 @@ def test_attention_rows_are_the_same_in_plain_verify_and_batch_steps(
     """A verify step (7 rows a sequence, lengths unequal) with scores on, against each row
     alone as a plain step with a tight key bound, and against one sequence's verify step
     without scores."""
+    _check_rows(backend, dtype, shape)
+
+
+# gpt-oss's layers: a sink per query head, a sliding window of 40 keys (under the
+# interpreter the splits before it hold none of a row's keys), both.
+OSS_LAYERS = {"sinks": (True, 0), "window": (False, 40), "sinks-window": (True, 40)}
+
+
+@pytest.mark.parametrize("layer", OSS_LAYERS)
+@pytest.mark.parametrize("backend,dtype", ATTENTION_CASES,
+                         ids=[f"{b}-{str(d)[6:]}" for b, d in ATTENTION_CASES])
+def test_sink_and_window_rows_are_the_same_in_plain_verify_and_batch_steps(
+        backend: str, dtype: torch.dtype, layer: str) -> None:
+    """As above, for gpt-oss's attention over several splits of the key axis."""
+    sinks, window = OSS_LAYERS[layer]
+    _check_rows(backend, dtype, "splits", sinks, window)
+
+
+def _check_rows(backend: str, dtype: torch.dtype, shape: str, sinks: bool = False,
+                window: int = 0) -> None:
     bsz, low, high, width = SHAPES[shape]
     gen = generator(11)
     lens = torch.randint(low, high, (bsz,), generator=gen).tolist()
     cache = paged_cache(bsz, width, HKV, DIM, PAGE, dtype, gen)
     pos = query_positions(lens, VERIFY)
     q = randn(bsz, VERIFY, HEADS, DIM, gen=gen, dtype=dtype)
-    whole, scores = _attend(backend, q, cache, cache.page_table, pos, width, scores=True)
+    layer = dict(sinks=randn(HEADS, gen=gen) * 2 + 1 if sinks else None, window=window)
+    whole, scores = _attend(backend, q, cache, cache.page_table, pos, width, True, **layer)
     ref, _ = paged_attention_ref(q, cache.k, cache.v, cache.page_table, pos, PAGE, width,
-                                 DIM ** -0.5)
+                                 DIM ** -0.5, **layer)
     torch.testing.assert_close(whole, ref, **tol(dtype))
     assert scores is not None
     for b, i in ((0, 0), (1, 3), (bsz - 1, 6), (bsz // 2, 0)):
         alone, _ = _attend(backend, q[b:b + 1, i:i + 1], cache, cache.page_table[b:b + 1],
-                           pos[b:b + 1, i:i + 1], lens[b] - VERIFY + i + 1, scores=False)
+                           pos[b:b + 1, i:i + 1], lens[b] - VERIFY + i + 1, False, **layer)
         assert torch.equal(alone[0, 0], whole[b, i]), (b, i)
-    one, _ = _attend(backend, q[1:2], cache, cache.page_table[1:2], pos[1:2], lens[1],
-                     scores=False)
+    one, _ = _attend(backend, q[1:2], cache, cache.page_table[1:2], pos[1:2], lens[1], False,
+                     **layer)
     assert torch.equal(one[0], whole[1])
 
 

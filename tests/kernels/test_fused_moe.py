@@ -43,6 +43,41 @@ def test_matches_reference(t: int, e: int, k: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got, ref, **tol(dtype))
 
 
+def oss_extras(e: int, gen: torch.Generator, dtype: torch.dtype = torch.float32,
+               hidden: int = HIDDEN, inter: int = INTER, biases: bool = True,
+               limit: float = 0.5) -> dict:
+    """gpt-oss's expert biases and SwiGLU clamp, as `fused_moe` and `ops.moe_experts` take
+    them: a limit of 0.5 clamps many of the random activations."""
+    extras: dict = {"limit": limit}
+    if biases:
+        extras["gate_up_bias"] = randn(e, 2 * inter, gen=gen, dtype=dtype) * 0.5
+        extras["down_bias"] = randn(e, hidden, gen=gen, dtype=dtype) * 0.5
+    return extras
+
+
+OSS_VARIANTS = {"biases-clamp": (True, 0.5), "biases": (True, 0.0), "clamp": (False, 0.5)}
+
+
+@pytest.mark.parametrize("variant", OSS_VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (7, 4, 4), (40, 8, 2), (33, 16, 3)])
+def test_biases_and_clamp_match_reference(t: int, e: int, k: int, dtype: torch.dtype,
+                                          variant: str) -> None:
+    """gpt-oss's experts: a bias per expert on gate/up and on down, the clamped SwiGLU."""
+    gen = generator(100 * t + 10 * e + k + 1)
+    x = randn(t, HIDDEN, gen=gen, dtype=dtype)
+    gate_up, down = experts(e, gen, dtype)
+    weights, ids = routed(t, e, k, gen, dtype)
+    biases, limit = OSS_VARIANTS[variant]
+    extras = oss_extras(e, gen, dtype, biases=biases, limit=limit)
+    with nan_empty():
+        got = fused_moe(x, gate_up, down, weights, ids, **extras)
+    ref = ops.moe_experts(x, gate_up, down, weights, ids, **extras)
+    torch.testing.assert_close(got, ref, **tol(dtype))
+    plain = ops.moe_experts(x, gate_up, down, weights, ids)
+    assert (ref - plain).abs().max() > 0.05  # the biases and the clamp matter here
+
+
 def test_odd_sizes_and_no_tokens() -> None:
     """Sizes off the tiles (hidden 40, intermediate 24) and a step of no tokens."""
     gen = generator(5)
@@ -53,6 +88,10 @@ def test_odd_sizes_and_no_tokens() -> None:
                                ops.moe_experts(x, gate_up, down, weights, ids), **tol(x.dtype))
     none = fused_moe(x[:0], gate_up, down, weights[:0], ids[:0])
     assert none.shape == (0, 40)
+    extras = oss_extras(6, gen, hidden=40, inter=24)
+    torch.testing.assert_close(fused_moe(x, gate_up, down, weights, ids, **extras),
+                               ops.moe_experts(x, gate_up, down, weights, ids, **extras),
+                               **tol(x.dtype))
 
 
 def test_reference_is_transformers_routing() -> None:
@@ -92,18 +131,20 @@ def test_grouping_puts_every_pair_once_in_a_block_of_its_expert(t: int, e: int, 
     assert int(used.sum()) == int(blocks.sum())
 
 
+@pytest.mark.parametrize("oss", [False, True], ids=["plain", "biases-clamp"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_exact_mode_rows_do_not_depend_on_the_step(dtype: torch.dtype) -> None:
+def test_exact_mode_rows_do_not_depend_on_the_step(dtype: torch.dtype, oss: bool) -> None:
     """Kernel (exact=True) and reference (exact=True): a token's output has the same bits
     alone, in a verify-sized step and in a large one, where its pairs sit in other blocks
-    beside other tokens."""
+    beside other tokens (gpt-oss's biases and clamp too)."""
     gen = generator(11)
     e, k, t = 8, 2, 48
     gate_up, down = experts(e, gen, dtype)
     x = randn(t, HIDDEN, gen=gen, dtype=dtype)
     weights, ids = routed(t, e, k, gen, dtype)
-    for run in (lambda *a: fused_moe(*a, exact=True),
-                lambda *a: ops.moe_experts(*a, exact=True)):
+    extras = oss_extras(e, gen, dtype) if oss else {}
+    for run in (lambda *a: fused_moe(*a, exact=True, **extras),
+                lambda *a: ops.moe_experts(*a, exact=True, **extras)):
         whole = run(x, gate_up, down, weights, ids)
         for rows in (slice(5, 6), slice(3, 10), slice(20, 45)):
             part = run(x[rows], gate_up, down, weights[rows], ids[rows])

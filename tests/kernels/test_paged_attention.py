@@ -38,6 +38,8 @@ class Case:
     block_k: int | None = None
     split_size: int | None = None
     kv_extra: int = 0  # host bound kv_len beyond the longest sequence
+    window: int = 0  # a sliding window (gpt-oss's every other layer), 0: none
+    sinks: bool = False  # a random sink logit per query head (gpt-oss's)
 
     def score_rows(self) -> list[int] | None:
         if self.rows is None:
@@ -67,8 +69,9 @@ CASES = [
 def case_id(case: Case) -> str:
     g = "G=Hkv" if case.per_kv_head else "G=1"
     rows = "" if case.rows is None else f"_rows{case.rows}_{case.mode}_{g}"
+    oss = (f"_w{case.window}" if case.window else "") + ("_sinks" if case.sinks else "")
     return (f"lens{'-'.join(map(str, case.lens))}_n{case.n}_h{case.heads}x{case.hkv}"
-            f"_d{case.dim}{rows}")
+            f"_d{case.dim}{rows}{oss}")
 
 
 def score_tol(case: Case, dtype: torch.dtype) -> dict[str, float]:
@@ -79,12 +82,18 @@ def score_tol(case: Case, dtype: torch.dtype) -> dict[str, float]:
         {"atol": 2e-3, "rtol": 2e-2}
 
 
+def sink_logits(case: Case, gen: torch.Generator) -> torch.Tensor | None:
+    """A sink logit per query head, large enough to take a good share of each softmax."""
+    return randn(case.heads, gen=gen) * 2 + 1 if case.sinks else None
+
+
 def run(case: Case, dtype: torch.dtype, seed: int = 0) -> None:
     gen = generator(seed)
     bsz, kv_len = len(case.lens), max(case.lens) + case.kv_extra
     cache = paged_cache(bsz, kv_len, case.hkv, case.dim, case.page_size, dtype, gen)
     q = randn(bsz, case.n, case.heads, case.dim, gen=gen, dtype=dtype)
     positions = query_positions(list(case.lens), case.n)
+    sinks = sink_logits(case, gen)
     rows = case.score_rows()
     scale = case.dim ** -0.5
     groups = case.hkv if case.per_kv_head else 1
@@ -93,10 +102,10 @@ def run(case: Case, dtype: torch.dtype, seed: int = 0) -> None:
     out = paged_attention(q, cache.k, cache.v, cache.page_table, positions, case.page_size,
                           kv_len, scale, score_rows, scores, case.mode, block_k=case.block_k,
                           split_size=case.split_size,
-                          out=poisoned(*q.shape, dtype=dtype))
+                          out=poisoned(*q.shape, dtype=dtype), sinks=sinks, window=case.window)
     want, want_scores = paged_attention_ref(
         q, cache.k, cache.v, cache.page_table, positions, case.page_size, kv_len, scale,
-        score_rows, case.mode, case.per_kv_head)
+        score_rows, case.mode, case.per_kv_head, sinks=sinks, window=case.window)
     torch.testing.assert_close(out, want, **tol(dtype))
     if scores is not None:
         assert want_scores is not None
@@ -109,6 +118,84 @@ def run(case: Case, dtype: torch.dtype, seed: int = 0) -> None:
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_matches_reference(case: Case, dtype: torch.dtype) -> None:
     run(case, dtype)
+
+
+# gpt-oss's layers: sinks, a sliding window (contexts longer than it, windows not a multiple
+# of the key block, rows at its edge), both. Default splits: a window call is one split;
+# explicit ones cut the keys from key 0, the splits before every row's window empty (with
+# sinks split 0 still holds the sink, counted once by the merge).
+OSS_CASES = [
+    Case((100, 61), 1, 8, 2, 64, block_k=16, window=20),
+    Case((100, 61), 1, 8, 2, 64, block_k=16, window=20, sinks=True),
+    Case((37,), 1, 4, 4, 64, block_k=16, split_size=16, sinks=True),  # sinks, 3 splits
+    Case((203, 37, 130), 1, 12, 4, 128, rows="ends", block_k=32, window=45, sinks=True),
+    Case((100, 61), 7, 8, 2, 64, page_size=8, rows="ends", window=24, sinks=True),
+    Case((100, 61), 7, 8, 2, 64, page_size=8, rows="ends", per_kv_head=True, window=33),
+    Case((45,), 7, 4, 1, 128, rows="ends", kv_extra=3, sinks=True),
+    Case((150, 77), 7, 6, 2, 128, rows="all", mode="logit", per_kv_head=True, block_k=16,
+         split_size=32, window=40, sinks=True),
+    Case((150, 77), 7, 2, 2, 64, rows="all", block_k=16, split_size=32, window=17),
+    Case((9, 130), 7, 8, 2, 64, rows="ends", per_kv_head=True, block_k=16, split_size=64,
+         window=8, sinks=True),  # a window about the rows' count; a context inside it
+    Case((64, 33), 4, 4, 2, 64, rows="all", block_k=16, window=1, sinks=True),  # itself only
+    Case((40,), 7, 4, 2, 64, rows="ends", kv_extra=5, window=128, sinks=True),  # wider
+    Case((70,), 33, 6, 2, 64, rows="ends", mode="logit", window=16, sinks=True),  # a chunk
+    Case((50, 29), 20, 8, 2, 64, rows="ends", per_kv_head=True, window=12, split_size=32),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", OSS_CASES, ids=case_id)
+def test_sinks_and_windows_match_reference(case: Case, dtype: torch.dtype) -> None:
+    run(case, dtype)
+
+
+@pytest.mark.parametrize("case", [c for c in OSS_CASES if c.rows is not None and c.window],
+                         ids=case_id)
+def test_sinks_and_windows_with_the_store_of_whole_blocks(
+        case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU tiles' store leaves logits of the blocks the window skips unwritten: the
+    finalise kernel scores only the window's keys."""
+    use_store(monkeypatch, "f32-blocks")
+    run(case, torch.float32)
+
+
+def test_sinks_and_windows_change_the_result() -> None:
+    """The cases above test something: the reference moves with the sinks and the window."""
+    gen = generator(4)
+    cache = paged_cache(1, 100, 2, 64, 16, torch.float32, gen)
+    q = randn(1, 7, 8, 64, gen=gen)
+    positions = query_positions([100], 7)
+    args = (q, cache.k, cache.v, cache.page_table, positions, 16, 100, 0.125)
+    plain, _ = paged_attention_ref(*args)
+    for kwargs in ({"window": 20}, {"sinks": randn(8, gen=gen) * 2 + 1}):
+        moved, _ = paged_attention_ref(*args, **kwargs)
+        assert (moved - plain).abs().max() > 0.05, kwargs
+
+
+@pytest.mark.parametrize("split_size", [None, 32])
+@pytest.mark.parametrize("n", [1, 7])
+def test_a_window_reads_no_block_before_it(n: int, split_size: int | None) -> None:
+    """K and V of the keys before the key block of the rows' first window key are NaN: a
+    program that read them would give NaN (p = 0 times NaN). The output is the clean
+    cache's, bit for bit."""
+    gen = generator(6)
+    lens, window, block = [150, 97], 20, 16
+    cache = paged_cache(2, 150, 2, 64, 8, torch.float32, gen)
+    q = randn(2, n, 8, 64, gen=gen)
+    positions = query_positions(lens, n)
+    sinks = randn(8, gen=gen)
+    args = (cache.page_table, positions, 8, 150, 0.125)
+    kwargs = dict(block_k=block, split_size=split_size, sinks=sinks, window=window)
+    clean = paged_attention(q, cache.k, cache.v, *args, **kwargs)
+    k, v = cache.k.clone(), cache.v.clone()
+    for b, length in enumerate(lens):
+        first = (length - n - window + 1) // block * block  # the first row's window block
+        keys = torch.arange(first, device=DEVICE)
+        slots = cache.page_table[b].long()[keys // 8] * 8 + keys % 8
+        k[slots], v[slots] = float("nan"), float("nan")
+    got = paged_attention(q, k, v, *args, **kwargs)
+    assert torch.equal(got, clean)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.rows is None] + [

@@ -39,6 +39,7 @@ class Case:
     page_size: int = 16
     block_k: int | None = None
     split_size: int | None = None
+    sinks: bool = False  # a random sink logit per query head (gpt-oss's)
 
 
 CASES = [
@@ -56,7 +57,12 @@ CASES = [
 def case_id(case: Case) -> str:
     g = "G=Hkv" if case.per_kv_head else "G=1"
     return (f"lens{'-'.join(map(str, case.lens))}_n{case.n}_h{case.heads}x{case.hkv}"
-            f"_d{case.dim}_{g}_{case.budget}")
+            f"_d{case.dim}_{g}_{case.budget}{'_sinks' if case.sinks else ''}")
+
+
+def sink_logits(case: Case, gen: torch.Generator) -> torch.Tensor | None:
+    """A sink logit per query head, large enough to take a good share of each softmax."""
+    return randn(case.heads, gen=gen) * 2 + 1 if case.sinks else None
 
 
 def listed(case: Case, recent_start: list[int], gen: torch.Generator) -> torch.Tensor:
@@ -91,17 +97,37 @@ def run(case: Case, dtype: torch.dtype, seed: int = 0) -> None:
     recent_start = torch.tensor(starts, device=DEVICE)
     recent_max = max(ln - s for ln, s in zip(case.lens, starts, strict=True)) + case.recent_slack
     scale = case.dim ** -0.5
+    sinks = sink_logits(case, gen)
     out = sparse_attention(q, cache.k, cache.v, cache.page_table, positions, case.page_size,
                            indices, recent_start, recent_max, scale, block_k=case.block_k,
-                           split_size=case.split_size, out=poisoned(*q.shape, dtype=dtype))
+                           split_size=case.split_size, out=poisoned(*q.shape, dtype=dtype),
+                           sinks=sinks)
     want = sparse_attention_ref(q, cache.k, cache.v, cache.page_table, positions,
-                                case.page_size, indices, recent_start, recent_max, scale)
+                                case.page_size, indices, recent_start, recent_max, scale, sinks)
     torch.testing.assert_close(out, want, **tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_matches_reference(case: Case, dtype: torch.dtype) -> None:
+    run(case, dtype)
+
+
+# gpt-oss's full-attention layers: a sink per query head, in one split or several (split 0
+# holds the sink, counted once by the merge), rows that see only part of the list.
+SINK_CASES = [
+    Case((60,), 1, 4, 4, 64, sinks=True),
+    Case((203, 37, 130), 1, 12, 4, 128, per_kv_head=True, budget=0.3, recent_extra=3,
+         block_k=16, split_size=32, sinks=True),
+    Case((100, 61), 7, 8, 2, 64, budget="none", recent_extra=2, page_size=8, sinks=True),
+    Case((45, 12, 80), 1, 2, 2, 64, budget="empty", recent_extra=1, sinks=True),
+    Case((300,), 7, 8, 2, 64, budget=0.5, block_k=16, split_size=64, sinks=True),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", SINK_CASES, ids=case_id)
+def test_sinks_match_reference(case: Case, dtype: torch.dtype) -> None:
     run(case, dtype)
 
 
@@ -112,6 +138,8 @@ ONE_ROW = [c for c in CASES if c.n == 1] + [
     Case((90, 131), 1, 9, 3, 64, budget=0.3, recent_extra=6, block_k=16, split_size=32),
     Case((90, 131), 1, 9, 3, 64, budget=0.3, recent_extra=6, recent_slack=70, block_k=16,
          split_size=32),
+    Case((90, 131), 1, 9, 3, 64, budget=0.3, recent_extra=6, block_k=16, split_size=32,
+         sinks=True),
 ]
 
 
@@ -143,7 +171,8 @@ def test_rope_and_store_inside_match_rope_store_then_the_plain_kernel(
     recent_max = max(ln - s for ln, s in zip(case.lens, starts, strict=True)) + case.recent_slack
     args = (cache.page_table, positions, case.page_size, indices, recent_start, recent_max,
             case.dim ** -0.5)
-    tiles = {"block_k": case.block_k, "split_size": case.split_size}
+    sinks = sink_logits(case, gen)
+    tiles = {"block_k": case.block_k, "split_size": case.split_size, "sinks": sinks}
     k_want, v_want = cache.k.clone(), cache.v.clone()
     q_rot = rope_store(q, k, v, k_want, v_want, table, positions, slots)
     want = sparse_attention(q_rot, k_want, v_want, *args, **tiles)
@@ -156,7 +185,7 @@ def test_rope_and_store_inside_match_rope_store_then_the_plain_kernel(
     store_kv_ref(apply_rope(k, table, positions)[keep][None], v[keep][None], k_ref, v_ref,
                  slots[keep][None])
     assert torch.equal(k_ref, cache.k) and torch.equal(v_ref, cache.v)
-    oracle = sparse_attention_ref(apply_rope(q, table, positions), k_ref, v_ref, *args)
+    oracle = sparse_attention_ref(apply_rope(q, table, positions), k_ref, v_ref, *args, sinks)
     torch.testing.assert_close(got, oracle, **tol(dtype))
 
 

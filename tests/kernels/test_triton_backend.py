@@ -1,4 +1,5 @@
-"""TritonBackend against TorchBackend on a tiny random Llama and Qwen3 (q/k norm): prefill
+"""TritonBackend against TorchBackend on a tiny random Llama, Qwen3 (q/k norm) and gpt-oss
+(attention sinks, a sliding window on every other layer, biased and clamped experts): prefill
 with scores, a batch of sparse draft steps planned from them, and a verify step with a
 ScoreRequest, as the engine drives them; logits, scores and caches must agree. Also which
 projections the default mode routes to the few-row kernel, and which rows its top-k hands to
@@ -32,13 +33,20 @@ HF = {"architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 12
       "rms_norm_eps": 1e-6, "eos_token_id": 2}
 
 
+# gpt-oss's own fields: a window shorter than the prompts, experts whose clamp bites.
+OSS = {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 12,
+       "layer_types": ["sliding_attention", "full_attention"], "swiglu_limit": 0.5}
+
+
 def tiny_model(architecture: str) -> Decoder:
-    cfg = ModelConfig.from_hf({**HF, "architectures": [architecture]})
+    extra = OSS if architecture == "GptOssForCausalLM" else {}
+    cfg = ModelConfig.from_hf({**HF, **extra, "architectures": [architecture]})
     gen = generator(0)
     weights = {}
     for name, shape in expected_shapes(cfg).items():
         noise = torch.randn(*shape, generator=gen)
-        weights[name] = 1 + 0.1 * noise if name.endswith("norm.weight") else 0.15 * noise
+        weights[name] = 1 + 0.1 * noise if name.endswith("norm.weight") else \
+            noise + 1 if name.endswith("sinks") else 0.15 * noise
     return build_model(cfg, weights, torch.float32, DEVICE)
 
 
@@ -81,11 +89,14 @@ def test_make_backend_registers_triton() -> None:
 
 
 @pytest.mark.parametrize("mode,per_kv_head,architecture", [
-    ("weight", False, "LlamaForCausalLM"), ("logit", True, "Qwen3ForCausalLM")])
+    ("weight", False, "LlamaForCausalLM"), ("logit", True, "Qwen3ForCausalLM"),
+    ("weight", True, "GptOssForCausalLM")])
 def test_same_logits_as_torch_backend(mode: str, per_kv_head: bool, architecture: str) -> None:
     torch.manual_seed(0)
     model = tiny_model(architecture)
     assert model.cfg.qk_norm == (architecture == "Qwen3ForCausalLM")
+    oss = architecture == "GptOssForCausalLM"
+    assert model.cfg.sinks == oss and any(model.cfg.layer_windows) == oss
     runs = [Runner(model, make_backend("torch")), Runner(model, make_backend("triton"))]
     gen = generator(1)
     prompts = [torch.randint(3, 96, (1, n), generator=gen).to(DEVICE) for n in PROMPTS]

@@ -86,7 +86,9 @@ PROMPT = random_prompts(1, (40,), VOCAB)[0]  # five sliding windows
 # the Triton kernels run under the interpreter (slow: one setting)
 SETTINGS = {"one-chunk": {}, "chunks-of-7": {"prefill_chunk": 7}, "exact": {"exact": True},
             "exact-chunks-of-16": {"exact": True, "prefill_chunk": 16},
-            "triton-chunks-of-16": {"backend": "triton", "prefill_chunk": 16}}
+            "triton-chunks-of-16": {"backend": "triton", "prefill_chunk": 16},
+            "triton-exact-chunks-of-16": {"backend": "triton", "exact": True,
+                                          "prefill_chunk": 16}}
 
 
 def test_the_config_reads_windows_sinks_and_experts(folder: Path) -> None:
@@ -166,19 +168,30 @@ def test_every_method_gives_plain_tokens(family_llm: LLM, family_prompts: list[l
     assert [o.token_ids for o in outs] == family_plain
 
 
+# The Triton backend's settings and the methods each runs (the interpreter is slow: a short
+# prompt, 4 tokens): vegas's scored verify pass, quest's selector inside the draft steps.
+TRITON_MODES = {"default": ({}, [{"method": "vegas"}, {"method": "quest"}]),
+                "exact": ({"exact": True, "dtype": "bfloat16"}, [{"method": "vegas"}])}
+
+
+@pytest.mark.parametrize("mode", list(TRITON_MODES))
 def test_triton_backend_on_fixed_shapes_gives_plain_tokens(folder: Path,
-                                                           family_prompts: list[list[int]]) -> None:
-    """The Triton backend (its prefill kernel with sinks and windows; the references for the
-    decode, draft and verify steps of such layers) on the static shapes' buffers a GPU
-    captures: vegas's tokens are plain decoding's, past the window (the interpreter is slow:
-    a short prompt)."""
-    llm = engine(folder, backend="triton", static_shapes=True)
+                                                           family_prompts: list[list[int]],
+                                                           mode: str) -> None:
+    """The Triton backend's kernels with sinks, windows and gpt-oss's experts (prefill,
+    decode, sparse draft, verify with scores, fused MoE) on the static shapes' buffers a GPU
+    captures: the methods' tokens are plain decoding's, past the window, and in the default
+    mode the torch backend's."""
+    kwargs, methods = TRITON_MODES[mode]
+    llm = engine(folder, backend="triton", static_shapes=True, **kwargs)
     short, params = [family_prompts[0][:18]], SamplingParams(max_tokens=4, ignore_eos=True)
     plain = [o.token_ids for o in llm.generate(short, params, speculative=PLAIN)]
-    outs = llm.generate(short, params, speculative=tiny_spec({"method": "vegas"}))
-    assert [o.token_ids for o in outs] == plain
-    torch_plain = engine(folder).generate(short, params, speculative=PLAIN)[0].token_ids
-    assert plain == [torch_plain]
+    for method in methods:
+        outs = llm.generate(short, params, speculative=tiny_spec(method))
+        assert [o.token_ids for o in outs] == plain, method
+    if not kwargs:
+        torch_plain = engine(folder).generate(short, params, speculative=PLAIN)[0].token_ids
+        assert plain == [torch_plain]
 
 
 def test_plain_tokens_are_transformers_greedy_tokens(hf: transformers.PreTrainedModel,

@@ -10,11 +10,6 @@ import torch
 from vegas_spec import ops
 from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import StepContext
-from vegas_spec.attention.torch_backend import (
-    paged_attention_ref,
-    sparse_attention_ref,
-    write_scores,
-)
 from vegas_spec.kernels import topk as topk_kernel
 from vegas_spec.kernels.exact_matmul import exact_linear
 from vegas_spec.kernels.fused_moe import fused_moe
@@ -89,17 +84,18 @@ class TritonBackend(AttentionBackend):
                window: int = 0) -> torch.Tensor:
         """The seam's `attend`; a one-row draft step runs RoPE, the KV store and its sparse
         attention as one kernel (`SPARSE_ROPE`), and a selector (quest's) rotates the q it
-        scores pages with inside its own kernel."""
+        scores pages with inside its own kernel. A sliding-window layer's draft steps attend
+        to the window (`full`), as the seam's."""
         plan = ctx.sparse
         if not (SPARSE_ROPE and plan is not None and ctx.prefill is None and q.shape[1] == 1
-                and not window and sinks is None):
+                and not window):
             return super().attend(layer, q, k, v, k_cache, v_cache, ctx, rope, sinks, window)
         if plan.selector is not None:
             indices = plan.selector(layer, q, ctx, self, rope)
         else:
             assert plan.indices is not None
             indices = plan.indices[layer]
-        return self.sparse(q, k_cache, v_cache, indices, ctx,
+        return self.sparse(q, k_cache, v_cache, indices, ctx, sinks,
                            new=NewKV(k, v, rope, ctx.slot_mapping))
 
     def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -125,12 +121,9 @@ class TritonBackend(AttentionBackend):
                 weights: torch.Tensor, ids: torch.Tensor,
                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
                 limit: float = 0.0) -> torch.Tensor:
-        """The fused kernel; gpt-oss's experts (biases, clamped SwiGLU) run the reference
-        `ops.moe_experts` (every expert on every token: correct, not fast)."""
-        if gate_up_bias is not None or down_bias is not None or limit > 0:
-            return super().experts(x, gate_up, down, weights, ids, gate_up_bias, down_bias,
-                                   limit)
-        return fused_moe(x, gate_up, down, weights, ids, self.exact)
+        """The fused kernel, gpt-oss's experts (biases, clamped SwiGLU) included."""
+        return fused_moe(x, gate_up, down, weights, ids, self.exact,
+                         gate_up_bias=gate_up_bias, down_bias=down_bias, limit=limit)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
@@ -145,27 +138,16 @@ class TritonBackend(AttentionBackend):
     def full(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              ctx: StepContext, sinks: torch.Tensor | None = None,
              window: int = 0) -> torch.Tensor:
-        """Scores, if requested, go straight into ctx.scores.out[layer] ([B, R, G, W]). A
-        layer with sinks or a sliding window (gpt-oss's) runs the PyTorch reference: correct
-        and capturable (fixed shapes, no host reads), not fast; the decode kernel does not
-        take them yet."""
+        """Scores, if requested, go straight into ctx.scores.out[layer] ([B, R, G, W]). The
+        kernel takes a layer's sinks and sliding window itself."""
         req = ctx.scores
-        if sinks is not None or window:
-            out, scores = paged_attention_ref(
-                q, k_cache, v_cache, ctx.page_table, ctx.positions, ctx.page_size,
-                ctx.kv_len_max, q.shape[-1] ** -0.5, None if req is None else req.rows,
-                "weight" if req is None else req.mode, req is not None and req.per_kv_head,
-                exact=self.exact, sinks=sinks, window=window)
-            if req is not None and scores is not None:
-                write_scores(req, layer, scores)
-            return out
         if req is not None:
             assert req.out.shape[3] == (k_cache.shape[1] if req.per_kv_head else 1)
         return paged_attention(
             q, k_cache, v_cache, ctx.page_table, ctx.positions, ctx.page_size, ctx.kv_len_max,
             q.shape[-1] ** -0.5, None if req is None else req.rows,
             None if req is None else req.out[layer], "weight" if req is None else req.mode,
-            exact=self.exact)
+            exact=self.exact, sinks=sinks, window=window)
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 ctx: StepContext, sinks: torch.Tensor | None = None,
@@ -198,14 +180,9 @@ class TritonBackend(AttentionBackend):
                indices: torch.Tensor, ctx: StepContext, sinks: torch.Tensor | None = None,
                new: NewKV | None = None) -> torch.Tensor:
         """The seam's `sparse`; with `new`, q before RoPE and the step's own k and v stored
-        by the same kernel (`attend`). With sinks, the PyTorch reference (as `full`)."""
+        by the same kernel (`attend`)."""
         plan = ctx.sparse
         assert plan is not None
-        if sinks is not None:
-            assert new is None, "attend stores k and v first where a layer has sinks"
-            return sparse_attention_ref(q, k_cache, v_cache, ctx.page_table, ctx.positions,
-                                        ctx.page_size, indices, plan.recent_start,
-                                        plan.recent_max, q.shape[-1] ** -0.5, sinks)
         return sparse_attention(q, k_cache, v_cache, ctx.page_table, ctx.positions,
                                 ctx.page_size, indices, plan.recent_start, plan.recent_max,
-                                q.shape[-1] ** -0.5, new=new)
+                                q.shape[-1] ** -0.5, new=new, sinks=sinks)

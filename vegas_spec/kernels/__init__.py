@@ -8,7 +8,8 @@
   rope_store        RoPE on a step's q and k, with k and v written into their cache slots
   store_kv          a step's new K/V into their cache slots (the seam's store without RoPE)
   rms_norm          RMSNorm, fused with the residual add before it
-  silu_mul          SiLU(gate) * up of the fused gate/up projection
+  silu_mul          SiLU(gate) * up of the fused gate/up projection (or gpt-oss's clamped
+                    SwiGLU)
   topk              top-k positions per (layer, sequence, group) by a threshold search (selection),
                     quest's chosen pages expanded to their tokens in the same kernel
   quest_scores      quest's page scores for a draft row, from the pages' min/max keys
@@ -22,8 +23,8 @@
 
 Every kernel has a plain-PyTorch reference that is its test oracle:
 `vegas_spec.attention.torch_backend` (attention, KV store),
-`vegas_spec.ops` (`rms_norm`, `add_rms_norm`, `silu_mul`, `apply_rope`, `topk_positions`,
-`quest_page_scores_ref`, `moe_experts`),
+`vegas_spec.ops` (`rms_norm`, `add_rms_norm`, `silu_mul`, `clamped_swiglu`, `apply_rope`,
+`topk_positions`, `quest_page_scores_ref`, `moe_experts`),
 `vegas_spec.sampling.exponential_argmax_ref` (sample) and `torch.nn.functional.linear`
 (exact_matmul, skinny_matmul). On a machine without CUDA the kernels run on CPU tensors under
 Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is first imported), patched below

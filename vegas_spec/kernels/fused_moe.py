@@ -14,7 +14,9 @@ writes nothing. A padding row is pair P, which no program loads or stores.
 
 Then, as vLLM's fused_moe: (1) pair p's gate/up row, x[p // k] @ gate_up[e]^T, into a
 [P, 2I] buffer; (2) SiLU(gate) * up (`silu_mul`); (3) pair p's down row times its routing
-weight, into [P, H]; (4) each token's k rows summed in slot order. Every product is rounded
+weight, into [P, H]; (4) each token's k rows summed in slot order. gpt-oss's experts add a
+bias per expert to (1) and (3) (inside the matmul kernel, before its rounding: HAS_BIAS) and
+take the clamped SwiGLU at (2) (`silu_mul.clamped_swiglu`). Every product is rounded
 to x's dtype where transformers rounds it. The tiles depend on P in the default mode only:
 in exact mode (`exact=True`) one tiling for every P, and a row's sum over K walks the same
 blocks in the same order wherever its pair lands, so a token's output does not depend on the
@@ -27,7 +29,7 @@ import triton
 import triton.language as tl
 
 from vegas_spec.kernels.exact_matmul import MatmulTiles
-from vegas_spec.kernels.silu_mul import silu_mul
+from vegas_spec.kernels.silu_mul import clamped_swiglu, silu_mul
 
 # GPU tiles of both grouped matmuls (guesses, not yet measured): "few" where an expert has at
 # most SMALL_BLOCK_PAIRS pairs on average (decode steps), and for every step in exact mode,
@@ -78,14 +80,15 @@ def group_by_expert(ids: torch.Tensor, experts: int,
 
 # P stays a runtime value: a one-token step and a many-token step run one compiled program.
 @triton.jit(do_not_specialize=["num_pairs"])
-def _expert_matmul_kernel(a_ptr, w_ptr, r_ptr, y_ptr, pair_ptr, expert_ptr, num_pairs, N, K,
-                          stride_am, stride_we, stride_wn, stride_ym,
+def _expert_matmul_kernel(a_ptr, w_ptr, b_ptr, r_ptr, y_ptr, pair_ptr, expert_ptr, num_pairs,
+                          N, K, stride_am, stride_we, stride_wn, stride_be, stride_ym,
                           PAIRS_PER_ROW: tl.constexpr, WEIGHTED: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr):
-    """Program (j, b): y[p, j*BLOCK_N..] = a[p // PAIRS_PER_ROW] @ w[e]^T for the pairs p of
-    block b, e its expert (times r[p] where WEIGHTED). A block of expert -1 loops zero times
-    and stores nothing."""
+                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (j, b): y[p, j*BLOCK_N..] = a[p // PAIRS_PER_ROW] @ w[e]^T (+ b[e] where
+    HAS_BIAS, added to the float32 sum before it is rounded, as a biased linear) for the
+    pairs p of block b, e its expert (times r[p] where WEIGHTED). A block of expert -1 loops
+    zero times and stores nothing."""
     block = tl.program_id(1)
     expert = tl.load(expert_ptr + block)
     pairs = tl.load(pair_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -104,6 +107,10 @@ def _expert_matmul_kernel(a_ptr, w_ptr, r_ptr, y_ptr, pair_ptr, expert_ptr, num_
         a = tl.load(a_row + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + rn, mask=n_ok & (expert >= 0),
+                       other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     dtype = y_ptr.dtype.element_ty
     y = acc.to(dtype)
     if WEIGHTED:  # rounded as torch's product of two dtype values: in float32, then cast
@@ -115,28 +122,43 @@ def _expert_matmul_kernel(a_ptr, w_ptr, r_ptr, y_ptr, pair_ptr, expert_ptr, num_
 
 def _expert_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
                    groups: tuple[torch.Tensor, torch.Tensor], pairs_per_row: int,
-                   cfg: MatmulTiles, r: torch.Tensor | None = None) -> None:
-    """out [P, N] = a [rows, K] rows by pair @ w [E, N, K]^T by the pairs' experts (* r [P])."""
+                   cfg: MatmulTiles, r: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None) -> None:
+    """out [P, N] = a [rows, K] rows by pair @ w [E, N, K]^T (+ bias [E, N]) by the pairs'
+    experts (* r [P])."""
     pair_of, expert_of = groups
     n, k = w.shape[1], w.shape[2]
     _expert_matmul_kernel[(triton.cdiv(n, cfg.block_n), expert_of.numel())](
-        a, w, out if r is None else r, out, pair_of, expert_of, out.shape[0], n, k,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0), PAIRS_PER_ROW=pairs_per_row,
-        WEIGHTED=r is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        a, w, out if bias is None else bias, out if r is None else r, out, pair_of, expert_of,
+        out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1),
+        0 if bias is None else bias.stride(0), out.stride(0), PAIRS_PER_ROW=pairs_per_row,
+        WEIGHTED=r is not None, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def _check_bias(bias: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor) -> None:
+    assert bias is None or (bias.shape == shape and bias.stride(-1) == 1
+                            and bias.dtype == x.dtype and bias.device == x.device)
+
+
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               weights: torch.Tensor, ids: torch.Tensor, exact: bool = False, *,
-              tiles: MatmulTiles | None = None) -> torch.Tensor:
+              tiles: MatmulTiles | None = None, gate_up_bias: torch.Tensor | None = None,
+              down_bias: torch.Tensor | None = None, limit: float = 0.0) -> torch.Tensor:
     """x [T, H] through its experts -> [T, H] (`ops.moe_experts`'s contract): gate_up
-    [E, 2I, H], down [E, H, I], weights [T, k] in x's dtype, ids [T, k] expert ids."""
+    [E, 2I, H], down [E, H, I], weights [T, k] in x's dtype, ids [T, k] expert ids.
+    gpt-oss's experts: biases gate_up_bias [E, 2I] and down_bias [E, H] (x's dtype) added to
+    each expert's products, and with limit > 0 the clamped SwiGLU (`clamped_swiglu`) in
+    place of SiLU(gate) * up."""
     (t, hidden), (experts, two_i, _) = x.shape, gate_up.shape
     assert gate_up.shape[2] == hidden and down.shape == (experts, hidden, two_i // 2)
     assert ids.shape == weights.shape and ids.shape[0] == t and weights.dtype == x.dtype
     assert x.dtype == gate_up.dtype == down.dtype and x.stride(-1) == 1
     assert gate_up.is_contiguous() and down.is_contiguous()
+    _check_bias(gate_up_bias, (experts, two_i), x)
+    _check_bias(down_bias, (experts, hidden), x)
     top_k = ids.shape[1]
     pairs = t * top_k
     if pairs == 0:
@@ -144,10 +166,11 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     cfg = tiles or moe_tiles(x.is_cuda, pairs, experts, exact)
     groups = group_by_expert(ids, experts, cfg.block_m)
     gate_up_out = torch.empty(pairs, two_i, dtype=x.dtype, device=x.device)
-    _expert_matmul(x, gate_up, gate_up_out, groups, top_k, cfg)
-    act = silu_mul(gate_up_out)  # [P, I]
+    _expert_matmul(x, gate_up, gate_up_out, groups, top_k, cfg, bias=gate_up_bias)
+    act = clamped_swiglu(gate_up_out, limit) if limit > 0 else silu_mul(gate_up_out)  # [P, I]
     out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-    _expert_matmul(act, down, out, groups, 1, cfg, weights.reshape(-1).contiguous())
+    _expert_matmul(act, down, out, groups, 1, cfg, weights.reshape(-1).contiguous(),
+                   bias=down_bias)
     return _sum_slots(out.view(t, top_k, hidden))
 
 

@@ -30,7 +30,15 @@ Extra bytes of score emission, per layer and sequence with R score rows and L ke
 against 2·Hkv·D·L·itemsize bytes of K and V the attention reads anyway. For Qwen3-8B
 (H 32, Hkv 8, D 128, bf16) and Collect-2 (R = 2): weight 520 B per key vs 4096 B of K/V
 (+12.7 %), logit 136 B (+3.3 %); for R = γ+1 = 7 rows (collect all) weight is +44 %.
-The logits stay float32, which keeps this kernel exact against the reference."""
+The logits stay float32, which keeps this kernel exact against the reference.
+
+gpt-oss's layers: attention sinks (`sinks`, a logit per query head that joins the softmax
+denominator and has no value) are split 0's initial state (`split_merge.initial_state`), so
+each row's denominator, and the lse that its weight scores divide by, counts them once. A
+sliding window (`window` > 0, WINDOW a constexpr: 0 compiles the kernel without it) masks the
+keys before each row's window, and a program starts at the key block of its rows' first
+window key, reading no block before it; in the default mode such a call is one split (a row
+block reads at most window + n - 1 keys), in exact mode the splits stay exact mode's."""
 
 from __future__ import annotations
 
@@ -48,6 +56,7 @@ from vegas_spec.kernels.split_merge import (
     Partials,
     TileConfig,
     finish_split,
+    initial_state,
     merge_splits,
     output_buffer,
     resident_programs,
@@ -212,16 +221,27 @@ def _score_tile(q_ptr, rows_ptr, b, kvh, rb, d, d_ok, num_rows, Hkv, sc_width, s
 
 
 @triton.jit
+def _window_start(pos, row_ok, WINDOW: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The first key of a sliding window that any real row (row_ok) of the tile sees, rounded
+    down to a key block: the blocks before it hold no key a row sees. Blocks stay at fixed
+    offsets from key 0 (a split starts on a block), so a row walks the same blocks in any
+    call, and a skipped block would have left the row's state as it was (p = 0)."""
+    first = tl.min(tl.where(row_ok, pos, 2147483647), axis=0) - WINDOW + 1
+    return tl.maximum(first, 0) // BLOCK_K * BLOCK_K
+
+
+@triton.jit
 def _paged_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr,
-        out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, rows_ptr, sc_ptr, sc_desc,
+        out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, rows_ptr, sc_ptr, sc_desc, sinks_ptr,
         n, H, Hkv, page_size, split_size, scale, rows_total, num_rows, width, sc_width,
         stride_qb, stride_qn, stride_qh, stride_cs, stride_ch, stride_tb, stride_pb, stride_pn,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
         MODE: tl.constexpr, R_PAD: tl.constexpr, USE_DESC: tl.constexpr,
         WHOLE_BLOCKS: tl.constexpr, SINGLE: tl.constexpr,
-        WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SINKS: tl.constexpr,
+        WINDOW: tl.constexpr):
     # the row blocks of one (sequence, kv head) are launched side by side, so that they
     # walk the same keys at about the same time (the later ones may find them in L2)
     row_blocks = tl.cdiv(n, BLOCK_N)
@@ -246,9 +266,10 @@ def _paged_split_kernel(
     lo = split * split_size
     # causal: nothing past the last row; nothing past kv_len (= width), as the reference
     hi = tl.minimum(tl.minimum(lo + split_size, tl.max(pos, axis=0) + 1), width)
-    m_i = tl.full([BLOCK_N * GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_N * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_N * GROUP_PAD, BLOCK_D], tl.float32)
+    if WINDOW > 0:  # from the block of the rows' first key in their window: fewer blocks read
+        lo = tl.maximum(lo, _window_start(pos, row < n, WINDOW, BLOCK_K))
+    m_i, l_i, acc = initial_state(sinks_ptr, head, lane_ok, split, BLOCK_N * GROUP_PAD,
+                                  BLOCK_D, SINKS)
     for start in range(lo, hi, BLOCK_K):
         kpos = start + tl.arange(0, BLOCK_K)
         k_ok = kpos < hi
@@ -263,7 +284,13 @@ def _paged_split_kernel(
             _emit_scores(q_sc, k, start, kpos, k_ok, sc_base, sc_ok, r_base, r_ok, sc_ptr,
                          sc_desc, desc_row, R_PAD, GROUP_PAD, BLOCK_K, MODE, USE_DESC,
                          WHOLE_BLOCKS, DOT_PRECISION)
-        x = tl.where(kpos[None, :] <= pos[:, None], s * scale, float("-inf"))
+        if WINDOW > 0:
+            # the last WINDOW keys up to the row's position, 0 <= pos - key < WINDOW, as one
+            # unsigned compare (a key past pos wraps around): fewer registers than two
+            visible = (pos[:, None] - kpos[None, :]).to(tl.uint32, bitcast=True) < WINDOW
+        else:
+            visible = kpos[None, :] <= pos[:, None]
+        x = tl.where(visible, s * scale, float("-inf"))
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
     finish_split(m_i, l_i, acc, b * n + row, head, lane_ok, d, d_ok, split, rows_total, H,
@@ -275,16 +302,21 @@ def _scores_kernel(sc_ptr, lse_ptr, rows_ptr, pos_ptr, out_ptr,
                    n, H, Hkv, num_rows, width, sc_width, out_width, scale,
                    stride_pb, stride_pn, stride_ob, stride_or, stride_og,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, LANES: tl.constexpr,
-                   BLOCK_W: tl.constexpr, MODE: tl.constexpr, PER_KV: tl.constexpr):
+                   BLOCK_W: tl.constexpr, MODE: tl.constexpr, PER_KV: tl.constexpr,
+                   WINDOW: tl.constexpr):
     """One (sequence, score row, key block): scratch -> out [B, R, G, W] (R = num_rows).
     Weight scratch [B, Hkv, LANES, sc_width] (lane = r * GROUP_PAD + head in group), logit
-    scratch [B, R, Hkv, sc_width]."""
+    scratch [B, R, Hkv, sc_width]. A key the row cannot see (WINDOW > 0: also one before its
+    window, whose block the split kernel may have skipped) scores 0; the weights' lse
+    includes the sinks."""
     b = tl.program_id(0) // num_rows
     r = tl.program_id(0) % num_rows
     row = tl.load(rows_ptr + r).to(tl.int32)
     pos = tl.load(pos_ptr + b * stride_pb + row * stride_pn).to(tl.int32)
     w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     visible = (w <= pos) & (w < width)
+    if WINDOW > 0:
+        visible &= w > pos - WINDOW
     e = tl.arange(0, GROUP_PAD)
     total = tl.zeros([BLOCK_W], tl.float32)
     out_row = out_ptr + b * stride_ob + r * stride_or
@@ -311,7 +343,8 @@ def _scores_kernel(sc_ptr, lse_ptr, rows_ptr, pos_ptr, out_ptr,
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           page_table: torch.Tensor, positions: torch.Tensor, kv_len: int) -> None:
+           page_table: torch.Tensor, positions: torch.Tensor, kv_len: int,
+           sinks: torch.Tensor | None, window: int) -> None:
     assert q.dim() == 4 and k_cache.dim() == 3 and k_cache.shape == v_cache.shape
     bsz, n, heads, dim = q.shape
     assert dim == k_cache.shape[2] and heads % k_cache.shape[1] == 0
@@ -321,6 +354,9 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     assert positions.shape == (bsz, n) and not positions.is_floating_point()
     assert not page_table.is_floating_point() and kv_len >= 1
     assert q.device == k_cache.device == page_table.device == positions.device
+    assert sinks is None or (sinks.shape == (heads,) and sinks.is_contiguous()
+                             and sinks.device == q.device)
+    assert window >= 0
 
 
 def _check_scores(rows: torch.Tensor, out: torch.Tensor, mode: str, bsz: int, hkv: int,
@@ -387,7 +423,7 @@ def _rows_pad(rows: int, group_pad: int, gpu: bool) -> int:
 
 
 def _finalise_scores(job: _ScoreJob, positions: torch.Tensor, scale: float, cfg: TileConfig,
-                     hkv: int, width: int) -> None:
+                     hkv: int, width: int, window: int) -> None:
     bsz, num_rows = job.out.shape[:2]
     out = job.out
     block_w = 512 if out.is_cuda else 64
@@ -398,7 +434,7 @@ def _finalise_scores(job: _ScoreJob, positions: torch.Tensor, scale: float, cfg:
         job.scratch.shape[-1], out.shape[3], scale,
         positions.stride(0), positions.stride(1), out.stride(0), out.stride(1), out.stride(2),
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, LANES=max(job.lanes, 1), BLOCK_W=block_w,
-        MODE=job.mode, PER_KV=out.shape[2] > 1, num_warps=4)
+        MODE=job.mode, PER_KV=out.shape[2] > 1, WINDOW=window, num_warps=4)
 
 
 # The exact-mode copy of the split kernel: its row counts stay runtime values (Triton would
@@ -429,11 +465,15 @@ def _tiling(q: torch.Tensor, hkv: int, scored: bool, block_k: int | None,
 
 def _split_size(q: torch.Tensor, hkv: int, cfg: TileConfig, tiles: ScoreTiles | None,
                 split_size: int | None, kv_len: int, exact: bool,
-                resident: int | None) -> int:
-    """Keys per split of one call: exact mode's fixed split; else `split_size_for`'s for
-    the kernel's `resident` programs per SM, within the score tiles' largest split."""
+                resident: int | None, window: int = 0) -> int:
+    """Keys per split of one call: exact mode's fixed split; a sliding-window call's one
+    split (a row block reads at most window + n - 1 keys, from its window's first block);
+    else `split_size_for`'s for the kernel's `resident` programs per SM, within the score
+    tiles' largest split."""
     if exact:
         return EXACT_SPLIT if q.is_cuda else EXACT_SPLIT_CPU_BLOCKS * cfg.block_k
+    if window and split_size is None:
+        return triton.cdiv(kv_len, cfg.block_k) * cfg.block_k
     bsz, n = q.shape[:2]
     row_blocks = triton.cdiv(n, cfg.block_n)
     size = split_size_for(kv_len, bsz * hkv * row_blocks, cfg.block_k, q.device, split_size,
@@ -497,7 +537,7 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
           page_table: torch.Tensor, positions: torch.Tensor, page_size: int, kv_len: int,
           scale: float, score_rows: torch.Tensor | None, score_out: torch.Tensor | None,
           score_mode: str, block_k: int | None, split_size: int | None, out: torch.Tensor,
-          exact: bool) -> _Plan:
+          exact: bool, sinks: torch.Tensor | None, window: int) -> _Plan:
     """Everything a call launches with but its partial buffers, which depend on its split
     count; `out` is the result buffer."""
     assert not exact or (block_k is None and split_size is None), "exact mode fixes the tiles"
@@ -514,7 +554,7 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     head = [q, k_cache, v_cache, page_table, positions, out, out if lse is None else lse]
     tail = [positions if job is None else job.rows, out if job is None else job.scratch,
             _descriptor(job, cfg.block_k) if use_desc else None,
-            n, heads, hkv, page_size]
+            q if sinks is None else sinks, n, heads, hkv, page_size]
     rest = [scale, bsz * n, 0 if job is None else len(job.rows),
             kv_len, kv_len if job is None else job.scratch.shape[-1],
             q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
@@ -524,12 +564,15 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, MODE=0 if job is None else job.mode,
         R_PAD=1 if job is None else job.r_pad, USE_DESC=use_desc,
         WHOLE_BLOCKS=store.whole_blocks and job is not None and not use_desc,
-        WRITE_LSE=lse is not None, DOT_PRECISION=cfg.dot_precision, **cfg.launch_options())
-    # decode steps only (plain, verify): a prompt's rows keep the occupancy split
-    resident = None if exact or split_size is not None or n > DECODE_ROWS else _resident(
+        WRITE_LSE=lse is not None, DOT_PRECISION=cfg.dot_precision, SINKS=sinks is not None,
+        WINDOW=window, **cfg.launch_options())
+    # decode steps only (plain, verify): a prompt's rows keep the occupancy split, a
+    # sliding-window call its one split
+    waves = not (exact or split_size is not None or n > DECODE_ROWS or window)
+    resident = None if not waves else _resident(
         kernel, (bsz * hkv * row_blocks, 1, 2), [*head, *(torch.float32,) * 3, *tail, cfg.block_k,
                                              *rest], constexprs, q.device)
-    size = _split_size(q, hkv, cfg, tiles, split_size, kv_len, exact, resident)
+    size = _split_size(q, hkv, cfg, tiles, split_size, kv_len, exact, resident, window)
     return _Plan(kernel, cfg, hkv, row_blocks, job, lse, head, tail, rest, constexprs, size)
 
 
@@ -538,8 +581,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     kv_len: int, scale: float, score_rows: torch.Tensor | None = None,
                     score_out: torch.Tensor | None = None, score_mode: str = "weight", *,
                     block_k: int | None = None, split_size: int | None = None,
-                    out: torch.Tensor | None = None, exact: bool = False) -> torch.Tensor:
-    """Causal paged attention; query i of sequence b sees keys 0..positions[b, i].
+                    out: torch.Tensor | None = None, exact: bool = False,
+                    sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+    """Causal paged attention; query i of sequence b sees keys 0..positions[b, i] (window
+    > 0: only the last `window` of them, positions[b, i] - window + 1..positions[b, i]).
 
     q [B, n, H, D] (RoPE applied); k_cache, v_cache [num_slots, Hkv, D];
     page_table [B, P] (page_size slots per page); positions [B, n]; kv_len >= every sequence
@@ -548,12 +593,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     W >= kv_len) receives softmax weights ("weight") or raw q.k ("logit") of those rows, 0
     where the row cannot see the key. out: optional [B, n, H, D] result buffer. exact: one
     tiling whatever n, B, kv_len and the scores (block_k and split_size are then refused), so
-    that each row's bits depend on its own query and keys only.
+    that each row's bits depend on its own query and keys only. sinks [H] (None: none): a
+    logit per query head that joins each row's softmax denominator (the weight scores'
+    too) and has no value (`split_merge.initial_state`).
     Returns [B, n, H, D] in q's dtype."""
-    _check(q, k_cache, v_cache, page_table, positions, kv_len)
+    _check(q, k_cache, v_cache, page_table, positions, kv_len, sinks, window)
     out = output_buffer(q, out)
     plan = _plan(q, k_cache, v_cache, page_table, positions, page_size, kv_len, scale,
-                 score_rows, score_out, score_mode, block_k, split_size, out, exact)
+                 score_rows, score_out, score_mode, block_k, split_size, out, exact, sinks,
+                 window)
     bsz, n, heads, dim = q.shape
     job, lse = plan.job, plan.lse
     splits = triton.cdiv(kv_len, plan.size)
@@ -564,5 +612,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if parts is not None:
         merge_splits(parts, out, lse, exact)
     if job is not None:
-        _finalise_scores(job, positions, scale, plan.cfg, plan.hkv, kv_len)
+        _finalise_scores(job, positions, scale, plan.cfg, plan.hkv, kv_len, window)
     return out

@@ -10,7 +10,10 @@ Like the reference, a position listed twice (or listed and recent) counts twice.
 walked in blocks of keys gathered through the page table and cut into splits for large
 budgets (merged by `split_merge.merge_splits`); the query tile packs all query heads of the
 kv head, so each selected K/V row is read once per kv head. Recent positions past the last
-query's position are never visited.
+query's position are never visited. Attention sinks (gpt-oss's, a logit per query head in
+the softmax denominator) are split 0's initial state, counted once by the merge. A
+sliding-window layer's draft steps attend to its window through the paged kernel (the
+window is the draft's), so this kernel takes no window.
 
 With `new` (a one-row draft step), the kernel also does `rope_store`'s work, so the step
 launches one kernel fewer per layer: q arrives before RoPE and is rotated as it is loaded
@@ -33,6 +36,7 @@ from vegas_spec.kernels.split_merge import (
     Partials,
     device_sms,
     finish_split,
+    initial_state,
     merge_splits,
     output_buffer,
     softmax_block,
@@ -56,7 +60,7 @@ SPARSE_PROGRAMS_PER_SM: dict[int, int] | None = {64: 3}
 @triton.jit
 def _sparse_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, idx_ptr, start_ptr,
-        out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr, rope_ptr, slot_ptr,
+        out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr, rope_ptr, slot_ptr, sinks_ptr,
         n, H, Hkv, page_size, split_size, scale, rows_total, num_listed, recent_max,
         stride_qb, stride_qn, stride_qh, stride_cs, stride_ch, stride_tb, stride_pb, stride_pn,
         stride_ib, stride_ig, stride_kb, stride_kh, stride_vb, stride_vh, stride_rope,
@@ -64,7 +68,7 @@ def _sparse_split_kernel(
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
         SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
-        MUL_RN: tl.constexpr):
+        MUL_RN: tl.constexpr, SINKS: tl.constexpr):
     b = tl.program_id(0) // Hkv
     kvh = tl.program_id(0) % Hkv
     rb = tl.program_id(1)
@@ -108,10 +112,8 @@ def _sparse_split_kernel(
     lo = split * split_size
     hi = tl.minimum(lo + split_size, num_listed + recent)
     idx_row = idx_ptr + b * stride_ib + kvh * stride_ig  # stride_ig = 0: shared list
-
-    m_i = tl.full([BLOCK_N * GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_N * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_N * GROUP_PAD, BLOCK_D], tl.float32)
+    m_i, l_i, acc = initial_state(sinks_ptr, head, lane_ok, split, BLOCK_N * GROUP_PAD,
+                                  BLOCK_D, SINKS)
     for start in range(lo, hi, BLOCK_K):
         j = start + tl.arange(0, BLOCK_K)  # index into the virtual key list
         listed = j < num_listed
@@ -196,7 +198,8 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      indices: torch.Tensor, recent_start: torch.Tensor, recent_max: int,
                      scale: float, *, block_k: int | None = None,
                      split_size: int | None = None,
-                     out: torch.Tensor | None = None, new: NewKV | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, new: NewKV | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over listed positions plus a contiguous recent range.
 
     q [B, n, H, D]; k_cache, v_cache [num_slots, Hkv, D]; page_table [B, P];
@@ -204,8 +207,12 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     head, or G = Hkv); recent_start [B]; recent_max: host bound on the recent range length.
     Query i sees every listed p with 0 <= p <= positions[b, i] and recent_start[b] + j for
     j < recent_max up to positions[b, i]. Returns [B, n, H, D] in q's dtype.
-    new: q is before RoPE, and the step's own k and v go to their slots first (`NewKV`)."""
+    new: q is before RoPE, and the step's own k and v go to their slots first (`NewKV`).
+    sinks [H] (None: none): a logit per query head in each row's softmax denominator, split
+    0's initial state (`split_merge.initial_state`)."""
     _check(q, k_cache, v_cache, page_table, positions, indices, recent_start, recent_max)
+    assert sinks is None or (sinks.shape == (q.shape[2],) and sinks.is_contiguous()
+                             and sinks.device == q.device)
     if new is not None:
         _check_new(new, q, k_cache)
     bsz, n, heads, dim = q.shape
@@ -227,7 +234,7 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _sparse_split_kernel[(bsz * hkv, row_blocks, splits)](
         q, k_cache, v_cache, page_table, positions, indices, recent_start,
         out, out, *((out, out, out) if parts is None else (parts.acc, parts.m, parts.l)),
-        kn, vn, rope, slots,
+        kn, vn, rope, slots, q if sinks is None else sinks,
         n, heads, hkv, page_size, size, scale, bsz * n, indices.shape[2], recent_max,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
         page_table.stride(0), positions.stride(0), positions.stride(1),
@@ -236,7 +243,7 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, SINGLE=parts is None,
         DOT_PRECISION=cfg.dot_precision, ROPE=new is not None, MUL_RN=not interpreting(),
-        **cfg.launch_options())
+        SINKS=sinks is not None, **cfg.launch_options())
     if parts is not None:
         merge_splits(parts, out, None)
     return out

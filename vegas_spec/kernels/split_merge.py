@@ -12,8 +12,11 @@ A split in which a row sees no key has l_s = 0 and leaves acc_s unwritten; the m
 acc_s only where l_s > 0. With a single split the split kernel normalises in place and the
 merge is skipped.
 
-Also here: the block update of the online softmax and the split kernels' epilogue (both
-`triton.jit` helpers), the tile configuration and the split-size heuristic."""
+Attention sinks (a logit per query head in the denominator, no value) are split 0's initial
+state (`initial_state`: m = sink, l = 1), so the merge counts each sink once.
+
+Also here: the block update of the online softmax and the split kernels' initial state and
+epilogue (`triton.jit` helpers), the tile configuration and the split-size heuristic."""
 
 from __future__ import annotations
 
@@ -199,6 +202,24 @@ def output_buffer(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     return out
+
+
+@triton.jit
+def initial_state(sinks_ptr, head, lane_ok, split, M: tl.constexpr, BLOCK_D: tl.constexpr,
+                  SINKS: tl.constexpr):
+    """The online softmax's state before a split's first key: (m, l, acc) [M], [M], [M,
+    BLOCK_D] float32, nothing seen (m = -inf, l = 0, acc = 0). SINKS: split 0 starts from
+    each lane's head sink logit (sinks_ptr [H]) as a key of value 0 (m = sink, l = 1), so the
+    sink joins the row's softmax denominator once, whatever the split count: the merge adds
+    it with split 0's state, and the max includes it."""
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, BLOCK_D], tl.float32)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head, mask=lane_ok, other=0.0).to(tl.float32)
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
+    return m_i, l_i, acc
 
 
 @triton.jit
