@@ -180,7 +180,7 @@ def _common(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001 - SpecCon
 
 def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
     """Options of every command: model, engine and speculative settings."""
-    from vegas_spec.config import DEFAULT_WINDOW, DTYPES, SpecConfig
+    from vegas_spec.config import DEFAULT_WINDOW, DTYPES, VEGAS_WINDOW, SpecConfig
 
     DEFAULT_SPEC = settings or SpecConfig()  # noqa: N806
     g = argparse.ArgumentParser(add_help=False)
@@ -254,7 +254,7 @@ def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
     g.add_argument("--window", type=int,
                    help="vegas, lastq, specextend: positions just before the selection row "
                         f"always selected, inside the budget (0: pure top-k; default "
-                        f"{DEFAULT_WINDOW})")
+                        f"{VEGAS_WINDOW} for vegas, {DEFAULT_WINDOW} for the others)")
     g.add_argument("--pool", type=int,
                    help="vegas, lastq: odd width of a max-pool of the scores over "
                         "neighbouring positions before the top-k (1: none, the default)")

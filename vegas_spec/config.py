@@ -280,11 +280,13 @@ class SamplingParams:
 
 
 MAX_GAMMA = 32
-# vegas's and lastq's local context by default (their options' window, pool; 0, 1: the paper's
-# pure top-k): the 64 positions before the selection row, no pooling, from
-# benchmarks/selection_sweep.py on an H200 (BENCHMARKS.md §1.4: window 64 drafted more tokens
-# per iteration than the pure top-k in long generation and on essays, greedy and sampled).
-DEFAULT_WINDOW, DEFAULT_POOL = 64, 1
+# The local context of the window policies by default (their options' window, pool; 0, 1:
+# the paper's pure top-k), from benchmarks/selection_sweep.py (BENCHMARKS.md §1.4): vegas
+# keeps the 192 positions before the selection row (at 4K contexts, where the budget is its
+# 256-token floor, 192 drafted as many or more tokens per iteration than 64 and 128 on long
+# generation, essays and code, greedy and sampled; every window beat the pure top-k); lastq
+# and specextend, not swept at 192, keep 64; no pooling.
+DEFAULT_WINDOW, VEGAS_WINDOW, DEFAULT_POOL = 64, 192, 1
 METHODS = ("vanilla", "vegas", "stream", "quest", "lastq", "specextend", "full")
 
 
@@ -336,6 +338,7 @@ class LastqOptions(WindowOptions):
 
 @dataclass(frozen=True)
 class VegasOptions(LastqOptions):
+    window: int = VEGAS_WINDOW
     score: str = "weight"  # the verify pass's attention weights, or its raw logits
     collect: str = "2"  # the verify rows aggregated: the first and last, or all
     granularity: str = "layer"  # one selection per layer, or per kv head
