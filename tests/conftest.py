@@ -27,6 +27,8 @@ if TYPE_CHECKING:  # vegas_spec loads triton, which must come after TRITON_INTER
 # chosen before triton is first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# where an engine on the Triton backend runs: the GPU, or the interpreter on CPU tensors
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

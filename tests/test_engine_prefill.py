@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TRITON_DEVICE  # the prefill graphs are captured where it is a GPU
 from models.test_families import (
     assert_close_logits,
     build_hf,
@@ -20,10 +21,6 @@ from models.test_families import (
 from vegas_spec import SamplingParams
 from vegas_spec.engine import LLM
 from vegas_spec.prefill_graphs import ScoreKind, token_bucket
-
-# The Triton kernels run compiled on a GPU (the prefill graphs are then captured) and under
-# the interpreter on CPU tensors otherwise.
-TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _essay_ids(llm: LLM, essays: list[str], n: int) -> list[int]:

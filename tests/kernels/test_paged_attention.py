@@ -140,7 +140,8 @@ OSS_CASES = [
     Case((64, 33), 4, 4, 2, 64, rows="all", block_k=16, window=1, sinks=True),  # itself only
     Case((40,), 7, 4, 2, 64, rows="ends", kv_extra=5, window=128, sinks=True),  # wider
     Case((70,), 33, 6, 2, 64, rows="ends", mode="logit", window=16, sinks=True),  # a chunk
-    Case((50, 29), 20, 8, 2, 64, rows="ends", per_kv_head=True, window=12, split_size=32),
+    Case((50, 29), 20, 8, 2, 64, rows="ends", per_kv_head=True, block_k=16, window=12,
+         split_size=32),
 ]
 
 

@@ -17,6 +17,7 @@ import transformers
 from conftest import (
     TINY_IDS,
     TINY_METHODS,
+    TRITON_DEVICE,
     assert_close_logits,
     hf_logits,
     random_prompts,
@@ -78,6 +79,8 @@ def folder(hf: transformers.PreTrainedModel, tmp_path_factory: pytest.TempPathFa
 
 
 def engine(folder: Path, **kwargs: Any) -> LLM:
+    if kwargs.get("backend") == "triton":
+        kwargs.setdefault("device", TRITON_DEVICE)
     return LLM(str(folder), kv_cache_bytes=4 << 20, **kwargs)
 
 
