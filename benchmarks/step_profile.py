@@ -375,8 +375,8 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
                                                    lengths, args.reps)
         out["select_in_round_ms"] = out["round_ms"] - out["round_unplanned_ms"]
         out["budget"] = budget
-        full_kv = bsz * context * kv_token
-        sparse_kv = bsz * (budget + 2 * gamma + 1) * kv_token
+        full_kv = kv_read_bytes(cfg, bsz, context, 1, kv_token)
+        sparse_kv = kv_read_bytes(cfg, bsz, budget + 2 * gamma + 1, 1, kv_token, context)
         scored = runner.shapes
         score_bytes = bsz * context * cfg.num_layers * score_bytes_per_key(
             scored.score_mode, cfg.num_heads, cfg.num_kv_heads, len(scored.score_rows),
@@ -385,7 +385,8 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
             "plain": wbytes, "verify": wbytes, "draft": draft_weight_bytes(llm)},
             expert_itemsize(llm), hits))
         # the verify step with scores also writes and reads back its rows' logits
-        moved = {"plain": full_kv, "verify": full_kv + score_bytes, "draft": sparse_kv}
+        verify_kv = kv_read_bytes(cfg, bsz, context, gamma + 1, kv_token)
+        moved = {"plain": full_kv, "verify": verify_kv + score_bytes, "draft": sparse_kv}
         set_floors(out, moved, bandwidth)
         if cfg.num_experts:
             set_floors(out, moved, bandwidth, "_expected")
@@ -615,6 +616,21 @@ def parse_verify_tiles(text: str) -> pa.VerifyTiles | None:
 def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
     """K and V of one position over all layers."""
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def kv_read_bytes(cfg: ModelConfig, bsz: int, keys: int, rows: int, kv_token: int,
+                  context: int | None = None) -> int:
+    """K and V bytes a step of `rows` query rows a sequence reads: `keys` positions a
+    sequence on a full-attention layer; on a sliding-window layer (gpt-oss's) the rows'
+    window, window + rows - 1 positions at most, of the sequence's `context` (default
+    `keys`: a draft step's sparse read is over the budget, its window layers over their
+    window)."""
+    layers = cfg.num_layers
+    seen = keys if context is None else context
+    per_layer = kv_token // layers
+    total = sum(min(seen, w + rows - 1) if (w := cfg.window(i)) else keys
+                for i in range(layers))
+    return bsz * per_layer * total
 
 
 def cell_settings(stack: contextlib.ExitStack, dim: int, tiles: pa.ScoreTiles, sparse: str,

@@ -122,7 +122,8 @@ class Int4Weight:
 
     def ref(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] @ weight^T (+ bias) -> [..., N] in x's dtype: the weight dequantised
-        to x's dtype, the products summed in float32 (the kernel's order)."""
+        to x's dtype, the products summed in float32. The kernel scales each group's exact
+        integer sum instead: both are the float64 product to x's rounding."""
         w = on_cpu_once(self.kept, self.data, x.dtype,
                         lambda: self.dequantize(x.dtype).float())
         out = torch.matmul(x.float(), w.t())

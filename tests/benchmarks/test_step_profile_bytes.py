@@ -240,6 +240,24 @@ def test_benchmark_gpt_oss_config_is_the_published_layout() -> None:
     assert (qwen.vocab_size, qwen.max_position_embeddings) == (151936, 40960)
 
 
+def test_kv_bytes_of_sliding_window_layers_are_their_windows(sp: ModuleType) -> None:
+    """K and V a step reads: every position on a full layer; on gpt-oss's sliding layers
+    (128) the rows' window, and on a dense model every layer whole, as before."""
+    oss, _ = config_weight_bytes(ROOT / "benchmarks" / "configs" / "gpt-oss-20b", 2)
+    qwen, _ = config_weight_bytes(ROOT / "benchmarks" / "configs" / "qwen3-30b-a3b", 2)
+    token = sp.kv_bytes_per_token(oss, 2)
+    per_layer = 2 * oss.num_kv_heads * oss.head_dim * 2
+    # 12 full layers of 32K keys, 12 sliding ones of 128 (one row) or 134 (7 rows)
+    assert sp.kv_read_bytes(oss, 4, 32768, 1, token) == 4 * per_layer * 12 * (32768 + 128)
+    assert sp.kv_read_bytes(oss, 4, 32768, 7, token) == 4 * per_layer * 12 * (32768 + 134)
+    # a context inside the window: every position on every layer
+    assert sp.kv_read_bytes(oss, 2, 100, 1, token) == 2 * 100 * token
+    # a draft step: the budget on full layers, the window of the context on sliding ones
+    assert sp.kv_read_bytes(oss, 1, 300, 1, token, 32768) == per_layer * 12 * (300 + 128)
+    assert sp.kv_read_bytes(qwen, 3, 5000, 7, sp.kv_bytes_per_token(qwen, 2)) == \
+        3 * 5000 * sp.kv_bytes_per_token(qwen, 2)
+
+
 def test_spread_biases_routes_dummy_gpt_oss_tokens_apart(sp: ModuleType,
                                                          tmp_path: Path) -> None:
     """gpt-oss's dummy biases are ones: the o_proj bias swamps the random residual stream and

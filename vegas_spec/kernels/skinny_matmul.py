@@ -25,10 +25,11 @@ row) stream one byte a weight: each W tile is converted to x's dtype in register
 e4m3 values are bf16, fp16 and fp32 values), the products accumulate in float32, and the
 column's scale multiplies the sum. INT4 weights (`quant.Int4Weight`: two 4-bit values a
 byte, one scale per row and group of input channels) stream half a byte a weight: each
-BLOCK_K step of a program unpacks its bytes into the weight tile (each integer times its
-group's scale, in x's dtype) and takes it in one dot with the x tile, as FP8's tiles are
-(`_int4_kernel`): wide K steps keep enough bytes in flight. Draft weights take up
-to MAX_DRAFT_ROWS rows a launch. Oracles: `quant.Fp8Weight.ref`, `quant.Int4Weight.ref`."""
+BLOCK_K step of a program takes its group-sized pieces, unpacks a piece's low and high
+nibbles into two integer tiles in x's dtype (exact), dots them with x's even and odd
+channels and scales the float32 sum once per column and group (`_int4_kernel`): no
+per-weight multiply, one scale load per column and piece, wide K steps for bytes in
+flight. Draft weights take up to MAX_DRAFT_ROWS rows a launch. Oracles: `quant.Fp8Weight.ref`, `quant.Int4Weight.ref`."""
 
 from __future__ import annotations
 
@@ -165,32 +166,39 @@ def _sum_splits_kernel(p_ptr, b_ptr, y_ptr, MN, N, HAS_BIAS: tl.constexpr,
 def _int4_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, k_split, K, stride_xm, stride_wn,
                  stride_sn, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                 SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 SUB: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Program (j, s): rows 0..M-1 x columns j*BLOCK_N.. over K range s*k_split.. (a whole
-    number of BLOCK_K steps). Per step: the bytes [BLOCK_N, BLOCK_K/2] (channel 2i in the low
-    nibble of byte i, 2i + 1 in the high) become the weight tile [BLOCK_N, BLOCK_K] in x's
-    dtype, each value times its row's and group's scale, for one dot with the x tile."""
+    number of BLOCK_K steps). A step is BLOCK_K // SUB pieces of SUB channels, each inside
+    one group: its bytes [BLOCK_N, SUB/2] (channel 2i in the low nibble of byte i, 2i + 1
+    in the high) become two integer tiles in x's dtype (exact: -8..7), one dot each with
+    x's even and odd channels, and the float32 sum is scaled once by the group's scale of
+    each column."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    half = tl.arange(0, BLOCK_K // 2)
+    half = tl.arange(0, SUB // 2)
     m_ok, n_ok = rm < M, rn < N
     x_row = x_ptr + rm[:, None] * stride_xm
     w_row = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    s_row = s_ptr + rn.to(tl.int64)[:, None] * stride_sn
+    s_col = s_ptr + rn.to(tl.int64) * stride_sn
     k_lo = tl.program_id(1) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        k_ok = k0 + rk < k_hi
-        x = tl.load(x_row + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        pair_ok = n_ok[:, None] & (k0 + 2 * half < k_hi)[None, :]
-        packed = tl.load(w_row + (k0 // 2 + half)[None, :], mask=pair_ok, other=136)
-        scale = tl.load(s_row + ((k0 + 2 * half) // GROUP)[None, :], mask=pair_ok, other=0.0)
-        low = ((packed & 15).to(tl.int32) - 8).to(tl.float32) * scale
-        high = ((packed >> 4).to(tl.int32) - 8).to(tl.float32) * scale
-        w = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K)).to(x_ptr.dtype.element_ty)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        for piece in tl.static_range(BLOCK_K // SUB):
+            kp = k0 + piece * SUB
+            even = kp + 2 * half  # K is even: the odd channel beside it is in range too
+            ok = even < k_hi
+            packed = tl.load(w_row + (kp // 2 + half)[None, :], mask=n_ok[:, None] & ok[None, :],
+                             other=136)
+            x_ok = m_ok[:, None] & ok[None, :]
+            x_even = tl.load(x_row + even[None, :], mask=x_ok, other=0.0)
+            x_odd = tl.load(x_row + (even + 1)[None, :], mask=x_ok, other=0.0)
+            low = ((packed & 15).to(tl.int32) - 8).to(x_ptr.dtype.element_ty)
+            high = ((packed >> 4).to(tl.int32) - 8).to(x_ptr.dtype.element_ty)
+            part = tl.dot(x_even, tl.trans(low), input_precision=DOT_PRECISION)
+            part = tl.dot(x_odd, tl.trans(high), part, input_precision=DOT_PRECISION)
+            scale = tl.load(s_col + kp // GROUP, mask=n_ok & (kp < k_hi), other=0.0)
+            acc += part * scale[None, :]
     if HAS_BIAS and SPLIT_K == 1:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_block = y_ptr + tl.program_id(1).to(tl.int64) * M * stride_ym
@@ -237,11 +245,13 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.
     stride_ym = out.stride(0) if cfg.split_k == 1 else n
     precision = "ieee" if rows.dtype == torch.float32 else "tf32"
     if isinstance(weight, Int4Weight):
+        sub = min(cfg.block_k, weight.group)  # a piece of a step inside one group
+        assert sub >= 32, "INT4: K steps and groups of at least 32 channels"
         _int4_kernel[grid](
             rows, weight.data, weight.scale, b, partials, m, n, k_split, k, rows.stride(0),
             weight.data.stride(0), weight.scale.stride(0), stride_ym,
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, GROUP=weight.group, SPLIT_K=cfg.split_k,
+            BLOCK_K=cfg.block_k, GROUP=weight.group, SUB=sub, SPLIT_K=cfg.split_k,
             DOT_PRECISION=precision,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
