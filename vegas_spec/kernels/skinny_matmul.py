@@ -29,7 +29,8 @@ BLOCK_K step of a program takes its group-sized pieces, unpacks a piece's low an
 nibbles into two integer tiles in x's dtype (exact), dots them with x's even and odd
 channels and scales the float32 sum once per column and group (`_int4_kernel`): no
 per-weight multiply, one scale load per column and piece, wide K steps for bytes in
-flight. Draft weights take up to MAX_DRAFT_ROWS rows a launch. Oracles: `quant.Fp8Weight.ref`, `quant.Int4Weight.ref`."""
+flight. Draft weights take up to MAX_DRAFT_ROWS rows a launch. Oracles:
+`quant.Fp8Weight.ref`, `quant.Int4Weight.ref`."""
 
 from __future__ import annotations
 
