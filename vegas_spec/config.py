@@ -315,7 +315,7 @@ class SinkOptions(PolicyOptions):
 @dataclass(frozen=True)
 class WindowOptions(SinkOptions):
     # the positions just before the selection row always selected (inside the budget k:
-    # min(window, k) of them), as the start of the recent range; 0: none
+    # min(window, 3k/4) of them), as the start of the recent range; 0: none
     window: int = DEFAULT_WINDOW
 
     def __post_init__(self) -> None:

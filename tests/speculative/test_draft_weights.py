@@ -16,7 +16,7 @@ KINDS = {"fp8": Fp8Weight, "int4": Int4Weight}
 
 METHODS = ["vegas", "lastq", "stream", "quest", "specextend", "full"]
 MAX_TOKENS = 16
-LENGTHS = ((900, 0), (1200, 7), (1500, 19))  # the prompts' tokens and first essays
+LENGTHS = ((500, 0), (650, 7), (800, 19))  # the prompts' tokens and first essays
 # each prompt with its new tokens and a round of γ 6 resident at once
 POOL = kv_bytes([n + 32 for n, _ in LENGTHS])
 
@@ -45,7 +45,8 @@ def plain(draft_llm, prompts):
 
 
 def spec(method: str) -> SpecConfig:
-    return SpecConfig(method=method, gamma=6, ratio=0.05, min_tokens=64, adaptive=False)
+    # budgets of 64, 65 and 80 positions: every draft reads a selection
+    return SpecConfig(method=method, gamma=6, ratio=0.1, min_tokens=64, adaptive=False)
 
 
 def test_the_copy_is_of_its_kind_per_projection(draft_llm) -> None:
@@ -128,20 +129,21 @@ def test_greedy_output_with_quantised_drafts_is_plain(draft_llm, prompts, plain,
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_dynamic_path_quantised_drafts(prompts, kind: str) -> None:
     llm = LLM(kv_cache_bytes=POOL, draft_weights=kind)
-    plain = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
-    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+    two = prompts[:2]
+    plain = llm.generate(two, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    outs = llm.generate(two, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
                         speculative=spec("vegas"))
     assert llm.engine.runner.graphs is None
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
 
 
-@pytest.mark.parametrize("kind,method", [("fp8", "vegas"), ("fp8", "quest"), ("int4", "vegas")])
+@pytest.mark.parametrize("kind,method", [("fp8", "vegas"), ("int4", "vegas")])
 def test_bfloat16_exact_mode_quantised_drafts(prompts, kind: str, method: str) -> None:
     """In bfloat16 the verify step and a plain step may round a near-tie apart unless exact
     mode makes every row batch-independent: then quantised drafts change nothing either."""
     llm = LLM(kv_cache_bytes=POOL // 2, dtype="bfloat16", exact=True, draft_weights=kind)
-    short = [p[-400:] for p in prompts[:2]]
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    short = [p[-300:] for p in prompts[:2]]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
     want = llm.generate(short, params)
     outs = llm.generate(short, params, speculative=SpecConfig(
         method=method, gamma=4, ratio=0.1, min_tokens=32, adaptive=False))

@@ -352,12 +352,12 @@ def test_specextend_chunks_of_the_last_layer_row() -> None:
 
 def local_expected(values: np.ndarray | list[float], rankable: int, k: int, window: int,
                    pool: int) -> tuple[list[float], list[int], int]:
-    """By hand: the last min(window, k) positions before the selection row are the start of
-    the recent range, so the ranked ones are those before it; each of them scores the max
-    over its pool // 2 neighbours each side that are ranked too; the k - min(window, k) best
+    """By hand: the last min(window, 3k/4) positions before the selection row are the start
+    of the recent range, so the ranked ones are those before it; each of them scores the max
+    over its pool // 2 neighbours each side that are ranked too; the k - that many best
     (ties to the lowest positions, as the Triton kernel breaks them). -> (the pooled scores,
     the selection, the recent range's start)."""
-    half, near = pool // 2, min(window, k)
+    half, near = pool // 2, min(window, 3 * k // 4)
     ranked = rankable - near
     pooled = [max(float(values[j]) for j in range(max(0, i - half), min(ranked, i + half + 1)))
               for i in range(ranked)]
@@ -410,7 +410,7 @@ def aggregated(method: str, case: Case, scores: np.ndarray, layer: int, b: int,
 def test_local_context_keeps_the_window_and_pools_inside_the_budget(
         backend: str, method: str, granularity: str, prefill: bool, window: int,
         pool: int) -> None:
-    """The last min(window, k) positions before the selection row start the recent range,
+    """The last min(window, 3k/4) positions before the selection row start the recent range,
     the rest of the budget is the top of the max-pooled scores before them, the budget is
     the pure top-k's, so the drafts read as many positions; the Triton top-k (the
     interpreter here) selects what the hand does, ties included."""
@@ -425,7 +425,7 @@ def test_local_context_keeps_the_window_and_pools_inside_the_budget(
     pure = make_policy(base).plan(case.selection_input(scores))
     assert plan is not None and pure is not None
     k = [expected_budget(cfg, n, r) for n, r in zip(case.lengths, start)]
-    ranked = [r - min(window, kb) for r, kb in zip(start, k)]
+    ranked = [r - min(window, 3 * kb // 4) for r, kb in zip(start, k)]
     check_plan(plan, case, ranked, k)
     assert torch.equal(plan.budget, pure.budget)
     assert plan.indices.shape[:3] == pure.indices.shape[:3]
@@ -473,7 +473,7 @@ def test_pooling_and_the_window_rank_as_the_hand_says() -> None:
 @pytest.mark.parametrize("method", ["vegas", "lastq"])
 @pytest.mark.parametrize("window", [1, 4, 10**6])
 def test_the_window_starts_the_recent_range(method: str, window: int) -> None:
-    """The plan's recent range starts min(window, k) positions before the selection row, its
+    """The plan's recent range starts min(window, 3k/4) positions before the selection row, its
     host bound grows by the window, and the pure top-k's budget is spent the same."""
     case = make_case(33, prefill=False)
     cfg = spec(method, window=window)
@@ -485,10 +485,11 @@ def test_the_window_starts_the_recent_range(method: str, window: int) -> None:
         [r + a for r, a in zip(case.row_pos, case.accepted)]
     k = [expected_budget(cfg, n, r) for n, r in zip(case.lengths, start)]
     assert plan is not None
-    assert plan.recent_start.tolist() == [r - min(window, kb) for r, kb in zip(start, k)]
+    assert plan.recent_start.tolist() == [r - min(window, 3 * kb // 4)
+                                          for r, kb in zip(start, k)]
     assert policy.recent_max(GAMMA) == 2 * GAMMA + 1 + window
     listed = (plan.indices[0, :, 0] >= 0).sum(-1).tolist()
-    assert [n + min(window, kb) for n, kb in zip(listed, k)] == k
+    assert [n + min(window, 3 * kb // 4) for n, kb in zip(listed, k)] == k
 
 
 @pytest.mark.parametrize("method", ["vegas", "lastq"])

@@ -192,7 +192,7 @@ class Policy:
             ranked, listed = start, k
         else:
             # the window's positions join the recent range; the rest of the budget is ranked
-            near = torch.clamp(k, max=self.window) if self.window else 0
+            near = window_positions(k, self.window) if self.window else 0
             ranked, listed = start - near, k - near
             indices = self.indices(inp, ranked, listed)
         recent = inp.recent_max if inp.recent_max is not None \
@@ -215,6 +215,13 @@ class Policy:
     def step_selector(self, state: QuestState, rows: int, kmax: int) -> Any:
         """The per-layer selector of the first `rows` rows over that state."""
         raise NotImplementedError
+
+
+def window_positions(k: torch.Tensor, window: int) -> torch.Tensor:
+    """Positions of a budget k that a window keeps: min(window, 3k/4 rounded down), so that
+    the ranked selection always has a quarter of the budget (a window as wide as the budget
+    would leave a plan of recent positions alone, without even stream's sink)."""
+    return torch.clamp(k * 3 // 4, max=window)
 
 
 POLICIES: dict[str, type[Policy]] = {}
