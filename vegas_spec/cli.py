@@ -253,8 +253,8 @@ def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
                         "(attention sink; default 4)")
     g.add_argument("--window", type=int,
                    help="vegas, lastq, specextend: positions just before the selection row "
-                        f"always selected, inside the budget (0: pure top-k; default "
-                        f"{VEGAS_WINDOW} for vegas, {DEFAULT_WINDOW} for the others)")
+                        f"always selected, at most 3/4 of the budget (0: pure top-k; "
+                        f"default {VEGAS_WINDOW} for vegas, {DEFAULT_WINDOW} for the others)")
     g.add_argument("--pool", type=int,
                    help="vegas, lastq: odd width of a max-pool of the scores over "
                         "neighbouring positions before the top-k (1: none, the default)")

@@ -519,7 +519,7 @@ def test_bursts_of_64_wait_and_of_200_are_bounded(served: Running, offline: LLM)
     assert [json.loads(t)["choices"][0]["text"] for _, _, t in answers] == [w for w, _ in want]
     with contextlib.ExitStack() as stack:  # 8 streams hold the 8 rows: long enough that
         # the first is not done before the eighth has opened (a round drafts up to 5 tokens)
-        lines = [stack.enter_context(streaming(served, PROMPTS[i], 150)) for i in range(8)]
+        lines = [stack.enter_context(streaming(served, PROMPTS[i], 100)) for i in range(8)]
         assert served.engine.num_running == 8
         pool = stack.enter_context(cf.ThreadPoolExecutor(1))
         burst = pool.submit(asyncio.run, _burst(url, bodies * 3 + bodies[:8]))
