@@ -2,14 +2,18 @@
 transformers (one prefill chunk or many, both backends, exact mode), the checkpoint's
 per-expert tensors read by the family's table and cut for tensor parallelism, greedy output
 of every speculative method equal to plain decoding's (default and exact mode, model or FP8
-/INT4 draft copies), and layouts the family does not run refused in one line."""
+/INT4 draft copies), and layouts the family does not run refused in one line; the same
+model as llama.cpp's qwen3moe GGUF file (F32, Q8_0 experts) read to the same weights and
+logits."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -193,9 +197,184 @@ def test_more_experts_a_token_than_experts_is_refused() -> None:
         ModelConfig.from_hf(config)
 
 
-def test_gguf_files_of_the_family_are_refused_by_name() -> None:
-    with pytest.raises(ConfigError, match="^GGUF architecture 'qwen3moe' is Qwen3MoeForCausalLM, "
+# --- llama.cpp's qwen3moe GGUF files ----------------------------------------------------------
+
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "mlp.gate": "ffn_gate_inp"}
+EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def gguf_tensors(model: transformers.PreTrainedModel) -> dict[str, np.ndarray]:
+    """model's tensors by llama.cpp's qwen3moe names: q/k as they are (not permuted), each
+    layer's experts stacked, gate [E, I, hidden], up [E, I, hidden], down [E, hidden, I]."""
+    out = {}
+    for key, t in model.state_dict().items():
+        a = t.float().numpy()
+        if key in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            out[{"model.embed_tokens.weight": "token_embd.weight",
+                 "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}[key]] = a
+            continue
+        layer, rest = key.split(".")[2], ".".join(key.split(".")[3:])
+        blk = f"blk.{layer}."
+        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, hidden]: gate rows, then up rows
+            half = a.shape[1] // 2
+            out[blk + "ffn_gate_exps.weight"] = a[:, :half]
+            out[blk + "ffn_up_exps.weight"] = a[:, half:]
+        elif rest == "mlp.experts.down_proj":
+            out[blk + "ffn_down_exps.weight"] = a
+        else:
+            out[blk + GGUF_NAMES[rest.rpartition(".")[0]] + ".weight"] = a
+    return {name: np.ascontiguousarray(a) for name, a in out.items()}
+
+
+def write_gguf(path: Path, model: transformers.PreTrainedModel, quantized: Any = None,
+               weights_norm: bool | None = None, flat: str = "") -> None:
+    """model as a qwen3moe GGUF (F32 tensors; the experts' stacks in `quantized`, a GGML
+    type, where given; the tensor named `flat` 2-D), with a byte-level vocabulary of VOCAB
+    tokens for the tokenizer."""
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if weights_norm is not None:
+        w.add_expert_weights_norm(weights_norm)
+    chars = bytes_to_unicode()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([chars[b] for b in range(VOCAB - 2)] + [chars[32] + "t", chars[32] + "a"])
+    w.add_token_merges([f"{chars[32]} t", f"{chars[32]} a"])  # transformers reads one as a string
+    w.add_token_types([1] * VOCAB)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for name, a in gguf_tensors(model).items():
+        if name == flat:
+            w.add_tensor(name, a.reshape(-1, a.shape[-1]))
+        elif quantized is not None and name.split(".")[-2] in EXPERT_STACKS:
+            w.add_tensor(name, gguf.quants.quantize(a, quantized), raw_dtype=quantized)
+        else:
+            w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def gguf_path(hf: transformers.PreTrainedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("qwen3-moe-gguf") / "tiny-qwen3moe.F32.gguf"
+    write_gguf(path, hf)
+    return path
+
+
+def test_gguf_config_is_the_checkpoints(folder: Path, gguf_path: Path) -> None:
+    """The qwen3moe keys give the config of the HF checkpoint (norm_topk_prob: llama.cpp
+    renormalises where the file says nothing)."""
+    ours = loader.load_config(loader.resolve(gguf_path))
+    want = loader.load_config(loader.resolve(folder))
+    assert registry.by_gguf("qwen3moe") is registry.family("Qwen3MoeForCausalLM")
+    assert ours.architecture == "Qwen3MoeForCausalLM"
+    assert (ours.num_experts, ours.experts_per_token, ours.moe_intermediate_size,
+            ours.norm_topk_prob) == (8, 2, 32, True)
+    for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                  "head_dim", "tie_word_embeddings", "num_experts", "experts_per_token",
+                  "moe_intermediate_size", "norm_topk_prob"):
+        assert getattr(ours, field) == getattr(want, field), field
+    for field in ("rms_norm_eps", "rope_theta"):  # GGUF stores them as float32
+        assert getattr(ours, field) == pytest.approx(getattr(want, field), rel=1e-6), field
+
+
+def test_gguf_weights_are_the_checkpoints(folder: Path, gguf_path: Path) -> None:
+    """The stacked experts become the table's per-expert tensors, equal to transformers'."""
+    source = loader.resolve(folder)
+    cfg = loader.load_config(source)
+    want = loader.load_weights(source, cfg)
+    ours = loader.load_weights(loader.resolve(gguf_path), cfg)
+    assert ours.keys() == want.keys()
+    for name, w in want.items():
+        assert torch.equal(ours[name], w), name
+    half = [loader.load_weights(loader.resolve(gguf_path), cfg, parallel.TPGroup(2, r))
+            for r in range(2)]
+    assert half[1]["model.layers.1.mlp.experts.6.up_proj.weight"].shape == (16, 64)
+    assert torch.equal(half[1]["model.layers.1.mlp.experts.6.down_proj.weight"],
+                       want["model.layers.1.mlp.experts.6.down_proj.weight"][:, 16:])
+
+
+@pytest.mark.parametrize("setting", ["one-chunk", "exact"])
+def test_gguf_logits_match_transformers(hf: transformers.PreTrainedModel, gguf_path: Path,
+                                        setting: str) -> None:
+    assert_close_logits(engine(gguf_path, **SETTINGS[setting]).logits(PROMPT),
+                        hf_logits(hf, PROMPT))
+
+
+def test_quantized_gguf_experts_give_transformers_logits_on_their_values(
+        hf: transformers.PreTrainedModel, tmp_path: Path) -> None:
+    """Q8_0 expert stacks: the logits of transformers' model holding the dequantised values
+    (and not those of the unquantised one)."""
+    import gguf
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    write_gguf(tmp_path / "tiny.Q8_0.gguf", hf, quantized=q8)
+    ref = copy.deepcopy(hf)
+    tensors = gguf_tensors(hf)
+    back = {name: torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(a, q8), q8))
+            for name, a in tensors.items() if name.split(".")[-2] in EXPERT_STACKS}
+    with torch.no_grad():
+        for i, layer in enumerate(ref.model.layers):
+            experts = layer.mlp.experts
+            experts.gate_up_proj.copy_(torch.cat([back[f"blk.{i}.ffn_gate_exps.weight"],
+                                                  back[f"blk.{i}.ffn_up_exps.weight"]], dim=1))
+            experts.down_proj.copy_(back[f"blk.{i}.ffn_down_exps.weight"])
+    got = engine(tmp_path / "tiny.Q8_0.gguf").logits(PROMPT)
+    assert_close_logits(got, hf_logits(ref, PROMPT))
+    assert not torch.allclose(got, hf_logits(hf, PROMPT), atol=1e-4, rtol=0)
+
+
+def test_gguf_expert_weights_norm_false_keeps_the_probabilities(tmp_path: Path) -> None:
+    model = build_hf(seed=1, norm_topk_prob=False, num_experts_per_tok=3)
+    write_gguf(tmp_path / "tiny.gguf", model, weights_norm=False)
+    llm = engine(tmp_path / "tiny.gguf")
+    assert not llm.model_config.norm_topk_prob and llm.model_config.experts_per_token == 3
+    assert_close_logits(llm.logits(PROMPT), hf_logits(model, PROMPT))
+
+
+def test_vegas_on_the_gguf_gives_plain_tokens(gguf_path: Path,
+                                              family_prompts: list[list[int]]) -> None:
+    llm = engine(gguf_path)
+    plain = [o.token_ids for o in llm.generate(family_prompts, PARAMS, speculative=PLAIN)]
+    outs = llm.generate(family_prompts, PARAMS, speculative=tiny_spec({"method": "vegas"}))
+    assert [o.token_ids for o in outs] == plain
+
+
+def test_an_expert_tensor_that_is_not_a_stack_is_refused(hf: transformers.PreTrainedModel,
+                                                         tmp_path: Path) -> None:
+    write_gguf(tmp_path / "flat.gguf", hf, flat="blk.0.ffn_up_exps.weight")
+    with pytest.raises(loader.WeightError, match=r"blk\.0\.ffn_up_exps\.weight has shape "
+                                                 r"\(256, 64\), not the experts' stack"):
+        engine(tmp_path / "flat.gguf")
+
+
+def test_gguf_architectures_not_read_are_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="^GGUF architecture 'gptoss' is GptOssForCausalLM, "
                                           "which is read from safetensors checkpoints only"):
-        registry.by_gguf("qwen3moe")
-    with pytest.raises(ConfigError, match="unsupported GGUF architecture 'foo'"):
+        registry.by_gguf("gptoss")
+    with pytest.raises(ConfigError, match="unsupported GGUF architecture 'foo'; supported: "
+                                          ".*qwen3moe"):
         registry.by_gguf("foo")

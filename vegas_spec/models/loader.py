@@ -21,7 +21,7 @@ import torch
 
 from vegas_spec.config import ConfigError, ModelConfig
 from vegas_spec.models import mxfp4, registry
-from vegas_spec.models.family import Family
+from vegas_spec.models.family import EXPERT, Family
 from vegas_spec.models.gguf_file import GGUFFile, read_gguf
 from vegas_spec.parallel import SINGLE, TPGroup, shard
 
@@ -304,6 +304,15 @@ def gguf_config(reader: GGUFFile) -> dict:
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
     }
+    if a("expert_count") is not None:  # a mixture of experts (llama.cpp's qwen3moe keys)
+        cfg.update({
+            "num_experts": a("expert_count"), "num_experts_per_tok": a("expert_used_count"),
+            "moe_intermediate_size": a("expert_feed_forward_length"),
+            # llama.cpp renormalises the top-k probabilities unless the file says not to
+            "norm_topk_prob": bool(a("expert_weights_norm", True)),
+        })
+        if cfg["intermediate_size"] is None:  # a dense size no layer of the model uses
+            cfg["intermediate_size"] = cfg["moe_intermediate_size"]
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         cfg["rope_scaling"] = {"rope_type": scaling, "factor": a("rope.scaling.factor"),
@@ -325,7 +334,8 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 def _gguf_weights(source: ModelSource, cfg: ModelConfig, family: Family,
                   tp: TPGroup) -> dict[str, torch.Tensor]:
     """Every tensor dequantised whole (GGUF blocks cannot be sliced by rows in general), then
-    only rank tp.rank's slice kept."""
+    only rank tp.rank's slice kept; a stack of experts (`ffn_up_exps` [experts, rows,
+    columns]) becomes the table's per-expert tensors."""
     import gguf
 
     reader = _gguf_reader(source.path)
@@ -339,6 +349,15 @@ def _gguf_weights(source: ModelSource, cfg: ModelConfig, family: Family,
             raise WeightError(f"{source.path}: tensor {t.name} is stored as "
                               f"{t.tensor_type.name}, which gguf cannot dequantise") from None
         name = family.from_gguf(t.name)
+        if EXPERT in name:  # llama.cpp stacks a layer's experts: [experts, rows, columns]
+            if w.ndim != 3:
+                raise WeightError(f"{source.path}: tensor {t.name} has shape {w.shape}, not "
+                                  "the experts' stack [experts, rows, columns]")
+            stack = torch.from_numpy(np.ascontiguousarray(w))
+            for e in range(stack.shape[0]):
+                expert = name.replace(EXPERT, str(e))
+                weights[expert] = shard(stack[e], family.split_dim(expert), tp)
+            continue
         row = family.entry(name)
         if family.gguf_permuted and row is not None and row.rope_heads is not None:
             w = _unpermute(w, row.rope_heads(cfg))

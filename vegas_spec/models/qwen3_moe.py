@@ -4,7 +4,14 @@ experts (`num_local_experts` in the files transformers 5 writes) of `moe_interme
 `num_experts_per_tok` of them a token, their probabilities renormalised where
 `norm_topk_prob`. Checkpoints hold one tensor per expert (`mlp.experts.{e}.gate_proj.weight`:
 what Qwen publishes and transformers saves). Layouts with dense layers (`mlp_only_layers`,
-`decoder_sparse_step` > 1) are refused, and GGUF files are not read."""
+`decoder_sparse_step` > 1) are refused.
+
+GGUF files of llama.cpp's `qwen3moe` architecture are read too: its `expert_count`,
+`expert_used_count` and `expert_feed_forward_length` keys give the experts' sizes (the
+top-k probabilities renormalised, as llama.cpp does, unless `expert_weights_norm` is
+false), q/k rows are not permuted, and each layer's experts are stacked tensors
+(`ffn_gate_exps`, `ffn_up_exps` [E, I, hidden], `ffn_down_exps` [E, hidden, I]) that the
+loader cuts into the table's per-expert ones."""
 
 from __future__ import annotations
 
@@ -48,4 +55,4 @@ def qwen3_moe_experts(hf: dict[str, Any]) -> Experts:
 
 QWEN3_MOE = Family(ARCHITECTURE, "qwen3_moe", MoEDecoderLayer, MODEL_WEIGHTS,
                    ATTENTION_WEIGHTS + EXPERT_WEIGHTS + NORM_WEIGHTS + QK_NORM_WEIGHTS,
-                   qwen3_switches, experts=qwen3_moe_experts)
+                   qwen3_switches, gguf="qwen3moe", experts=qwen3_moe_experts)

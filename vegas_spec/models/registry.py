@@ -51,7 +51,7 @@ def by_gguf(name: Any) -> Family:  # noqa: ANN401 - a GGUF field, of any type
     """The family of GGUF `general.architecture` name."""
     found = next((f for f in FAMILIES.values() if f.gguf is not None and f.gguf == name), None)
     if found is None:
-        # llama.cpp names an architecture by its HF model_type without underscores (qwen3moe)
+        # llama.cpp names an architecture by its HF model_type without underscores (gptoss)
         known = next((f for f in FAMILIES.values()
                       if f.model_type.replace("_", "") == name and f.gguf is None), None)
         if known is not None:
