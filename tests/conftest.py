@@ -155,6 +155,27 @@ def tiny_spec(method: dict | None) -> SpecConfig:
     return SpecConfig(gamma=3, ratio=0.1, min_tokens=8, adaptive=False, **method)
 
 
+def gguf_model_fields(writer: Any, cfg: Any) -> None:
+    """The sizes a GGUF of a tiny transformers model (config `cfg`) carries under llama.cpp's
+    keys: blocks, context, widths, heads, the RoPE base and the norms' epsilon."""
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
+def close_gguf(writer: Any) -> None:
+    """A GGUF writer's header, key-values and tensors written out, the file closed."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def config_folder(tmp_path_factory: pytest.TempPathFactory, name: str, config: dict) -> Path:
     """A model folder holding only an HF config.json (weights: load_format="dummy")."""
     folder = tmp_path_factory.mktemp(name)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from conftest import close_gguf
 from safetensors.torch import load_file, save_file
 
 from vegas_spec.cache import OutOfMemoryError, PagedKVCache
@@ -477,10 +478,7 @@ def _gguf(path: Path, architecture: str = "llama") -> Path:
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", torch.ones(64, 64).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_gguf(writer)
     return path
 
 

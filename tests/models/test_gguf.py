@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import close_gguf, gguf_model_fields
 
 from vegas_spec.models.loader import _unpermute
 from vegas_spec.ops import apply_rope
@@ -119,14 +120,7 @@ def write_tiny_llama_gguf(path, hf_model, rope_freqs: np.ndarray | None) -> None
 
     cfg = hf_model.config
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    gguf_model_fields(w, cfg)
     w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
@@ -151,10 +145,7 @@ def write_tiny_llama_gguf(path, hf_model, rope_freqs: np.ndarray | None) -> None
             w.add_tensor(f"blk.{layer}.{names[rest]}.weight", a)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
 
 def test_rope_freqs_gguf_gives_transformers_llama3_logits(tmp_path) -> None:  # noqa: ANN001

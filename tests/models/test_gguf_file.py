@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import close_gguf
 
 gguf = pytest.importorskip("gguf")
 
@@ -43,10 +44,7 @@ def write(path: Path, alignment: int | None = None) -> dict[str, np.ndarray]:
             w.add_tensor(name, gguf.quants.quantize(value, T.Q8_0), raw_dtype=T.Q8_0)
         else:
             w.add_tensor(name, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
     return tensors
 
 

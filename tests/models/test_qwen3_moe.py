@@ -22,6 +22,8 @@ from conftest import (
     TINY_METHODS,
     TRITON_DEVICE,
     assert_close_logits,
+    close_gguf,
+    gguf_model_fields,
     hf_logits,
     random_prompts,
     randomize_norms_and_biases,
@@ -241,16 +243,9 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, quantized: Any =
 
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "qwen3moe")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    gguf_model_fields(w, cfg)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_expert_count(cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
@@ -271,10 +266,7 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, quantized: Any =
             w.add_tensor(name, gguf.quants.quantize(a, quantized), raw_dtype=quantized)
         else:
             w.add_tensor(name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
 
 @pytest.fixture(scope="module")
