@@ -85,7 +85,7 @@ def _load_model(config: EngineConfig, source: ModelSource, cfg: ModelConfig,
     if config.load_format == "dummy":
         weights = dummy_weights(cfg, config.torch_dtype, device, tp=tp)
     else:
-        weights = load_weights(source, cfg, tp)
+        weights = load_weights(source, cfg, tp, config.torch_dtype)
     model = build_model(local, weights, config.torch_dtype, device)
     if kind != "model":
         model.make_draft_weights(kind)

@@ -309,6 +309,20 @@ def test_gguf_weights_are_the_checkpoints(folder: Path, gguf_path: Path) -> None
                        want["model.layers.1.mlp.experts.6.down_proj.weight"][:, 16:])
 
 
+def test_gguf_weights_come_in_the_models_dtype(gguf_path: Path) -> None:
+    """Each tensor is cast to the model's dtype as it is read (the host never holds the
+    whole model in float32): the float32 tensors rounded, experts and TP slices too."""
+    source = loader.resolve(gguf_path)
+    cfg = loader.load_config(source)
+    whole = loader.load_weights(source, cfg)
+    for tp in (parallel.SINGLE, parallel.TPGroup(2, 1)):
+        cast = loader.load_weights(source, cfg, tp, torch.bfloat16)
+        assert cast.keys() == whole.keys()
+        for name, w in whole.items():
+            want = parallel.shard_tensor(name, w, tp).to(torch.bfloat16)
+            assert cast[name].dtype == torch.bfloat16 and torch.equal(cast[name], want), name
+
+
 @pytest.mark.parametrize("setting", ["one-chunk", "exact"])
 def test_gguf_logits_match_transformers(hf: transformers.PreTrainedModel, gguf_path: Path,
                                         setting: str) -> None:

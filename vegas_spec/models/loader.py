@@ -145,15 +145,17 @@ def _generation_eos(folder: Path) -> dict:
     return {} if eos is None else {"eos_token_id": eos}
 
 
-def load_weights(source: ModelSource, cfg: ModelConfig,
-                 tp: TPGroup = SINGLE) -> dict[str, torch.Tensor]:
+def load_weights(source: ModelSource, cfg: ModelConfig, tp: TPGroup = SINGLE,
+                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """HF-named tensors, checked; under tensor parallelism only rank tp.rank's slices, each
-    cut as soon as its tensor is read (see `vegas_spec.parallel`)."""
+    cut as soon as its tensor is read (see `vegas_spec.parallel`). dtype: the model's, to
+    which a GGUF file's tensors are cast one by one as they are dequantised (float32), so
+    that the host holds the model once in its dtype, not whole in float32."""
     family = registry.family(cfg.architecture)
     origin = str(source.path) if tp.world_size == 1 else \
         f"{source.path} (tensor-parallel rank {tp.rank} of {tp.world_size})"
     if source.is_gguf:
-        weights = _gguf_weights(source, cfg, family, tp)
+        weights = _gguf_weights(source, cfg, family, tp, dtype)
     else:
         weights = _safetensors_weights(source.path, family, tp)
         _dequantize_mxfp4(weights, family, tp, origin)
@@ -332,10 +334,15 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _gguf_weights(source: ModelSource, cfg: ModelConfig, family: Family,
-                  tp: TPGroup) -> dict[str, torch.Tensor]:
+                  tp: TPGroup, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Every tensor dequantised whole (GGUF blocks cannot be sliced by rows in general), then
-    only rank tp.rank's slice kept; a stack of experts (`ffn_up_exps` [experts, rows,
-    columns]) becomes the table's per-expert tensors."""
+    only rank tp.rank's slice kept, in `dtype` where given; a stack of experts
+    (`ffn_up_exps` [experts, rows, columns]) becomes the table's per-expert tensors."""
+
+    def kept(w: torch.Tensor, name: str) -> torch.Tensor:
+        part = shard(w, family.split_dim(name), tp)
+        return part if dtype is None or dtype == part.dtype else part.to(dtype)
+
     import gguf
 
     reader = _gguf_reader(source.path)
@@ -356,11 +363,10 @@ def _gguf_weights(source: ModelSource, cfg: ModelConfig, family: Family,
             stack = torch.from_numpy(np.ascontiguousarray(w))
             for e in range(stack.shape[0]):
                 expert = name.replace(EXPERT, str(e))
-                weights[expert] = shard(stack[e], family.split_dim(expert), tp)
+                weights[expert] = kept(stack[e], expert)
             continue
         row = family.entry(name)
         if family.gguf_permuted and row is not None and row.rope_heads is not None:
             w = _unpermute(w, row.rope_heads(cfg))
-        w = torch.from_numpy(np.ascontiguousarray(w))
-        weights[name] = shard(w, family.split_dim(name), tp)
+        weights[name] = kept(torch.from_numpy(np.ascontiguousarray(w)), name)
     return weights
