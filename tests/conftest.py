@@ -197,14 +197,22 @@ def family_prompts(request: pytest.FixtureRequest) -> list[list[int]]:
     return random_prompts(2, (40, 23), request.module.VOCAB)
 
 
+def family_engine(path: Path, **kwargs: Any) -> Any:
+    """An engine of a tiny family checkpoint (folder or GGUF file) with a 4 MiB KV pool; on
+    the Triton backend, on the GPU where there is one."""
+    from vegas_spec.engine import LLM
+
+    if kwargs.get("backend") == "triton":
+        kwargs.setdefault("device", TRITON_DEVICE)
+    return LLM(str(path), kv_cache_bytes=4 << 20, **kwargs)
+
+
 @pytest.fixture(scope="module", params=[False, True], ids=["default", "exact"])
 def family_llm(folder: Path, request: pytest.FixtureRequest) -> Any:
     """The module's checkpoint in float32, or in exact mode in bfloat16 (where a row
     computed another way would round differently)."""
-    from vegas_spec.engine import LLM
-
     kwargs = {"exact": True, "dtype": "bfloat16"} if request.param else {}
-    return LLM(str(folder), kv_cache_bytes=4 << 20, **kwargs)
+    return family_engine(folder, **kwargs)
 
 
 @pytest.fixture(scope="module")

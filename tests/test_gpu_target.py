@@ -9,10 +9,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # How a test file says it runs something only on CUDA: a skip when CUDA is missing (or there
 # are fewer than two GPUs), the `gpu` marker, a test for the GPU's device, or a device that
-# is CUDA wherever CUDA is there (conftest's TRITON_DEVICE among them).
+# is CUDA wherever CUDA is there (conftest's TRITON_DEVICE among them, and its
+# family_engine on the Triton backend).
 NEEDS_CUDA = re.compile(r"skipif\(\s*not (?:torch\.cuda\.is_available\(\)|CUDA\b)"
                         r"|mark\.gpu\b|TWO_GPUS|DEVICE\.type != \"cuda\""
-                        r"|\"cuda\" if torch\.cuda\.is_available\(\)|\bTRITON_DEVICE\b")
+                        r"|\"cuda\" if torch\.cuda\.is_available\(\)|\bTRITON_DEVICE\b"
+                        r"|family_engine\([^)]*backend=\"triton\"")
 
 
 def gpu_recipe() -> str:
@@ -33,6 +35,7 @@ def test_every_file_with_a_cuda_test_is_in_the_gpu_target() -> None:
     assert "tests/speculative/test_lossless_gpu.py" in needing
     assert "tests/test_engine_prefill.py" in needing and "tests/test_parallel.py" in needing
     assert "tests/models/test_gpt_oss.py" in needing
+    assert "tests/models/test_qwen3_moe.py" in needing
     missing = [f for f in needing
                if not any(f == n or f.startswith(n.rstrip("/") + "/") for n in named)]
     assert not missing, f"tests needing CUDA that `make test-gpu` does not run: {missing}"

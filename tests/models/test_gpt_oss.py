@@ -17,8 +17,8 @@ import transformers
 from conftest import (
     TINY_IDS,
     TINY_METHODS,
-    TRITON_DEVICE,
     assert_close_logits,
+    family_engine,
     hf_logits,
     random_prompts,
     randomize_norms_and_biases,
@@ -78,11 +78,6 @@ def folder(hf: transformers.PreTrainedModel, tmp_path_factory: pytest.TempPathFa
     return save(hf, tmp_path_factory.mktemp("gpt-oss"))
 
 
-def engine(folder: Path, **kwargs: Any) -> LLM:
-    if kwargs.get("backend") == "triton":
-        kwargs.setdefault("device", TRITON_DEVICE)
-    return LLM(str(folder), kv_cache_bytes=4 << 20, **kwargs)
-
 
 PROMPT = random_prompts(1, (40,), VOCAB)[0]  # five sliding windows
 
@@ -108,7 +103,7 @@ def test_logits_match_transformers(hf: transformers.PreTrainedModel, folder: Pat
                                    setting: str) -> None:
     ref = hf_logits(hf, PROMPT)
     assert ref.std() > 0.5, "the random model is too close to uniform to test anything"
-    assert_close_logits(engine(folder, **SETTINGS[setting]).logits(PROMPT), ref)
+    assert_close_logits(family_engine(folder, **SETTINGS[setting]).logits(PROMPT), ref)
 
 
 def test_sinks_windows_and_the_clamp_change_the_logits(hf: transformers.PreTrainedModel,
@@ -141,7 +136,7 @@ def test_the_checkpoint_holds_fused_expert_tensors(folder: Path) -> None:
     assert saved["model.layers.1.mlp.experts.gate_up_proj"] == (4, 64, 64)
     assert saved["model.layers.1.mlp.experts.down_proj"] == (4, 32, 64)
     assert saved["model.layers.0.self_attn.sinks"] == (4,)
-    layer = engine(folder).engine.runner.model.layers[1]
+    layer = family_engine(folder).engine.runner.model.layers[1]
     assert torch.equal(layer.experts_gate_up[3, :32], gate_up[3, :, 0::2].T)
     assert torch.equal(layer.experts_gate_up[3, 32:], gate_up[3, :, 1::2].T)
     assert torch.equal(layer.experts_gate_up_bias[3, 32:], bias[3, 1::2])
@@ -186,14 +181,14 @@ def test_triton_backend_on_fixed_shapes_gives_plain_tokens(folder: Path,
     captures: the methods' tokens are plain decoding's, past the window, and in the default
     mode the torch backend's."""
     kwargs, methods = TRITON_MODES[mode]
-    llm = engine(folder, backend="triton", static_shapes=True, **kwargs)
+    llm = family_engine(folder, backend="triton", static_shapes=True, **kwargs)
     short, params = [family_prompts[0][:18]], SamplingParams(max_tokens=4, ignore_eos=True)
     plain = [o.token_ids for o in llm.generate(short, params, speculative=PLAIN)]
     for method in methods:
         outs = llm.generate(short, params, speculative=tiny_spec(method))
         assert [o.token_ids for o in outs] == plain, method
     if not kwargs:
-        torch_plain = engine(folder).generate(short, params, speculative=PLAIN)[0].token_ids
+        torch_plain = family_engine(folder).generate(short, params, speculative=PLAIN)[0].token_ids
         assert plain == [torch_plain]
 
 
@@ -201,7 +196,8 @@ def test_plain_tokens_are_transformers_greedy_tokens(hf: transformers.PreTrained
                                                      folder: Path,
                                                      family_prompts: list[list[int]]) -> None:
     """Decoding past the window, token by token, as transformers' own greedy generation."""
-    ours = engine(folder).generate(family_prompts[:1], PARAMS, speculative=PLAIN)[0].token_ids
+    llm = family_engine(folder)
+    ours = llm.generate(family_prompts[:1], PARAMS, speculative=PLAIN)[0].token_ids
     with torch.no_grad():
         ref = hf.generate(torch.tensor(family_prompts[:1]), max_new_tokens=8, do_sample=False)
     assert ours == ref[0, len(family_prompts[0]):].tolist()

@@ -20,9 +20,9 @@ import transformers
 from conftest import (
     TINY_IDS,
     TINY_METHODS,
-    TRITON_DEVICE,
     assert_close_logits,
     close_gguf,
+    family_engine,
     gguf_model_fields,
     hf_logits,
     random_prompts,
@@ -67,11 +67,6 @@ def folder(hf: transformers.PreTrainedModel, tmp_path_factory: pytest.TempPathFa
     return path
 
 
-def engine(folder: Path, **kwargs: Any) -> LLM:
-    if kwargs.get("backend") == "triton":
-        kwargs.setdefault("device", TRITON_DEVICE)
-    return LLM(str(folder), kv_cache_bytes=4 << 20, **kwargs)
-
 
 PROMPT = random_prompts(1, (60,), VOCAB)[0]
 
@@ -85,13 +80,13 @@ def test_logits_match_transformers(hf: transformers.PreTrainedModel, folder: Pat
                                    setting: str) -> None:
     ref = hf_logits(hf, PROMPT)
     assert ref.std() > 0.5, "the random model is too close to uniform to test anything"
-    assert_close_logits(engine(folder, **SETTINGS[setting]).logits(PROMPT), ref)
+    assert_close_logits(family_engine(folder, **SETTINGS[setting]).logits(PROMPT), ref)
 
 
 def test_probabilities_as_they_are_without_norm_topk_prob(tmp_path: Path) -> None:
     model = build_hf(seed=1, norm_topk_prob=False, num_experts_per_tok=3)
     model.save_pretrained(str(tmp_path))
-    llm = engine(tmp_path)
+    llm = family_engine(tmp_path)
     assert not llm.model_config.norm_topk_prob and llm.model_config.experts_per_token == 3
     assert_close_logits(llm.logits(PROMPT), hf_logits(model, PROMPT))
 
@@ -105,7 +100,7 @@ def test_the_checkpoint_holds_one_tensor_per_expert(folder: Path) -> None:
     assert saved["model.layers.1.mlp.experts.7.gate_proj.weight"] == (32, 64)
     assert saved["model.layers.1.mlp.experts.7.down_proj.weight"] == (64, 32)
     assert saved["model.layers.0.mlp.gate.weight"] == (8, 64)
-    layer = engine(folder).engine.runner.model.layers[1]
+    layer = family_engine(folder).engine.runner.model.layers[1]
     assert layer.experts_gate_up.shape == (8, 64, 64) and layer.experts_down.shape == (8, 64, 32)
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
         up = f.get_tensor("model.layers.1.mlp.experts.5.up_proj.weight")
@@ -148,7 +143,7 @@ def test_draft_copies_leave_the_experts_to_the_model(folder: Path, family_prompt
                                                      kind: str) -> None:
     """Draft copies of attention's projections only; the experts' own weights serve the
     drafts, on the static shapes' buffers too, and the tokens stay plain decoding's."""
-    llm = engine(folder, draft_weights=kind, static_shapes=True)
+    llm = family_engine(folder, draft_weights=kind, static_shapes=True)
     layer = llm.engine.runner.model.layers[0]
     assert layer.drafts is not None and set(layer.drafts) == {"qkv", "o_proj"}
     plain = [o.token_ids for o in llm.generate(family_prompts, PARAMS, speculative=PLAIN)]
@@ -160,8 +155,8 @@ def test_a_prompt_alone_gives_its_tokens_in_a_batch_in_exact_mode(
         folder: Path, family_prompts: list[list[int]]) -> None:
     """bfloat16, where rounding shows: a prompt alone (prefilled in chunks of 16) against the
     batch (one chunk). The fused kernel's rows: tests/kernels/test_fused_moe.py."""
-    batch = engine(folder, exact=True, dtype="bfloat16")
-    chunked = engine(folder, exact=True, dtype="bfloat16", prefill_chunk=16)
+    batch = family_engine(folder, exact=True, dtype="bfloat16")
+    chunked = family_engine(folder, exact=True, dtype="bfloat16", prefill_chunk=16)
     together = [o.token_ids for o in batch.generate(family_prompts, PARAMS, speculative=PLAIN)]
     alone = [chunked.generate([p], PARAMS, speculative=PLAIN)[0].token_ids for p in family_prompts]
     assert alone == together
@@ -171,7 +166,7 @@ def test_triton_kernels_on_fixed_shapes_give_plain_tokens(folder: Path,
                                                           family_prompts: list[list[int]]) -> None:
     """The fused kernel in decode, draft and verify steps (the interpreter is slow: vegas, a
     short prompt, the static shapes' buffers a GPU captures)."""
-    llm = engine(folder, backend="triton", static_shapes=True)
+    llm = family_engine(folder, backend="triton", static_shapes=True)
     short, params = [family_prompts[0][:18]], SamplingParams(max_tokens=4, ignore_eos=True)
     plain = [o.token_ids for o in llm.generate(short, params, speculative=PLAIN)]
     outs = llm.generate(short, params, speculative=tiny_spec({"method": "vegas"}))
@@ -326,7 +321,7 @@ def test_gguf_weights_come_in_the_models_dtype(gguf_path: Path) -> None:
 @pytest.mark.parametrize("setting", ["one-chunk", "exact"])
 def test_gguf_logits_match_transformers(hf: transformers.PreTrainedModel, gguf_path: Path,
                                         setting: str) -> None:
-    assert_close_logits(engine(gguf_path, **SETTINGS[setting]).logits(PROMPT),
+    assert_close_logits(family_engine(gguf_path, **SETTINGS[setting]).logits(PROMPT),
                         hf_logits(hf, PROMPT))
 
 
@@ -348,7 +343,7 @@ def test_quantized_gguf_experts_give_transformers_logits_on_their_values(
             experts.gate_up_proj.copy_(torch.cat([back[f"blk.{i}.ffn_gate_exps.weight"],
                                                   back[f"blk.{i}.ffn_up_exps.weight"]], dim=1))
             experts.down_proj.copy_(back[f"blk.{i}.ffn_down_exps.weight"])
-    got = engine(tmp_path / "tiny.Q8_0.gguf").logits(PROMPT)
+    got = family_engine(tmp_path / "tiny.Q8_0.gguf").logits(PROMPT)
     assert_close_logits(got, hf_logits(ref, PROMPT))
     assert not torch.allclose(got, hf_logits(hf, PROMPT), atol=1e-4, rtol=0)
 
@@ -356,14 +351,14 @@ def test_quantized_gguf_experts_give_transformers_logits_on_their_values(
 def test_gguf_expert_weights_norm_false_keeps_the_probabilities(tmp_path: Path) -> None:
     model = build_hf(seed=1, norm_topk_prob=False, num_experts_per_tok=3)
     write_gguf(tmp_path / "tiny.gguf", model, weights_norm=False)
-    llm = engine(tmp_path / "tiny.gguf")
+    llm = family_engine(tmp_path / "tiny.gguf")
     assert not llm.model_config.norm_topk_prob and llm.model_config.experts_per_token == 3
     assert_close_logits(llm.logits(PROMPT), hf_logits(model, PROMPT))
 
 
 def test_vegas_on_the_gguf_gives_plain_tokens(gguf_path: Path,
                                               family_prompts: list[list[int]]) -> None:
-    llm = engine(gguf_path)
+    llm = family_engine(gguf_path)
     plain = [o.token_ids for o in llm.generate(family_prompts, PARAMS, speculative=PLAIN)]
     outs = llm.generate(family_prompts, PARAMS, speculative=tiny_spec({"method": "vegas"}))
     assert [o.token_ids for o in outs] == plain
@@ -374,7 +369,7 @@ def test_an_expert_tensor_that_is_not_a_stack_is_refused(hf: transformers.PreTra
     write_gguf(tmp_path / "flat.gguf", hf, flat="blk.0.ffn_up_exps.weight")
     with pytest.raises(loader.WeightError, match=r"blk\.0\.ffn_up_exps\.weight has shape "
                                                  r"\(256, 64\), not the experts' stack"):
-        engine(tmp_path / "flat.gguf")
+        family_engine(tmp_path / "flat.gguf")
 
 
 def test_gguf_architectures_not_read_are_refused_by_name() -> None:
