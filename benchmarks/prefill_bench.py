@@ -14,10 +14,12 @@ Sections:
            same batch) against transformers' forward (SDPA) on the same ids, with the full
            logits and with `logits_to_keep=1`; two kinds of prompt: essay windows and random
            token ids.
-  shapes   the Llama-3.1-8B and Qwen3-8B shapes with dummy weights: 16 x 8K and 1 x 32K;
-           FLOPs = 2 x (matmul weights) x tokens + attention (causal pairs x 4·H·D per layer)
-           + the LM head of the last tokens, over the time, against a measured 8192^3 bf16
-           matmul.
+  shapes   the Llama-3.1-8B and Qwen3-8B shapes (`--shapes`: any folder of configs/, e.g.
+           qwen3-30b-a3b, gpt-oss-20b) with dummy weights: 16 x 8K and 1 x 32K;
+           FLOPs = 2 x (weights a token multiplies by: in a mixture of experts the router and
+           its routed experts) x tokens + attention (pairs of visible keys x 4·H·D per layer,
+           a sliding-window layer's within its window) + the LM head of the last tokens, over
+           the time, against a measured 8192^3 bf16 matmul.
   memory   a 128K-token prompt at the Llama-3.1-8B shape: peak allocation beyond the weights
            and the KV pool.
   profile  torch.profiler over one prefill of each SmolLM2 batch: GPU kernel time (union of
@@ -203,10 +205,37 @@ def smollm_section(args: argparse.Namespace) -> list[dict]:
 # --- 8B shapes -------------------------------------------------------------------------------
 
 def matmul_params(cfg) -> int:  # noqa: ANN001
+    """Weights a token multiplies by: q/k/v and o, then the dense MLP, or in a mixture of
+    experts the router and the experts_per_token experts a token is routed to (the active
+    ones: an expert's gate/up and down)."""
     d, h = cfg.head_dim, cfg.hidden_size
-    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h \
-        + 3 * h * cfg.intermediate_size
-    return cfg.num_layers * per_layer
+    attention = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h
+    return cfg.num_layers * (attention + mlp_params(cfg))
+
+
+def mlp_params(cfg) -> int:  # noqa: ANN001
+    """Weights a token multiplies by in one layer's MLP (the active experts and the router
+    in a mixture of experts)."""
+    if not cfg.num_experts:
+        return 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.hidden_size * (cfg.num_experts
+                              + 3 * cfg.experts_per_token * cfg.moe_intermediate_size)
+
+
+def window_pairs(n: int, window: int) -> float:
+    """Causal (query, key) pairs of an n-token prompt when each query sees at most `window`
+    keys (itself included); 0: no window."""
+    if not window or window >= n:
+        return n * (n + 1) / 2
+    return window * (window + 1) / 2 + (n - window) * window
+
+
+def attention_flops(cfg, context: int, batch: int) -> float:  # noqa: ANN001
+    """QK^T and PV of every layer over its visible keys: sliding-window layers (gpt-oss's
+    every other layer) over their window, the rest causally over the whole prompt."""
+    per_pair = 4.0 * cfg.num_heads * cfg.head_dim
+    return batch * per_pair * sum(window_pairs(context, cfg.window(i))
+                                  for i in range(cfg.num_layers))
 
 
 def shapes_section(args: argparse.Namespace) -> list[dict]:
@@ -220,14 +249,13 @@ def shapes_section(args: argparse.Namespace) -> list[dict]:
             prompts = random_prompts(cfg.vocab_size, context, batch)
             wall, prefill = engine_prefill_s(llm, prompts, max(2, args.reps // 2))
             tokens = batch * context
-            flops = 2.0 * matmul_params(cfg) * tokens \
-                + cfg.num_layers * prefill_flops([context] * batch, [0] * batch, cfg.num_heads,
-                                                 cfg.head_dim) \
+            experts = 2.0 * cfg.num_layers * mlp_params(cfg) * tokens if cfg.num_experts else 0.0
+            flops = 2.0 * matmul_params(cfg) * tokens + attention_flops(cfg, context, batch) \
                 + 2.0 * cfg.hidden_size * cfg.vocab_size * batch
             rows.append({"shape": name, "batch": batch, "context": context,
                          "engine_generate_1_ms": 1e3 * wall, "engine_prefill_ms": 1e3 * prefill,
-                         "tflop": flops / 1e12, "tflops": flops / wall / 1e12,
-                         "matmul_tflops_8192": peak,
+                         "tflop": flops / 1e12, "active_expert_tflop": experts / 1e12,
+                         "tflops": flops / wall / 1e12, "matmul_tflops_8192": peak,
                          "fraction_of_matmul": flops / wall / 1e12 / peak})
             print(json.dumps(rows[-1]), flush=True)
         del llm
