@@ -1,6 +1,6 @@
-"""prefill_bench's FLOP count of a prompt: a sliding-window layer's query sees at most its
-window of keys, and a mixture of experts multiplies each token by its router and the experts
-it is routed to, not by every expert."""
+"""The floors benchmarks divide by: prefill_bench's FLOPs of a prompt (a sliding-window layer's
+query sees at most its window of keys; a mixture of experts multiplies each token by its router
+and the experts it is routed to, not by every expert) and moe_kernel's bytes of a call."""
 
 from __future__ import annotations
 
@@ -64,3 +64,22 @@ def test_dense_counts_every_weight(pb: ModuleType) -> None:
     cfg = config("llama-3.1-8b")  # 8.03B of which 2 x 0.53B embedding and LM head
     head = cfg.hidden_size * cfg.vocab_size
     assert pb.matmul_params(cfg) + 2 * head == pytest.approx(8.03e9, rel=0.01)
+
+
+def test_moe_kernel_floor_counts_each_expert_hit_once() -> None:
+    """moe_kernel.py's floor: the distinct experts of a call's routing, each once, however
+    many tokens it serves, plus the activations."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import moe_kernel
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    cfg = config("qwen3-30b-a3b")
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    expert = 2 * 3 * h * i
+    one = moe_kernel.read_bytes(cfg, torch.tensor([[3, 5]]), 2)
+    same = moe_kernel.read_bytes(cfg, torch.tensor([[3, 5], [5, 3]]), 2)
+    assert one // expert == 2 and same // expert == 2  # the second token hits no new expert
+    assert same - one == 2 * (2 * h + 2 * (4 * i + 2 * i + 2 * h))  # its activations only
