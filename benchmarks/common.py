@@ -1,11 +1,13 @@
 """What several benchmarks share: long text (the Paul Graham essays and, as a second kind
 that is not prose, the Python standard library's own source code; the same texts `vegas
-bench` reads, its essays and code workloads, loaded from there on first use) and the timer
-of calls captured in one CUDA graph."""
+bench` reads, its essays and code workloads, loaded from there on first use), a tiny random
+model that speaks SmolLM2's tokenizer, and the timer of calls captured in one CUDA graph."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 
 def essays() -> list[str]:
@@ -21,6 +23,23 @@ def source_code() -> list[str]:
 
 
 TEXTS = {"essays": essays, "code": source_code}
+
+
+def tiny_model(folder: Path) -> Path:
+    """A 2-layer Llama config with SmolLM2's vocabulary and tokenizer files in `folder` (load
+    it with load_format="dummy": random weights, real detokenisation) -> folder."""
+    from vegas_spec.models.loader import resolve
+    from vegas_spec.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve(None))
+    tok.save_pretrained(str(folder))
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": len(tok),
+              "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1,
+              "eos_token_id": 2, "tie_word_embeddings": True}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
 
 
 def cuda_median_ms(fn: Callable[[], object], reps: int) -> float:

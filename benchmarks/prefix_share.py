@@ -8,9 +8,11 @@ their own tokens, so the prefix's pages are held once.
         --prefix-tokens 1500 --out prefix_share_cpu.json   # the CPU size
 
 Each setting runs in an engine of its own, after a warm-up request of other text; all
-requests are added at once and stepped until they finish. TTFT counts from their arrival;
-`peak_pages` is the most pages held at once (`PageAllocator.peak`), `computed_tokens` the
-prompt positions prefilled (the rest were cached pages)."""
+requests are added at once and stepped until they finish. TTFT counts from when they were
+added; `peak_pages` is the most pages held at once since the engine was made
+(`PageAllocator.peak`: the warm-up's few pages are far below the run's), `computed_tokens`
+the prompt positions prefilled (the rest, each sequence's `cached` positions, were pages
+taken from the prefix cache)."""
 
 from __future__ import annotations
 
@@ -46,18 +48,15 @@ def run(engine: LLMEngine, batch: list[list[int]], max_tokens: int) -> dict:
     """Every prompt added at once, stepped until all finish -> the figures."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     pool = engine.scheduler.pool
-    pool.peak = pool.used
     seqs: list[Sequence] = [engine.sequence(p, params, text=False) for p in batch]
     start = time.perf_counter()
     for seq in seqs:
-        seq.arrival = start
         engine.add_request(seq)
     while engine.has_unfinished():
         engine.step(collect=False)
     total = time.perf_counter() - start
-    ttft = [s.first_token_time - s.arrival for s in seqs if s.first_token_time is not None]
-    stats = pool.prefix.stats if pool.prefix is not None else None
-    computed = sum(map(len, batch)) - (stats.hit if stats is not None else 0)
+    ttft = [s.first_token_time - start for s in seqs if s.first_token_time is not None]
+    computed = sum(len(s.prompt_ids) - s.cached for s in seqs)
     return {"ttft_median_s": statistics.median(ttft), "ttft_max_s": max(ttft),
             "total_s": total, "peak_pages": pool.peak,
             "peak_kv_bytes": pool.peak * pool.bytes_per_page,
@@ -71,8 +70,6 @@ def measure(args: argparse.Namespace, cache: bool) -> dict:
     text = "\n\n".join(TEXTS[args.text]())
     batch = prompts(engine, text, args.requests, args.prefix_tokens, args.own_tokens)
     run(engine, [token_ids(engine, text[-20000:], 64)], 2)  # warm-up: other tokens
-    if engine.scheduler.pool.prefix is not None:
-        engine.scheduler.pool.prefix.stats.hit = 0
     return run(engine, batch, args.max_tokens)
 
 

@@ -1,32 +1,22 @@
-"""What a step that admits a prompt costs besides its prompt tokens, part by part.
+"""What a step that admits a prompt costs besides its prompt tokens, from the engine's own timings.
 
 A server step that prefills prompt tokens while rows decode takes the decode iteration's time
 plus the prefill's; the prefill pacer (`scheduler.PrefillPacer`) models the latter as a fixed
 cost plus a cost per token, and the fixed cost decides how small a chunk can usefully be. This
 script measures both on one engine: `--rows` requests decode (prompts of `--base-context`
 tokens, ignore_eos), and new requests of `--context`-token prompts arrive one at a time and are
-prefilled at each per-step budget of `--chunks`, then decode a few tokens and leave. Between
-arrivals the engine takes `--gap` decode-only steps.
+prefilled at each per-step budget of `--chunks` (the scheduler's `prefill_budget`, the pacer
+off), then decode a few tokens and leave. After each arrival's first token the engine takes
+`--gap` decode-only steps.
 
-Two passes per method:
-
-- **wall**: the engine as it runs (no added waits): each step's wall time, the median of the
-  decode-only steps, and per budget the median excess of the steps that prefilled over it,
-  and a least-squares line of the excess over the step's prompt tokens (the pacer's model).
-- **parts**: the same steps with the device drained at each part's edge, so that each part's
-  device work is its own; the median seconds per part of the steps that prefilled, and of the
-  decode-only steps:
-
-      admit    admission, prefix lookup, buffer reservation   Scheduler.admit, ModelRunner.reserve
-      forward  the packed prefill forward(s) of the step's pieces   Prefiller.step
-      first    the first tokens of the prompts that end here        ModelRunner._prefill (the rest)
-      join     their rows: page table, first selection (eager)      ModelRunner._join
-      decode   the decode iteration of every row                    ModelRunner.decode
-      select   finished rows out, the next plan if not made         ModelRunner._leave, _select
-      engine   the rest of LLMEngine.step (planning, bookkeeping, outputs)
-
-  (Drained parts add each part's launch latency to its time, so their sum exceeds the wall
-  pass's step; they say where the time goes, the wall pass how much there is.)
+Every step is timed as it runs (no added waits), through public reports only: its wall time
+around `LLMEngine.step`, what it did (`engine.last_step`: prompt tokens, rows decoded, and
+`prefill_seconds`, its admission and prefill part), and the seconds the runner's phase timer
+(`engine.runner.timer.totals`) added in it, by phase (`prefill`: the packed prefill forwards;
+`decode` or `speculate`: the decode iteration; `select`: the selections; CUDA events on a GPU).
+Per method: the median of the decode-only steps of every row, and per budget the median
+excess of the steps that prefilled over it, a least-squares line of the excess over the
+step's prompt tokens (the pacer's model), and the medians of the parts above.
 
     python benchmarks/step_parts.py --model SmolLM2-135M-Instruct.Q4_1.gguf --device cuda \\
         --dtype bfloat16 --methods vanilla vegas --out step_parts.json
@@ -43,26 +33,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from host_loop import PhaseClock, install, tiny_model
+from common import tiny_model
 from serve_load import prompts
 
 from vegas_spec.config import SamplingParams, spec_config
 from vegas_spec.engine import LLMEngine
-from vegas_spec.model_runner import ModelRunner
 from vegas_spec.models.loader import resolve
-from vegas_spec.prefill import Prefiller
-from vegas_spec.scheduler import Scheduler
 from vegas_spec.tokenizer import load_tokenizer
-
-PARTS = ("admit", "forward", "first", "join", "decode", "select", "engine")
-# (owner, method, part) of every timed method; LLMEngine.step's own time is "engine"
-TIMED: list[tuple[Any, str, str]] = [
-    (LLMEngine, "step", "engine"), (Scheduler, "admit", "admit"),
-    (ModelRunner, "reserve", "admit"), (ModelRunner, "_prefill", "first"),
-    (Prefiller, "step", "forward"), (ModelRunner, "_join", "join"),
-    (ModelRunner, "decode", "decode"), (ModelRunner, "_leave", "select"),
-    (ModelRunner, "_select", "select"),
-]
 
 
 def line(points: list[tuple[int, float]]) -> dict[str, float | None]:
@@ -77,35 +54,31 @@ def line(points: list[tuple[int, float]]) -> dict[str, float | None]:
 
 
 def run_pass(engine: LLMEngine, arrivals: list[list[int]], chunks: list[int], gap: int,
-             drain: bool) -> list[dict[str, Any]]:
+             ) -> list[dict[str, Any]]:
     """Per budget, each arrival prefilled in chunks of that budget, then `gap` decode-only
-    steps -> one record per step: budget, prompt tokens, rows decoded, seconds, parts."""
-    device = engine.runner.device
-    clock = PhaseClock(0, (lambda: torch.cuda.synchronize(device))
-                       if drain and device.type == "cuda" else None)
-    restore = install(clock, TIMED)
+    steps -> one record per step: budget, prompt tokens, rows decoded, seconds, the engine's
+    prefill part and the phase timer's seconds by phase."""
+    timer = engine.runner.timer
     steps: list[dict[str, Any]] = []
     leave = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    try:
-        for chunk in chunks:
-            engine.scheduler.prefill_budget = chunk
-            for prompt in arrivals:
-                engine.add_request(list(prompt), leave)
-                after = 0  # steps since the arrival's prompt was all prefilled
-                while after <= gap:
-                    t0 = time.perf_counter()
-                    engine.step(collect=False)
-                    seconds = time.perf_counter() - t0
-                    info = engine.last_step
-                    steps.append({"chunk": chunk, "tokens": info.prefill_tokens,
-                                  "rows": len(info.emitted), "seconds": seconds,
-                                  "parts": dict(clock.step)})
-                    clock.step.clear()
-                    if not engine.scheduler.waiting and all(
-                            s.prefilled == len(s.prompt_ids) for s in engine.scheduler.running):
-                        after += 1
-    finally:
-        restore()
+    for chunk in chunks:
+        engine.scheduler.prefill_budget = chunk
+        for prompt in arrivals:
+            engine.add_request(list(prompt), leave)
+            after = 0  # steps since the arrival's first token (its prompt all prefilled)
+            while after <= gap:
+                before = dict(timer.totals)
+                t0 = time.perf_counter()
+                engine.step(collect=False)
+                seconds = time.perf_counter() - t0
+                info = engine.last_step
+                phases = {k: v - before.get(k, 0.0) for k, v in timer.totals.items()}
+                steps.append({"chunk": chunk, "tokens": info.prefill_tokens,
+                              "rows": len(info.emitted), "seconds": seconds,
+                              "prefill_part_s": info.prefill_seconds,
+                              "phases": {k: v for k, v in phases.items() if v > 0}})
+                if after or info.first_tokens:
+                    after += 1
     return steps
 
 
@@ -118,7 +91,7 @@ def summarize(steps: list[dict[str, Any]], rows: int) -> dict[str, Any]:
                          "--gap or --arrivals")
     base = statistics.median(s["seconds"] for s in plain)
     out: dict[str, Any] = {"decode_step_s": base, "decode_steps": len(plain),
-                           "decode_parts_s": medians([s["parts"] for s in plain])}
+                           "decode_phase_s": medians([s["phases"] for s in plain])}
     paced = [s for s in steps if s["tokens"] and s["rows"] >= rows]
     out["excess_line"] = line([(s["tokens"], s["seconds"] - base) for s in paced])
     per: dict[int, Any] = {}
@@ -128,13 +101,16 @@ def summarize(steps: list[dict[str, Any]], rows: int) -> dict[str, Any]:
                       "tokens_p50": statistics.median(s["tokens"] for s in mine),
                       "step_s": statistics.median(s["seconds"] for s in mine),
                       "excess_s": statistics.median(s["seconds"] - base for s in mine),
-                      "parts_s": medians([s["parts"] for s in mine])}
+                      "prefill_part_s": statistics.median(s["prefill_part_s"] for s in mine),
+                      "phase_s": medians([s["phases"] for s in mine])}
     out["per_chunk"] = per
     return out
 
 
 def medians(rows: list[dict[str, float]]) -> dict[str, float]:
-    return {p: statistics.median(r.get(p, 0.0) for r in rows) for p in PARTS} if rows else {}
+    """Per phase timed in any of rows, its median (0 where a row did not time it)."""
+    names = sorted({k for r in rows for k in r})
+    return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in names}
 
 
 def measure(args: argparse.Namespace, method: str, base: list[list[int]],
@@ -152,15 +128,13 @@ def measure(args: argparse.Namespace, method: str, base: list[list[int]],
                          "the KV pool at the model's context: raise --kv-cache-gb")
     for seq in seqs:
         engine.add_request(seq)
-    while any(s.prefilled < len(s.prompt_ids) for s in engine.scheduler.running) \
-            or engine.scheduler.waiting:
-        engine.step(collect=False)
-    run_pass(engine, arrivals[:1], args.chunks, args.gap, drain=False)  # warm
-    out: dict[str, Any] = {"method": method}
-    for name, drain in (("wall", False), ("parts", True)):
-        steps = run_pass(engine, arrivals, args.chunks, args.gap, drain)
-        out[name] = summarize(steps, args.rows)
-        print(json.dumps({"method": method, "pass": name, **out[name]}), flush=True)
+    while len(engine.last_step.emitted) < len(seqs):
+        engine.step(collect=False)  # until every prompt is in and its row decodes
+    run_pass(engine, arrivals[:1], args.chunks, args.gap)  # warm
+    out: dict[str, Any] = {"method": method,
+                           **summarize(run_pass(engine, arrivals, args.chunks, args.gap),
+                                       args.rows)}
+    print(json.dumps(out), flush=True)
     if args.profile is not None:
         profile(engine, arrivals[:1], args.profile_chunk, args.gap,
                 args.profile.with_name(f"{args.profile.stem}_{method}{args.profile.suffix}"))
@@ -178,7 +152,7 @@ def profile(engine: LLMEngine, arrivals: list[list[int]], chunk: int, gap: int,
     activities = [ProfilerActivity.CPU] + \
         ([ProfilerActivity.CUDA] if engine.runner.device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
-        run_pass(engine, arrivals, [chunk], gap, drain=False)
+        run_pass(engine, arrivals, [chunk], gap)
     table = prof.key_averages()
     sort = "self_cuda_time_total" if len(activities) > 1 else "self_cpu_time_total"
     path.write_text(table.table(sort_by=sort, row_limit=50) + "\n\n"
