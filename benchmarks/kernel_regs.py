@@ -2,9 +2,9 @@
 target without a device (ptxas from the Triton wheel), at one verify shape.
 
 Default: the Llama-3.1-8B verify step (H 32, Hkv 8, D 128, bf16, n = 7 rows, 2 weight-score
-rows) with the score pass's tiles at that head dim (`paged_attention.score_tiles`: keys per
-block, stages, register cap; 4 warps). Prints one line per variant: no scores, and a
-weight-mode pass with each of `SCORE_STORES`.
+rows) with the score pass's tiles at that head dim on the target arch (`paged_attention.TUNING`,
+`PagedTuning.score_tiles_at`: keys per block, stages, register cap; 4 warps). Prints one line
+per variant: no scores, and a weight-mode pass with each of `SCORE_STORES`.
 
     python benchmarks/kernel_regs.py [--arch 90] [--block-k 64 --stages 2 --maxnreg 128]
 
@@ -29,7 +29,8 @@ from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vegas_spec.kernels.paged_attention as pa  # noqa: E402
-from vegas_spec.kernels.split_merge import MAX_LANES, MIN_DOT  # noqa: E402
+from vegas_spec.kernels import split_merge  # noqa: E402
+from vegas_spec.kernels.split_merge import MIN_DOT  # noqa: E402
 
 # argument -> type of the split kernel's runtime arguments (pointers 16-byte aligned)
 POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i32",
@@ -115,13 +116,15 @@ def main() -> None:
     ap.add_argument("--sinks", action="store_true", help="a sink logit per query head")
     ap.add_argument("--window", type=int, default=0, help="a sliding window of W keys")
     args = ap.parse_args()
-    library = pa.score_tiles(args.head_dim)
+    arch = f"sm{args.arch}"  # the target's tuning, no device needed
+    library = pa.TUNING.get(arch, pa.TUNING["default"]).score_tiles_at(args.head_dim)
+    max_lanes = split_merge.TUNING.get(arch, split_merge.TUNING["default"]).max_lanes
     args.block_k = args.block_k or library.block_k
     args.stages = args.stages or library.stages
     args.maxnreg = library.maxnreg if args.maxnreg is None else args.maxnreg or None
     group = args.heads // args.kv_heads
     group_pad = triton.next_power_of_2(group)
-    block_n = max(min(triton.next_power_of_2(args.n), max(1, MAX_LANES // group_pad)),
+    block_n = max(min(triton.next_power_of_2(args.n), max(1, max_lanes // group_pad)),
                   MIN_DOT // group_pad, 1)
     base = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_N=block_n, BLOCK_K=args.block_k,
                 BLOCK_D=max(triton.next_power_of_2(args.head_dim), 16),

@@ -45,7 +45,7 @@ def main() -> None:
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this script runs CUDA kernels"
     bsz, heads, hkv, dim = args.batch, args.heads, args.kv_heads, args.head_dim
-    tiles = pa.score_tiles(dim)
+    tiles = pa.tuning(torch.device("cuda")).score_tiles_at(dim)
     store = args.store or tiles.store
     if args.score_tiles:
         block_k, stages, split_max, maxnreg = map(int, args.score_tiles.split(":"))
@@ -56,7 +56,7 @@ def main() -> None:
     pos = torch.full((bsz, 1), ctx, device="cuda") + torch.arange(n, device="cuda")
     rows = torch.tensor([0, n - 1], device="cuda")
     scores = torch.empty(bsz, 2, 1, kv_len, device="cuda")
-    with tuned(pa, SCORE_TILES={dim: dataclasses.replace(tiles, store=store)}):
+    with tuned(pa, score_tiles={dim: dataclasses.replace(tiles, store=store)}):
         for _ in range(2):
             pa.paged_attention(q, k, v, table, pos, page, kv_len, dim ** -0.5)
             pa.paged_attention(q, k, v, table, pos, page, kv_len, dim ** -0.5, rows, scores,

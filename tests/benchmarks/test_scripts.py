@@ -46,7 +46,8 @@ def test_step_profile_reports_every_step_against_its_floor(tmp_path: Path) -> No
         "library", "64:2:f32-blocks:0:128", "--out", str(out))
     row, other = json.loads(out.read_text())["rows"]
     head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
-    library = pa.score_tiles(head_dim)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    library = pa.tuning(device).score_tiles_at(head_dim)  # the run's device's tiles
     assert row["score_tiles"] == f"{library.block_k}:{library.stages}:{library.store}"
     assert other["score_tiles"] == "64:2:f32-blocks"  # the option's parts, as given
     assert (other["score_split_max"], other["score_maxnreg"]) == (None, 128)
