@@ -81,8 +81,8 @@ def main() -> None:
                     print(json.dumps({"shape": name, "rows": m, "kernel": label,
                                       "skipped": str(err)[:80]}), flush=True)
                     continue
-                chosen = t or (skinny_tiles(m, n, k) if label.startswith(("fp8", "int4"))
-                               else None)
+                chosen = t or (skinny_tiles(m, n, k, torch.device("cuda"))
+                               if label.startswith(("fp8", "int4")) else None)
                 row = {"shape": name, "n": n, "k": k, "rows": m, "kernel": label, "us": us,
                        "share_of_copy_bandwidth": nbytes / (us * 1e-6) / bandwidth,
                        "tiles": None if chosen is None else chosen.__dict__}

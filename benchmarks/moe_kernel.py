@@ -83,7 +83,7 @@ def main() -> None:
             weights = torch.full((t, k), 1.0 / k, dtype=bf16, device="cuda")
             nbytes = sum(read_bytes(cfg, d, 2) for d in ids) / len(ids)
             hit = sum(int(d.unique().numel()) for d in ids) / len(ids)
-            default = moe_tiles(True, t * k, e, False)
+            default = moe_tiles(x.device, t * k, e, False)
             for tiles in [None, *args.tiles]:
                 state = {"i": 0}
 

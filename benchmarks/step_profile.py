@@ -46,9 +46,9 @@ per second (τ · batch / (round + host work)) in exact mode against the default
 `--profile` adds a per-kernel table (torch.profiler) of one replay of each step (quest's
 draft step too);
 `--score-tiles` times scored passes with other tiles than the library's for the model's head
-dim (`paged_attention.SCORE_TILES`), each in graphs of its own; `--sparse-splits paged` the
-draft steps with the sparse attention split by the paged kernel's rule, likewise (a number N:
-the one-wave split with N programs per SM at the model's head dim);
+dim (`paged_attention.PagedTuning.score_tiles`), each in graphs of its own; `--sparse-splits
+paged` the draft steps with the sparse attention split by the paged kernel's rule, likewise
+(a number N: the one-wave split with N programs per SM at the model's head dim);
 `--topk-min-warps 1 2 4` the resident top-k (quest's pages, vegas's ranking) with at least
 that many warps, likewise; `--sparse-rope yes no` the draft steps with RoPE and the KV store
 inside the sparse attention kernel and as a kernel of their own, likewise;
@@ -67,7 +67,7 @@ import functools
 import itertools
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -569,7 +569,7 @@ def score_bytes_per_key(mode: str, heads: int, kv_heads: int, rows: int, groups:
 def score_tiles_arg(text: str) -> str:
     """Checks a `--score-tiles` entry: 'library' or BLOCK_K:STAGES[:STORE[:SPLIT_MAX[:MAXNREG]]]."""
     if text != "library":
-        parse_score_tiles(text, pa.SCORE_TILES_OTHER)
+        parse_score_tiles(text, pa.TUNING["default"].score_tiles_other)
     return text
 
 
@@ -600,7 +600,7 @@ def verify_tiles_arg(text: str) -> str:
 
 
 def parse_verify_tiles(text: str) -> pa.VerifyTiles | None:
-    """'library' -> None (the library's VERIFY_TILES); '64:2' -> 64-key blocks, 2 stages,
+    """'library' -> None (the library's verify tiles); '64:2' -> 64-key blocks, 2 stages,
     ptxas's registers; '64:3:128' also a cap of 128 registers per thread (0: ptxas's)."""
     if text == "library":
         return None
@@ -633,28 +633,31 @@ def kv_read_bytes(cfg: ModelConfig, bsz: int, keys: int, rows: int, kv_token: in
     return bsz * per_layer * total
 
 
-def cell_settings(stack: contextlib.ExitStack, dim: int, tiles: pa.ScoreTiles, sparse: str,
-                  least: int, fused: str, fill: str, lanes: int, verify: str) -> None:
-    """One cell's kernel settings, entered on `stack` (`kernels.tuned`; the library's where
-    an option says 'library' or 0)."""
+def cell_settings(stack: contextlib.ExitStack, device: torch.device, dim: int,
+                  tiles: pa.ScoreTiles, sparse: str, least: int, fused: str, fill: str,
+                  lanes: int, verify: str) -> None:
+    """One cell's kernel settings, entered on `stack` (`kernels.tuned`; the library's on
+    `device` where an option says 'library' or 0)."""
     chosen = parse_verify_tiles(verify)
-    stack.enter_context(tuned(pa, SCORE_TILES={dim: tiles}, VERIFY_TILES=(
-        pa.VERIFY_TILES if chosen is None else {dim: chosen})))
-    stack.enter_context(tuned(sa, SPARSE_PROGRAMS_PER_SM=sparse_programs(
-        sa.SPARSE_PROGRAMS_PER_SM, sparse, dim)))
-    stack.enter_context(tuned(tk, RESIDENT_MIN_WARPS=least or tk.RESIDENT_MIN_WARPS))
+    stack.enter_context(tuned(pa, score_tiles={dim: tiles}, verify_tiles=(
+        pa.tuning(device).verify_tiles if chosen is None else {dim: chosen})))
+    stack.enter_context(tuned(sa, programs_per_sm=sparse_programs(
+        sa.tuning(device).programs_per_sm, sparse, dim)))
+    stack.enter_context(tuned(tk, min_warps=least or tk.tuning(device).min_warps))
     stack.enter_context(tuned(triton_backend, SPARSE_ROPE=fused == "yes"))
     split = {} if fill == "library" else dict(
-        zip(("SPLIT_PROGRAMS_PER_SM", "SPLIT_MIN_BLOCKS"), map(int, fill.split(":")),
-            strict=True), SPLIT_WAVE_FILL=None)
-    stack.enter_context(tuned(split_merge, MAX_LANES=lanes or split_merge.MAX_LANES, **split))
+        zip(("split_programs_per_sm", "split_min_blocks"), map(int, fill.split(":")),
+            strict=True), split_wave_fill=None)
+    stack.enter_context(tuned(split_merge, max_lanes=lanes or split_merge.tuning(device).max_lanes,
+                              **split))
 
 
-def fill_name() -> str:
+def fill_name(device: torch.device) -> str:
     """The decode kernels' split as set: waves:FILL:MIN_BLOCKS or PROGRAMS_PER_SM:MIN_BLOCKS."""
-    if split_merge.SPLIT_WAVE_FILL is not None:
-        return f"waves:{split_merge.SPLIT_WAVE_FILL}:{split_merge.SPLIT_MIN_BLOCKS}"
-    return f"{split_merge.SPLIT_PROGRAMS_PER_SM}:{split_merge.SPLIT_MIN_BLOCKS}"
+    tiles = split_merge.tuning(device)
+    if tiles.split_wave_fill is not None:
+        return f"waves:{tiles.split_wave_fill}:{tiles.split_min_blocks}"
+    return f"{tiles.split_programs_per_sm}:{tiles.split_min_blocks}"
 
 
 def sparse_splits_arg(text: str) -> str:
@@ -664,9 +667,9 @@ def sparse_splits_arg(text: str) -> str:
     raise argparse.ArgumentTypeError(f"library, paged or a positive integer, not {text!r}")
 
 
-def sparse_programs(library: dict[int, int] | None, setting: str,
-                    dim: int) -> dict[int, int] | None:
-    """sparse_attention.SPARSE_PROGRAMS_PER_SM for a --sparse-splits setting."""
+def sparse_programs(library: Mapping[int, int] | None, setting: str,
+                    dim: int) -> Mapping[int, int] | None:
+    """sparse_attention's programs_per_sm for a --sparse-splits setting."""
     if setting == "library":
         return library
     if setting == "paged":
@@ -718,40 +721,44 @@ def main() -> None:
                          "the whole static key width, side by side in one engine")
     side_by_side(ap, "--sparse-splits", default=["library"], type=sparse_splits_arg,
                  text="how the draft steps' sparse attention splits its keys: the library's "
-                      "rule (sparse_attention.SPARSE_PROGRAMS_PER_SM), the paged kernel's "
-                      "occupancy split (paged), or a number: the one-wave split with that "
+                      "rule (sparse_attention.SparseTuning.programs_per_sm), the paged "
+                      "kernel's occupancy split (paged), or a number: the one-wave split with that "
                       "many programs per SM at the model's head dim")
     side_by_side(ap, "--topk-min-warps", type=int, default=[0],
                  text="the fewest warps of the resident top-k (quest's pages, vegas's "
-                      "ranking; topk.RESIDENT_MIN_WARPS, 0: the library's)")
+                      "ranking; topk.TopkTuning.min_warps, 0: the library's)")
     side_by_side(ap, "--topk-sums", default=["yes"], choices=["yes", "no"],
                  text="vegas's collected rows summed inside the top-k as it loads them (the "
                       "backend's topk_sum) or summed by PyTorch first")
     side_by_side(ap, "--split-fill", default=["library"],
                  text="the decode kernels' split: library (the paged kernel by whole "
-                      "waves of its resident programs, split_merge.SPLIT_WAVE_FILL), or "
-                      "PROGRAMS_PER_SM:MIN_BLOCKS, the occupancy split of every decode "
-                      "kernel (split_merge.SPLIT_PROGRAMS_PER_SM, SPLIT_MIN_BLOCKS; waves off)")
+                      "waves of its resident programs, split_merge.SplitTuning's "
+                      "split_wave_fill), or PROGRAMS_PER_SM:MIN_BLOCKS, the occupancy split of "
+                      "every decode kernel (split_programs_per_sm, split_min_blocks; waves "
+                      "off)")
     side_by_side(ap, "--sparse-rope", default=["yes"], choices=["yes", "no"],
                  text="RoPE and the KV store of one-row draft steps inside the sparse "
                       "attention kernel (triton_backend.SPARSE_ROPE) or as a kernel of their "
                       "own")
     side_by_side(ap, "--max-lanes", type=int, default=[0],
                  text="query rows x padded heads of one attention program "
-                      "(split_merge.MAX_LANES, 0: the library's); fewer cut a verify step's "
-                      "rows into row blocks that read the same keys side by side")
+                      "(split_merge.SplitTuning.max_lanes, 0: the library's); fewer cut a "
+                      "verify step's rows into row blocks that read the same keys side by side")
     side_by_side(ap, "--verify-tiles", type=verify_tiles_arg, default=["library"],
                  text="how unscored decode calls of several rows (stream's verify step) run: "
-                      "library (paged_attention.VERIFY_TILES) or BLOCK_K:STAGES[:MAXNREG] at "
+                      "library (paged_attention.PagedTuning.verify_tiles) or "
+                      "BLOCK_K:STAGES[:MAXNREG] at "
                       "the model's head dim")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     spec = SpecConfig(method="vegas", gamma=args.gamma, ratio=args.ratio,
                       min_tokens=args.min_tokens, adaptive=False)
     cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
     model = load_config(resolve(str(args.config)))
     dim = model.head_dim
-    tilings = [parse_score_tiles(t, pa.score_tiles(dim)) for t in args.score_tiles]
+    tilings = [parse_score_tiles(t, pa.tuning(device).score_tiles_at(dim))
+               for t in args.score_tiles]
     bandwidth = copy_bandwidth() if cuda else 1e10
     rows = []
     for context, mode, drafts in itertools.product(args.contexts, args.modes,
@@ -778,14 +785,15 @@ def main() -> None:
             llm.engine.runner.backend.topk_sum = summing if sums == "yes" else None
             llm.engine.runner.graphs = None
             with contextlib.ExitStack() as settings:  # read when the graphs are captured
-                cell_settings(settings, dim, tiles, sparse, least, fused, fill, lanes, verify)
-                verify_now = pa.VERIFY_TILES.get(dim)
+                cell_settings(settings, device, dim, tiles, sparse, least, fused, fill, lanes,
+                              verify)
+                verify_now = pa.tuning(device).verify_tiles.get(dim)
                 row = {"mode": mode, "draft_weights": drafts, "sparse_rope": fused,
-                       "max_lanes": split_merge.MAX_LANES,
+                       "max_lanes": split_merge.tuning(device).max_lanes,
                        "verify_tiles": "tile_config" if verify_now is None else
                        f"{verify_now.block_k}:{verify_now.stages}:{verify_now.maxnreg or 0}",
-                       "sparse_splits": sparse, "topk_min_warps": tk.RESIDENT_MIN_WARPS,
-                       "topk_sum": sums, "split_fill": fill_name(),
+                       "sparse_splits": sparse, "topk_min_warps": tk.tuning(device).min_warps,
+                       "topk_sum": sums, "split_fill": fill_name(device),
                        "score_tiles": f"{tiles.block_k}:{tiles.stages}:{tiles.store}",
                        "score_split_max": tiles.split_max, "score_maxnreg": tiles.maxnreg,
                        "max_model_len": llm.max_model_len, "rank_width": width,

@@ -7,11 +7,11 @@ rows 0 and 6) and for n = 1, over key blocks of 64 and 128, 2-3 pipeline stages,
 split (`--score-split-max`), on random bf16 K/V behind a shuffled page table. Each
 figure is the median per call of 20 replays of a CUDA graph of 30 calls (the kernel count of
 one step of a 30-layer model), with the registers, spills and shared memory of the kernel
-variants each setting compiled. What it decided: `paged_attention.SCORE_TILES`.
+variants each setting compiled. What it decided: `paged_attention.PagedTuning.score_tiles`.
 `--kernel sparse` times the draft step's sparse attention instead, `--kernel quest`
-quest's page scores (`quest_scores.QUEST_TILES`) and its top-k (`topk.RESIDENT_*`), and
+quest's page scores (`quest_scores.QuestTuning`) and its top-k (`topk.TopkTuning`), and
 `--kernel topk` vegas's ranking of a round's scores, and
-`--kernel merge` the split merge alone (`split_merge.MERGE_*`).
+`--kernel merge` the split merge alone (`split_merge.SplitTuning`'s merge_* fields).
 
     python benchmarks/tile_sweep.py --out tile_sweep.json
     python benchmarks/tile_sweep.py --kernel quest --warps 2 4 8 --out quest_sweep.json
@@ -72,8 +72,8 @@ def with_tiles(block_k: int, stages: int, warps: int, maxnreg: int | None,
     block, `maxnreg` registers per thread, splits of at most `split_max` keys and their
     weight-mode logits stored with `store` (`kernels.tuned`)."""
     stack = contextlib.ExitStack()
-    stack.enter_context(tuned(split_merge, DECODE_STAGES=stages, DECODE_WARPS=warps))
-    stack.enter_context(tuned(pa, SCORE_TILES={
+    stack.enter_context(tuned(split_merge, stages=stages, warps=warps))
+    stack.enter_context(tuned(pa, score_tiles={
         head_dim: pa.ScoreTiles(block_k, stages, split_max, maxnreg, store)}))
     return stack
 
@@ -100,15 +100,15 @@ def sparse_sweep(args: argparse.Namespace, recent: int = 64) -> list[dict]:
     moved = 2 * bsz * hkv * (budget + recent) * dim * layers[0][1].element_size()
     rows = []
     splits = [x if x in ("auto", "paged") else int(x) for x in args.splits]
-    per_sm = sa.SPARSE_PROGRAMS_PER_SM
+    per_sm = sa.tuning(torch.device("cuda")).programs_per_sm
     for block_k, stages, warps, split in itertools.product(
             args.block_k, args.stages, args.warps, splits):
         if isinstance(split, int) and split % block_k:
             continue
         size = split if isinstance(split, int) else None
         # paged: the paged kernel's occupancy split instead of the sparse kernel's own
-        with tuned(sa, SPARSE_PROGRAMS_PER_SM=None if split == "paged" else per_sm), \
-                tuned(split_merge, DECODE_STAGES=stages, DECODE_WARPS=warps):
+        with tuned(sa, programs_per_sm=None if split == "paged" else per_sm), \
+                tuned(split_merge, stages=stages, warps=warps):
             us = graph_us(cycling(layers, lambda table, k, v, idx, bk=block_k, sp=size: (
                 sa.sparse_attention(q, k, v, table, pos, 16, idx, recent_start, recent,
                                     dim ** -0.5, block_k=bk, split_size=sp, out=out))))
@@ -134,7 +134,7 @@ def quest_sweep(args: argparse.Namespace, page: int = 16) -> list[dict]:
     moved = 2 * lo.numel() * lo.element_size()
     rows = []
     for block_p, warps in itertools.product(args.quest_pages, args.warps):
-        with tuned(qs, QUEST_TILES={dim: (block_p, warps)}):
+        with tuned(qs, tiles={dim: (block_p, warps)}):
             us = graph_us(lambda: qs.quest_page_scores(q, lo, hi, pages))  # noqa: B023
         row = {"kernel": "quest_scores", "block_p": block_p, "warps": warps, "us": us,
                "tb_per_s": moved / us / 1e6}
@@ -145,10 +145,10 @@ def quest_sweep(args: argparse.Namespace, page: int = 16) -> list[dict]:
     k = torch.full((bsz,), keep, device="cuda")
     rankable = pages * page
     for per_warp, least in itertools.product(args.topk_keys_per_warp, args.topk_min_warps):
-        with tuned(tk, RESIDENT_KEYS_PER_WARP=per_warp, RESIDENT_MIN_WARPS=least):
+        with tuned(tk, keys_per_warp=per_warp, min_warps=least):
             us = graph_us(lambda: tk.topk_positions_triton(scores, pages, k, keep, page,
                                                            rankable))
-            warps = tk.resident_warps(triton.next_power_of_2(num_pages))
+            warps = tk.resident_warps(triton.next_power_of_2(num_pages), scores.device)
         row = {"kernel": "quest_topk", "keys_per_warp": per_warp, "min_warps": least,
                "warps": warps, "width": num_pages, "keep_pages": keep, "us": us}
         rows.append(row)
@@ -206,8 +206,9 @@ def merge_sweep(args: argparse.Namespace) -> list[dict]:
         lse = torch.empty(flat, heads, device="cuda")
         moved = sets[0][0].acc.numel() * 4 + 2 * sets[0][0].m.numel() * 4 + out.numel() * 2
         for tile in args.merge_tiles:
-            with tuned(split_merge, MERGE_TILE=tile):
-                block_s, block_h, used = split_merge.merge_tiling(splits, heads, dim)
+            with tuned(split_merge, merge_tile=tile):
+                block_s, block_h, used = split_merge.merge_tiling(splits, heads, dim,
+                                                                  out.device)
                 us = graph_us(cycling(sets, lambda parts, o=out, e=lse: (
                     split_merge.merge_splits(parts, o, e))))
             row = {"kernel": "merge", "shape": shape, "tile": tile,
@@ -255,19 +256,24 @@ def main() -> None:
                     help="quest: pages per program of the page-score kernel")
     ap.add_argument("--topk-keys-per-warp", type=int, nargs="+", default=[128, 256, 512],
                     help="quest: scores per warp of the resident top-k")
-    ap.add_argument("--topk-min-warps", type=int, nargs="+", default=[tk.RESIDENT_MIN_WARPS],
+    ap.add_argument("--topk-min-warps", type=int, nargs="+",
                     help="quest: the fewest warps of the resident top-k "
-                         "(topk.RESIDENT_MIN_WARPS; repeat to interleave)")
+                         "(topk.TopkTuning.min_warps, default: the library's; repeat to "
+                         "interleave)")
     ap.add_argument("--merge-shapes", nargs="+", default=["16x112x32x128"],
                     help="merge: splits x rows x heads x head dim of the partials")
-    ap.add_argument("--merge-tiles", type=int, nargs="+", default=[split_merge.MERGE_TILE],
-                    help="merge: float32 elements of a step's tile (split_merge.MERGE_TILE)")
+    ap.add_argument("--merge-tiles", type=int, nargs="+",
+                    help="merge: float32 elements of a step's tile "
+                         "(split_merge.SplitTuning.merge_tile, default: the library's)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="topk: times the settings are timed, interleaved")
     ap.add_argument("--ratio", type=float, default=0.05, help="quest, topk: tokens kept")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     assert torch.cuda.is_available(), "tile_sweep times CUDA kernels"
+    gpu = torch.device("cuda")
+    args.topk_min_warps = args.topk_min_warps or [tk.tuning(gpu).min_warps]
+    args.merge_tiles = args.merge_tiles or [split_merge.tuning(gpu).merge_tile]
     if args.kernel in ("sparse", "quest", "topk", "merge"):
         sweep = {"sparse": sparse_sweep, "quest": quest_sweep, "topk": topk_sweep,
                  "merge": merge_sweep}
@@ -280,7 +286,7 @@ def main() -> None:
     dev, page = "cuda", 16
     bsz, heads, hkv, dim, ctx = args.batch, args.heads, args.kv_heads, args.head_dim, args.context
     table, k, v, kv_len = paged_cache(bsz, hkv, dim, ctx, page)
-    library = pa.score_tiles(dim)
+    library = pa.tuning(gpu).score_tiles_at(dim)
     maxnregs = args.maxnregs or [library.maxnreg or 0]
     split_maxes = args.score_split_max or [library.split_max or 0]
     stores_weight = args.stores or [library.store]

@@ -4,11 +4,15 @@ with NaN (so an element a kernel forgets to write cannot pass)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import pytest
 import torch
+
+import vegas_spec.kernels
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -55,6 +59,20 @@ def query_positions(lens: list[int], n: int) -> torch.Tensor:
     """[B, n]: the last n positions of each sequence (a decode or verify step)."""
     length = torch.tensor(lens)[:, None]
     return (length - n + torch.arange(n)).to(DEVICE)
+
+
+def as_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA devices read the sm_90 entries of the kernels' tuning tables, a GPU present or not
+    (an H100's or H200's tile choices checked on any machine)."""
+    monkeypatch.setattr(vegas_spec.kernels, "device_class",
+                        lambda device: "sm90" if device.type == "cuda" else "interpreter")
+
+
+def retune(monkeypatch: pytest.MonkeyPatch, module: object, **fields: object) -> None:
+    """Every entry of `module.TUNING` (every device class) with these fields, for the test."""
+    for key, entry in list(module.TUNING.items()):  # type: ignore[attr-defined]
+        monkeypatch.setitem(module.TUNING, key,  # type: ignore[attr-defined]
+                            dataclasses.replace(entry, **fields))
 
 
 def poisoned(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -7,7 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import CUDA, DEVICE, generator, paged_cache, query_positions, randn, tol
+from kernel_cases import (
+    CUDA,
+    DEVICE,
+    as_sm90,
+    generator,
+    paged_cache,
+    query_positions,
+    randn,
+    tol,
+)
 
 from vegas_spec.attention.backend import make_backend
 from vegas_spec.attention.context import StepContext
@@ -98,12 +107,14 @@ class _GpuQuery:
 
     def __init__(self, bsz: int, n: int) -> None:
         self.shape, self.is_cuda, self.dtype = (bsz, n, 32, 128), True, torch.bfloat16
+        self.device = torch.device("cuda")
 
 
-def test_gpu_tiling_is_one_for_every_step_in_exact_mode() -> None:
-    """Tiles, pipeline and keys per split on a GPU: a one-row plain step at batch 1 and a
-    scored verify step at batch 64 over 32K keys get the same in exact mode (the default
-    mode sizes them by occupancy and by the scores)."""
+def test_gpu_tiling_is_one_for_every_step_in_exact_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiles, pipeline and keys per split on a GPU (sm_90's): a one-row plain step at batch 1
+    and a scored verify step at batch 64 over 32K keys get the same in exact mode (the
+    default mode sizes them by occupancy and by the scores)."""
+    as_sm90(monkeypatch)
     steps = [(1, 1, False, 100), (64, 7, True, 32768), (16, 4, False, 5000)]
     got = set()
     for b, n, scored, kv in steps:
@@ -115,7 +126,8 @@ def test_gpu_tiling_is_one_for_every_step_in_exact_mode() -> None:
     cfg, _, split = got.pop()
     assert split % cfg.block_k == 0 and cfg.block_n * cfg.group_pad >= 16
     # the projections' tiles follow the weight's N only (exact_tiles takes no M)
-    assert [exact_tiles(True, n).block_n for n in (960, 6144, 28672, 128256)] == \
+    gpu = torch.device("cuda")
+    assert [exact_tiles(gpu, n).block_n for n in (960, 6144, 28672, 128256)] == \
         [32, 32, 128, 128]
 
 

@@ -11,11 +11,13 @@ from kernel_cases import (
     CUDA,
     DEVICE,
     DTYPES,
+    as_sm90,
     generator,
     paged_cache,
     poisoned,
     query_positions,
     randn,
+    retune,
     tol,
 )
 
@@ -236,12 +238,13 @@ def test_scores_sum_to_heads() -> None:
 
 
 def use_store(monkeypatch: pytest.MonkeyPatch, store: str) -> None:
-    """Every head dim's score tiles (SCORE_TILES_OTHER too, whose store the interpreter
-    uses) store their weight-mode logits with `store`."""
-    monkeypatch.setattr(pa, "SCORE_TILES", {dim: dataclasses.replace(tiles, store=store)
-                                            for dim, tiles in pa.SCORE_TILES.items()})
-    monkeypatch.setattr(pa, "SCORE_TILES_OTHER",
-                        dataclasses.replace(pa.SCORE_TILES_OTHER, store=store))
+    """Every score tiling of every device class (the interpreter's too) stores its weight-mode
+    logits with `store`."""
+    for key, entry in list(pa.TUNING.items()):
+        monkeypatch.setitem(pa.TUNING, key, dataclasses.replace(
+            entry, score_tiles={dim: dataclasses.replace(tiles, store=store)
+                                for dim, tiles in entry.score_tiles.items()},
+            score_tiles_other=dataclasses.replace(entry.score_tiles_other, store=store)))
 
 
 SCORED = [case for case in CASES if case.rows is not None]
@@ -297,14 +300,20 @@ def test_score_stores_give_the_same_scores(store: str,
     assert (got[store][:, :, :, 100:] == 0).all()
 
 
-@pytest.mark.skipif(not CUDA, reason="score tiles apply on GPUs only")
-@pytest.mark.parametrize("tiles", [*pa.SCORE_TILES.values(), pa.SCORE_TILES_OTHER], ids=str)
+# Every score-pass tiling of the table, whatever its device class and head dim.
+SCORE_TILINGS = list(dict.fromkeys(tiles for entry in pa.TUNING.values()
+                                   for tiles in (*entry.score_tiles.values(),
+                                                 entry.score_tiles_other)))
+
+
+@pytest.mark.skipif(not CUDA, reason="the interpreter runs its own tiles only")
+@pytest.mark.parametrize("tiles", SCORE_TILINGS, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_every_score_tiling(case: Case, tiles: pa.ScoreTiles,
                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every head dim's score-pass tiles (register caps, the occupancy split) at each case's
-    shape: the reference's output and scores."""
-    monkeypatch.setattr(pa, "score_tiles", lambda head_dim: tiles)
+    """Every score-pass tiling (register caps, the occupancy split) at each case's shape: the
+    reference's output and scores."""
+    retune(monkeypatch, pa, score_tiles={}, score_tiles_other=tiles)
     for dtype in DTYPES:
         run(case, dtype)
 
@@ -320,26 +329,32 @@ class _GpuQuery:
 
     def __init__(self, dim: int, n: int = 7) -> None:
         self.shape, self.is_cuda, self.dtype = (16, n, 32, dim), True, torch.bfloat16
+        self.device = torch.device("cuda")
 
 
-def test_store_follows_the_tiles_of_the_call() -> None:
-    """On a GPU a scored pass stores its logits as its head dim's tiles say, exact mode as
-    EXACT_TILES; the interpreter as SCORE_TILES_OTHER whatever the head dim."""
-    for dim in (*pa.SCORE_TILES, 96):
+def test_store_follows_the_tiles_of_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU a scored pass stores its logits as its head dim's score tiles say, exact mode
+    as the exact tiles; the interpreter as its other head dims' tiles whatever the head
+    dim."""
+    as_sm90(monkeypatch)
+    sm90, interpreter = pa.TUNING["sm90"], pa.TUNING["interpreter"]
+    for dim in (*sm90.score_tiles, 96):
         gpu: torch.Tensor = _GpuQuery(dim)  # type: ignore[assignment]
-        assert pa._score_store(gpu, False) == pa.score_tiles(dim).store
-        assert pa._score_store(gpu, True) == pa.EXACT_TILES.store
+        assert pa._score_store(gpu, False) == sm90.score_tiles_at(dim).store
+        assert pa._score_store(gpu, True) == sm90.exact_tiles.store
         cpu = torch.empty(1, 1, 1, dim)
-        assert pa._score_store(cpu, False) == pa.SCORE_TILES_OTHER.store
+        assert pa._score_store(cpu, False) == interpreter.score_tiles_other.store
 
 
 def test_verify_tiles_apply_to_unscored_calls_of_several_rows(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU an unscored call of 2..DECODE_ROWS rows runs its head dim's VERIFY_TILES; a
+    """On a GPU an unscored call of 2..decode_rows rows runs its head dim's verify tiles; a
     plain step, a scored pass, a prompt's rows, exact mode, an explicit block_k and an
     unlisted head dim run the tiles they ran before."""
+    as_sm90(monkeypatch)
     verify = pa.VerifyTiles(32, 3, 96)
-    monkeypatch.setattr(pa, "VERIFY_TILES", {64: verify})
+    sm90 = pa.TUNING["sm90"]
+    monkeypatch.setitem(pa.TUNING, "sm90", dataclasses.replace(sm90, verify_tiles={64: verify}))
 
     def tiling(dim: int = 64, n: int = 7, scored: bool = False, block_k: int | None = None,
                exact: bool = False) -> tuple[int, int, int | None]:
@@ -347,13 +362,13 @@ def test_verify_tiles_apply_to_unscored_calls_of_several_rows(
         cfg, _ = pa._tiling(gpu, 8, scored, block_k, exact)
         return cfg.block_k, cfg.num_stages, cfg.maxnreg
 
-    assert tiling() == (32, 3, 96) == tiling(n=pa.DECODE_ROWS) == tiling(n=2)
+    assert tiling() == (32, 3, 96) == tiling(n=sm90.decode_rows) == tiling(n=2)
     plain = pa.tile_config(_GpuQuery(64, 1), 8)  # type: ignore[arg-type]
     assert tiling(n=1) == (plain.block_k, plain.num_stages, None)
-    scored = pa.score_tiles(64)
+    scored = sm90.score_tiles_at(64)
     assert tiling(scored=True) == (scored.block_k, scored.stages, scored.maxnreg)
-    assert tiling(n=pa.DECODE_ROWS + 1)[0] == plain.block_k
-    assert tiling(exact=True)[:2] == (pa.EXACT_TILES.block_k, pa.EXACT_TILES.stages)
+    assert tiling(n=sm90.decode_rows + 1)[0] == plain.block_k
+    assert tiling(exact=True)[:2] == (sm90.exact_tiles.block_k, sm90.exact_tiles.stages)
     assert tiling(block_k=128)[::2] == (128, None)
     assert tiling(dim=128)[2] is None
     cpu = torch.empty(1, 7, 32, 64)
@@ -365,7 +380,7 @@ def test_verify_tiles_apply_to_unscored_calls_of_several_rows(
                                    pa.VerifyTiles(128, 3, 168)], ids=str)
 def test_every_verify_tiling(tiles: pa.VerifyTiles, monkeypatch: pytest.MonkeyPatch) -> None:
     """Unscored several-row calls under other tiles: the reference's output."""
-    monkeypatch.setattr(pa, "VERIFY_TILES", {64: tiles, 128: tiles})
+    retune(monkeypatch, pa, verify_tiles={64: tiles, 128: tiles})
     for case in (Case((150, 77), 7, 8, 2, 64, page_size=8), Case((45,), 7, 4, 1, 128, kv_extra=3),
                  Case((3000, 2100), 7, 9, 3, 64), Case((900,), 16, 8, 2, 128)):
         for dtype in DTYPES:

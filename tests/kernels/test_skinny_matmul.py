@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import CUDA, DEVICE, generator, nan_empty, randn
+from kernel_cases import CUDA, DEVICE, as_sm90, generator, nan_empty, randn
 
+import vegas_spec.kernels as kernels
 from vegas_spec.kernels.skinny_matmul import (
-    GPU_SMS,
     MAX_DRAFT_ROWS,
     MAX_ROWS,
     SkinnyTiles,
@@ -74,11 +74,18 @@ SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 
              (24576, 4096), (4096, 12288), (151936, 4096)]
 
 
-def test_default_tiles_fill_the_gpu_at_8b_shapes() -> None:
-    for n, k in SHAPES_8B:
-        for m in (1, 16, 64):
-            t = skinny_tiles(m, n, k)
-            assert -(-n // t.block_n) * t.split_k >= GPU_SMS, (m, n, k, t)
+@pytest.mark.parametrize("sms", [132, 114, 78])  # an H100 SXM or H200, an H100 PCIe, an H20
+def test_default_tiles_fill_the_gpu_at_8b_shapes(sms: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the default tiles give at least a program per SM (the device's own count), K
+    split where the column blocks alone would not; the interpreter assumes 132 SMs."""
+    as_sm90(monkeypatch)
+    monkeypatch.setattr(kernels, "sm_count", lambda index: sms)
+    for device, count in ((torch.device("cuda", 0), sms), (torch.device("cpu"), 132)):
+        for n, k in SHAPES_8B:
+            for m in (1, 16, 64):
+                t = skinny_tiles(m, n, k, device)
+                assert -(-n // t.block_n) * t.split_k >= count, (device, m, n, k, t)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

@@ -9,11 +9,13 @@ import torch
 from kernel_cases import (
     DEVICE,
     DTYPES,
+    as_sm90,
     generator,
     paged_cache,
     poisoned,
     query_positions,
     randn,
+    retune,
     tol,
 )
 
@@ -208,9 +210,9 @@ def test_rope_inside_takes_one_row_steps_only() -> None:
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_occupancy_split_of_the_paged_kernel_matches_reference(
         case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The other split rule (`SPARSE_PROGRAMS_PER_SM = None`) computes the same attention."""
+    """The other split rule (no programs per SM listed) computes the same attention."""
     import vegas_spec.kernels.sparse_attention as sa
-    monkeypatch.setattr(sa, "SPARSE_PROGRAMS_PER_SM", None)
+    retune(monkeypatch, sa, programs_per_sm=None)
     run(case, DTYPES[0], seed=2)
 
 
@@ -227,14 +229,16 @@ def test_occupancy_split_of_the_paged_kernel_matches_reference(
 def test_sparse_splits_fill_one_wave_of_program_slots(
         length: int, programs: int, head_dim: int, want: int,
         monkeypatch: pytest.MonkeyPatch) -> None:
+    import vegas_spec.kernels as kernels
     import vegas_spec.kernels.sparse_attention as sa
-    import vegas_spec.kernels.split_merge as sm
-    monkeypatch.setattr(sm, "sm_count", lambda index: 132)  # an H200
+    as_sm90(monkeypatch)
+    monkeypatch.setattr(kernels, "sm_count", lambda index: 132)  # an H200
     size = sa.sparse_split_size(length, programs, 128, torch.device("cuda", 0), head_dim)
     assert size == want
     splits = -(-length // size)
-    if head_dim in sa.SPARSE_PROGRAMS_PER_SM:
-        per_sm = sa.SPARSE_PROGRAMS_PER_SM[head_dim]
+    listed = sa.TUNING["sm90"].programs_per_sm or {}
+    if head_dim in listed:
+        per_sm = listed[head_dim]
         assert splits * programs <= per_sm * 132  # one wave
         assert size == 128 or size >= 256  # one block, or at least two
     assert sa.sparse_split_size(length, programs, 128, torch.device("cpu"), head_dim) == 512

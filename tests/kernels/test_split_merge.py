@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-from kernel_cases import DEVICE, generator
+from kernel_cases import DEVICE, as_sm90, generator, retune
 
 from vegas_spec.kernels import split_merge
 from vegas_spec.kernels.split_merge import Partials, merge_splits, merge_tiled
@@ -22,7 +22,8 @@ def merge(parts: Partials, out: torch.Tensor, lse: torch.Tensor | None,
     splits, _, heads, dim = parts.acc.shape
     block_s = min(per_step, triton.next_power_of_2(splits))
     tile = block_s * triton.next_power_of_2(dim)
-    block_h = max(min(triton.next_power_of_2(heads), 16, split_merge.MERGE_TILE // tile), 1)
+    merge_tile = split_merge.tuning(DEVICE).merge_tile
+    block_h = max(min(triton.next_power_of_2(heads), 16, merge_tile // tile), 1)
     merge_tiled(parts, out, lse, (block_s, block_h, 4 if block_s == 1 else 1))
 
 
@@ -91,10 +92,10 @@ def test_splits_per_step_must_be_a_power_of_two() -> None:
     (40, 4, 256, (16, 1, 1)),  # never fewer than one head
 ])
 def test_merge_tiling(splits: int, heads: int, dim: int, want: tuple[int, int, int]) -> None:
-    assert split_merge.merge_tiling(splits, heads, dim) == want
+    assert split_merge.merge_tiling(splits, heads, dim, DEVICE) == want
     # exact mode: one split a step in 4 warps (the serial merge) for every count
     serial = (1, min(triton.next_power_of_2(heads), 16), 4)
-    assert split_merge.merge_tiling(splits, heads, dim, exact=True) == serial
+    assert split_merge.merge_tiling(splits, heads, dim, DEVICE, exact=True) == serial
 
 
 @pytest.mark.parametrize("live", [1, 2, 3, 9])
@@ -150,15 +151,17 @@ def test_wave_splits(programs: int, slots: int, most: int, want: int) -> None:
 
 def test_split_size_by_waves_or_by_occupancy(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the kernel's resident programs the split fills whole waves; without them, or
-    with SPLIT_WAVE_FILL None, it aims at SPLIT_PROGRAMS_PER_SM programs per SM."""
+    with split_wave_fill None, it aims at split_programs_per_sm programs per SM (sm_90's
+    settings, 132 SMs)."""
+    as_sm90(monkeypatch)
     monkeypatch.setattr(split_merge, "device_sms", lambda device: 132)
     gpu = torch.device("cuda")
     # Llama-3.1-8B shape, 16 x 32K, one row: 513 key blocks of 64 over 128 programs
     assert split_merge.split_size_for(32832, 128, 64, gpu, resident=4) == 129 * 64  # 4 splits
     assert split_merge.split_size_for(32832, 128, 64, gpu) == 171 * 64  # 3 splits
     assert split_merge.split_size_for(32832, 128, 64, gpu, split_size=128) == 128
-    monkeypatch.setattr(split_merge, "SPLIT_WAVE_FILL", None)
+    retune(monkeypatch, split_merge, split_wave_fill=None)
     assert split_merge.split_size_for(32832, 128, 64, gpu, resident=4) == 171 * 64
     # the fewest key blocks a split holds caps the splits
-    monkeypatch.setattr(split_merge, "SPLIT_WAVE_FILL", 0.95)
+    retune(monkeypatch, split_merge, split_wave_fill=0.95)
     assert split_merge.split_size_for(512, 32, 64, gpu, resident=4) == 4 * 64

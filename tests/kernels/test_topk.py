@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from kernel_cases import DEVICE, generator
+from kernel_cases import DEVICE, generator, retune
 
 from vegas_spec.kernels import topk
 from vegas_spec.kernels.topk import topk_positions_triton
@@ -227,10 +227,11 @@ def test_rows_wider_than_the_resident_bound_are_refused(monkeypatch: pytest.Monk
 
 
 def test_warps_by_row_width(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One warp per RESIDENT_KEYS_PER_WARP scores, at least RESIDENT_MIN_WARPS, at most 16."""
-    monkeypatch.setattr(topk, "RESIDENT_KEYS_PER_WARP", 256)
-    assert [topk.resident_warps(w) for w in (64, 512, 2048, 8192)] == [4, 4, 8, 16]
-    monkeypatch.setattr(topk, "RESIDENT_MIN_WARPS", 1)
-    assert [topk.resident_warps(w) for w in (64, 512, 2048, 8192)] == [1, 2, 8, 16]
-    monkeypatch.setattr(topk, "RESIDENT_MIN_WARPS", 0)
-    assert topk.resident_warps(64) == 1
+    """One warp per keys_per_warp scores, at least min_warps, at most max_warps."""
+    retune(monkeypatch, topk, keys_per_warp=256, max_warps=16)
+    widths = (64, 512, 2048, 8192)
+    assert [topk.resident_warps(w, DEVICE) for w in widths] == [4, 4, 8, 16]
+    retune(monkeypatch, topk, min_warps=1)
+    assert [topk.resident_warps(w, DEVICE) for w in widths] == [1, 2, 8, 16]
+    retune(monkeypatch, topk, min_warps=0)
+    assert topk.resident_warps(64, DEVICE) == 1

@@ -30,34 +30,102 @@ Every kernel has a plain-PyTorch reference that is its test oracle:
 Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is first imported), patched below
 where it departs from compiled Triton.
 
-Each kernel module keeps its GPU tiles in module-level tables (upper-case names) that its
-host wrapper reads at every launch; `tuned` replaces them for a block of code, the one way
-the benchmarks' tile sweeps try other settings. What was tried and measured is in
-docs/kernel-notes.md."""
+Tuning: each kernel module keeps every tuned number of its launches (tiles, warps, stages,
+split rules) in one table, `TUNING`, keyed by device class (`device_class`: "sm90" for a
+CUDA device of compute capability 9.0, "interpreter" for CPU tensors; "default" for a GPU
+the table does not list), each entry a frozen dataclass of that kernel's fields, and its
+`tuning(device)` returns the entry a launch on that device reads. A new card is one new
+entry per table. The host wrappers read the table at every launch; `tuned` replaces fields
+for a block of code, the one way the benchmarks' tile sweeps try other settings. What was
+tried and measured is in docs/kernel-notes.md."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import ModuleType
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    import torch
+
+Entry = TypeVar("Entry")
+
+
+def device_class(device: torch.device) -> str:
+    """The key of `device` in the kernels' tuning tables: "sm" and the compute capability of a
+    CUDA device ("sm90" for an H100 or H200), "interpreter" for any other device (CPU
+    tensors, which only Triton's interpreter runs)."""
+    if device.type != "cuda":
+        return "interpreter"
+    return _cuda_class(device.index if device.index is not None else _current_cuda())
+
+
+def _current_cuda() -> int:
+    import torch
+
+    return torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_class(index: int) -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+def for_device(table: Mapping[str, Entry], device: torch.device) -> Entry:
+    """`table`'s entry for `device`: its class's (`device_class`), else "default" (a GPU the
+    table does not list)."""
+    entry = table.get(device_class(device))
+    return table["default"] if entry is None else entry
+
+
+@functools.lru_cache(maxsize=16)
+def sm_count(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_sms(device: torch.device) -> int:
+    """The SMs of the CUDA `device` (the current one when it names no index)."""
+    return sm_count(device.index if device.index is not None else _current_cuda())
 
 
 @contextlib.contextmanager
-def tuned(module: ModuleType, **tables: object) -> Iterator[None]:
-    """Inside the block, `module`'s tuning tables named by the keywords (upper-case module
-    constants, e.g. `tuned(paged_attention, SCORE_TILES={64: ...})`) hold the given values;
-    restored after it. An unknown name is a KeyError. Launches read the tables, so a CUDA
-    graph captured inside the block keeps the tiles it was captured with."""
-    unknown = [name for name in tables if not name.isupper() or not hasattr(module, name)]
+def tuned(module: ModuleType, **settings: object) -> Iterator[None]:
+    """Inside the block, `module`'s tuning holds the given settings; restored after it. A
+    keyword names a field of the module's tuning, set in every entry of its `TUNING` table
+    whatever the device class (e.g. `tuned(paged_attention, score_tiles={64: ...})`), or an
+    upper-case module constant (a switch such as `tuned(triton_backend, SPARSE_ROPE=False)`).
+    An unknown name is a KeyError. Launches read the table, so a CUDA graph captured inside
+    the block keeps the tiles it was captured with."""
+    table: dict[str, object] | None = getattr(module, "TUNING", None)
+    fields = set() if table is None else {
+        field.name for entry in table.values() for field in dataclasses.fields(entry)}
+    entries = {name: value for name, value in settings.items() if name in fields}
+    constants = {name: value for name, value in settings.items() if name not in fields}
+    unknown = [name for name in constants if not name.isupper() or not hasattr(module, name)]
     if unknown:
-        raise KeyError(f"{module.__name__} has no tuning table {', '.join(unknown)}")
-    saved = {name: getattr(module, name) for name in tables}
+        raise KeyError(f"{module.__name__} has no tuning field or table {', '.join(unknown)}")
+    saved_entries = None if table is None else dict(table)
+    saved = {name: getattr(module, name) for name in constants}
     try:
-        for name, value in tables.items():
+        if table is not None and entries:
+            for key, entry in saved_entries.items():
+                table[key] = dataclasses.replace(entry, **entries)
+        for name, value in constants.items():
             setattr(module, name, value)
         yield
     finally:
+        if table is not None:
+            table.clear()
+            table.update(saved_entries)
         for name, value in saved.items():
             setattr(module, name, value)
 

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vegas_spec.kernels import for_device
+
 
 @dataclass(frozen=True)
 class MatmulTiles:
@@ -33,21 +35,46 @@ class MatmulTiles:
     num_stages: int
 
 
-# Column blocks a GPU projection is cut into at least (where N allows), so that a step of
-# few rows (one row block) still spreads its weight reads over the SMs without splitting K.
-GPU_COLUMN_BLOCKS = 256
+@dataclass(frozen=True)
+class ExactMatmulTuning:
+    """The tiles of `exact_tiles` on one device class: block_m x BLOCK_N x block_k, BLOCK_N
+    the power of two between block_n_min and block_n_max that cuts N into about
+    column_blocks programs, so that a step of few rows (one row block) still spreads its
+    weight reads over the SMs without splitting K; `warps` and `stages` a program."""
+
+    block_m: int
+    block_k: int
+    block_n_min: int
+    block_n_max: int
+    column_blocks: int
+    warps: int
+    stages: int
 
 
-def exact_tiles(gpu: bool, n: int = 1 << 20) -> MatmulTiles:
+_SM90 = ExactMatmulTuning(block_m=64, block_k=64, block_n_min=32, block_n_max=128,
+                          column_blocks=256, warps=4, stages=3)
+# By device class (`kernels.device_class`). The interpreter, whose cost is per program and
+# loop step: few rows (a decode step has few) and wide column and reduction blocks.
+TUNING: dict[str, ExactMatmulTuning] = {
+    "sm90": _SM90,
+    "default": _SM90,
+    "interpreter": ExactMatmulTuning(block_m=16, block_k=64, block_n_min=128, block_n_max=128,
+                                     column_blocks=256, warps=1, stages=1),
+}
+
+
+def tuning(device: torch.device) -> ExactMatmulTuning:
+    """The entry of `TUNING` that launches on `device` read."""
+    return for_device(TUNING, device)
+
+
+def exact_tiles(device: torch.device, n: int = 1 << 20) -> MatmulTiles:
     """One configuration for every row count (the invariance needs it): it may depend on the
-    weight's N (a layer's own), never on M. On a GPU, 64 x BLOCK_N x 64 tiles, BLOCK_N from
-    32 to 128 so that N gives about GPU_COLUMN_BLOCKS programs; under the interpreter, whose
-    cost is per program and loop step, few rows (a decode step has few) and wide column and
-    reduction blocks."""
-    if not gpu:
-        return MatmulTiles(16, 128, 64, 1, 1)
-    block_n = min(128, max(32, triton.next_power_of_2(triton.cdiv(n, GPU_COLUMN_BLOCKS))))
-    return MatmulTiles(64, block_n, 64, 4, 3)
+    weight's N (a layer's own), never on M (`ExactMatmulTuning` of `device`)."""
+    tiles = tuning(device)
+    by_n = triton.next_power_of_2(triton.cdiv(n, tiles.column_blocks))
+    block_n = min(tiles.block_n_max, max(tiles.block_n_min, by_n))
+    return MatmulTiles(tiles.block_m, block_n, tiles.block_k, tiles.warps, tiles.stages)
 
 
 # M stays a runtime value: Triton would otherwise compile M = 1 as a constant, another program
@@ -87,7 +114,7 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         rows = rows.contiguous()
     m, k = rows.shape
     n = weight.shape[0]
-    cfg = tiles or exact_tiles(x.is_cuda, n)
+    cfg = tiles or exact_tiles(x.device, n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         _matmul_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))](

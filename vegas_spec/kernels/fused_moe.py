@@ -24,29 +24,53 @@ other tokens of the step (the premise of `exact_matmul`: the dot computes rows a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
+from vegas_spec.kernels import for_device
 from vegas_spec.kernels.exact_matmul import MatmulTiles
 from vegas_spec.kernels.silu_mul import clamped_swiglu, silu_mul
 
-# GPU tiles of both grouped matmuls (guesses, not yet measured): "few" where an expert has at
-# most SMALL_BLOCK_PAIRS pairs on average (decode steps), and for every step in exact mode,
-# whose tiles must not follow P; "many" otherwise.
-GPU_TILES = {"few": MatmulTiles(16, 64, 64, 4, 3), "many": MatmulTiles(64, 64, 64, 4, 3)}
-SMALL_BLOCK_PAIRS = 16
-# Under the interpreter, whose cost is per program and loop step: small row blocks, wide
-# column and reduction blocks.
-INTERPRETER_TILES = MatmulTiles(16, 64, 64, 1, 1)
+
+@dataclass(frozen=True)
+class MoeTuning:
+    """The tiles of both grouped matmuls on one device class: `few` where an expert has at
+    most `small_block_pairs` pairs on average (decode steps), and for every step in exact
+    mode, whose tiles must not follow P; `many` otherwise."""
+
+    few: MatmulTiles
+    many: MatmulTiles
+    small_block_pairs: int
 
 
-def moe_tiles(gpu: bool, pairs: int, experts: int, exact: bool) -> MatmulTiles:
-    """The tiles of a launch of `pairs` pairs over `experts` experts (read at every launch)."""
-    if not gpu:
-        return INTERPRETER_TILES
-    few = exact or pairs <= SMALL_BLOCK_PAIRS * experts
-    return GPU_TILES["few" if few else "many"]
+# sm_90: guesses, not yet measured.
+_SM90 = MoeTuning(few=MatmulTiles(16, 64, 64, 4, 3), many=MatmulTiles(64, 64, 64, 4, 3),
+                  small_block_pairs=16)
+# By device class (`kernels.device_class`). The interpreter, whose cost is per program and
+# loop step: small row blocks, wide column and reduction blocks, whatever the step.
+_INTERPRETER_TILES = MatmulTiles(16, 64, 64, 1, 1)
+TUNING: dict[str, MoeTuning] = {
+    "sm90": _SM90,
+    "default": _SM90,
+    "interpreter": MoeTuning(few=_INTERPRETER_TILES, many=_INTERPRETER_TILES,
+                             small_block_pairs=16),
+}
+
+
+def tuning(device: torch.device) -> MoeTuning:
+    """The entry of `TUNING` that launches on `device` read."""
+    return for_device(TUNING, device)
+
+
+def moe_tiles(device: torch.device, pairs: int, experts: int, exact: bool) -> MatmulTiles:
+    """The tiles of a launch of `pairs` pairs over `experts` experts on `device` (its
+    `MoeTuning`, read at every launch)."""
+    tiles = tuning(device)
+    few = exact or pairs <= tiles.small_block_pairs * experts
+    return tiles.few if few else tiles.many
 
 
 def max_blocks(pairs: int, experts: int, block_m: int) -> int:
@@ -163,7 +187,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     pairs = t * top_k
     if pairs == 0:
         return x.new_zeros(t, hidden)
-    cfg = tiles or moe_tiles(x.is_cuda, pairs, experts, exact)
+    cfg = tiles or moe_tiles(x.device, pairs, experts, exact)
     groups = group_by_expert(ids, experts, cfg.block_m)
     gate_up_out = torch.empty(pairs, two_i, dtype=x.dtype, device=x.device)
     _expert_matmul(x, gate_up, gate_up_out, groups, top_k, cfg, bias=gate_up_bias)

@@ -43,6 +43,7 @@ block reads at most window + n - 1 keys), in exact mode the splits stay exact mo
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from vegas_spec.kernels import split_merge
+from vegas_spec.kernels import for_device, split_merge
 from vegas_spec.kernels.split_merge import (
     MIN_DOT,
     Partials,
@@ -73,7 +74,7 @@ MODES = {"weight": 1, "logit": 2}
 # one row block, pointers otherwise), or through pointers into a scratch sized to whole key
 # blocks and masked by lane only, so that a thread's run of consecutive keys becomes one
 # vector store; keys past a split's end then receive logits that the finalise kernel never
-# reads (it reads keys a row sees). Which store a head dim uses: SCORE_TILES below.
+# reads (it reads keys a row sees). Which store a pass uses: its `ScoreTiles`.
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ SCORE_STORES = {"f32-descriptor": ScoreStore(descriptor=True, whole_blocks=False
 
 @dataclass(frozen=True)
 class ScoreTiles:
-    """How a score-emitting pass runs on a GPU: keys per block, pipeline stages, the largest
+    """How a score-emitting pass runs: keys per block, pipeline stages, the largest
     split of an occupancy split in keys (None: the occupancy split alone), the registers
     per thread ptxas may use (None: its own choice) and how its weight-mode logits are
     stored (a name of `SCORE_STORES`)."""
@@ -108,64 +109,101 @@ class ScoreTiles:
                              f"{', '.join(SCORE_STORES)}")
 
 
-# Score-pass tiles on a GPU by head dim (measured on sm_90; docs/kernel-notes.md): at 64,
-# 128-key blocks in 3 stages capped at 168 registers so that more programs share an SM; at
-# 128, 64-key blocks in 2 stages capped at 128 registers (four programs per SM, none
-# spilled); both split by whole waves. Other head dims: 128-key blocks, 3 stages, ptxas's
-# registers, splits of at most 2048 keys. The keys are read in the same order whichever
-# tiles run, so results change only by the float summation order of the online softmax.
-SCORE_TILES: dict[int, ScoreTiles] = {64: ScoreTiles(128, 3, None, 168, "f32-blocks"),
-                                      128: ScoreTiles(64, 2, None, 128, "f32-blocks")}
-SCORE_TILES_OTHER = ScoreTiles(128, 3, 2048, None, "f32-descriptor")
-
-
-def score_tiles(head_dim: int) -> ScoreTiles:
-    """The tiles of a score-emitting pass at this head dim."""
-    return SCORE_TILES.get(head_dim, SCORE_TILES_OTHER)
-
-
-# Calls of at most this many query rows a sequence are decode steps (a plain step, a verify
-# of γ + 1 rows), split by whole waves of their kernel's resident programs; more rows are a
-# prompt's, which keep the occupancy split.
-DECODE_ROWS = 16
-
-
 @dataclass(frozen=True)
 class VerifyTiles:
     """How an unscored decode call of several rows (a verify step without selection scores,
-    as stream's) runs on a GPU: keys per block, pipeline stages and the registers per thread
-    ptxas may use (None: its own choice)."""
+    as stream's) runs: keys per block, pipeline stages and the registers per thread ptxas may
+    use (None: its own choice)."""
 
     block_k: int
     stages: int
     maxnreg: int | None = None
 
 
-# The tiles of such calls by head dim; a head dim not listed runs `tile_config`'s, those of a
-# plain step. At head dim 64 and seven rows, 3 stages compile to fewer registers than 2
-# (three programs per SM instead of two), so the wave rule needs fewer splits.
-VERIFY_TILES: dict[int, VerifyTiles] = {64: VerifyTiles(128, 3)}
+@dataclass(frozen=True)
+class PagedTuning:
+    """The paged kernel's tiles on one device class (beside `split_merge.SplitTuning`, whose
+    tiles a call runs where none of these apply).
+
+    score_tiles: a score-emitting pass's tiles by head dim (`score_tiles_other` at a head dim
+    not listed). verify_tiles: an unscored call of 2..decode_rows rows a sequence by head dim
+    (one not listed runs `tile_config`'s, those of a plain step). Calls of at most
+    decode_rows rows are decode steps (a plain step, a verify of γ + 1 rows), split by whole
+    waves of their kernel's resident programs; more rows are a prompt's, which keep the
+    occupancy split.
+
+    Exact mode: one tiling for every full-attention step, plain or verify, scored or not, at
+    any batch size and context: exact_tiles (its block_k, stages, maxnreg and store) and
+    splits of exactly exact_split keys, with `SplitTuning.exact_rows` query rows per tile. A
+    row's keys are then walked in the same blocks, cut into the same splits and merged in
+    split order whatever else the step holds; blocks and splits past the row's last visible
+    key add exact zeros (p = 0, alpha = 1), so neither n nor kv_len matters.
+
+    The finalise kernel of the scores: finalise_keys keys and finalise_warps warps a
+    program."""
+
+    score_tiles: Mapping[int, ScoreTiles]
+    score_tiles_other: ScoreTiles
+    verify_tiles: Mapping[int, VerifyTiles]
+    decode_rows: int
+    exact_tiles: ScoreTiles
+    exact_split: int
+    finalise_keys: int
+    finalise_warps: int
+
+    def __post_init__(self) -> None:
+        assert self.exact_split % self.exact_tiles.block_k == 0, "exact_split: whole blocks"
+
+    def score_tiles_at(self, head_dim: int) -> ScoreTiles:
+        """The tiles of a score-emitting pass at this head dim."""
+        return self.score_tiles.get(head_dim, self.score_tiles_other)
+
+
+# sm_90: score passes at head dim 64 in 128-key blocks, 3 stages, capped at 168 registers so
+# that more programs share an SM; at 128 in 64-key blocks, 2 stages, capped at 128 registers
+# (four programs per SM, none spilled); both split by whole waves, their logits stored as
+# whole key blocks. Other head dims: 128-key blocks, 3 stages, ptxas's registers, splits of
+# at most 2048 keys, the float32 descriptor. Unscored calls of several rows at head dim 64:
+# 3 stages, which compile to fewer registers than 2 at seven rows (three programs per SM
+# instead of two), so the wave rule needs fewer splits. Measured: docs/kernel-notes.md. The
+# keys are read in the same order whichever tiles run, so results change only by the float
+# summation order of the online softmax.
+_SM90 = PagedTuning(
+    score_tiles={64: ScoreTiles(128, 3, None, 168, "f32-blocks"),
+                 128: ScoreTiles(64, 2, None, 128, "f32-blocks")},
+    score_tiles_other=ScoreTiles(128, 3, 2048, None, "f32-descriptor"),
+    verify_tiles={64: VerifyTiles(128, 3)}, decode_rows=16,
+    exact_tiles=ScoreTiles(128, 3, None, None, "f32-descriptor"), exact_split=2048,
+    finalise_keys=512, finalise_warps=4)
+# The interpreter: the decode tiles' small key blocks in one stage for every pass (its cost
+# is per program and loop step), the float32 descriptor's store, exact splits of 4 blocks.
+_INTERPRETER_TILES = ScoreTiles(32, 1, None, None, "f32-descriptor")
+# By device class (`kernels.device_class`).
+TUNING: dict[str, PagedTuning] = {
+    "sm90": _SM90,
+    "default": _SM90,
+    "interpreter": PagedTuning(
+        score_tiles={}, score_tiles_other=_INTERPRETER_TILES, verify_tiles={}, decode_rows=16,
+        exact_tiles=_INTERPRETER_TILES, exact_split=4 * _INTERPRETER_TILES.block_k,
+        finalise_keys=64, finalise_warps=4),
+}
+
+
+def tuning(device: torch.device) -> PagedTuning:
+    """The entry of `TUNING` that launches on `device` read."""
+    return for_device(TUNING, device)
 
 
 def verify_tiles(q: torch.Tensor, scored: bool) -> VerifyTiles | None:
-    """The `VERIFY_TILES` of an unscored call of 2..DECODE_ROWS rows on a GPU, if listed."""
+    """The verify tiles of an unscored call of 2..decode_rows rows, if its head dim is
+    listed (`PagedTuning`)."""
     n, dim = q.shape[1], q.shape[3]
-    return VERIFY_TILES.get(dim) if q.is_cuda and not scored and 1 < n <= DECODE_ROWS \
-        else None
+    tiles = tuning(q.device)
+    return tiles.verify_tiles.get(dim) if not scored and 1 < n <= tiles.decode_rows else None
 
 
 # The logits are computed in the attention loop, on the key block it has just loaded, so K is
-# read once; the finalise kernel runs in line, 512 keys and 4 warps a program.
-# Exact mode: one tiling for every full-attention step, plain or verify, scored or not, at any
-# batch size and context: EXACT_TILES (ptxas's registers, logits through the float32
-# descriptor) and splits of exactly EXACT_SPLIT keys on a GPU (the interpreter: its own small
-# blocks, splits of 4 blocks), and EXACT_ROWS query rows per tile (`tile_config`). A row's
-# keys are then walked in the same blocks, cut into the same splits and merged in split order
-# whatever else the step holds; blocks and splits past the row's last visible key add exact
-# zeros (p = 0, alpha = 1), so neither n nor kv_len matters.
-EXACT_TILES = ScoreTiles(128, 3, None, None, "f32-descriptor")
-EXACT_SPLIT = 2048
-EXACT_SPLIT_CPU_BLOCKS = 4
+# read once; the finalise kernel runs in line.
 
 
 @triton.jit
@@ -426,7 +464,8 @@ def _finalise_scores(job: _ScoreJob, positions: torch.Tensor, scale: float, cfg:
                      hkv: int, width: int, window: int) -> None:
     bsz, num_rows = job.out.shape[:2]
     out = job.out
-    block_w = 512 if out.is_cuda else 64
+    tiles = tuning(out.device)
+    block_w = tiles.finalise_keys
     grid = (bsz * num_rows, triton.cdiv(out.shape[3], block_w))
     _scores_kernel[grid](
         job.scratch, job.scratch if job.lse is None else job.lse, job.rows,
@@ -434,7 +473,8 @@ def _finalise_scores(job: _ScoreJob, positions: torch.Tensor, scale: float, cfg:
         job.scratch.shape[-1], out.shape[3], scale,
         positions.stride(0), positions.stride(1), out.stride(0), out.stride(1), out.stride(2),
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, LANES=max(job.lanes, 1), BLOCK_W=block_w,
-        MODE=job.mode, PER_KV=out.shape[2] > 1, WINDOW=window, num_warps=4)
+        MODE=job.mode, PER_KV=out.shape[2] > 1, WINDOW=window,
+        num_warps=tiles.finalise_warps)
 
 
 # The exact-mode copy of the split kernel: its row counts stay runtime values (Triton would
@@ -448,13 +488,14 @@ _paged_split_kernel_exact = triton.jit(
 
 def _tiling(q: torch.Tensor, hkv: int, scored: bool, block_k: int | None,
             exact: bool) -> tuple[TileConfig, ScoreTiles | None]:
-    """The tile configuration of one call, and the score tiles it runs (scored GPU calls)."""
+    """The tile configuration of one call, and the score tiles it runs (scored calls)."""
+    table = tuning(q.device)
     if exact:
-        cfg = tile_config(q, hkv, EXACT_TILES.block_k if q.is_cuda else None, exact=True)
-        if q.is_cuda:
-            return dataclasses.replace(cfg, num_stages=EXACT_TILES.stages), None
-        return cfg, None
-    tiles = score_tiles(q.shape[3]) if q.is_cuda and scored else None
+        exact_tiles = table.exact_tiles
+        cfg = tile_config(q, hkv, exact_tiles.block_k, exact=True)
+        return dataclasses.replace(cfg, num_stages=exact_tiles.stages,
+                                   maxnreg=exact_tiles.maxnreg), None
+    tiles = table.score_tiles_at(q.shape[3]) if scored else None
     rows = None if block_k else verify_tiles(q, scored)
     chosen = tiles or rows
     cfg = tile_config(q, hkv, block_k or (chosen.block_k if chosen else None))
@@ -471,7 +512,7 @@ def _split_size(q: torch.Tensor, hkv: int, cfg: TileConfig, tiles: ScoreTiles | 
     else `split_size_for`'s for the kernel's `resident` programs per SM, within the score
     tiles' largest split."""
     if exact:
-        return EXACT_SPLIT if q.is_cuda else EXACT_SPLIT_CPU_BLOCKS * cfg.block_k
+        return tuning(q.device).exact_split
     if window and split_size is None:
         return triton.cdiv(kv_len, cfg.block_k) * cfg.block_k
     bsz, n = q.shape[:2]
@@ -491,7 +532,7 @@ def _resident(kernel: triton.runtime.JITFunction, grid: tuple[int, int, int], ar
               constexprs: dict, device: torch.device) -> int | None:
     """The resident programs per SM of the variant of `kernel` that a several-split launch
     with these arguments runs (compiled, not launched, the first time), on a GPU."""
-    if device.type != "cuda" or split_merge.SPLIT_WAVE_FILL is None:
+    if device.type != "cuda" or split_merge.tuning(device).split_wave_fill is None:
         return None
     # what selects the variant: the constexprs (but SINGLE, passed apart; built in one
     # order), the dtype, and how Triton specializes ints
@@ -506,12 +547,9 @@ def _resident(kernel: triton.runtime.JITFunction, grid: tuple[int, int, int], ar
 
 def _score_store(q: torch.Tensor, exact: bool) -> str:
     """How this call stores weight-mode logits (a name of `SCORE_STORES`): the store of the
-    tiles it runs, EXACT_TILES in exact mode, its head dim's score tiles on a GPU. The
-    interpreter runs none of the GPU tiles; it keeps the store it has always used whatever
-    the head dim, that of the other head dims (SCORE_TILES_OTHER, the float32 descriptor)."""
-    if exact:
-        return EXACT_TILES.store
-    return (score_tiles(q.shape[3]) if q.is_cuda else SCORE_TILES_OTHER).store
+    tiles it runs, the exact tiles in exact mode, else its head dim's score tiles."""
+    tiles = tuning(q.device)
+    return (tiles.exact_tiles if exact else tiles.score_tiles_at(q.shape[3])).store
 
 
 @dataclass
@@ -568,7 +606,8 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         WINDOW=window, **cfg.launch_options())
     # decode steps only (plain, verify): a prompt's rows keep the occupancy split, a
     # sliding-window call its one split
-    waves = not (exact or split_size is not None or n > DECODE_ROWS or window)
+    waves = not (exact or split_size is not None or n > tuning(q.device).decode_rows
+                 or window)
     resident = None if not waves else _resident(
         kernel, (bsz * hkv * row_blocks, 1, 2), [*head, *(torch.float32,) * 3, *tail, cfg.block_k,
                                              *rest], constexprs, q.device)

@@ -41,6 +41,7 @@ hundred."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,10 +49,11 @@ import torch
 import triton
 import triton.language as tl
 
+from vegas_spec.kernels import for_device
 from vegas_spec.kernels.split_merge import Partials, merge_splits, splits_to_fill
 
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 16
+MAX_SPLITS = 16  # key splits a tile at most (`prefill_splits` and a caller's own)
 
 
 @dataclass(frozen=True)
@@ -62,24 +64,53 @@ class PrefillConfig:
     num_stages: int
 
 
+@dataclass(frozen=True)
+class PrefillTuning:
+    """The prefill kernel's tiles on one device class: `by_head_dim` those of the head dims up
+    to each key (the smallest key at least the head dim), `wide` past the largest key; key
+    splits (`prefill_splits`) that aim at `programs_per_sm` programs per SM."""
+
+    by_head_dim: Mapping[int, PrefillConfig]
+    wide: PrefillConfig
+    programs_per_sm: int
+
+
+# sm_90: 128 query rows x 64 keys, 8 warps up to head dim 64, 4 at 128 (docs/kernel-notes.md);
+# 64 x 64 past 128, which would spill.
+_SM90 = PrefillTuning(by_head_dim={64: PrefillConfig(128, 64, 8, 3),
+                                   128: PrefillConfig(128, 64, 4, 3)},
+                      wide=PrefillConfig(64, 64, 4, 2), programs_per_sm=2)
+# By device class (`kernels.device_class`). The interpreter, whose cost is per program
+# step: small tiles at every head dim.
+TUNING: dict[str, PrefillTuning] = {
+    "sm90": _SM90,
+    "default": _SM90,
+    "interpreter": PrefillTuning(by_head_dim={}, wide=PrefillConfig(32, 32, 1, 1),
+                                 programs_per_sm=2),
+}
+
+
+def tuning(device: torch.device) -> PrefillTuning:
+    """The entry of `TUNING` that launches on `device` read."""
+    return for_device(TUNING, device)
+
+
 def prefill_config(dim: int, gpu: bool) -> PrefillConfig:
-    """Tiles for head dim `dim`. On a GPU: 128 query rows x 64 keys, 8 warps for D <= 64, 4
-    warps for D = 128 (measured on sm_90, docs/kernel-notes.md); 64 x 64 past 128, which
-    would spill. Small tiles under the interpreter, whose cost is per program step."""
-    if not gpu:
-        return PrefillConfig(32, 32, 1, 1)
-    if dim > 128:
-        return PrefillConfig(64, 64, 4, 2)
-    return PrefillConfig(128, 64, 8 if dim <= 64 else 4, 3)
+    """Tiles for head dim `dim` (`PrefillTuning`; gpu: the current CUDA device's, else the
+    interpreter's)."""
+    tiles = tuning(torch.device("cuda" if gpu else "cpu"))
+    fits = [bound for bound in tiles.by_head_dim if dim <= bound]
+    return tiles.by_head_dim[min(fits)] if fits else tiles.wide
 
 
 def prefill_splits(heads: int, num_tiles: int, device: torch.device) -> int:
-    """Key splits per tile for a launch of heads x num_tiles programs: enough for about two
-    programs per SM, at most MAX_SPLITS (1 off CUDA: the interpreter's tests ask for splits
-    themselves)."""
+    """Key splits per tile for a launch of heads x num_tiles programs: enough for about
+    `PrefillTuning.programs_per_sm` programs per SM, at most MAX_SPLITS (1 off CUDA: the
+    interpreter's tests ask for splits themselves)."""
     if device.type != "cuda":
         return 1
-    return min(splits_to_fill(heads * num_tiles, device), MAX_SPLITS)
+    per_sm = tuning(device).programs_per_sm
+    return min(splits_to_fill(heads * num_tiles, device, per_sm), MAX_SPLITS)
 
 
 def tile_list(lengths: list[int], starts: list[int], block_m: int) -> np.ndarray:

@@ -19,17 +19,39 @@ the step's k and v (`sparse_attention(new=...)`), as every other method's does."
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels import interpreting
+from vegas_spec.kernels import for_device, interpreting
 from vegas_spec.kernels.rope_store import rotate_tile
 
-# Pages per program and warps on a GPU, by head dim (other dims: QUEST_TILE; measured on
-# sm_90, docs/kernel-notes.md).
-QUEST_TILES = {64: (128, 2), 128: (64, 8)}
-QUEST_TILE = (64, 4)
+
+@dataclass(frozen=True)
+class QuestTuning:
+    """The page-score kernel's launch on one device class: (pages per program, warps) by head
+    dim, `tiles_other` at a head dim not listed."""
+
+    tiles: Mapping[int, tuple[int, int]]
+    tiles_other: tuple[int, int]
+
+
+# sm_90's tiles: docs/kernel-notes.md.
+_SM90 = QuestTuning(tiles={64: (128, 2), 128: (64, 8)}, tiles_other=(64, 4))
+# By device class (`kernels.device_class`). The interpreter: small page blocks.
+TUNING: dict[str, QuestTuning] = {
+    "sm90": _SM90,
+    "default": _SM90,
+    "interpreter": QuestTuning(tiles={}, tiles_other=(16, 4)),
+}
+
+
+def tuning(device: torch.device) -> QuestTuning:
+    """The entry of `TUNING` that launches on `device` read."""
+    return for_device(TUNING, device)
 
 
 @triton.jit
@@ -89,7 +111,8 @@ def quest_page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
         assert not positions.is_floating_point() and positions.device == q.device
         assert rope.dtype == torch.float32 and rope.shape[1] == dim and rope.stride(-1) == 1
     out = torch.empty(bsz, hkv, num_pages, dtype=torch.float32, device=q.device)
-    block_p, warps = QUEST_TILES.get(dim, QUEST_TILE) if q.is_cuda else (16, 4)
+    tiles = tuning(q.device)
+    block_p, warps = tiles.tiles.get(dim, tiles.tiles_other)
     table, pos = (q, pages) if rope is None else (rope, positions)
     _quest_kernel[(bsz * hkv, triton.cdiv(num_pages, block_p))](
         q, lo, hi, pages, out, table, pos, hkv, num_pages,

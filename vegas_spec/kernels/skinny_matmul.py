@@ -34,6 +34,8 @@ flight. Draft weights take up to MAX_DRAFT_ROWS rows a launch. Oracles:
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +43,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from vegas_spec.kernels import device_sms, for_device
 from vegas_spec.quant import DRAFT_TYPES, DraftWeight, Int4Weight
 
 # Rows the kernel takes at most (one row block); callers fall back to F.linear beyond.
@@ -48,12 +51,49 @@ MAX_ROWS = 64
 # Rows of one call on a draft weight (a draft step of up to 128 sequences); more go in
 # chunks of these.
 MAX_DRAFT_ROWS = 128
-# Streaming multiprocessors the default tiles' occupancy guess assumes (sm_90 parts).
-GPU_SMS = 132
-# Column blocks the default tiles aim for (about two programs per SM).
-COLUMN_PROGRAMS = 256
-# Elements per program of the split-K sum.
-SUM_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class SkinnyTuning:
+    """The default tiles (`skinny_tiles`) and the split-K sum on one device class (guesses, to
+    be replaced by measured ones).
+
+    Columns a program: `block_n` where N still gives `column_programs` programs (about two
+    per SM), else `block_n_narrow`. K step by the rows padded to a power of two
+    (`block_k_by_rows`, keys 16..MAX_DRAFT_ROWS): the shared memory of `stages` stages of x
+    and W tiles stays under 200 KB. `split_k` splits of K where the column blocks are fewer
+    than the SMs (`sms`, None: the device's own count) and K holds at least
+    `split_min_steps` K steps. The sum of the splits: `sum_block` elements and `sum_warps`
+    warps a program."""
+
+    block_n: int
+    block_n_narrow: int
+    column_programs: int
+    block_k_by_rows: Mapping[int, int]
+    warps: int
+    stages: int
+    split_k: int
+    split_min_steps: int
+    sms: int | None
+    sum_block: int
+    sum_warps: int
+
+
+_SM90 = SkinnyTuning(block_n=64, block_n_narrow=32, column_programs=256,
+                     block_k_by_rows={16: 256, 32: 256, 64: 128, 128: 64}, warps=4, stages=4,
+                     split_k=2, split_min_steps=4, sms=None, sum_block=1024, sum_warps=4)
+# By device class (`kernels.device_class`). The interpreter has no SMs: it assumes an H100's
+# or H200's 132, so that it runs the tiles those GPUs choose.
+TUNING: dict[str, SkinnyTuning] = {
+    "sm90": _SM90,
+    "default": _SM90,
+    "interpreter": dataclasses.replace(_SM90, sms=132),
+}
+
+
+def tuning(device: torch.device) -> SkinnyTuning:
+    """The entry of `TUNING` that launches on `device` read."""
+    return for_device(TUNING, device)
 
 
 @dataclass(frozen=True)
@@ -79,17 +119,16 @@ def block_rows(m: int, most: int = MAX_ROWS) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
-def skinny_tiles(m: int, n: int, k: int) -> SkinnyTiles:
-    """Default tiles for M rows of an [N, K] weight (guesses, to be replaced by measured ones):
-    64 columns a program where N still gives COLUMN_PROGRAMS programs, else 32; 256-element
-    K steps up to 32 rows, 128 at 64 and 64 at 128 (the shared memory of 4 stages of x and W
-    tiles stays under 200 KB); two splits of K where the column blocks are fewer than the
-    SMs."""
-    block_n = 64 if triton.cdiv(n, 64) >= COLUMN_PROGRAMS else 32
-    rows = block_rows(m, MAX_DRAFT_ROWS)
-    block_k = 256 if rows <= 32 else 128 if rows <= 64 else 64
-    split_k = 2 if triton.cdiv(n, block_n) < GPU_SMS and k >= 4 * block_k else 1
-    return SkinnyTiles(block_n, block_k, num_warps=4, num_stages=4, split_k=split_k)
+def skinny_tiles(m: int, n: int, k: int, device: torch.device) -> SkinnyTiles:
+    """Default tiles for M rows of an [N, K] weight on `device` (`SkinnyTuning`)."""
+    tiles = tuning(device)
+    wide = triton.cdiv(n, tiles.block_n) >= tiles.column_programs
+    block_n = tiles.block_n if wide else tiles.block_n_narrow
+    block_k = tiles.block_k_by_rows[block_rows(m, MAX_DRAFT_ROWS)]
+    sms = tiles.sms or device_sms(device)
+    split = triton.cdiv(n, block_n) < sms and k >= tiles.split_min_steps * block_k
+    return SkinnyTiles(block_n, block_k, num_warps=tiles.warps, num_stages=tiles.stages,
+                       split_k=tiles.split_k if split else 1)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -213,7 +252,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | DraftWeight,
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, for at most
     MAX_ROWS rows in all (a ValueError beyond: callers take F.linear there); a draft weight
     (FP8 or INT4) takes any number of rows, MAX_DRAFT_ROWS a launch. `tiles`: by default
-    `skinny_tiles` of the shape."""
+    `skinny_tiles` of the shape and device."""
     draft = isinstance(weight, DRAFT_TYPES)
     n, k = weight.shape
     w = weight.data if draft else weight
@@ -236,7 +275,7 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.
     draft = isinstance(weight, DRAFT_TYPES)
     (m, k), n = rows.shape, weight.shape[0]
     block_m = block_rows(m, MAX_DRAFT_ROWS if draft else MAX_ROWS)
-    cfg = tiles or skinny_tiles(m, n, k)
+    cfg = tiles or skinny_tiles(m, n, k, rows.device)
     # K per split, a whole number of K steps; trailing splits may be empty (they write zeros).
     k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     partials = out if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32,
@@ -265,9 +304,10 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.
             DOT_PRECISION=precision, SCALED=draft, SWAP=cfg.swap, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
     if cfg.split_k > 1:
-        _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
+        sums = tuning(rows.device)
+        _sum_splits_kernel[(triton.cdiv(m * n, sums.sum_block),)](
             partials, b, out, m * n, n, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
-            BLOCK=SUM_BLOCK, num_warps=4)
+            BLOCK=sums.sum_block, num_warps=sums.sum_warps)
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor,

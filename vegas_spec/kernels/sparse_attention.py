@@ -24,17 +24,17 @@ their cache slot, then waits for its threads (a CTA barrier) before walking its 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels import interpreting
+from vegas_spec.kernels import device_sms, for_device, interpreting
 from vegas_spec.kernels.rope_store import rotate_tile
 from vegas_spec.kernels.split_merge import (
     Partials,
-    device_sms,
     finish_split,
     initial_state,
     merge_splits,
@@ -44,17 +44,41 @@ from vegas_spec.kernels.split_merge import (
     tile_config,
 )
 
-# Keys per loop step on a GPU: 128 at every head dim. Gathered rows arrive from scattered
-# pages, so more keys in flight per program hide more latency.
-SPARSE_BLOCK_K = 128
-# A program walks its blocks as a chain of dependent loads (list entry, page, K/V rows), so a
-# small budget is bound by latency unless the SMs hold many programs. Programs of 4 warps one
-# SM holds, by head dim: the list is cut into as many splits as fill those slots in one
-# wave, at least two key blocks each, or one block each where those programs fit on the SMs
-# one apiece (few sequences: the chains then run side by side and the merge is cheap)
-# (`sparse_split_size`). Head dims not listed keep the paged kernel's occupancy split
-# (`split_size_for`).
-SPARSE_PROGRAMS_PER_SM: dict[int, int] | None = {64: 3}
+
+@dataclass(frozen=True)
+class SparseTuning:
+    """The sparse kernel's tiles and split on one device class (its warps and stages are
+    `split_merge.SplitTuning`'s).
+
+    block_k: keys per loop step at every head dim. Gathered rows arrive from scattered pages,
+    so more keys in flight per program hide more latency.
+
+    programs_per_sm: programs of 4 warps one SM holds, by head dim (None: none listed). A
+    program walks its blocks as a chain of dependent loads (list entry, page, K/V rows), so a
+    small budget is bound by latency unless the SMs hold many programs: the list is cut into
+    as many splits as fill those slots in one wave, at least min_split_blocks key blocks
+    each, or one block each where those programs fit on the SMs one apiece (few sequences:
+    the chains then run side by side and the merge is cheap) (`sparse_split_size`). Head
+    dims not listed keep the paged kernel's split (`split_size_for`)."""
+
+    block_k: int
+    programs_per_sm: Mapping[int, int] | None
+    min_split_blocks: int
+
+
+_SM90 = SparseTuning(block_k=128, programs_per_sm={64: 3}, min_split_blocks=2)
+# By device class (`kernels.device_class`). The interpreter: the decode tiles' small key
+# blocks and their split (`split_merge.TUNING`).
+TUNING: dict[str, SparseTuning] = {
+    "sm90": _SM90,
+    "default": _SM90,
+    "interpreter": SparseTuning(block_k=32, programs_per_sm=None, min_split_blocks=2),
+}
+
+
+def tuning(device: torch.device) -> SparseTuning:
+    """The entry of `TUNING` that launches on `device` read."""
+    return for_device(TUNING, device)
 
 
 @triton.jit
@@ -138,18 +162,19 @@ def _sparse_split_kernel(
 def sparse_split_size(length: int, programs: int, block_k: int, device: torch.device,
                       head_dim: int) -> int:
     """Keys per split (a multiple of block_k) of a list of `length` keys walked by `programs`
-    programs per split: on a GPU, one block a split where that many programs fit on the SMs
-    one each, else as many splits as fill the SMs' program slots (`SPARSE_PROGRAMS_PER_SM`)
-    in one wave, each at least two blocks long; elsewhere, or at a head dim not listed
-    there, `split_size_for`'s."""
-    per_sm = (SPARSE_PROGRAMS_PER_SM or {}).get(head_dim) if device.type == "cuda" else None
+    programs per split: at a head dim with programs per SM listed (`SparseTuning`), one
+    block a split where that many programs fit on the SMs one each, else as many splits as
+    fill the SMs' program slots in one wave, each at least min_split_blocks blocks long;
+    elsewhere `split_size_for`'s."""
+    tiles = tuning(device)
+    per_sm = (tiles.programs_per_sm or {}).get(head_dim)
     if per_sm is None:
         return split_size_for(length, programs, block_k, device)
     blocks, sms, programs = max(triton.cdiv(length, block_k), 1), device_sms(device), \
         max(programs, 1)
     if programs * blocks <= sms:
         return block_k
-    splits = max(1, min(per_sm * sms // programs, blocks // 2))
+    splits = max(1, min(per_sm * sms // programs, blocks // tiles.min_split_blocks))
     return triton.cdiv(blocks, splits) * block_k
 
 
@@ -219,7 +244,7 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     hkv = k_cache.shape[1]
     if indices.shape[2] == 0:  # nothing listed: keep a valid pointer
         indices = torch.full((bsz, 1, 1), -1, dtype=torch.int64, device=q.device)
-    cfg = tile_config(q, hkv, block_k or (SPARSE_BLOCK_K if q.is_cuda else None))
+    cfg = tile_config(q, hkv, block_k or tuning(q.device).block_k)
     row_blocks = triton.cdiv(n, cfg.block_n)
     length = indices.shape[2] + recent_max
     programs = bsz * hkv * row_blocks

@@ -16,29 +16,86 @@ Attention sinks (a logit per query head in the denominator, no value) are split 
 state (`initial_state`: m = sink, l = 1), so the merge counts each sink once.
 
 Also here: the block update of the online softmax and the split kernels' initial state and
-epilogue (`triton.jit` helpers), the tile configuration and the split-size heuristic."""
+epilogue (`triton.jit` helpers), the tile configuration and the split-size heuristic, with
+their tuning (`SplitTuning`, one entry per device class in `TUNING`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
+from vegas_spec.kernels import device_sms, for_device
+
 MIN_DOT = 16  # tl.dot's smallest tile side on GPUs (more lanes would make warpgroup MMAs)
-MAX_LANES = 64  # query rows x padded heads per program: a 64 x D float32 accumulator
-# The merge's tiling (`merge_tiling`). A program folds its row's splits, MERGE_MAX_STEP at
-# a time, into a [heads, D] state, with as few heads as keep a step's tile [splits, heads,
-# D] within MERGE_TILE float32 elements, in one warp, so that a step's reduction over the
-# splits stays inside the warp and the loads of a step's splits are independent. A row of
-# at most MERGE_SERIAL_MAX_SPLITS splits, where that gains nothing, is merged one split at
-# a time in 4 warps.
-MERGE_MAX_STEP = 16
-MERGE_SERIAL_MAX_SPLITS = 2
-MERGE_TILE = 4096
+
+
+@dataclass(frozen=True)
+class SplitTuning:
+    """The decode kernels' shared tiles and key split, and the merge's tiling, on one device
+    class (the paged and the sparse kernels' own tables add theirs).
+
+    Tiles (`tile_config`): keys per loop step `block_k` at head dims up to 64, `block_k_wide`
+    past 64; `warps` and pipeline `stages` of an attention program (the score and verify
+    tiles of `paged_attention` set their own stages); at most `max_lanes` query rows x
+    padded heads per program (a max_lanes x D float32 accumulator); in exact mode
+    `exact_rows` query rows per tile whatever the step's n (a plain step's one row and a
+    verify step's γ+1 <= 8 rows then go through the same tl.dot shapes).
+
+    Split (`split_size_for`): `split_blocks` key blocks a split whatever the launch, or, where
+    None, at least `split_min_blocks` key blocks a split and as many splits as fill whole
+    waves of the kernel's resident programs to `split_wave_fill` (a partly filled last wave
+    costs a whole one), or without those (or with split_wave_fill None) about
+    `split_programs_per_sm` programs per SM.
+
+    Merge (`merge_tiling`): a program folds its row's splits, `merge_max_step` at a time, into
+    a [heads, D] state, with as few heads (at most `merge_heads`) as keep a step's tile
+    [splits, heads, D] within `merge_tile` float32 elements, in `merge_step_warps` warps, so
+    that a step's reduction over the splits stays inside the warp and the loads of a step's
+    splits are independent; a row of at most `merge_serial_max_splits` splits, where that
+    gains nothing, is merged one split at a time in `merge_serial_warps` warps."""
+
+    block_k: int
+    block_k_wide: int
+    warps: int
+    stages: int
+    max_lanes: int
+    exact_rows: int
+    split_blocks: int | None
+    split_min_blocks: int
+    split_wave_fill: float | None
+    split_programs_per_sm: int
+    merge_max_step: int
+    merge_heads: int
+    merge_tile: int
+    merge_step_warps: int
+    merge_serial_max_splits: int
+    merge_serial_warps: int
+
+
+_SM90 = SplitTuning(block_k=128, block_k_wide=64, warps=4, stages=2, max_lanes=64, exact_rows=8,
+                    split_blocks=None, split_min_blocks=4, split_wave_fill=0.95,
+                    split_programs_per_sm=2, merge_max_step=16, merge_heads=16,
+                    merge_tile=4096, merge_step_warps=1, merge_serial_max_splits=2,
+                    merge_serial_warps=4)
+# By device class (`kernels.device_class`). The interpreter: small key blocks, whose cost is
+# per program and loop step, one stage, and splits of 4 blocks, so that even the tests'
+# short contexts run several splits and the merge.
+TUNING: dict[str, SplitTuning] = {
+    "sm90": _SM90,
+    "default": _SM90,
+    "interpreter": dataclasses.replace(_SM90, block_k=32, block_k_wide=32, stages=1,
+                                       split_blocks=4),
+}
+
+
+def tuning(device: torch.device) -> SplitTuning:
+    """The entry of `TUNING` that launches on `device` read."""
+    return for_device(TUNING, device)
 
 
 @dataclass(frozen=True)
@@ -61,62 +118,29 @@ class TileConfig:
         return opts
 
 
-# Warps and pipeline stages of an attention program on a GPU (the interpreter: one stage);
-# the score and verify tiles of `paged_attention` set their own stages.
-DECODE_WARPS = 4
-DECODE_STAGES = 2
-# Exact mode: query rows per tile whatever the step's n (a plain step's one row and a verify
-# step's γ+1 <= 8 rows then go through the same tl.dot shapes).
-EXACT_ROWS = 8
-
-
 def tile_config(q: torch.Tensor, hkv: int, block_k: int | None = None,
                 exact: bool = False) -> TileConfig:
     """q [B, n, H, D]: the query tile packs block_n rows x group_pad heads of one kv head, so
     K and V are read once per kv head (GQA); at least 16 lanes on a GPU for tl.dot. exact:
-    block_n does not depend on n."""
+    block_n does not depend on n. The numbers: `tuning(q.device)`."""
     n, heads, dim = q.shape[1], q.shape[2], q.shape[3]
     group = heads // hkv
     group_pad = triton.next_power_of_2(group)
-    gpu = q.is_cuda
-    rows_cap = max(1, MAX_LANES // group_pad)
-    block_n = min(EXACT_ROWS if exact else triton.next_power_of_2(n), rows_cap)
-    if gpu:
+    tiles = tuning(q.device)
+    rows_cap = max(1, tiles.max_lanes // group_pad)
+    block_n = min(tiles.exact_rows if exact else triton.next_power_of_2(n), rows_cap)
+    if q.is_cuda:
         block_n = max(block_n, MIN_DOT // group_pad, 1)
-    block_k = block_k or (64 if gpu and dim > 64 else 128 if gpu else 32)
+    block_k = block_k or (tiles.block_k_wide if dim > 64 else tiles.block_k)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     return TileConfig(group, group_pad, block_n, block_k, max(triton.next_power_of_2(dim), 16),
-                      num_warps=DECODE_WARPS, num_stages=DECODE_STAGES if gpu else 1,
-                      dot_precision=precision)
+                      num_warps=tiles.warps, num_stages=tiles.stages, dot_precision=precision)
 
 
-@lru_cache(maxsize=8)
-def sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def device_sms(device: torch.device) -> int:
-    """The SMs of the CUDA `device` (the current one when it names no index)."""
-    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-# The decode kernels' occupancy split (`split_size_for`): programs per SM it aims at, and
-# the fewest key blocks of a split.
-SPLIT_PROGRAMS_PER_SM = 2
-SPLIT_MIN_BLOCKS = 4
-
-
-def splits_to_fill(programs: int, device: torch.device, per_sm: int = 2) -> int:
+def splits_to_fill(programs: int, device: torch.device, per_sm: int) -> int:
     """Splits that give a launch of `programs` programs per split about `per_sm` programs
     per SM of the CUDA `device` (at least 1)."""
     return max(1, math.ceil(per_sm * device_sms(device) / max(programs, 1)))
-
-
-# The split by whole waves (`wave_splits`), for a kernel whose resident programs per SM are
-# known: the fewest splits whose launch fills its waves of resident programs to at least this
-# fraction, since a partly filled last wave costs a whole one. None: the occupancy split
-# above whatever the kernel.
-SPLIT_WAVE_FILL: float | None = 0.95
 
 
 def resident_limit(regs: int, shared: int, warps: int, sm_regs: int = 65536,
@@ -160,21 +184,25 @@ def wave_splits(programs: int, slots: int, most: int, fill: float) -> int:
 
 def split_size_for(length: int, programs: int, block_k: int, device: torch.device,
                    split_size: int | None = None, resident: int | None = None) -> int:
-    """Keys per split (a multiple of block_k), at least SPLIT_MIN_BLOCKS key blocks each:
-    given the kernel's `resident` programs per SM (and SPLIT_WAVE_FILL), as many splits as
-    fill whole waves of them (`wave_splits`); otherwise enough to give the GPU about
-    SPLIT_PROGRAMS_PER_SM programs per SM."""
+    """Keys per split (a multiple of block_k), by `tuning(device)`: its split_blocks key
+    blocks where set; else at least split_min_blocks key blocks each, and given the kernel's
+    `resident` programs per SM (and a split_wave_fill), as many splits as fill whole waves of
+    them (`wave_splits`), otherwise enough to give the GPU about split_programs_per_sm
+    programs per SM."""
     if split_size is not None:
         assert split_size > 0 and split_size % block_k == 0, "split_size: a multiple of block_k"
         return split_size
+    tiles = tuning(device)
+    if tiles.split_blocks is not None:
+        return tiles.split_blocks * block_k
     blocks = max(math.ceil(length / block_k), 1)
-    if device.type != "cuda":
-        return 4 * block_k  # the interpreter: several splits even on short test contexts
-    most = math.ceil(blocks / SPLIT_MIN_BLOCKS)
-    if resident is not None and SPLIT_WAVE_FILL is not None:
-        splits = wave_splits(programs, resident * device_sms(device), most, SPLIT_WAVE_FILL)
+    most = math.ceil(blocks / tiles.split_min_blocks)
+    if resident is not None and tiles.split_wave_fill is not None:
+        splits = wave_splits(programs, resident * device_sms(device), most,
+                             tiles.split_wave_fill)
     else:
-        splits = max(1, min(splits_to_fill(programs, device, SPLIT_PROGRAMS_PER_SM), most))
+        splits = max(1, min(splits_to_fill(programs, device, tiles.split_programs_per_sm),
+                            most))
     return math.ceil(blocks / splits) * block_k
 
 
@@ -311,19 +339,23 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, num_splits, rows_tota
         tl.store(lse_ptr + flat_row.to(tl.int64) * H + h, m_run + tl.log(l_safe), mask=h_ok)
 
 
-def merge_tiling(splits: int, heads: int, dim: int,
+def merge_tiling(splits: int, heads: int, dim: int, device: torch.device,
                  exact: bool = False) -> tuple[int, int, int]:
-    """(splits a step, heads a program, warps) of the merge of `splits` splits. exact: one
-    split a step in 4 warps, whatever the splits and the settings, so that a row's bits do
-    not depend on how many splits its call has (a split past the row's keys then adds exact
-    zeros; a sum over several splits at once would group them by the call's count)."""
+    """(splits a step, heads a program, warps) of the merge of `splits` splits on `device`
+    (`SplitTuning`). exact: one split a step, the serial merge's, whatever the splits, so that
+    a row's bits do not depend on how many splits its call has (a split past the row's keys
+    then adds exact zeros; a sum over several splits at once would group them by the call's
+    count)."""
+    tiles = tuning(device)
+    heads_pad = triton.next_power_of_2(heads)
     if exact:
-        return 1, min(triton.next_power_of_2(heads), 16), 4
-    per_step = 1 if splits <= MERGE_SERIAL_MAX_SPLITS else MERGE_MAX_STEP
+        return 1, min(heads_pad, tiles.merge_heads), tiles.merge_serial_warps
+    per_step = 1 if splits <= tiles.merge_serial_max_splits else tiles.merge_max_step
     block_s = min(per_step, triton.next_power_of_2(splits))
     tile = block_s * triton.next_power_of_2(dim)
-    block_h = max(min(triton.next_power_of_2(heads), 16, MERGE_TILE // tile), 1)
-    return block_s, block_h, 4 if block_s == 1 else 1
+    block_h = max(min(heads_pad, tiles.merge_heads, tiles.merge_tile // tile), 1)
+    warps = tiles.merge_serial_warps if block_s == 1 else tiles.merge_step_warps
+    return block_s, block_h, warps
 
 
 def merge_splits(parts: Partials, out: torch.Tensor, lse: torch.Tensor | None,
@@ -335,7 +367,7 @@ def merge_splits(parts: Partials, out: torch.Tensor, lse: torch.Tensor | None,
     assert out.shape[2:] == (heads, dim)
     if lse is not None:
         assert lse.is_contiguous() and lse.dtype == torch.float32 and lse.numel() == rows * heads
-    merge_tiled(parts, out, lse, merge_tiling(splits, heads, dim, exact))
+    merge_tiled(parts, out, lse, merge_tiling(splits, heads, dim, out.device, exact))
 
 
 def merge_tiled(parts: Partials, out: torch.Tensor, lse: torch.Tensor | None,

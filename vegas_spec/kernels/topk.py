@@ -32,20 +32,46 @@ costs page * 8 bytes of output instead of 8."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from vegas_spec.kernels import for_device
+
 # The widest row `topk_positions_triton` takes (wider rows: the reference, through the
-# backend's `topk`; see above). The kernel runs BLOCK_W / 256 warps within [4, 16]: 8 uint32
-# keys a thread up to 4096 scores, 16 at 8192, which ptxas fits in 128 registers for sm_90
-# without spilling.
+# backend's `topk`, which routes on it; see above). With sm_90's warps below (BLOCK_W / 256
+# within [4, 16]: 8 uint32 keys a thread up to 4096 scores, 16 at 8192) ptxas fits the
+# kernel in 128 registers without spilling. A bound of the kernel's (the final scan packs
+# two counts into 16 bits each) that every device shares.
 RESIDENT_MAX_WIDTH = 8192
-# Warps of the resident top-k: one per RESIDENT_KEYS_PER_WARP scores, RESIDENT_MIN_WARPS to
-# 16.
-RESIDENT_KEYS_PER_WARP = 256
-RESIDENT_MIN_WARPS = 4
+
+
+@dataclass(frozen=True)
+class TopkTuning:
+    """The resident top-k's launch on one device class: one warp per `keys_per_warp` scores
+    of the row (its power-of-two width), at least `min_warps`, at most `max_warps`; the
+    output written `block` positions a step (the padding and the page expansion)."""
+
+    keys_per_warp: int
+    min_warps: int
+    max_warps: int
+    block: int
+
+
+_SM90 = TopkTuning(keys_per_warp=256, min_warps=4, max_warps=16, block=1024)
+# By device class (`kernels.device_class`). The interpreter: smaller output steps.
+TUNING: dict[str, TopkTuning] = {
+    "sm90": _SM90,
+    "default": _SM90,
+    "interpreter": TopkTuning(keys_per_warp=256, min_warps=4, max_warps=16, block=256),
+}
+
+
+def tuning(device: torch.device) -> TopkTuning:
+    """The entry of `TUNING` that launches on `device` read."""
+    return for_device(TUNING, device)
 
 
 @triton.jit
@@ -139,9 +165,10 @@ def _topk_resident_kernel(scores_ptr, rankable_ptr, k_ptr, limit_ptr, out_ptr, B
     _pad_from(out_row, want * PAGE, out_width * PAGE, BLOCK)
 
 
-def resident_warps(block_w: int) -> int:
-    """Warps of the resident kernel for rows of BLOCK_W (a power of two) scores."""
-    return min(max(block_w // RESIDENT_KEYS_PER_WARP, RESIDENT_MIN_WARPS, 1), 16)
+def resident_warps(block_w: int, device: torch.device) -> int:
+    """Warps of the resident kernel for rows of BLOCK_W (a power of two) scores on `device`."""
+    tiles = tuning(device)
+    return min(max(block_w // tiles.keys_per_warp, tiles.min_warps, 1), tiles.max_warps)
 
 
 def topk_positions_triton(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
@@ -213,12 +240,12 @@ def _launch(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor, kmax:
     stride = _row_stride(scores)
     if stride is None:
         scores, stride = scores.contiguous(), width
-    block = 1024 if scores.is_cuda else 256
+    block = tuning(scores.device).block
     rankable = rankable.contiguous()
     args = (scores, rankable, k.contiguous(), rankable if limit is None else limit.contiguous(),
             out, bsz, groups, width, out_width, stride)
     block_w = triton.next_power_of_2(width)
-    warps = resident_warps(block_w)
+    warps = resident_warps(block_w, scores.device)
     _topk_resident_kernel[(n_rows,)](*args, BLOCK_W=block_w, BLOCK=block, PAGE=page,
                                      HAS_LIMIT=limit is not None, ROWS=rows, num_warps=warps)
     return out.view(out_shape)
