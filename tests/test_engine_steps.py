@@ -25,7 +25,7 @@ from conftest import (
 from vegas_spec import SamplingParams
 from vegas_spec.engine import LLM, LLMEngine, RequestOutput
 from vegas_spec.scheduler import PrefillPacer
-from vegas_spec.step import StepPlan
+from vegas_spec.step import Runner, StepPlan
 
 VOCAB, CONFIG, ENGINE = TINY_VOCAB, TINY_LLAMA, TINY_ENGINE
 METHODS, IDS = TINY_METHODS, TINY_IDS
@@ -199,6 +199,7 @@ def test_a_step_is_one_plan_of_plain_data(tiny: Path, prompts: list[list[int]],
     finish leave with the next plan, the last ones (no row left in use) with `release_rows`,
     outside any step, and the runner's rows are request ids."""
     engine = LLMEngine(str(tiny), speculative=tiny_spec({"method": "vegas"}), **ENGINE)
+    assert isinstance(engine.runner, Runner)
     plans: list[StepPlan] = []
     execute = engine.runner.execute
 
