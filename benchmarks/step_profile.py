@@ -129,9 +129,10 @@ def graph_runner(llm: LLM, spec: SpecConfig, policy: Any, bsz: int) -> GraphRunn
 def held_graph_runner(llm: LLM, shapes: Any, capacity: int, policy: Any) -> GraphRunner:
     """Buffers (and graphs) of `shapes` for `capacity` rows, held by the engine's runner."""
     r = llm.engine.runner
-    r.graphs = GraphRunner(r.model, r.cache.layers, r.backend, shapes, capacity,
-                           llm.config.page_size, r.scratch_page, llm.config.graphs, policy)
-    return r.graphs
+    graphs = GraphRunner(r.model, r.cache.layers, r.backend, shapes, capacity,
+                         llm.config.page_size, r.scratch_page, llm.config.graphs, policy)
+    r.use_graphs(graphs)
+    return graphs
 
 
 def weight_bytes(llm: LLM) -> int:
@@ -302,7 +303,7 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
             profiles["plain"] = kernel_table(step)
         if cfg.num_experts:
             hits["plain"] = experts_hit(plain, "plain")
-        llm.engine.runner.graphs = None
+        llm.engine.runner.use_graphs(None)
 
         if not args.brief:
             # The same verify step without scores (stream's runner: no score request).
@@ -311,7 +312,7 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
             unscored.set_rows(0, table)
             out["verify_noscores_ms"] = median_ms(
                 lambda: unscored.run("verify", tokens, positions), args.reps)
-            llm.engine.runner.graphs = None
+            llm.engine.runner.use_graphs(None)
             out["quest_draft_ms"] = quest_draft_ms(llm, spec, bsz, table, lengths, tokens,
                                                    positions, context, args.reps,
                                                    profiles if args.profile else None)
@@ -353,7 +354,7 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         if cfg.num_experts:
             hits["draft"] = experts_hit(runner, "draft")
         plan = policy.plan(inp)
-        llm.engine.runner.graphs = None
+        llm.engine.runner.use_graphs(None)
 
         # A greedy round as the engine runs it: γ drafts, verify, acceptance and the next
         # selection in one graph; and the same round without the selection.
@@ -370,7 +371,7 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
             out[key] = median_ms(round_, args.reps)
             if args.profile and plans:
                 profiles["round"] = kernel_table(round_)
-            llm.engine.runner.graphs = None
+            llm.engine.runner.use_graphs(None)
         out["round_sampled_ms"] = sampled_round_ms(llm, shapes, policy, table, plan, last,
                                                    lengths, args.reps)
         out["select_in_round_ms"] = out["round_ms"] - out["round_unplanned_ms"]
@@ -451,7 +452,7 @@ def sampled_round_ms(llm: LLM, shapes: Any, policy: Any, table: torch.Tensor, pl
     setting = SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
     sampling = BatchSampling.build([setting] * rows, last.device)
     ms = median_ms(functools.partial(runner.run_spec, last, lengths, sampling), reps)
-    llm.engine.runner.graphs = None
+    llm.engine.runner.use_graphs(None)
     return ms
 
 
@@ -486,7 +487,7 @@ def quest_draft_ms(llm: LLM, spec: SpecConfig, bsz: int, table: torch.Tensor,
     ms = median_ms(draft, reps)
     if profiles is not None:
         profiles["quest_draft"] = kernel_table(draft)
-    llm.engine.runner.graphs = None
+    llm.engine.runner.use_graphs(None)
     return ms
 
 
@@ -500,7 +501,7 @@ def host_gap_ms(llm: LLM, spec: SpecConfig, bsz: int, new_tokens: int = 64,
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, params, speculative=spec)  # captures this bucket's graphs
     stats = llm.generate(prompts, params, speculative=spec)[0].stats
-    llm.engine.runner.graphs = None
+    llm.engine.runner.use_graphs(None)
     iterations = max(stats["iterations"], 1)
     gpu = sum(stats["phase_s"].get(k, 0.0) for k in ("speculate", "select"))
     return 1e3 * (stats["decode_s"] - gpu) / iterations
@@ -783,7 +784,7 @@ def main() -> None:
                                           args.sparse_rope, args.topk_sums, args.split_fill,
                                           args.max_lanes, args.verify_tiles):
             llm.engine.runner.backend.topk_sum = summing if sums == "yes" else None
-            llm.engine.runner.graphs = None
+            llm.engine.runner.use_graphs(None)
             with contextlib.ExitStack() as settings:  # read when the graphs are captured
                 cell_settings(settings, device, dim, tiles, sparse, least, fused, fill, lanes,
                               verify)

@@ -25,7 +25,7 @@ from conftest import (
 from vegas_spec import SamplingParams
 from vegas_spec.engine import LLM, LLMEngine, RequestOutput
 from vegas_spec.scheduler import PrefillPacer
-from vegas_spec.step import StepPlan
+from vegas_spec.step import Runner, StepPlan
 
 VOCAB, CONFIG, ENGINE = TINY_VOCAB, TINY_LLAMA, TINY_ENGINE
 METHODS, IDS = TINY_METHODS, TINY_IDS
@@ -95,7 +95,9 @@ def test_requests_joining_and_leaving_give_their_alone_tokens(
         assert iterations == list(range(iterations[0], iterations[-1] + 1))
     assert any(len(steps) > 2 for steps in outs.values())  # running outputs were read late
     assert len(engine.runner.cache.free_pages) == free and not engine.seqs
-    assert engine.runner.batch is None
+    assert engine.runner.batch is None or engine.runner.batch.ids == engine.scheduler.leaving
+    engine.release_rows()  # the last rows leave, as before a call that needs an idle runner
+    assert engine.runner.batch is None and not engine.scheduler.leaving
 
 
 def test_more_prompts_than_rows_queue_and_equal_alone(tiny: Path, prompts: list[list[int]],
@@ -192,11 +194,12 @@ def test_paced_prefill_takes_the_pacers_budget_while_others_decode(
 
 def test_a_step_is_one_plan_of_plain_data(tiny: Path, prompts: list[list[int]],
                                           alone: dict[str, list[list[int]]]) -> None:
-    """Every step reaches the runner as one `execute` whose plan is host data only (it
-    pickles, as tensor parallelism broadcasts it, and holds no Sequence); the rows that
-    finish leave with the next plan, the last ones in a plan of their own, and the runner's
-    rows are request ids."""
+    """Every step reaches the runner as exactly one `execute` whose plan is host data only
+    (it pickles, as tensor parallelism broadcasts it, and holds no Sequence); the rows that
+    finish leave with the next plan, the last ones (no row left in use) with `release_rows`,
+    outside any step, and the runner's rows are request ids."""
     engine = LLMEngine(str(tiny), speculative=tiny_spec({"method": "vegas"}), **ENGINE)
+    assert isinstance(engine.runner, Runner)
     plans: list[StepPlan] = []
     execute = engine.runner.execute
 
@@ -215,9 +218,12 @@ def test_a_step_is_one_plan_of_plain_data(tiny: Path, prompts: list[list[int]],
             held = [r for r in engine.runner.batch.ids if r not in engine.scheduler.leaving]
             assert held == [s.request_id for s in engine.scheduler.rows]
     assert [final[r].token_ids for r in rids] == alone["vegas"][:2]
-    assert len(plans) == steps + 1 and not plans[-1].prefill and not plans[-1].decode
-    assert sorted(r for p in plans for r in p.leave) == sorted(rids)
-    assert rids[0] in plans[-1].leave  # the longer one finishes last
+    assert len(plans) == steps and plans[-1].decode
+    last = engine.scheduler.leaving
+    assert sorted([r for p in plans for r in p.leave] + last) == sorted(rids)
+    assert rids[0] in last and engine.runner.batch.ids == last  # the longer one finishes last
+    engine.release_rows()
+    assert len(plans) == steps and not engine.scheduler.leaving
     assert b"Sequence" not in pickle.dumps(plans) and engine.runner.batch is None
 
 
@@ -264,6 +270,7 @@ def test_abort_frees_the_row_and_pages_before_the_next_step(
     assert decoded and all(rids[0] not in rows for rows in decoded)
     assert rids[0] not in final and queued not in final
     assert [final[r].token_ids for r in rids[1:]] == alone[method][1:3]
+    engine.release_rows()
     assert len(cache.free_pages) == free and engine.runner.batch is None
 
 
@@ -333,6 +340,7 @@ def test_preempted_requests_resume_and_give_their_alone_tokens(
         assert not any(s.pages for s in engine.scheduler.waiting)
     assert [final[r].token_ids for r in rids] == want
     assert engine.num_preemptions > 0
+    engine.release_rows()
     assert len(cache.free_pages) == free and not engine.seqs and engine.runner.batch is None
 
 

@@ -23,6 +23,7 @@ from test_cli import in_this_process, word_checkpoint
 from vegas_spec import SamplingParams, SpecConfig, executor
 from vegas_spec.config import ConfigError
 from vegas_spec.engine import LLM, LLMEngine
+from vegas_spec.step import Runner
 
 VOCAB, CONFIG = TINY_VOCAB, TINY_LLAMA
 ENGINE: dict[str, Any] = dict(load_format="dummy", kv_cache_bytes=1 << 22, exact=True)
@@ -98,7 +99,7 @@ def preempted_tokens(model: str, prompts: list[list[int]]) -> tuple[list[list[in
     """Greedy vegas over a pool that cannot hold every request to its end, pages asked for
     a few tokens ahead -> each request's tokens and how many preemptions it took."""
     probe = LLM(model, **ENGINE)
-    page_bytes = probe.engine.runner.cache.bytes_per_page
+    page_bytes = probe.engine.runner.pages.bytes_per_page
     del probe
     engine = LLMEngine(model, speculative=METHODS["vegas"], max_num_seqs=3,
                        **{**ENGINE, "kv_cache_bytes": 10 * page_bytes})
@@ -129,6 +130,12 @@ def kill_a_worker(model: str, prompt: list[int]) -> tuple[str, float]:
     return "no error", time.perf_counter() - started
 
 
+def runs_the_interface(model: str) -> bool:
+    """The engine's runner at rank 0 is a ParallelRunner and a `step.Runner`."""
+    runner = LLMEngine(model, **ENGINE).runner
+    return isinstance(runner, executor.ParallelRunner) and isinstance(runner, Runner)
+
+
 def refused(model: str) -> str:
     try:
         LLM(model, **ENGINE)
@@ -143,6 +150,7 @@ def engine_runs(model: str, three_heads: str, prompts: list[list[int]],
     worker is killed last, when every other check has run."""
     return {"greedy": greedy_tokens(model, prompts),
             "abort": engine_with_abort(model, abort_prompts), "refused": refused(three_heads),
+            "interface": runs_the_interface(model),
             "preempted": preempted_tokens(model, abort_prompts),
             "killed": kill_a_worker(model, kill_prompt)}
 
@@ -201,6 +209,19 @@ def test_heads_that_do_not_divide_are_refused(two_ranks: dict) -> None:
     message = two_ranks["refused"]
     assert "query heads (num_attention_heads) = 3, KV heads (num_key_value_heads) = 3 " \
            "divisible by 2" in message
+
+
+def test_the_parallel_runner_is_the_runner_interface_and_no_proxy() -> None:
+    """`ParallelRunner` has the members of `step.Runner` and forwards nothing else: no
+    attribute lookup or assignment reaches rank 0's runner (its `local`)."""
+    members = {n for n in dir(Runner) if not n.startswith("_")}
+    assert {n for n in dir(executor.ParallelRunner) if not n.startswith("_")} == members
+    assert "__getattr__" not in vars(executor.ParallelRunner)
+    assert "__setattr__" not in vars(executor.ParallelRunner)
+
+
+def test_rank_0s_runner_is_a_parallel_runner(two_ranks: dict) -> None:
+    assert two_ranks["interface"]
 
 
 def test_cuda_ranks_need_as_many_gpus() -> None:

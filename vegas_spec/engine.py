@@ -7,9 +7,13 @@ the newest sequences preempted where the pool runs out; the adaptive controller 
 the iteration drafts), and the model runner executes it: it prefills the pieces, the prompts
 that complete give their first token and join the input batch, then one decode iteration
 runs over every row (one token each, or a draft-verify-accept round of 1 to γ+1 tokens),
-returning a `StepResult`. The engine appends its tokens to the sequences; each request that
-got tokens gets a `RequestOutput` with its text delta; finished requests give their pages
-back, and their rows leave with the next plan. The offline `LLM.generate` and the server are loops
+returning a `StepResult`: each step is exactly one `execute`. The engine appends its tokens
+to the sequences; each request that got tokens gets a `RequestOutput` with its text delta;
+finished requests give their pages back, and their rows leave with the next plan (the last
+ones, once no row is in use, with the next call that needs an idle runner, or at the end of
+`LLM.generate`: `release_rows`). The engine sees the runner only through the `step.Runner`
+interface (`ModelRunner`, or `ParallelRunner` under tensor parallelism); it reads its facts,
+never its parts, and sets nothing on it. The offline `LLM.generate` and the server are loops
 over `step()`; offline, more prompts than fit at once simply queue, the admitted prompts are
 all prefilled before their rows decode (`step(prefill_first=True)`: every decode iteration
 then runs the whole batch), and no step makes outputs (each request's text is decoded once,
@@ -56,8 +60,8 @@ from vegas_spec.sampling import host_flags
 from vegas_spec.scheduler import Piece, PrefillPacer, Scheduler
 from vegas_spec.sequence import Detokenizer, Sequence, Status
 from vegas_spec.speculative.adaptive import SpeculationController
-from vegas_spec.stats import PhaseTimer, RunStats, SeqStats
-from vegas_spec.step import Prefill, StepPlan, StepResult
+from vegas_spec.stats import RunStats, SeqStats
+from vegas_spec.step import Prefill, Runner, StepPlan, StepResult
 from vegas_spec.tokenizer import encode, load_tokenizer, longest_token, text_decoder
 
 
@@ -158,9 +162,9 @@ class LLMEngine:
             check_memory(self.config.kv_cache_bytes, torch.device(self.config.device))
         self.source = resolve(model)
         # under tensor parallelism (a `launch`), one that broadcasts each call to the workers
-        self.runner = make_runner(self.config, self.source, self.spec)
+        self.runner: Runner = make_runner(self.config, self.source, self.spec)
         budget = self.config.prefill_tokens(self.runner.model_config)
-        self.scheduler = Scheduler(self.runner.cache.pages, max_num_seqs, budget)
+        self.scheduler = Scheduler(self.runner.pages, max_num_seqs, budget)
         pacing = self.config.prefill_pacing
         self.pacer = None if pacing is None else PrefillPacer(budget, pacing)
         self._tokenizer = None
@@ -205,6 +209,7 @@ class LLMEngine:
         if self.has_unfinished():
             raise ConfigError("the decoding method cannot change while requests run")
         self.spec = spec
+        self.release_rows()
         self.runner.set_spec(spec)
         self.controller = self._controller(spec)
         if self.pacer is not None:  # another method's steps take other times
@@ -219,9 +224,26 @@ class LLMEngine:
         """Before serving: the decode buffers and graphs of every batch bucket up to `rows`,
         and every prefill bucket's forward, so that no request waits for a capture -> the
         prefill forwards made."""
-        self.runner.reserve(rows)
-        self.runner.warm_rounds()
+        self.reserve(rows, None)
         return self.runner.warm_prefill(rows)
+
+    def reserve(self, rows: int, rounds: tuple[str, ...] | None = ()) -> None:
+        """While no row is in use: the static buffers (and CUDA graphs) sized for `rows` rows
+        (not sized again while rows are in use), and the decode graphs of `rounds` captured
+        now (None: every kind a request can need)."""
+        self.release_rows()
+        self.runner.reserve(rows)
+        if rounds is None or rounds:
+            self.runner.warm_rounds(rounds)
+
+    def release_rows(self) -> None:
+        """Where no row is in use, the finished rows the runner still holds leave now (else
+        they leave with the next plan): before a call that needs an idle runner (its
+        buffers sized again, its method changed), and at the end of an offline run."""
+        scheduler = self.scheduler
+        if scheduler.leaving and not scheduler.rows:
+            self.runner.drop(*scheduler.leaving)
+            scheduler.leaving = []
 
     # --- requests -----------------------------------------------------------------------
 
@@ -265,14 +287,14 @@ class LLMEngine:
 
     def _check_pool(self, seq: Sequence) -> None:
         """Refuse a sequence that could never be resident, even alone."""
-        cache = self.runner.cache
-        need = cache.pages_for(seq.kv_tokens)
-        pool = cache.num_pages - (self.runner.scratch_page >= 0)
+        pages = self.runner.pages
+        need = pages.pages_for(seq.kv_tokens)
+        pool = pages.num_pages - (self.runner.scratch_page >= 0)
         if need > pool:
             raise OutOfMemoryError(
                 f"a sequence of {seq.kv_tokens} tokens needs {need} KV pages "
-                f"({fmt_bytes(need * cache.bytes_per_page)}) but the pool holds {pool} "
-                f"({fmt_bytes(pool * cache.bytes_per_page)}); lower max_tokens or raise the "
+                f"({fmt_bytes(need * pages.bytes_per_page)}) but the pool holds {pool} "
+                f"({fmt_bytes(pool * pages.bytes_per_page)}); lower max_tokens or raise the "
                 "KV budget")
 
     def add_request(self, prompt: str | list[int] | Sequence,
@@ -351,7 +373,6 @@ class LLMEngine:
         if plan.decode:
             self._decoded(result, touched, info)
         self.scheduler.stepped()
-        self._empty_rows()
         t2 = time.perf_counter()
         prefill_s = result.prefill_seconds if plan.decode else t2 - t0
         self.wall["prefill"] += prefill_s
@@ -377,8 +398,7 @@ class LLMEngine:
         round or a plain step for its decode iteration."""
         scheduler = self.scheduler
         preemptions = scheduler.preemptions
-        plan = scheduler.schedule(self.runner.row_limit(scheduler.max_num_seqs), budget,
-                                  prefill_first)
+        plan = scheduler.schedule(self._row_limit(), budget, prefill_first)
         info.prefill_tokens = sum(len(p.tokens) for p in plan.prefill)
         info.preempted = scheduler.preemptions - preemptions
         if not plan.decode:
@@ -388,14 +408,14 @@ class LLMEngine:
             return plan
         return dataclasses.replace(plan, draft=False)
 
-    def _empty_rows(self) -> None:
-        """Finished rows leave with the next plan; where no row is left in use they leave
-        now, in a plan of their own, so that an idle runner holds no rows (its buffers are
-        sized again, its method may change)."""
-        scheduler = self.scheduler
-        if scheduler.leaving and not scheduler.rows:
-            self.runner.execute(StepPlan(leave=tuple(scheduler.leaving)))
-            scheduler.leaving = []
+    def _row_limit(self) -> int:
+        """Sequences that may run: under static shapes, while rows are in use, the buffers'
+        capacity (they are sized again only when no row is in use: the finished rows that
+        the plan's `leave` names go before its `reserve`)."""
+        most, capacity = self.scheduler.max_num_seqs, self.runner.capacity
+        if capacity is None or not self.scheduler.rows:
+            return most
+        return min(capacity, most)
 
     def _first_tokens(self, result: StepResult, touched: dict[str, Sequence],
                       info: StepInfo) -> None:
@@ -475,8 +495,8 @@ class LLM:
         self.engine = LLMEngine(model, speculative=speculative, **engine_kwargs)
 
     # What a caller reads: the settings (the engine's, the default method), the tokenizer,
-    # the model's config and context, and the device that `logits` returns on. The model,
-    # its cache and buffers are the runner's (`engine.runner`).
+    # the model's config and context, and the device that `logits` returns on: facts of the
+    # runner's interface (`step.Runner`), never its parts.
     config = property(lambda self: self.engine.config)
     spec = property(lambda self: self.engine.spec)
     tokenizer = property(lambda self: self.engine.tokenizer)
@@ -507,9 +527,9 @@ class LLM:
         self._warn_capped(seqs, named)
         # Buffers (and CUDA graphs) for the largest batch these prompts can form, made once:
         # sized from the first admission, they would hold a later, larger batch to its rows.
-        engine.runner.reserve(engine.scheduler.max_resident(seqs))
-        if spec.speculative:  # a sampled batch's round graph too, before the decode loop
-            engine.runner.warm_rounds((round_kind_of(*host_flags(params_list)),))
+        # (a sampled batch's round graph too, before the decode loop)
+        rounds = (round_kind_of(*host_flags(params_list)),) if spec.speculative else ()
+        engine.reserve(engine.scheduler.max_resident(seqs), rounds)
         stats, wall, iterations = self._start_stats(spec, seqs)
         try:
             for seq in seqs:
@@ -523,6 +543,7 @@ class LLM:
                     outs = engine.step(collect=stream, prefill_first=True)
                     if on_step is not None:
                         on_step(Progress.of(seqs, outs))
+            engine.release_rows()  # the last rows: the runner is left idle
         except BaseException:
             engine.abort_all()
             raise
@@ -536,8 +557,7 @@ class LLM:
 
     def _start_stats(self, spec: SpecConfig, seqs: list[Sequence],
                      ) -> tuple[RunStats, dict[str, float], int]:
-        runner = self.engine.runner
-        timer = runner.timer = PhaseTimer(runner.device)
+        timer = self.engine.runner.restart_timer()
         stats = RunStats(spec.method, spec.gamma if spec.speculative else 0, timer,
                          prompt_tokens=sum(len(s.prompt_ids) for s in seqs),
                          seqs=[s.stats for s in seqs])

@@ -4,22 +4,25 @@ the same model runner calls on their shards.
 `launch(N, device)` makes this process rank 0 of N: it starts N - 1 worker processes
 (`python -m vegas_spec.worker`, or takes torchrun's ranks), joins the group (gloo on CPU,
 NCCL on CUDA, with a gloo group of its own for control messages) and watches the workers.
-An engine built while a launch is active gets a `ParallelRunner`: before each runner call
-that touches the device rank 0 broadcasts a `Call`, a method name and plain host arguments,
-and every worker makes the same call on its own `ModelRunner`, so all ranks run the same
-forwards on the same shapes and meet in the same collectives. A step is one call,
+An engine built while a launch is active gets a `ParallelRunner`, a `step.Runner` like the
+`ModelRunner` (no proxy: it has the interface's members and nothing else): before each
+runner call that touches the device rank 0 broadcasts a `Call`, a method name and plain host
+arguments, and every worker makes the same call on its own `ModelRunner`, so all ranks run
+the same forwards on the same shapes and meet in the same collectives. A step is one call,
 `execute` with the scheduler's `StepPlan` (request ids, token ids, page ids, sampling
 settings: everything a rank needs), so workers hold no sequences and replay nothing; the
-other calls are the settings and warm-ups, an abort's `drop`, `clear` and the logits
-helpers. Each rank's runner returns the same `StepResult` (the logits are equal on every
-rank); rank 0's engine alone reads it. Unseeded sampling gets a seed from rank 0 in the
-plan, so every rank draws the same tokens.
+other calls are the settings and warm-ups, `drop` (rows that leave between steps), `clear`
+and the logits helpers. The interface's facts (model config, KV pages, buffer capacity)
+and the phase timer are read from rank 0's own runner, with no message. Each rank's runner
+returns the same `StepResult` (the logits are equal on every rank); rank 0's engine alone
+reads it. Unseeded sampling gets a seed from rank 0 in the plan, so every rank draws the
+same tokens.
 
 A worker that dies is an `ExecutorError` naming its rank and exit code in rank 0 (its next
 collective fails, or, should it block, a watcher thread ends the process); a worker whose
 rank 0 dies fails its next receive and exits. World size 1 never comes here: the engine
-uses its `ModelRunner` directly. Imports `config`, `parallel`, `models.loader`, `step` and
-`model_runner`."""
+uses its `ModelRunner` directly. Imports `config`, `parallel`, `models.loader`, `pages`,
+`stats`, `step` and `model_runner`."""
 
 from __future__ import annotations
 
@@ -38,10 +41,12 @@ from typing import Any
 import torch
 
 from vegas_spec import parallel
-from vegas_spec.config import ConfigError, EngineConfig, SpecConfig
+from vegas_spec.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from vegas_spec.model_runner import ModelRunner
 from vegas_spec.models.loader import ModelSource, load_config
-from vegas_spec.step import Prefill, StepPlan, StepResult
+from vegas_spec.pages import PageAllocator
+from vegas_spec.stats import PhaseTimer
+from vegas_spec.step import Prefill, Runner, StepPlan, StepResult
 
 TIMEOUT_S = 600  # a collective that waits longer fails (a rank that stopped answering)
 STUCK_S = 30  # a dead worker that rank 0 has not noticed by then ends rank 0 (blocked in NCCL)
@@ -315,40 +320,76 @@ CALLS = frozenset({"execute", "drop", "clear", "reserve", "warm_prefill", "warm_
 
 
 class ParallelRunner:
-    """Rank 0's ModelRunner, each call of `CALLS` broadcast to the workers first; every
-    other attribute is the runner's own."""
+    """Rank 0's `step.Runner`: each call of `CALLS` is broadcast to the workers first, then
+    made on rank 0's own `ModelRunner` (`local`); the facts and the timer are read there,
+    since every rank makes the same calls. No other attribute of the local runner shows
+    through."""
 
     def __init__(self, executor: Executor, config: EngineConfig, source: ModelSource,
                  spec: SpecConfig) -> None:
         parallel.check_divisible(load_config(source), executor.world_size)  # before loading
-        engine = executor.new_engine()
-        object.__setattr__(self, "_executor", executor)
-        object.__setattr__(self, "_engine", engine)
-        executor.send(Call(engine, "build", (config, source, spec)))
-        runner = _guard(executor, lambda: ModelRunner(config, source, spec))
-        object.__setattr__(self, "_runner", runner)
-        _guard(executor, lambda: agree_pages(runner, executor.channel))
-        weakref.finalize(self, executor.free, engine)
+        self._executor, self._engine = executor, executor.new_engine()
+        executor.send(Call(self._engine, "build", (config, source, spec)))
+        self.local: ModelRunner = _guard(executor, lambda: ModelRunner(config, source, spec))
+        _guard(executor, lambda: agree_pages(self.local, executor.channel))
+        weakref.finalize(self, executor.free, self._engine)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner, name)
+    # --- facts, read on rank 0 ----------------------------------------------------------
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._runner, name, value)
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.local.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.local.max_model_len
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    @property
+    def pages(self) -> PageAllocator:
+        return self.local.pages
+
+    @property
+    def scratch_page(self) -> int:
+        return self.local.scratch_page
+
+    @property
+    def draft_weight_bytes(self) -> int:
+        return self.local.draft_weight_bytes
+
+    @property
+    def draft_weight_kind(self) -> str:
+        return self.local.draft_weight_kind
+
+    @property
+    def capacity(self) -> int | None:
+        return self.local.capacity
+
+    @property
+    def timer(self) -> PhaseTimer:
+        return self.local.timer
+
+    def restart_timer(self) -> PhaseTimer:
+        return self.local.restart_timer()
+
+    # --- calls every rank makes ---------------------------------------------------------
 
     def _run(self, method: str, *args: Any) -> Any:
         """Send `method` with its arguments to every worker, then make the call here."""
         executor: Executor = self._executor
         executor.send(Call(self._engine, method, args))
-        return _guard(executor, lambda: getattr(self._runner, method)(*args))
+        return _guard(executor, lambda: getattr(self.local, method)(*args))
 
     def execute(self, plan: StepPlan) -> StepResult:
         if any(p.ends and p.params.seed is None for p in plan.prefill):
             plan = dataclasses.replace(plan, prefill=tuple(_seeded(p) for p in plan.prefill))
         return self._run("execute", plan)
 
-    def drop(self, request_id: str) -> None:
-        self._run("drop", request_id)
+    def drop(self, *request_ids: str) -> None:
+        self._run("drop", *request_ids)
 
     def clear(self) -> None:
         self._run("clear")
@@ -430,10 +471,10 @@ def serve(channel: Channel) -> None:
         getattr(engines[call.engine], call.method)(*call.args)
 
 
-def make_runner(config: EngineConfig, source: ModelSource, spec: SpecConfig) -> ModelRunner:
+def make_runner(config: EngineConfig, source: ModelSource, spec: SpecConfig) -> Runner:
     """The engine's runner: its calls broadcast to the workers while a launch is active, else
-    plain."""
+    the `ModelRunner` itself."""
     executor = active()
     if executor is None:
         return ModelRunner(config, source, spec)
-    return ParallelRunner(executor, config, source, spec)  # type: ignore[return-value]
+    return ParallelRunner(executor, config, source, spec)

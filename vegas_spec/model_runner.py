@@ -10,7 +10,9 @@ their own prefill scores), the grown rows' page tables are rewritten, and one de
 iteration runs over every row: one token per row (`vanilla`) or one draft-verify-accept round
 (`speculative.round`), which under static shapes is one graph, greedy or sampled. An
 iteration reads the device once (`_commit`). The runner keeps only its rows' device state
-and request ids; it knows nothing of queues, sequences or who owns which page."""
+and request ids; it knows nothing of queues, sequences or who owns which page. It implements
+`step.Runner`, all that the engine uses of it; its parts (model, cache, buffers) are for
+tests and benchmarks to read, and `use_graphs` lets a benchmark hold graphs of its own."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from vegas_spec.dynamic_steps import DynamicSteps
 from vegas_spec.graphs import GraphRunner
 from vegas_spec.input_batch import Batch, InputBatch, Ready, Round
 from vegas_spec.models.loader import ModelSource
+from vegas_spec.pages import PageAllocator
 from vegas_spec.prefill import completed
 from vegas_spec.sampling import next_tokens
 from vegas_spec.speculative.planning import selection_input
@@ -35,7 +38,8 @@ from vegas_spec.step import Prefill, StepPlan, StepResult
 
 
 class ModelRunner:
-    """One engine's steps: `execute` a `StepPlan`; `drop` an aborted row between steps."""
+    """One engine's steps (a `step.Runner`): `execute` a `StepPlan`; `drop` rows that leave
+    between steps."""
 
     def __init__(self, config: EngineConfig, source: ModelSource, spec: SpecConfig) -> None:
         self.config, self.source, self.device = config, source, torch.device(config.device)
@@ -61,13 +65,29 @@ class ModelRunner:
         """The decode loop's buffers and graphs (static shapes), which hold the rows' plans."""
         return self.input.graphs
 
-    @graphs.setter
-    def graphs(self, runner: GraphRunner | None) -> None:
-        self.input.graphs = runner
+    def use_graphs(self, graphs: GraphRunner | None) -> None:
+        """For benchmarks that time graphs of their own, while no row is in use: `graphs` as
+        the decode loop's buffers (None: none; the next `reserve` makes the method's)."""
+        self.input.graphs = graphs
 
     @property
     def rows(self) -> int:
         return self.input.rows
+
+    @property
+    def pages(self) -> PageAllocator:
+        """The KV pool's pages on the host (the scheduler's to take and release)."""
+        return self.cache.pages
+
+    @property
+    def capacity(self) -> int | None:
+        """Rows the static buffers hold now (None: no static buffers)."""
+        return None if self.graphs is None else self.graphs.capacity
+
+    def restart_timer(self) -> PhaseTimer:
+        """A fresh phase timer for the steps from now on -> it."""
+        self.timer = PhaseTimer(self.device)
+        return self.timer
 
     # --- method and sizes ---------------------------------------------------------------
 
@@ -76,13 +96,6 @@ class ModelRunner:
         assert self.batch is None, "the method changes only between batches"
         self.spec = spec
         self.policy: Policy | None = make_policy(spec) if spec.speculative else None
-
-    def row_limit(self, max_num_seqs: int) -> int:
-        """Sequences that may run: under static shapes, while rows are in use, the buffers'
-        capacity (they are sized again only when empty)."""
-        if self.graphs is not None and self.batch is not None:
-            return min(self.graphs.capacity, max_num_seqs)
-        return max_num_seqs
 
     @torch.inference_mode(False)
     def reserve(self, rows: int) -> None:
@@ -130,10 +143,10 @@ class ModelRunner:
         return dataclasses.replace(out, first=first, prefill_seconds=prefill_seconds)
 
     @torch.inference_mode()
-    def drop(self, request_id: str) -> None:
-        """A row that leaves between steps (aborted): it goes now, before the next step, and
-        the survivors keep the plans already made for them."""
-        self._leave((request_id,))
+    def drop(self, *request_ids: str) -> None:
+        """Rows that leave between steps (aborted, or the last ones finished): they go now,
+        before the next step, and the survivors keep the plans already made for them."""
+        self._leave(request_ids)
 
     def _leave(self, ids: tuple[str, ...]) -> None:
         """The rows of `ids` go (ids without a row are ignored); the survivors move down in

@@ -167,7 +167,7 @@ def step_hits(sp: ModuleType, llm: LLM, kind: str, batch: int) -> list[int]:
         runner.run(kind, tokens, positions)
         return sp.experts_hit(runner, kind)
     finally:
-        llm.engine.runner.graphs = None
+        llm.engine.runner.use_graphs(None)
         for p in pages:
             llm.engine.runner.cache.release(p)
 
