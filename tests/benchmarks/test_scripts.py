@@ -134,12 +134,11 @@ def test_step_profile_measures_exact_mode_against_the_default(tmp_path: Path) ->
     run("step_profile.py", "--config", str(tmp_path), "--contexts", "64", "--batches", "2",
         "--reps", "2", "--min-tokens", "16", "--modes", "default", "exact", "--brief",
         "--host-gap-tokens", "8", "--max-model-len", "100", "--rank-widths", "library",
-        "whole", "--sparse-splits", "paged", "--topk-min-warps", "1", "--sparse-rope", "no",
-        "--split-fill", "3:2", "--max-lanes", "16", "--verify-tiles", "32:3:96",
-        "--out", str(out))
+        "whole", "--sparse-splits", "paged", "--topk-min-warps", "1", "--split-fill", "3:2",
+        "--max-lanes", "16", "--verify-tiles", "32:3:96", "--out", str(out))
     data = json.loads(out.read_text())
-    assert {(r["sparse_splits"], r["topk_min_warps"], r["sparse_rope"], r["max_lanes"],
-             r["verify_tiles"]) for r in data["rows"]} == {("paged", 1, "no", 16, "32:3:96")}
+    assert {(r["sparse_splits"], r["topk_min_warps"], r["max_lanes"], r["verify_tiles"])
+            for r in data["rows"]} == {("paged", 1, 16, "32:3:96")}
     assert {r["split_fill"] for r in data["rows"]} == {"3:2"}
     assert [(r["mode"], r["rank_width"]) for r in data["rows"]] == [
         ("default", "library"), ("default", "whole"), ("exact", "library"), ("exact", "whole")]

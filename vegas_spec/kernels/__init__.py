@@ -1,4 +1,5 @@
-"""Triton kernels behind the attention-backend seam, one kernel (and its host wrapper) per file.
+"""Triton kernels behind the compute seams (the attention backend's and the ops'), one kernel
+(and its host wrapper) per file.
 
   paged_attention   causal attention over the paged cache for 1..n query rows, with the
                     selection scores of chosen rows fused into the same pass (verify, prefill)
