@@ -10,7 +10,7 @@ random, so no token means anything).
 Every step is the engine's own CUDA graph (the GraphRunner of the method, batch bucket =
 batch), replayed `--reps` times after a warm-up; the figure is the median of CUDA-event times.
 The selection is the vegas policy turning the verify step's scores into the next plan,
-including the copy of the plan into the graph buffers, with the backend's top-k
+including the copy of the plan into the graph buffers, with the attention backend's top-k
 (`select_reference_ms`: with the PyTorch reference's). A round is what a greedy iteration
 replays: the γ draft steps, the verify step, acceptance and the next selection captured as
 one graph (also timed without the selection: the difference is the selection's cost inside
@@ -50,8 +50,7 @@ dim (`paged_attention.PagedTuning.score_tiles`), each in graphs of its own; `--s
 paged` the draft steps with the sparse attention split by the paged kernel's rule, likewise
 (a number N: the one-wave split with N programs per SM at the model's head dim);
 `--topk-min-warps 1 2 4` the resident top-k (quest's pages, vegas's ranking) with at least
-that many warps, likewise; `--sparse-rope yes no` the draft steps with RoPE and the KV store
-inside the sparse attention kernel and as a kernel of their own, likewise;
+that many warps, likewise;
 `--projections` the weight-streaming rate of every projection at the plain and the verify
 step's row counts. Also reported: the verify step without scores (stream's), quest's draft
 step, the host work between rounds of the engine's own loop and the projected speedup
@@ -75,7 +74,6 @@ import torch
 from common import copy_bandwidth, cuda_median_ms
 
 from vegas_spec import LLM, SamplingParams, SpecConfig, runner_setup
-from vegas_spec.attention import triton_backend
 from vegas_spec.config import ModelConfig
 from vegas_spec.graphs import GraphRunner
 from vegas_spec.kernels import paged_attention as pa
@@ -129,7 +127,7 @@ def graph_runner(llm: LLM, spec: SpecConfig, policy: Any, bsz: int) -> GraphRunn
 def held_graph_runner(llm: LLM, shapes: Any, capacity: int, policy: Any) -> GraphRunner:
     """Buffers (and graphs) of `shapes` for `capacity` rows, held by the engine's runner."""
     r = llm.engine.runner
-    graphs = GraphRunner(r.model, r.cache.layers, r.backend, shapes, capacity,
+    graphs = GraphRunner(r.model, r.cache.layers, r.ops, r.attn, shapes, capacity,
                          llm.config.page_size, r.scratch_page, llm.config.graphs, policy)
     r.use_graphs(graphs)
     return graphs
@@ -213,11 +211,11 @@ def spread_biases(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 @contextlib.contextmanager
-def routing_recorded(backend: Any) -> Iterator[list[torch.Tensor]]:
-    """While open, every `moe` call of `backend` also appends the expert ids [T, k] its
-    router logits pick (`ops.route`, as `moe` routes them), one entry a layer."""
+def routing_recorded(ops: Any) -> Iterator[list[torch.Tensor]]:
+    """While open, every `moe` call of `ops` (the ops seam) also appends the expert ids
+    [T, k] its router logits pick (`ops.route`, as `moe` routes them), one entry a layer."""
     ids: list[torch.Tensor] = []
-    moe = backend.moe
+    moe = ops.moe
 
     def recording(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor, top_k: int, renormalize: bool,
@@ -225,11 +223,11 @@ def routing_recorded(backend: Any) -> Iterator[list[torch.Tensor]]:
         ids.append(route(logits.reshape(-1, logits.shape[-1]), top_k, renormalize)[1])
         return moe(x, logits, gate_up, down, top_k, renormalize, *rest)
 
-    backend.moe = recording
+    ops.moe = recording
     try:
         yield ids
     finally:
-        del backend.moe
+        del ops.moe
 
 
 def experts_hit(runner: GraphRunner, kind: str) -> list[int]:
@@ -237,7 +235,7 @@ def experts_hit(runner: GraphRunner, kind: str) -> list[int]:
     eager forward of the inputs in its buffers (tokens, positions, plan) with the routing
     recorded, since a replayed graph's routing stays inside it. The forward rewrites the K
     and V the step wrote, the same values."""
-    with routing_recorded(runner.backend) as ids:
+    with routing_recorded(runner.ops) as ids:
         runner._forward(kind, runner.rows)
     return [int(i.unique().numel()) for i in ids]
 
@@ -331,7 +329,7 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         inp = runner.bound(SelectionInput(
             runner.scores(), lengths, torch.zeros_like(lengths), lengths + 1, gamma,
             llm.engine.runner.cache.layers, table, llm.config.page_size, max_len=context + 1,
-            topk=runner.backend.topk, topk_sum=runner.backend.topk_sum))
+            topk=runner.attn.topk, topk_sum=runner.attn.topk_sum))
         if rank_width == "whole":  # the top-k ranks the whole static key width
             inp.rank_width = None
 
@@ -422,7 +420,7 @@ def projection_bandwidth(llm: LLM, rows: int, bandwidth: float, reps: int) -> di
     layers: the attention's projections only (the experts are no nn.Linear)."""
     from vegas_spec.graphs import capture
 
-    model, linear, out = llm.engine.runner.model, llm.engine.runner.backend.linear, {}
+    model, linear, out = llm.engine.runner.model, llm.engine.runner.ops.linear, {}
     names = [n for n in ("qkv", "o_proj", "gate_up", "down") if hasattr(model.layers[0], n)]
     groups = {n: [getattr(layer, n) for layer in model.layers] for n in names}
     groups["lm_head"] = [model.lm_head]
@@ -635,8 +633,8 @@ def kv_read_bytes(cfg: ModelConfig, bsz: int, keys: int, rows: int, kv_token: in
 
 
 def cell_settings(stack: contextlib.ExitStack, device: torch.device, dim: int,
-                  tiles: pa.ScoreTiles, sparse: str, least: int, fused: str, fill: str,
-                  lanes: int, verify: str) -> None:
+                  tiles: pa.ScoreTiles, sparse: str, least: int, fill: str, lanes: int,
+                  verify: str) -> None:
     """One cell's kernel settings, entered on `stack` (`kernels.tuned`; the library's on
     `device` where an option says 'library' or 0)."""
     chosen = parse_verify_tiles(verify)
@@ -645,7 +643,6 @@ def cell_settings(stack: contextlib.ExitStack, device: torch.device, dim: int,
     stack.enter_context(tuned(sa, programs_per_sm=sparse_programs(
         sa.tuning(device).programs_per_sm, sparse, dim)))
     stack.enter_context(tuned(tk, min_warps=least or tk.tuning(device).min_warps))
-    stack.enter_context(tuned(triton_backend, SPARSE_ROPE=fused == "yes"))
     split = {} if fill == "library" else dict(
         zip(("split_programs_per_sm", "split_min_blocks"), map(int, fill.split(":")),
             strict=True), split_wave_fill=None)
@@ -730,17 +727,13 @@ def main() -> None:
                       "ranking; topk.TopkTuning.min_warps, 0: the library's)")
     side_by_side(ap, "--topk-sums", default=["yes"], choices=["yes", "no"],
                  text="vegas's collected rows summed inside the top-k as it loads them (the "
-                      "backend's topk_sum) or summed by PyTorch first")
+                      "attention backend's topk_sum) or summed by PyTorch first")
     side_by_side(ap, "--split-fill", default=["library"],
                  text="the decode kernels' split: library (the paged kernel by whole "
                       "waves of its resident programs, split_merge.SplitTuning's "
                       "split_wave_fill), or PROGRAMS_PER_SM:MIN_BLOCKS, the occupancy split of "
                       "every decode kernel (split_programs_per_sm, split_min_blocks; waves "
                       "off)")
-    side_by_side(ap, "--sparse-rope", default=["yes"], choices=["yes", "no"],
-                 text="RoPE and the KV store of one-row draft steps inside the sparse "
-                      "attention kernel (triton_backend.SPARSE_ROPE) or as a kernel of their "
-                      "own")
     side_by_side(ap, "--max-lanes", type=int, default=[0],
                  text="query rows x padded heads of one attention program "
                       "(split_merge.SplitTuning.max_lanes, 0: the library's); fewer cut a "
@@ -777,19 +770,18 @@ def main() -> None:
             v.normal_()
         if model.num_experts:  # routing follows the values: spread as a trained model's
             spread_biases(llm.engine.runner.model)
-        summing = llm.engine.runner.backend.topk_sum
-        for (bsz, tiles, width, sparse, least, fused, sums, fill, lanes,
+        summing = llm.engine.runner.attn.topk_sum
+        for (bsz, tiles, width, sparse, least, sums, fill, lanes,
              verify) in itertools.product(args.batches, tilings, args.rank_widths,
                                           args.sparse_splits, args.topk_min_warps,
-                                          args.sparse_rope, args.topk_sums, args.split_fill,
-                                          args.max_lanes, args.verify_tiles):
-            llm.engine.runner.backend.topk_sum = summing if sums == "yes" else None
+                                          args.topk_sums, args.split_fill, args.max_lanes,
+                                          args.verify_tiles):
+            llm.engine.runner.attn.topk_sum = summing if sums == "yes" else None
             llm.engine.runner.use_graphs(None)
             with contextlib.ExitStack() as settings:  # read when the graphs are captured
-                cell_settings(settings, device, dim, tiles, sparse, least, fused, fill, lanes,
-                              verify)
+                cell_settings(settings, device, dim, tiles, sparse, least, fill, lanes, verify)
                 verify_now = pa.tuning(device).verify_tiles.get(dim)
-                row = {"mode": mode, "draft_weights": drafts, "sparse_rope": fused,
+                row = {"mode": mode, "draft_weights": drafts,
                        "max_lanes": split_merge.tuning(device).max_lanes,
                        "verify_tiles": "tile_config" if verify_now is None else
                        f"{verify_now.block_k}:{verify_now.stages}:{verify_now.maxnreg or 0}",

@@ -10,6 +10,7 @@ import torch
 from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import ScoreRequest, SparsePlan, StepContext
 from vegas_spec.cache import PagedKVCache, slots_of
+from vegas_spec.compute.base import Ops
 from vegas_spec.input_batch import Batch
 from vegas_spec.models.decoder import Decoder
 from vegas_spec.speculative.planning import score_request
@@ -18,10 +19,12 @@ from vegas_spec.speculative.round import Phase, speculate
 
 
 class DynamicSteps:
-    """Plain steps and rounds of a batch through the model, its KV cache and backend."""
+    """Plain steps and rounds of a batch through the model, its KV cache and its compute
+    seams (ops and attention backend)."""
 
-    def __init__(self, model: Decoder, cache: PagedKVCache, backend: AttentionBackend) -> None:
-        self.model, self.cache, self.backend = model, cache, backend
+    def __init__(self, model: Decoder, cache: PagedKVCache, ops: Ops,
+                 attn: AttentionBackend) -> None:
+        self.model, self.cache, self.ops, self.attn = model, cache, ops, attn
         self.kv_caches, self.page_size = cache.layers, cache.page_size
 
     def plain(self, batch: Batch) -> torch.Tensor:
@@ -63,5 +66,5 @@ class DynamicSteps:
     def _forward(self, tokens: torch.Tensor, ctx: StepContext,
                  last_only: bool = False) -> torch.Tensor:
         """tokens [B, n] -> logits [B, n, V] float32 ([B, 1, V] with last_only)."""
-        hidden = self.model(tokens, ctx, self.kv_caches, self.backend)
-        return self.model.logits(hidden[:, -1:] if last_only else hidden, self.backend)
+        hidden = self.model(tokens, ctx, self.kv_caches, self.ops, self.attn)
+        return self.model.logits(hidden[:, -1:] if last_only else hidden, self.ops)

@@ -38,6 +38,7 @@ import torch
 from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import ScoreRequest, SparsePlan, StepContext
 from vegas_spec.cache import slots_of
+from vegas_spec.compute.base import Ops
 from vegas_spec.models.decoder import Decoder
 from vegas_spec.sampling import BatchSampling
 from vegas_spec.speculative.planning import selection_input
@@ -219,11 +220,11 @@ class GraphRunner:
     False every step runs eagerly on the buffers (the CPU path)."""
 
     def __init__(self, model: Decoder, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 backend: AttentionBackend, shapes: StaticShapes, capacity: int,
+                 ops: Ops, attn: AttentionBackend, shapes: StaticShapes, capacity: int,
                  page_size: int, scratch_page: int, capture: bool,
                  policy: Policy | None = None) -> None:
         assert policy is not None or not shapes.plans, "a planning round needs the policy"
-        self.model, self.kv_caches, self.backend = model, kv_caches, backend
+        self.model, self.kv_caches, self.ops, self.attn = model, kv_caches, ops, attn
         self.policy = policy
         self.shapes, self.capacity, self.page_size = shapes, capacity, page_size
         self.kv_len = shapes.pages * page_size
@@ -373,7 +374,7 @@ class GraphRunner:
         """The policy's selection from this round's verify pass (row 0 at `lengths`) into the
         plan buffers, with the host bounds of the static shapes."""
         assert self.policy is not None
-        inp = selection_input(self.policy, self.backend, self.scores_of(rows), lengths,
+        inp = selection_input(self.policy, self.ops, self.attn, self.scores_of(rows), lengths,
                               accepted, lengths + accepted + 1, self.shapes.verify_rows - 1,
                               self.kv_caches, self.buf.page_table[:rows], self.page_size)
         self._write_plan(self.policy.plan(self.bound(inp)), rows)
@@ -393,9 +394,8 @@ class GraphRunner:
         model's dtype, for an argmax, which the exact float32 cast would not change)."""
         n = self.shapes.verify_rows if kind == "verify" else 1
         ctx = self._context(kind, rows, n)
-        hidden = self.model(self.buf.tokens[n][:rows], ctx, self.kv_caches, self.backend)
-        return self.model.head(hidden, self.backend) if raw \
-            else self.model.logits(hidden, self.backend)
+        hidden = self.model(self.buf.tokens[n][:rows], ctx, self.kv_caches, self.ops, self.attn)
+        return self.model.head(hidden, self.ops) if raw else self.model.logits(hidden, self.ops)
 
     def _context(self, kind: str, rows: int, n: int) -> StepContext:
         positions, table = self.buf.positions[n][:rows], self.buf.page_table[:rows]

@@ -45,11 +45,12 @@ class ModelRunner:
         self.config, self.source, self.device = config, source, torch.device(config.device)
         self.parts = parts = runner_setup.load(config, source)
         self.model_config, self.max_model_len = parts.model_config, parts.max_model_len
-        self.model, self.backend, self.cache = parts.model, parts.backend, parts.cache
+        self.model, self.cache = parts.model, parts.cache
+        self.ops, self.attn = parts.ops, parts.attn
         self.scratch_page, self.draft_weight_bytes = parts.scratch_page, parts.draft_weight_bytes
         self.draft_weight_kind = parts.draft_weight_kind
         self.prefiller = runner_setup.prefiller(parts, config)
-        self.steps = DynamicSteps(self.model, self.cache, self.backend)
+        self.steps = DynamicSteps(self.model, self.cache, self.ops, self.attn)
         self.timer = PhaseTimer(self.device)
         self.input = InputBatch(self.device)
         self._round: Round | None = None  # the last round's, until its next plan is made
@@ -226,7 +227,7 @@ class ModelRunner:
         if self.policy is None:
             return None
         with self.timer.phase("select"):
-            inp = selection_input(self.policy, self.backend, scores, row, accepted,
+            inp = selection_input(self.policy, self.ops, self.attn, scores, row, accepted,
                                   batch.lengths, self.spec.gamma, self.cache.layers,
                                   batch.page_table, self.config.page_size)
             if self.graphs is None:

@@ -4,10 +4,11 @@ of a mixture of experts' router (`route`) and experts (`moe_experts`);
 of the selection's top-k (`topk_positions`, with quest's pages expanded to their tokens
 by `expand_pages`); and of quest's page scores (`quest_page_scores_ref`).
 
-They are the model's and the attention seam's default implementations and the oracles of
-the fused kernels; kept apart from both so that `models`, `attention` and `speculative` need
-not import each other (the Triton backend's top-k falls back on `topk_positions` for rows
-too wide for its kernel). Imports only `torch`."""
+They are the torch implementations of the compute seams (`compute.torch_ops`, the attention
+backend's defaults) and the oracles of the fused kernels; kept apart from both so that
+`models`, `attention`, `compute` and `speculative` need not import each other (the Triton
+backend's top-k falls back on `topk_positions` for rows too wide for its kernel). Imports
+only `torch`."""
 
 from __future__ import annotations
 

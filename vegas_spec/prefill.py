@@ -15,6 +15,7 @@ import torch
 from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import ScoreRequest
 from vegas_spec.cache import PagedKVCache
+from vegas_spec.compute.base import Ops
 from vegas_spec.input_batch import Ready, upload
 from vegas_spec.models.decoder import Decoder
 from vegas_spec.prefill_graphs import PrefillGraphs, ScoreKind
@@ -93,12 +94,13 @@ class _Sink:
 
 class Prefiller:
     """Runs prefills over the runner's model, KV cache (`cache.cfg`: this rank's sizes) and
-    backend, the logits over the whole model's `vocab`, in chunks of `budget` tokens, through
-    its prefill graphs (None: eager)."""
+    compute seams (ops and attention backend), the logits over the whole model's `vocab`, in
+    chunks of `budget` tokens, through its prefill graphs (None: eager)."""
 
-    def __init__(self, model: Decoder, cache: PagedKVCache, backend: AttentionBackend,
+    def __init__(self, model: Decoder, cache: PagedKVCache, ops: Ops, attn: AttentionBackend,
                  vocab: int, budget: int, graphs: PrefillGraphs | None) -> None:
-        self.model, self.cache, self.backend, self.local = model, cache, backend, cache.cfg
+        self.model, self.cache, self.local = model, cache, cache.cfg
+        self.ops, self.attn = ops, attn
         self.vocab, self.budget, self.graphs = vocab, budget, graphs
         self.device = cache.layers[0][0].device
         self.page_size = cache.page_size
@@ -134,7 +136,7 @@ class Prefiller:
         on `pages` (held by the caller)."""
         parts = chunks([token_ids], [(0, 0, len(token_ids))], [pages], chunk, False)
         hidden = [self._eager(c, None) for c in parts]
-        return self.model.logits(torch.cat(hidden), self.backend)
+        return self.model.logits(torch.cat(hidden), self.ops)
 
     def warm(self, max_pieces: int, policy: Policy | None) -> int:
         """Every prefill graph the method's chunks can meet, made now -> how many."""
@@ -166,7 +168,7 @@ class Prefiller:
         last = last_rows(buf, max([len(chunk.prompts[r]) for r in rows], default=0), None)
         kv_len = max(a + n for a, n in zip(chunk.starts, chunk.lengths))
         ctx = context(buf, chunk, self.page_size, kv_len, last, scores)
-        hidden, logits = forward(self.model, self.cache.layers, self.backend, buf, ctx)
+        hidden, logits = forward(self.model, self.cache.layers, self.ops, self.attn, buf, ctx)
         if sink is not None and logits is not None:
             sink.put(upload(rows, self.device), logits, None if scores is None else scores.out)
         return hidden

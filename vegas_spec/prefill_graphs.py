@@ -28,6 +28,7 @@ import torch
 
 from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import ScoreRequest
+from vegas_spec.compute.base import Ops
 from vegas_spec.graphs import capture
 from vegas_spec.models.decoder import Decoder
 from vegas_spec.prefill_packing import Chunk, Layout, PackedPrefill, context, forward, last_rows
@@ -98,13 +99,13 @@ class PrefillGraphs:
     the next run of the same bucket overwrites."""
 
     def __init__(self, model: Decoder, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 backend: AttentionBackend, page_size: int, pages: int, scratch_page: int,
-                 capture: bool) -> None:
-        self.model, self.kv_caches, self.backend = model, kv_caches, backend
+                 ops: Ops, attn: AttentionBackend, page_size: int, pages: int,
+                 scratch_page: int, capture: bool) -> None:
+        self.model, self.kv_caches, self.ops, self.attn = model, kv_caches, ops, attn
         self.page_size, self.pages, self.scratch_page = page_size, pages, scratch_page
         k_cache = kv_caches[0][0]
         self.device, self.dtype = k_cache.device, k_cache.dtype
-        self.block_m = backend.prefill_block_rows(model.cfg.head_dim, self.device)
+        self.block_m = attn.prefill_block_rows(model.cfg.head_dim, self.device)
         # Graphs need a backend whose prefill reads only device buffers (the tile list).
         self.capture = capture and self.block_m is not None
         # The smallest token bucket: graphs pad to coarse buckets (few captures). None: eager
@@ -190,7 +191,7 @@ class PrefillGraphs:
     def _fill(self, buf: PackedPrefill, chunk: Chunk) -> None:
         """The chunk packed into the buffers, padded to their shapes, with the backend's tile
         list where its prefill reads one."""
-        tiles = None if self.block_m is None else self.backend.prefill_tile_list(
+        tiles = None if self.block_m is None else self.attn.prefill_tile_list(
             list(chunk.lengths), list(chunk.starts), self.block_m)
         buf.fill(chunk, self.page_size, self.scratch_page, tiles)
 
@@ -203,7 +204,7 @@ class PrefillGraphs:
         memo = {} if self.block_m is None else {("prefill_tiles", self.block_m): buf.tiles}
         ctx = context(buf, chunk, self.page_size, kv_len, last_rows(buf, kv_len, out.q_out),
                       out.scores, memo)
-        _, logits = forward(self.model, self.kv_caches, self.backend, buf, ctx)
+        _, logits = forward(self.model, self.kv_caches, self.ops, self.attn, buf, ctx)
         assert logits is not None
         out.logits.copy_(logits)
 

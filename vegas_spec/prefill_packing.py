@@ -19,6 +19,7 @@ import torch
 
 from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import LastRows, PrefillPlan, ScoreRequest, StepContext
+from vegas_spec.compute.base import Ops
 from vegas_spec.models.decoder import Decoder
 
 Span = tuple[int, int, int]  # (batch row, start, end): positions start..end-1 of its prompt
@@ -195,11 +196,11 @@ def last_rows(buf: PackedPrefill, kv_len: int, q_out: torch.Tensor | None) -> La
 
 
 def forward(model: Decoder, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-            backend: AttentionBackend, buf: PackedPrefill, ctx: StepContext,
+            ops: Ops, attn: AttentionBackend, buf: PackedPrefill, ctx: StepContext,
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The model over the packed tokens -> hidden states [T, hidden] and the last rows'
     logits [E, V] float32 (None: no last rows)."""
-    hidden = model(buf.tokens[None], ctx, kv_caches, backend)[0]
+    hidden = model(buf.tokens[None], ctx, kv_caches, ops, attn)[0]
     if not buf.layout.ends:
         return hidden, None
-    return hidden, model.logits(hidden[buf.last_index], backend)
+    return hidden, model.logits(hidden[buf.last_index], ops)

@@ -1,9 +1,10 @@
 """What a model runner runs on, loaded and sized once: the model (this rank's share under
 tensor parallelism, shared by the engines of a process: `models.shared`) and its FP8 or INT4
-draft copies, the attention backend, the KV pool sized from the memory they leave (its pages
-with the prefix cache where it is on), the scratch page of the static shapes and the prefill
-graphs; and, for each method and batch size, the decode loop's static shapes and the
-`GraphRunner` over them, rebuilt only when they change or the batch outgrows it."""
+draft copies, the compute seams (the ops, with this rank's tensor-parallel group, and the
+attention backend), the KV pool sized from the memory they leave (its pages with the prefix
+cache where it is on), the scratch page of the static shapes and the prefill graphs; and, for
+each method and batch size, the decode loop's static shapes and the `GraphRunner` over them,
+rebuilt only when they change or the batch outgrows it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from vegas_spec import parallel
 from vegas_spec.attention.backend import AttentionBackend, make_backend
 from vegas_spec.cache import PagedKVCache, available_bytes
+from vegas_spec.compute.base import Ops, make_ops
 from vegas_spec.config import MAX_GAMMA, ConfigError, EngineConfig, ModelConfig, SpecConfig
 from vegas_spec.graphs import GraphRunner, StaticShapes, bucket_for
 from vegas_spec.input_batch import InputBatch
@@ -37,12 +39,14 @@ FP8_DRAFTS_BY_DEFAULT = False
 class Loaded:
     """A runner's model and memory. model_config: the whole model's; local_config: this
     rank's share (its heads, its KV heads in the cache); scratch_page: the page that padding
-    rows of the static shapes write (-1: no static shapes)."""
+    rows of the static shapes write (-1: no static shapes); ops and attn: the compute seams,
+    both of the configured backend, the ops with this rank's tensor-parallel group."""
 
     model_config: ModelConfig
     local_config: ModelConfig
     model: Decoder
-    backend: AttentionBackend
+    ops: Ops
+    attn: AttentionBackend
     cache: PagedKVCache
     scratch_page: int
     draft_weight_bytes: int
@@ -51,8 +55,8 @@ class Loaded:
 
 
 def load(config: EngineConfig, source: ModelSource) -> Loaded:
-    """The model, its draft copies, the backend and the KV pool, in that order (the pool
-    takes what the weights leave)."""
+    """The model, its draft copies, the compute seams and the KV pool, in that order (the
+    pool takes what the weights leave)."""
     device = torch.device(config.device)
     cfg = load_config(source)
     if (config.max_model_len or 0) > cfg.max_position_embeddings:
@@ -68,12 +72,12 @@ def load(config: EngineConfig, source: ModelSource) -> Loaded:
                    tp.rank, tp.world_size, kind)
     model = shared_model(key, lambda: _load_model(config, source, cfg, local, kind, device, tp))
     drafts = model.draft_weight_bytes()
-    backend = make_backend(config.resolved_backend, config.exact)
-    backend.tp = tp
+    ops = make_ops(config.resolved_backend, config.exact, tp)
+    attn = make_backend(config.resolved_backend, config.exact)
     cache = PagedKVCache.from_budget(local, kv_budget(config, device), config.page_size,
                                      config.torch_dtype, device, config.prefix_cache_bytes)
     scratch = cache.allocate(1)[0] if config.static else -1
-    return Loaded(cfg, local, model, backend, cache, scratch, drafts,
+    return Loaded(cfg, local, model, ops, attn, cache, scratch, drafts,
                   config.max_model_len or cfg.max_position_embeddings, kind)
 
 
@@ -149,7 +153,7 @@ def reserve(rows: InputBatch, parts: Loaded, config: EngineConfig, spec: SpecCon
     if old is not None and old.shapes == shapes and old.capacity >= bsz and same:
         return
     rows.graphs = None  # free the old buffers and graphs before capturing new ones
-    rows.graphs = GraphRunner(parts.model, parts.cache.layers, parts.backend, shapes,
+    rows.graphs = GraphRunner(parts.model, parts.cache.layers, parts.ops, parts.attn, shapes,
                               bucket_for(bsz), config.page_size, parts.scratch_page,
                               config.graphs, policy)
 
@@ -160,8 +164,8 @@ def prefiller(parts: Loaded, config: EngineConfig) -> Prefiller:
     graphs = None
     if config.static:
         pages = parts.cache.pages_for(parts.max_model_len + MAX_GAMMA + 1)
-        graphs = PrefillGraphs(parts.model, parts.cache.layers, parts.backend, config.page_size,
-                               pages, parts.scratch_page, config.graphs)
+        graphs = PrefillGraphs(parts.model, parts.cache.layers, parts.ops, parts.attn,
+                               config.page_size, pages, parts.scratch_page, config.graphs)
     cfg = parts.model_config
-    return Prefiller(parts.model, parts.cache, parts.backend, cfg.vocab_size,
+    return Prefiller(parts.model, parts.cache, parts.ops, parts.attn, cfg.vocab_size,
                      config.prefill_tokens(cfg), graphs)

@@ -25,6 +25,7 @@ from vegas_spec.attention.torch_backend import (
     prefill_attention_exact,
     prefill_attention_ref,
 )
+from vegas_spec.compute.base import make_ops
 from vegas_spec.kernels.exact_matmul import exact_tiles
 from vegas_spec.kernels.paged_attention import _split_size, _tiling, paged_attention
 from vegas_spec.kernels.prefill_attention import prefill_attention, prefill_config, prefill_tiles
@@ -42,7 +43,7 @@ BATCH, VERIFY = 64, 7  # 448 query rows
 def test_projection_and_head_rows_do_not_depend_on_the_row_count(backend: str,
                                                                  dtype: torch.dtype) -> None:
     """448 rows = 64 sequences x 7 verify rows, against 1, 7 and 21 of them."""
-    seam = make_backend(backend, exact=True)
+    seam = make_ops(backend, exact=True)
     gen = generator(3)
     x = randn(BATCH, VERIFY, 64, gen=gen, dtype=dtype)
     for n in (40, 300):  # a projection's and the LM head's width (in blocks of 32 columns)
@@ -61,7 +62,8 @@ def test_projection_and_head_rows_do_not_depend_on_the_row_count(backend: str,
 def test_per_token_steps_are_row_wise(backend: str, dtype: torch.dtype) -> None:
     """RMSNorm (with the residual add), SiLU * up and RoPE + KV store: a row alone and in
     many (the Triton kernels take a row or a block of elements per program)."""
-    seam, gen = make_backend(backend, exact=True), generator(8)
+    seam, attn = make_ops(backend, exact=True), make_backend(backend, exact=True)
+    gen = generator(8)
     x, res = randn(48, 96, gen=gen, dtype=dtype), randn(48, 96, gen=gen, dtype=dtype)
     w, gate_up = randn(96, gen=gen, dtype=dtype), randn(448, 2 * 160, gen=gen, dtype=dtype) * 3
     rows = slice(9, 10)
@@ -81,7 +83,7 @@ def test_per_token_steps_are_row_wise(backend: str, dtype: torch.dtype) -> None:
         slots = torch.arange(56, device=DEVICE).view(8, 7)[b]
         ctx = StepContext(positions=pos[b], seq_lens=pos[b, -1] + 1, slot_mapping=slots,
                           page_table=slots, page_size=1, kv_len_max=1)
-        return seam.rope_store(q[b], k[b], k[b], cache, cache.clone(), ctx, rope)
+        return attn.rope_store(q[b], k[b], k[b], cache, cache.clone(), ctx, rope)
 
     assert torch.equal(rotate(slice(5, 6)), rotate(slice(0, 8))[5:6])
 

@@ -1,9 +1,9 @@
-"""TritonBackend against TorchBackend on a tiny random Llama, Qwen3 (q/k norm) and gpt-oss
-(attention sinks, a sliding window on every other layer, biased and clamped experts): prefill
-with scores, a batch of sparse draft steps planned from them, and a verify step with a
-ScoreRequest, as the engine drives them; logits, scores and caches must agree. Also which
-projections the default mode routes to the few-row kernel, and which rows its top-k hands to
-the Triton kernel."""
+"""The Triton compute seams (TritonBackend, TritonOps) against the torch ones (TorchBackend,
+TorchOps) on a tiny random Llama, Qwen3 (q/k norm) and gpt-oss (attention sinks, a sliding
+window on every other layer, biased and clamped experts): prefill with scores, a batch of
+sparse draft steps planned from them, and a verify step with a ScoreRequest, as the engine
+drives them; logits, scores and caches must agree. Also which rows the backend's top-k hands
+to the Triton kernel."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import torch
 from kernel_cases import DEVICE, generator
 
 from vegas_spec import ops
-from vegas_spec.attention.backend import AttentionBackend, make_backend
+from vegas_spec.attention.backend import make_backend
 from vegas_spec.attention.context import ScoreRequest, SparsePlan, StepContext
 from vegas_spec.cache import slots_of
+from vegas_spec.compute.base import make_ops
 from vegas_spec.config import ModelConfig, SpecConfig
 from vegas_spec.kernels import topk
 from vegas_spec.models.decoder import Decoder, build_model
@@ -51,11 +52,12 @@ def tiny_model(architecture: str) -> Decoder:
 
 
 class Runner:
-    """One backend with its own paged cache; steps are built like LLM._ctx builds them."""
+    """One backend's seams (`name`: torch or triton) with its own paged cache; steps are
+    built like LLM._ctx builds them."""
 
-    def __init__(self, model: Decoder, backend: AttentionBackend) -> None:
+    def __init__(self, model: Decoder, name: str) -> None:
         cfg = model.cfg
-        self.model, self.backend = model, backend
+        self.model, self.ops, self.attn = model, make_ops(name), make_backend(name)
         shape = (len(PROMPTS) * 8 * PAGE, cfg.num_kv_heads, cfg.head_dim)
         self.caches = [(torch.zeros(shape, device=DEVICE), torch.zeros(shape, device=DEVICE))
                        for _ in range(cfg.num_layers)]
@@ -76,16 +78,16 @@ class Runner:
         ctx = StepContext(positions=positions, seq_lens=positions[:, -1] + 1,
                           slot_mapping=slots_of(table, positions, PAGE), page_table=table,
                           page_size=PAGE, kv_len_max=kv_len, scores=req, sparse=plan)
-        hidden = self.model(tokens, ctx, self.caches, self.backend)
-        return self.model.logits(hidden, self.backend), None if req is None else req.out
+        hidden = self.model(tokens, ctx, self.caches, self.ops, self.attn)
+        return self.model.logits(hidden, self.ops), None if req is None else req.out
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_make_backend_registers_triton() -> None:
-    assert make_backend("triton").name == "triton"
+def test_make_backend_and_make_ops_register_triton() -> None:
+    assert make_backend("triton").name == make_ops("triton").name == "triton"
 
 
 @pytest.mark.parametrize("mode,per_kv_head,architecture", [
@@ -97,7 +99,7 @@ def test_same_logits_as_torch_backend(mode: str, per_kv_head: bool, architecture
     assert model.cfg.qk_norm == (architecture == "Qwen3ForCausalLM")
     oss = architecture == "GptOssForCausalLM"
     assert model.cfg.sinks == oss and any(model.cfg.layer_windows) == oss
-    runs = [Runner(model, make_backend("torch")), Runner(model, make_backend("triton"))]
+    runs = [Runner(model, "torch"), Runner(model, "triton")]
     gen = generator(1)
     prompts = [torch.randint(3, 96, (1, n), generator=gen).to(DEVICE) for n in PROMPTS]
 
@@ -150,7 +152,7 @@ def test_quest_draft_steps_as_torch_backend() -> None:
     from the same caches: logits and caches agree."""
     torch.manual_seed(0)
     model = tiny_model("LlamaForCausalLM")
-    runs = [Runner(model, make_backend("torch")), Runner(model, make_backend("triton"))]
+    runs = [Runner(model, "torch"), Runner(model, "triton")]
     gen = generator(2)
     firsts = []
     for b, n in enumerate(PROMPTS):

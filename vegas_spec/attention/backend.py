@@ -7,58 +7,39 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from vegas_spec.attention.context import LastRows, ScoreRequest, StepContext
-from vegas_spec.ops import (
-    add_rms_norm,
-    apply_rope,
-    exact_linear,
-    exact_silu_mul,
-    moe_experts,
-    rms_norm,
-    route,
-    silu_mul,
-)
-from vegas_spec.parallel import SINGLE, TPGroup
-from vegas_spec.quant import DRAFT_TYPES, DraftWeight
+from vegas_spec.ops import apply_rope
 
 
 class AttentionBackend(ABC):
-    """One object per engine; every layer of every step calls `attend` and the per-token steps
-    around attention (`rope_store` inside `attend`, `norm`, `add_norm`, `silu_mul`), whose
-    defaults are the plain-PyTorch references of `vegas_spec.ops`; a backend overrides them
-    to fuse each into one kernel.
+    """One object per engine; every layer of every step calls `attend` (the dense compute
+    around it is the ops seam's, `vegas_spec.compute`). `attend` runs `rope_store` first,
+    whose default is the plain-PyTorch reference of `vegas_spec.ops` (RoPE, then
+    `store_kv`); a backend may override it to fuse both into one kernel. The selection's
+    scoring pieces are the backend's too: the scores a full pass emits (`ScoreRequest`),
+    quest's per-draft-step page scores (`quest_page_scores`) and the top-k (`topk`,
+    `topk_sum`), which a selector runs through the backend that calls it.
 
     Shapes: q [B, n, H, D] and k/v [B, n, Hkv, D] before RoPE, caches [num_slots, Hkv, D],
     rope [max_pos, D] float32 (cos | sin). `attend` returns [B, n, H, D]: it applies RoPE and
     writes k/v into their slots first, then attends: packed causal prefill attention when
     `ctx.prefill` is set, full causal attention when `ctx.sparse` is None, else sparse draft
-    attention over the plan. `linear` is every projection and the LM head.
+    attention over the plan.
 
-    Exact mode (`exact=True`): every step but the draft's sparse attention computes each row
-    the same way whatever the number of rows in the step (batch size x query rows): the
-    products through a row-invariant `linear`, full and prefill attention with one tiling and
-    one key split for every shape. The per-token steps are row-wise: RMSNorm reduces one row
-    (its rsqrt and RoPE's products are correctly rounded on every path) and SiLU * up is
-    elementwise, here through `exact_silu_mul`, whose exp takes one path for every element.
+    Exact mode (`exact=True`): full and prefill attention compute each row the same way
+    whatever the number of rows in the step (batch size x query rows), with one tiling and
+    one key split for every shape; RoPE's products are correctly rounded on every path.
     Drafts never reach the output, so the sparse attention keeps its fastest tiling.
 
-    A mixture of experts' MLP is `moe` (the router's top-k, then `experts`: the reference
-    `ops.moe_experts` here, the fused kernel in the Triton backend).
-
-    Tensor parallelism (`tp`, see `vegas_spec.parallel`) is the seam's too: the decoder
-    calls `row_linear` for o_proj and down and `moe` for the experts (the partial products
-    all_reduced, `sum_ranks`), `embed` for the vocabulary-parallel embeddings and
-    `head_linear` for the LM head (the logit slices all_gathered); at world size 1 they are
-    `linear` and a plain lookup.
+    Under tensor parallelism a backend attends to its rank's heads only: it holds no
+    collective (the ops seam sums what the ranks' heads give).
     """
 
     name = "abstract"
 
-    def __init__(self, exact: bool = False, tp: TPGroup = SINGLE) -> None:
+    def __init__(self, exact: bool = False) -> None:
         self.exact = exact
-        self.tp = tp
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
@@ -120,82 +101,6 @@ class AttentionBackend(ABC):
         k = apply_rope(k, rope, ctx.positions)
         self.store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         return apply_rope(q, rope, ctx.positions)
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | DraftWeight,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype. An FP8 draft
-        or INT4 draft copy (drafts only, in any mode) runs its reference: correct, not fast."""
-        if isinstance(weight, DRAFT_TYPES):
-            return weight.ref(x, bias)
-        if self.exact:
-            return exact_linear(x, weight, bias)
-        return F.linear(x, weight, bias)
-
-    def row_linear(self, x: torch.Tensor, weight: torch.Tensor | DraftWeight,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Row-parallel `linear`: x [..., K/N] @ weight [N_out, K/N]^T summed over the ranks
-        (in exact mode in rank order, the same for every shape), + bias [N_out] once after
-        the sum."""
-        if self.tp.world_size == 1:
-            return self.linear(x, weight, bias)
-        out = self.sum_ranks(self.linear(x, weight))
-        return out if bias is None else out + bias
-
-    def sum_ranks(self, part: torch.Tensor) -> torch.Tensor:
-        """A row-parallel block's partial output [...] summed over the ranks (in exact mode in
-        rank order, the same for every shape)."""
-        if self.tp.world_size == 1:
-            return part
-        return self.tp.sum_in_order(part) if self.exact else self.tp.all_reduce(part)
-
-    def moe(self, x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor,
-            down: torch.Tensor, top_k: int, renormalize: bool,
-            gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-            limit: float = 0.0) -> torch.Tensor:
-        """A mixture of experts: x [..., H] (normed) -> [..., H]. router_logits [..., E] pick
-        each token's top_k experts (`ops.route`), `experts` runs them on this rank's slice of
-        every expert (gate_up [E, 2I/N, H], down [E, H, I/N]; gpt-oss's biases gate_up_bias
-        [E, 2I/N] and down_bias [E, H], the latter in rank 0's part only, so that the sum
-        adds it once; its clamped SwiGLU where limit > 0), and the partial outputs are summed
-        over the ranks."""
-        weights, ids = route(router_logits.reshape(-1, router_logits.shape[-1]), top_k,
-                             renormalize)
-        if self.tp.rank != 0:
-            down_bias = None
-        out = self.experts(x.reshape(-1, x.shape[-1]), gate_up, down, weights, ids,
-                           gate_up_bias, down_bias, limit)
-        return self.sum_ranks(out).view(x.shape)
-
-    def experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                weights: torch.Tensor, ids: torch.Tensor,
-                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-                limit: float = 0.0) -> torch.Tensor:
-        """x [T, H] through the experts ids [T, k] weighted by weights [T, k] -> [T, H]
-        (`ops.moe_experts`, in exact mode its row-invariant products)."""
-        return moe_experts(x, gate_up, down, weights, ids, self.exact, gate_up_bias, down_bias,
-                           limit)
-
-    def head_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Vocabulary-parallel LM head: x [..., hidden] @ weight [V/N, hidden]^T, the ranks'
-        slices gathered -> [..., V]."""
-        return self.tp.gather_last(self.linear(x, weight))
-
-    def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """ids [...] -> rows of the (vocabulary-parallel) embedding table [..., hidden]."""
-        return self.tp.embed(ids, weight)
-
-    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """x [..., N] -> RMSNorm(x) * weight."""
-        return rms_norm(x, weight, eps)
-
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """x, residual [..., N] -> (norm(h), h) with h = x + residual."""
-        return add_rms_norm(x, residual, weight, eps)
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up [..., 2I] -> silu(gate) * up [..., I]."""
-        return exact_silu_mul(gate_up) if self.exact else silu_mul(gate_up)
 
     @abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

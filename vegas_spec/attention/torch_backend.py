@@ -265,8 +265,7 @@ def write_scores(req: ScoreRequest, layer: int, scores: torch.Tensor) -> None:
 
 
 class TorchBackend(AttentionBackend):
-    """In exact mode full and prefill attention run `_exact_softmax_attend` (slow) and the
-    projections the seam's row-invariant `linear`."""
+    """In exact mode full and prefill attention run `_exact_softmax_attend` (slow)."""
 
     name = "torch"
 

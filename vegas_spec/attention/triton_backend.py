@@ -1,6 +1,7 @@
 """Triton attention: the same semantics as TorchBackend (its oracle), one kernel per file in
-`vegas_spec.kernels`, with the per-token steps around attention fused (add + RMSNorm, RoPE +
-KV store, SiLU * up). Runs on CUDA, or on CPU under Triton's interpreter (slow: tests only)."""
+`vegas_spec.kernels`, with RoPE fused with the KV store (and, in a one-row draft step, with
+the sparse attention itself). Runs on CUDA, or on CPU under Triton's interpreter (slow: tests
+only)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ from vegas_spec import ops
 from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import StepContext
 from vegas_spec.kernels import topk as topk_kernel
-from vegas_spec.kernels.exact_matmul import exact_linear
-from vegas_spec.kernels.fused_moe import fused_moe
 from vegas_spec.kernels.paged_attention import paged_attention
 from vegas_spec.kernels.prefill_attention import (
     prefill_attention,
@@ -22,18 +21,9 @@ from vegas_spec.kernels.prefill_attention import (
     tile_list,
 )
 from vegas_spec.kernels.quest_scores import quest_page_scores
-from vegas_spec.kernels.rms_norm import rms_norm
 from vegas_spec.kernels.rope_store import rope_store
-from vegas_spec.kernels.silu_mul import silu_mul
-from vegas_spec.kernels.skinny_matmul import skinny_linear
 from vegas_spec.kernels.sparse_attention import NewKV, sparse_attention
 from vegas_spec.kernels.store_kv import store_kv
-from vegas_spec.quant import DRAFT_TYPES, DraftWeight
-
-# A one-row draft step does RoPE and the KV store inside its sparse attention kernel
-# (`sparse_attention(new=...)`), and quest's selector rotates its q inside the page-score
-# kernel: one kernel fewer per layer.
-SPARSE_ROPE: bool = True
 
 
 def topk_by_width(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Tensor,
@@ -59,13 +49,12 @@ def topk_sum_by_width(scores: torch.Tensor, rankable: torch.Tensor, k: torch.Ten
 
 
 class TritonBackend(AttentionBackend):
-    """A draft step's FP8 copy of a weight runs `skinny_linear` on a GPU (any rows, in chunks of
-    MAX_DRAFT_ROWS); other projections run cuBLAS in the default mode. In exact mode the
-    projections and the LM head run `exact_linear` and full attention one tiling for every step
-    (`paged_attention(exact=True)`). The prefill kernel then keeps one program per tile along
-    the keys: its tiles depend on the head dim only, and a row walks its keys in blocks at fixed
-    offsets from key 0 (whichever chunk, tile or piece it falls in), the blocks past its
-    position adding exact zeros; the per-token kernels work one row (or element) at a time."""
+    """A one-row draft step runs RoPE, its KV store and its sparse attention as one kernel,
+    and quest's selector rotates its q inside the page-score kernel. In exact mode full
+    attention runs one tiling for every step (`paged_attention(exact=True)`) and the prefill
+    kernel keeps one program per tile along the keys: its tiles depend on the head dim only,
+    and a row walks its keys in blocks at fixed offsets from key 0 (whichever chunk, tile or
+    piece it falls in), the blocks past its position adding exact zeros."""
 
     name = "triton"
 
@@ -83,12 +72,11 @@ class TritonBackend(AttentionBackend):
                rope: torch.Tensor, sinks: torch.Tensor | None = None,
                window: int = 0) -> torch.Tensor:
         """The seam's `attend`; a one-row draft step runs RoPE, the KV store and its sparse
-        attention as one kernel (`SPARSE_ROPE`), and a selector (quest's) rotates the q it
-        scores pages with inside its own kernel. A sliding-window layer's draft steps attend
-        to the window (`full`), as the seam's."""
+        attention as one kernel, and a selector (quest's) rotates the q it scores pages with
+        inside its own kernel. A sliding-window layer's draft steps attend to the window
+        (`full`), as the seam's."""
         plan = ctx.sparse
-        if not (SPARSE_ROPE and plan is not None and ctx.prefill is None and q.shape[1] == 1
-                and not window):
+        if not (plan is not None and ctx.prefill is None and q.shape[1] == 1 and not window):
             return super().attend(layer, q, k, v, k_cache, v_cache, ctx, rope, sinks, window)
         if plan.selector is not None:
             indices = plan.selector(layer, q, ctx, self, rope)
@@ -107,33 +95,6 @@ class TritonBackend(AttentionBackend):
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """The seam's plain store (no RoPE); `attend` goes through the fused `rope_store`."""
         store_kv(k, v, k_cache, v_cache, slot_mapping)
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | DraftWeight,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(weight, DRAFT_TYPES):  # a draft copy: the FP8 or INT4 kernel on a GPU
-            return skinny_linear(x, weight, bias) if x.is_cuda else \
-                super().linear(x, weight, bias)
-        if self.exact:
-            return exact_linear(x, weight, bias)
-        return super().linear(x, weight, bias)
-
-    def experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                weights: torch.Tensor, ids: torch.Tensor,
-                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-                limit: float = 0.0) -> torch.Tensor:
-        """The fused kernel, gpt-oss's experts (biases, clamped SwiGLU) included."""
-        return fused_moe(x, gate_up, down, weights, ids, self.exact,
-                         gate_up_bias=gate_up_bias, down_bias=down_bias, limit=limit)
-
-    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return rms_norm(x, weight, eps)
-
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return rms_norm(x, weight, eps, residual)
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return silu_mul(gate_up)
 
     def full(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              ctx: StepContext, sinks: torch.Tensor | None = None,

@@ -1,4 +1,5 @@
-"""Triton kernels behind the attention-backend seam, one kernel (and its host wrapper) per file.
+"""Triton kernels behind the compute seams (the attention backend's and the ops'), one kernel
+(and its host wrapper) per file.
 
   paged_attention   causal attention over the paged cache for 1..n query rows, with the
                     selection scores of chosen rows fused into the same pass (verify, prefill)
@@ -101,33 +102,25 @@ def device_sms(device: torch.device) -> int:
 def tuned(module: ModuleType, **settings: object) -> Iterator[None]:
     """Inside the block, `module`'s tuning holds the given settings; restored after it. A
     keyword names a field of the module's tuning, set in every entry of its `TUNING` table
-    whatever the device class (e.g. `tuned(paged_attention, score_tiles={64: ...})`), or an
-    upper-case module constant (a switch such as `tuned(triton_backend, SPARSE_ROPE=False)`).
-    An unknown name is a KeyError. Launches read the table, so a CUDA graph captured inside
-    the block keeps the tiles it was captured with."""
+    whatever the device class (e.g. `tuned(paged_attention, score_tiles={64: ...})`); an
+    unknown name, or a module without a table, is a KeyError. Launches read the table, so a
+    CUDA graph captured inside the block keeps the tiles it was captured with."""
     table: dict[str, object] | None = getattr(module, "TUNING", None)
     fields = set() if table is None else {
         field.name for entry in table.values() for field in dataclasses.fields(entry)}
-    entries = {name: value for name, value in settings.items() if name in fields}
-    constants = {name: value for name, value in settings.items() if name not in fields}
-    unknown = [name for name in constants if not name.isupper() or not hasattr(module, name)]
+    unknown = [name for name in settings if name not in fields]
     if unknown:
-        raise KeyError(f"{module.__name__} has no tuning field or table {', '.join(unknown)}")
-    saved_entries = None if table is None else dict(table)
-    saved = {name: getattr(module, name) for name in constants}
+        raise KeyError(f"{module.__name__} has no tuning field {', '.join(unknown)}")
+    assert table is not None or not settings
+    saved = dict(table or {})
     try:
-        if table is not None and entries:
-            for key, entry in saved_entries.items():
-                table[key] = dataclasses.replace(entry, **entries)
-        for name, value in constants.items():
-            setattr(module, name, value)
+        for key, entry in saved.items():
+            table[key] = dataclasses.replace(entry, **settings)
         yield
     finally:
         if table is not None:
             table.clear()
-            table.update(saved_entries)
-        for name, value in saved.items():
-            setattr(module, name, value)
+            table.update(saved)
 
 
 def interpreting() -> bool:

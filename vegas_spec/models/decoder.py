@@ -1,10 +1,10 @@
 """The model: embeddings, its family's decoder layers, a final RMSNorm and the LM head.
 
-`forward(input_ids, ctx, kv_caches, backend)` is the only forward: prefill, plain decode, draft and
-verify differ only in the StepContext the attention backend reads. Every projection and the
-LM head go through the backend's `linear` (in exact mode a row-invariant product); under
-tensor parallelism `cfg` holds one rank's heads and intermediate size, the weights its
-slices, and the backend's `row_linear`, `embed` and `head_linear` do the collectives. Weights
+`forward(input_ids, ctx, kv_caches, ops, attn)` is the only forward: prefill, plain decode,
+draft and verify differ only in the StepContext the attention backend (`attn`) reads. Every
+projection and the LM head go through the ops' `linear` (in exact mode a row-invariant
+product); under tensor parallelism `cfg` holds one rank's heads and intermediate size, the
+weights its slices, and the ops' `row_linear`, `embed` and `head_linear` do the collectives. Weights
 keep their HF names until `load_hf` puts them where the family's weight table says, q/k/v and
 gate/up fused into one matmul each (`models.family`); the layers are `models.layers`'.
 
@@ -12,7 +12,7 @@ A model may also hold draft copies of its projections (`make_draft_weights`: FP8
 per output row, or INT4, one scale per row and group), which the projections of draft steps
 (`ctx.draft`) read instead.
 
-The plain-PyTorch references of the backend's steps live in `vegas_spec.ops`."""
+The plain-PyTorch references of the seams' steps live in `vegas_spec.ops`."""
 
 from __future__ import annotations
 
@@ -26,9 +26,10 @@ from vegas_spec.models import layers, registry
 from vegas_spec.models.family import fill
 from vegas_spec.models.rope import rope_table
 
-if TYPE_CHECKING:  # the seam's types only: models and attention do not import each other
+if TYPE_CHECKING:  # the seams' types only: models imports neither attention nor compute
     from vegas_spec.attention.backend import AttentionBackend
     from vegas_spec.attention.context import StepContext
+    from vegas_spec.compute.base import Ops
 
 
 class Decoder(nn.Module):
@@ -42,14 +43,14 @@ class Decoder(nn.Module):
         self.rope = torch.zeros(0)  # [max_pos + MAX_GAMMA + 1, D] cos|sin, by load_hf
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                backend: AttentionBackend) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ops: Ops,
+                attn: AttentionBackend) -> torch.Tensor:
         """input_ids [B, n] -> final hidden states [B, n, hidden] (normed)."""
-        x, residual = backend.embed(input_ids, self.embed.weight), None
+        x, residual = ops.embed(input_ids, self.embed.weight), None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, self.rope, cache, backend, ctx)
+            x, residual = layer(x, residual, self.rope, cache, ops, attn, ctx)
         assert residual is not None, "a decoder has layers"
-        return backend.add_norm(x, residual, self.norm, self.cfg.rms_norm_eps)[0]
+        return ops.add_norm(x, residual, self.norm, self.cfg.rms_norm_eps)[0]
 
     def make_draft_weights(self, kind: str = "fp8") -> int:
         """`kind` (fp8 or int4, `quant.QUANTIZERS`) copies of every layer's projections for
@@ -60,13 +61,13 @@ class Decoder(nn.Module):
         """Bytes of the draft copies (0: none, drafts read the model's weights)."""
         return sum(w.nbytes for layer in self.layers for w in (layer.drafts or {}).values())
 
-    def head(self, hidden: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def head(self, hidden: torch.Tensor, ops: Ops) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., V] in the model's dtype."""
-        return backend.head_linear(hidden, self.lm_head.weight)
+        return ops.head_linear(hidden, self.lm_head.weight)
 
-    def logits(self, hidden: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, ops: Ops) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., V] float32."""
-        return self.head(hidden, backend).float()
+        return self.head(hidden, ops).float()
 
     @torch.no_grad()
     def load_hf(self, weights: dict[str, torch.Tensor], dtype: torch.dtype,

@@ -1,4 +1,6 @@
-"""The layers the model families share, each through the attention backend.
+"""The layers the model families share, each through the compute seams: the ops
+(`compute.base.Ops`: projections, norms, SiLU * up, the experts, the collectives) and the
+attention backend (`attention.backend.AttentionBackend`).
 
 A decoder layer is `LayerBase` (its place, its norms, the draft copies of its projections and
 the pre-norm residual step) with an attention block and an MLP block mixed in: `Attention`
@@ -10,9 +12,9 @@ parameters are attributes of the layer (`qkv`, `o_proj`, `gate_up`, `down`, `rou
 `experts_gate_up`, ...), the names a family's weight table fills.
 
 The residual stream runs beside the hidden states (as vLLM's): each norm also adds the
-residual before it, so the backend can fuse add + norm, RoPE + KV store and SiLU * up into
-one kernel each. Under tensor parallelism `cfg` holds one rank's heads and intermediate size,
-and the backend's `row_linear` sums o_proj's and down's partial outputs."""
+residual before it, so the ops can fuse add + norm and SiLU * up, and the attention backend
+RoPE + KV store, into one kernel each. Under tensor parallelism `cfg` holds one rank's heads
+and intermediate size, and the ops' `row_linear` sums o_proj's and down's partial outputs."""
 
 from __future__ import annotations
 
@@ -25,13 +27,14 @@ from vegas_spec import quant
 from vegas_spec.config import ModelConfig
 from vegas_spec.quant import QUANTIZERS, DraftWeight
 
-if TYPE_CHECKING:  # the seam's types only: models and attention do not import each other
+if TYPE_CHECKING:  # the seams' types only: models imports neither attention nor compute
     from vegas_spec.attention.backend import AttentionBackend
     from vegas_spec.attention.context import StepContext
+    from vegas_spec.compute.base import Ops
 
 
 def norm(size: int) -> nn.Parameter:
-    """An RMSNorm's weight (the backend's `norm`/`add_norm` apply it)."""
+    """An RMSNorm's weight (the ops' `norm`/`add_norm` apply it)."""
     return nn.Parameter(torch.ones(size))
 
 
@@ -71,25 +74,25 @@ class LayerBase(nn.Module):
         return sum(w.nbytes for w in self.drafts.values())
 
     def attention(self, h: torch.Tensor, rope: torch.Tensor, cache: tuple[torch.Tensor, ...],
-                  backend: AttentionBackend, ctx: StepContext) -> torch.Tensor:
+                  ops: Ops, attn: AttentionBackend, ctx: StepContext) -> torch.Tensor:
         raise NotImplementedError
 
-    def mlp(self, h: torch.Tensor, backend: AttentionBackend, ctx: StepContext) -> torch.Tensor:
+    def mlp(self, h: torch.Tensor, ops: Ops, ctx: StepContext) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: torch.Tensor,
-                cache: tuple[torch.Tensor, ...], backend: AttentionBackend, ctx: StepContext,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                cache: tuple[torch.Tensor, ...], ops: Ops, attn: AttentionBackend,
+                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (the embeddings, residual None, for the first layer)
         -> (this layer's output, the residual stream before it)."""
         eps = self.cfg.rms_norm_eps
         if residual is None:
-            h, residual = backend.norm(x, self.input_norm, eps), x
+            h, residual = ops.norm(x, self.input_norm, eps), x
         else:
-            h, residual = backend.add_norm(x, residual, self.input_norm, eps)
-        h, residual = backend.add_norm(self.attention(h, rope, cache, backend, ctx), residual,
-                                       self.post_norm, eps)
-        return self.mlp(h, backend, ctx), residual
+            h, residual = ops.add_norm(x, residual, self.input_norm, eps)
+        h, residual = ops.add_norm(self.attention(h, rope, cache, ops, attn, ctx), residual,
+                                   self.post_norm, eps)
+        return self.mlp(h, ops, ctx), residual
 
 
 class Attention(LayerBase):
@@ -110,22 +113,22 @@ class Attention(LayerBase):
         self.window = cfg.window(index)
 
     def attention(self, h: torch.Tensor, rope: torch.Tensor, cache: tuple[torch.Tensor, ...],
-                  backend: AttentionBackend, ctx: StepContext) -> torch.Tensor:
+                  ops: Ops, attn: AttentionBackend, ctx: StepContext) -> torch.Tensor:
         """h [B, n, hidden] (normed) -> [B, n, hidden]."""
         cfg = self.cfg
         bsz, n, _ = h.shape
-        qkv = backend.linear(h, self.weight("qkv", ctx), self.qkv.bias)
+        qkv = ops.linear(h, self.weight("qkv", ctx), self.qkv.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(bsz, n, cfg.num_heads, cfg.head_dim)
         k = k.view(bsz, n, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(bsz, n, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = backend.norm(q, self.q_norm, cfg.rms_norm_eps)
-            k = backend.norm(k, self.k_norm, cfg.rms_norm_eps)
-        out = backend.attend(self.index, q, k, v, cache[0], cache[1], ctx, rope, self.sinks,
-                             self.window)
-        return backend.row_linear(out.reshape(bsz, n, self.q_size), self.weight("o_proj", ctx),
-                                  self.o_proj.bias)
+            q = ops.norm(q, self.q_norm, cfg.rms_norm_eps)
+            k = ops.norm(k, self.k_norm, cfg.rms_norm_eps)
+        out = attn.attend(self.index, q, k, v, cache[0], cache[1], ctx, rope, self.sinks,
+                          self.window)
+        return ops.row_linear(out.reshape(bsz, n, self.q_size), self.weight("o_proj", ctx),
+                              self.o_proj.bias)
 
 
 class DenseMLP(LayerBase):
@@ -137,16 +140,16 @@ class DenseMLP(LayerBase):
         self.gate_up = nn.Linear(h, 2 * i, bias=cfg.mlp_bias)
         self.down = nn.Linear(i, h, bias=cfg.mlp_bias)
 
-    def mlp(self, h: torch.Tensor, backend: AttentionBackend, ctx: StepContext) -> torch.Tensor:
+    def mlp(self, h: torch.Tensor, ops: Ops, ctx: StepContext) -> torch.Tensor:
         """h [B, n, hidden] (normed) -> [B, n, hidden]."""
-        up = backend.silu_mul(backend.linear(h, self.weight("gate_up", ctx), self.gate_up.bias))
-        return backend.row_linear(up, self.weight("down", ctx), self.down.bias)
+        up = ops.silu_mul(ops.linear(h, self.weight("gate_up", ctx), self.gate_up.bias))
+        return ops.row_linear(up, self.weight("down", ctx), self.down.bias)
 
 
 class MoEMLP(LayerBase):
     """A mixture of experts: a router [E, hidden] (whole on every rank) picks each token's
     cfg.experts_per_token experts, whose gated MLPs (gate/up fused per expert,
-    experts_gate_up [E, 2I, hidden]; experts_down [E, hidden, I]) the backend's `moe` runs,
+    experts_gate_up [E, 2I, hidden]; experts_down [E, hidden, I]) the ops' `moe` runs,
     the outputs weighted by the router's (renormalised where cfg.norm_topk_prob)
     probabilities. Draft steps read the model's own expert weights (no draft copies).
     gpt-oss's: a router bias (cfg.router_bias), each expert's biases (cfg.expert_bias:
@@ -163,13 +166,13 @@ class MoEMLP(LayerBase):
         self.experts_gate_up_bias = nn.Parameter(torch.empty(e, 2 * i)) if biased else None
         self.experts_down_bias = nn.Parameter(torch.empty(e, h)) if biased else None
 
-    def mlp(self, h: torch.Tensor, backend: AttentionBackend, ctx: StepContext) -> torch.Tensor:
+    def mlp(self, h: torch.Tensor, ops: Ops, ctx: StepContext) -> torch.Tensor:
         """h [B, n, hidden] (normed) -> [B, n, hidden]."""
         cfg = self.cfg
-        logits = backend.linear(h, self.router.weight, self.router.bias)  # [B, n, E]
-        return backend.moe(h, logits, self.experts_gate_up, self.experts_down,
-                           cfg.experts_per_token, cfg.norm_topk_prob, self.experts_gate_up_bias,
-                           self.experts_down_bias, cfg.swiglu_limit)
+        logits = ops.linear(h, self.router.weight, self.router.bias)  # [B, n, E]
+        return ops.moe(h, logits, self.experts_gate_up, self.experts_down,
+                       cfg.experts_per_token, cfg.norm_topk_prob, self.experts_gate_up_bias,
+                       self.experts_down_bias, cfg.swiglu_limit)
 
 
 class DecoderLayer(Attention, DenseMLP):

@@ -16,16 +16,16 @@ from vegas_spec.ops import cat_padded
 from vegas_spec.speculative.policies import Policy, SelectionInput
 
 
-def selection_input(policy: Policy, backend: Any, scores: torch.Tensor | None,
+def selection_input(policy: Policy, ops: Any, attn: Any, scores: torch.Tensor | None,
                     row: torch.Tensor, accepted: torch.Tensor, lengths: torch.Tensor,
                     gamma: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                     page_table: torch.Tensor, page_size: int) -> SelectionInput:
     """A policy's input after a full pass (row [B]: its query row 0; accepted [B]; lengths
-    [B] committed): the scores summed over the tensor-parallel ranks' heads, ranked with the
-    attention backend's top-k kernels."""
-    scores = backend.tp.sum_scores(scores, policy.per_kv_head)
+    [B] committed): the scores summed over the tensor-parallel ranks' heads (the ops'
+    collective, `sum_scores`), ranked with the attention backend's top-k kernels."""
+    scores = ops.sum_scores(scores, policy.per_kv_head)
     return SelectionInput(scores, row, accepted, lengths, gamma, kv_caches, page_table,
-                          page_size, topk=backend.topk, topk_sum=backend.topk_sum)
+                          page_size, topk=attn.topk, topk_sum=attn.topk_sum)
 
 
 def score_request(policy: Policy | None, layers: int, kv_heads: int, bsz: int, n: int,
