@@ -29,8 +29,8 @@ n = batch x rows tokens (`..._expected`, and `byte_ideal_speedup_expected`): a v
 a small batch (`--batches 1 16 64`; a closing table lists each step's experts and weight
 bytes and the projected and byte-ideal speedups). The dummy weights' biases, ones, are drawn
 as their weights for a mixture of experts (`spread_biases`), else gpt-oss's route every token
-alike. gpt-oss's experts (biased, clamped SwiGLU) still run the reference that reads every
-expert, far above these floors:
+alike. Both families' experts run the fused MoE kernel (`kernels.fused_moe`, gpt-oss's biases
+and clamped SwiGLU included), which reads the experts hit and no others:
 
     python benchmarks/step_profile.py --config benchmarks/configs/qwen3-30b-a3b \
         --contexts 4096 --batches 1 16 64 --brief --out qwen3_moe_steps.json
