@@ -254,13 +254,12 @@ def register_method(cls: type[Policy],
         raise ConfigError(f"register_method takes a Policy subclass with a name, got {cls!r}")
     if POLICIES.get(name) is cls:
         return cls
-    if name in config.METHODS:
+    if name in config.POLICY_OPTIONS:
         raise ConfigError(f"method {name!r} is taken; give {cls.__name__} a name of its own")
     if options is None:
         options = next((config.POLICY_OPTIONS[base.name] for base in cls.__mro__[1:]
                         if POLICIES.get(getattr(base, "name", None)) is base), PolicyOptions)
     config.POLICY_OPTIONS[name] = options
-    config.METHODS = (*config.METHODS, name)
     POLICIES[name] = cls
     return cls
 
