@@ -4,14 +4,35 @@ process on the long-generation workload (32 distinct chat questions), greedy and
 the reference setting (temperature 0.6, top-p 0.95, top-k 20).
 
 For each run: decode tokens/s, tokens per iteration, the controller's rounds and plain steps
-(counted from the warm-up on) and per kind the mean wall time of `ModelRunner.decode` (a
-plain step or a round: the device's time up to the iteration's one host read) and of
-`LLMEngine.step` (the whole iteration, its host work included), timed by wrapping those two
-methods. Each run follows a 64-token warm-up
-of the same batch (graphs captured there). Plain steps and rounds are also counted by batch
-bucket (rows leave as they finish: the last buckets are the batch's tail).
+(counted from the warm-up on) and, per kind, what the engine itself reports, read by the
+`on_step` callback of `LLM.generate` after every step:
+
+- `plain_ms`, `round_ms` (and `plain_n`, `round_n`, by `engine.last_step.drafted`): the mean
+  time per plain step or round of its phases in the runner's phase timer
+  (`engine.runner.timer.totals`, the figures behind a run's `phase_s`; the difference before
+  and after the step): `decode` for a plain step, `speculate` for a round's graph (or
+  `draft` + `verify` + `accept` when eager). On a GPU that is the device's time between the
+  phase's CUDA events: unlike the earlier figures, timed around `ModelRunner.decode`, it
+  leaves out the host's share of the call (its launches, the iteration's one host read and
+  the bookkeeping around them);
+- `select_ms`: the phase timer's `select` (the next round's draft positions where the round's
+  graph did not choose them, and the first plan of a joining prompt) over the run, per round;
+  a new figure (the earlier ones left it out of `round_ms`, or, after a plain step, had it
+  inside);
+- `step_ms` (and `step_n`): the mean wall time of a step, from the end of one `on_step` call
+  to the start of the next (the callback's own time left out): the whole iteration, its host
+  work included, as `LLMEngine.step` was timed before, with the loop's check for unfinished
+  requests and the `Progress` that `generate` makes for the callback (four sums over the
+  batch) in; every step of the run, the prefilling ones included.
+
+Each run follows a `--warmup`-token warm-up of the same batch (graphs captured there). Plain
+steps and rounds are also counted by batch bucket (`engine.last_step.bucket`, steps that
+emitted tokens; rows leave as they finish: the last buckets are the batch's tail).
 
     python benchmarks/adaptive_costs.py --max-tokens 2048 --batch 32 --out adaptive_costs.json
+
+`--tiny` runs the same on CPU on a 2-layer random model that speaks SmolLM2's tokenizer (a
+check that the script runs, not a measurement).
 """
 
 from __future__ import annotations
@@ -19,100 +40,121 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from common import tiny_model
 
 from vegas_spec import LLM, SamplingParams
 from vegas_spec.bench.workloads import generation_prompts
-from vegas_spec.engine import LLMEngine
-from vegas_spec.model_runner import ModelRunner
 
 SAMPLED = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
 RUNS = [("vanilla", {}), ("vegas", {}), ("vegas", {"adaptive": False}), ("stream", {}),
         ("stream", {"adaptive": False})]
+ROUND_PHASES = ("speculate", "draft", "verify", "accept")
 
 
-class Clock:
-    """Wall times of runner.decode (by kind) and engine.step under the current label."""
+class StepClock:
+    """`on_step` for `LLM.generate`: every step's wall time, and per decode iteration its
+    kind, batch bucket and the phase timer's seconds it added."""
 
-    def __init__(self) -> None:
-        self.label = ""
-        self.times: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
-        # (label, bucket) -> [plain steps, rounds]
-        self.kinds: dict[tuple[str, int], list[int]] = collections.defaultdict(lambda: [0, 0])
-        decode, step = ModelRunner.decode, LLMEngine.step
+    def __init__(self, llm: LLM) -> None:
+        self.engine = llm.engine
+        self.last: float | None = None  # when the previous call returned
+        self.phases: dict[str, float] = {}
+        self.times: dict[str, list[float]] = {"plain": [], "round": [], "step": []}
+        self.select = 0.0
+        # bucket -> [plain steps, rounds]
+        self.kinds: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0])
 
-        def timed_decode(runner: ModelRunner, draft: bool = True) -> Any:
-            t = time.perf_counter()
-            out = decode(runner, draft)
-            self.add("round" if out.drafted else "plain", time.perf_counter() - t)
-            return out
+    def __call__(self, progress: Any) -> None:
+        now = time.perf_counter()
+        phases = dict(self.engine.runner.timer.totals)
+        if self.last is not None:  # the first call comes before the first step
+            self.times["step"].append(now - self.last)
+            added = {k: v - self.phases.get(k, 0.0) for k, v in phases.items()}
+            self.select += added.get("select", 0.0)
+            info = self.engine.last_step
+            if info.bucket:  # the step decoded
+                if info.drafted:
+                    self.times["round"].append(sum(added.get(k, 0.0) for k in ROUND_PHASES))
+                else:
+                    self.times["plain"].append(added.get("decode", 0.0))
+                if info.emitted:
+                    self.kinds[info.bucket][int(info.drafted)] += 1
+        self.phases = phases
+        self.last = time.perf_counter()
 
-        def timed_step(engine: LLMEngine, *args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            out = step(engine, *args, **kwargs)
-            self.add("step", time.perf_counter() - t)
-            info = engine.last_step
-            if self.label and info.emitted:
-                self.kinds[(self.label, info.bucket)][int(info.drafted)] += 1
-            return out
-
-        ModelRunner.decode, LLMEngine.step = timed_decode, timed_step
-
-    def add(self, kind: str, seconds: float) -> None:
-        if self.label:
-            self.times[(self.label, kind)].append(seconds)
-
-    def summary(self, label: str) -> dict[str, float | int]:
-        out: dict[str, float | int] = {}
-        for kind in ("plain", "round", "step"):
-            values = self.times[(label, kind)]
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for kind, values in self.times.items():
             out[f"{kind}_n"] = len(values)
             out[f"{kind}_ms"] = 1e3 * sum(values) / max(len(values), 1)
-        out["plain_and_rounds_by_bucket"] = {
-            bucket: counts for (at, bucket), counts in sorted(self.kinds.items()) if at == label}
+        out["select_ms"] = 1e3 * self.select / max(len(self.times["round"]), 1)
+        out["plain_and_rounds_by_bucket"] = dict(sorted(self.kinds.items()))
         return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a 2-layer random model on CPU (a check that the script runs)")
     ap.add_argument("--max-tokens", type=int, default=2048)
+    ap.add_argument("--warmup", type=int, default=64, help="tokens of the warm-up run")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--gamma", type=int, default=6)
     ap.add_argument("--ratio", type=float, default=0.07)
+    ap.add_argument("--min-tokens", type=int, default=256, help="the budget's floor")
     ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    llm = LLM(args.model, device="cuda", dtype="bfloat16")
+    args = ap.parse_args(argv)
+    if not args.tiny and not torch.cuda.is_available():
+        sys.exit("adaptive_costs.py times the decode loop on a GPU: it needs CUDA "
+                 "(--tiny runs it on CPU on a tiny random model)")
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.tiny:
+            llm = LLM(str(tiny_model(Path(tmp))), load_format="dummy", device="cpu",
+                      max_num_seqs=args.batch, kv_cache_bytes=1 << 26)
+        else:
+            llm = LLM(args.model, device="cuda", dtype="bfloat16")
+        rows = measure(llm, args)
+    meta = {"date": time.strftime("%Y-%m-%d"),
+            "gpu": "cpu" if args.tiny else torch.cuda.get_device_name(),
+            "batch": args.batch, "max_tokens": args.max_tokens}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+def measure(llm: LLM, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every run of RUNS, greedy then sampled -> a row each (printed as it ends)."""
     ids = [p.ids for p in generation_prompts(llm.tokenizer, args.batch)]
-    clock, rows = Clock(), []
+    rows = []
     for sampled in (False, True):
         sampling = SAMPLED if sampled else {}
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=1, **sampling)
-        warm = SamplingParams(max_tokens=64, ignore_eos=True, seed=1, **sampling)
+        warm = SamplingParams(max_tokens=args.warmup, ignore_eos=True, seed=1, **sampling)
         for method, extra in RUNS:
-            spec = {"method": method, "gamma": args.gamma, "ratio": args.ratio, **extra}
-            clock.label = ""
+            spec = {"method": method, "gamma": args.gamma, "ratio": args.ratio,
+                    "min_tokens": args.min_tokens, **extra}
             llm.generate(ids, warm, speculative=spec)
             label = f"{'sampled' if sampled else 'greedy'} {method}" + (" fixed" if extra else "")
-            clock.label = label
-            torch.cuda.synchronize()
-            outs = llm.generate(ids, params, speculative=spec)
+            if llm.device.type == "cuda":
+                torch.cuda.synchronize()
+            clock = StepClock(llm)
+            outs = llm.generate(ids, params, speculative=spec, on_step=clock)
             stats = outs[0].stats
             controller = llm.engine.controller
             row = {"label": label, "decode_tokens_per_s": stats.get("decode_tokens_per_s"),
                    "tokens_per_iteration": stats.get("tokens_per_iteration"),
                    **(controller.summary() if controller is not None else {}),
-                   **clock.summary(label)}
+                   **clock.summary()}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
-            "batch": args.batch, "max_tokens": args.max_tokens}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return rows
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ standard errors away from 0.
         --max-tokens 96 --formats raw chat --out sweep.json
 
 Variants are `method[:key=value,...]` over SpecConfig fields (e.g. `vegas:collect=all`), plus
-ablations defined here that swap the vegas policy for a variant of it:
+ablations of vegas defined here, each registered as a method of its own name
+(`policies.register_method`, with vegas's settings) and run as `SpecConfig(method=name)`:
   vegas-acc   collect rows x0 and the last accepted row (not dγ, which may be rejected)
   vegas-x0    collect row x0 only
 Every output is compared token for token with vanilla's.
@@ -23,15 +24,13 @@ import argparse
 import json
 import math
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from common import essays
 
 from vegas_spec import LLM, SamplingParams, SpecConfig
-from vegas_spec.speculative import policies
-from vegas_spec.speculative.policies import SelectionInput, Vegas, _row, topk_positions
+from vegas_spec.speculative.policies import SelectionInput, Vegas, register_method, topk_positions
 
 VARIANTS = ["vanilla", "vegas", "vegas:collect=all", "vegas:score=logit",
             "vegas:granularity=kv_head", "vegas-acc", "vegas-x0", "lastq", "stream", "quest",
@@ -40,8 +39,20 @@ CUE = "\n\nIn summary, the main point of the essay above is"
 ASK = "\n\nSummarize the essay above in a few paragraphs."
 
 
+def accepted_row(scores: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """scores [layers, B, R, G, W], row [B] -> each sequence's row `row[b]`: [layers, B, G, W]
+    (R == 1: row ignored)."""
+    if scores.shape[2] == 1:
+        return scores[:, :, 0]
+    index = row.view(1, -1, 1, 1, 1).expand(scores.shape[0], -1, 1, *scores.shape[3:])
+    return scores.gather(2, index)[:, :, 0]
+
+
+@register_method
 class VegasAcc(Vegas):
     """Ablation: rows x0 and the last accepted token instead of x0 and dγ."""
+
+    name = "vegas-acc"
 
     def score_rows(self, n: int, prefill: bool) -> list[int]:
         return [n - 1] if prefill else list(range(n))
@@ -50,34 +61,23 @@ class VegasAcc(Vegas):
                 k: torch.Tensor) -> torch.Tensor:
         assert inp.scores is not None
         first = inp.scores[:, :, 0]
-        both = first if inp.scores.shape[2] == 1 else first + _row(inp.scores, inp.accepted)
+        both = first if inp.scores.shape[2] == 1 else first + accepted_row(inp.scores, inp.accepted)
         return topk_positions(both, rankable, k, inp.kmax)
 
 
+@register_method
 class VegasX0(Vegas):
     """Ablation: row x0 only."""
+
+    name = "vegas-x0"
 
     def score_rows(self, n: int, prefill: bool) -> list[int]:
         return [n - 1] if prefill else [0]
 
 
-ABLATIONS = {"vegas-acc": VegasAcc, "vegas-x0": VegasX0}
-
-
-@contextmanager
-def vegas_policy(cls: type[Vegas]):  # noqa: ANN201
-    """Run `vegas` with an ablation class in its place (restored afterwards)."""
-    original = policies.POLICIES["vegas"]
-    policies.POLICIES["vegas"] = cls
-    try:
-        yield
-    finally:
-        policies.POLICIES["vegas"] = original
-
 
 def spec_of(variant: str, args: argparse.Namespace) -> SpecConfig:
     method, _, rest = variant.partition(":")
-    method = "vegas" if method in ABLATIONS else method
     kw = dict(item.split("=", 1) for item in rest.split(",") if item)
     return SpecConfig(method=method, gamma=args.gamma, ratio=args.ratio,
                       min_tokens=args.min_tokens, adaptive=False, **kw)
@@ -120,13 +120,8 @@ def chat(tok, text: str) -> list[int]:  # noqa: ANN001
 def run(llm: LLM, prompts: list[list[int]], variant: str, args: argparse.Namespace) -> dict:
     spec = spec_of(variant, args)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    cls = ABLATIONS.get(variant.partition(":")[0])
     t0 = time.perf_counter()
-    if cls is None:
-        outs = llm.generate(prompts, params, speculative=spec)
-    else:
-        with vegas_policy(cls):
-            outs = llm.generate(prompts, params, speculative=spec)
+    outs = llm.generate(prompts, params, speculative=spec)
     stats = {k: v for k, v in outs[0].stats.items() if k != "sequence"}
     stats["per_prompt"] = [o.stats["sequence"].get("tokens_per_iteration") for o in outs]
     stats["token_ids"] = [o.token_ids for o in outs]

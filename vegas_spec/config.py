@@ -287,7 +287,6 @@ MAX_GAMMA = 32
 # generation, essays and code, greedy and sampled; every window beat the pure top-k); lastq
 # and specextend, not swept at 192, keep 64; no pooling.
 DEFAULT_WINDOW, VEGAS_WINDOW, DEFAULT_POOL = 64, 192, 1
-METHODS = ("vanilla", "vegas", "stream", "quest", "lastq", "specextend", "full")
 
 
 def _int_at_least(name: str, value: Any, low: int) -> None:
@@ -373,6 +372,9 @@ POLICY_OPTIONS: dict[str, type[PolicyOptions]] = {
     "vanilla": PolicyOptions, "vegas": VegasOptions, "stream": SinkOptions,
     "quest": QuestOptions, "lastq": LastqOptions, "specextend": SpecExtendOptions,
     "full": PolicyOptions}
+# The built-in methods, for command-line choices; SpecConfig accepts every key of
+# POLICY_OPTIONS, to which `speculative.policies.register_method` adds a policy of one's own.
+METHODS = tuple(POLICY_OPTIONS)
 
 
 def option_names(method: str) -> tuple[str, ...]:
@@ -399,8 +401,9 @@ class SpecConfig:
     def __init__(self, method: str = "vegas", gamma: int = 6, ratio: float = 0.05,
                  min_tokens: int = 256, adaptive: bool = True,
                  options: PolicyOptions | None = None, **settings: Any) -> None:
-        if method not in METHODS:
-            raise ConfigError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        if method not in POLICY_OPTIONS:
+            raise ConfigError(f"unknown method {method!r}; choose from "
+                              f"{', '.join(POLICY_OPTIONS)}")
         for name, value in (("method", method), ("gamma", gamma), ("ratio", ratio),
                             ("min_tokens", min_tokens), ("adaptive", adaptive)):
             object.__setattr__(self, name, value)
@@ -436,7 +439,7 @@ def _options(method: str, options: PolicyOptions | None,
     names = option_names(method)
     unknown = [k for k in settings if k not in names]
     if unknown:
-        owners = sorted(m for m in METHODS if any(k in option_names(m) for k in unknown))
+        owners = sorted(m for m in POLICY_OPTIONS if any(k in option_names(m) for k in unknown))
         where = f"; methods that have {'it' if len(unknown) == 1 else 'them'}: " \
             f"{', '.join(owners)}" if owners else ""
         raise ConfigError(f"method {method!r} has no setting {', '.join(map(repr, unknown))} "
@@ -643,7 +646,7 @@ def spec_config(spec: Any) -> SpecConfig:
                           f"{type(spec).__name__} {spec!r} (a method by name: "
                           "{'method': 'vegas'})")
     known = [f.name for f in fields(SpecConfig) if f.name != "options"]
-    every = known + sorted({n for m in METHODS for n in option_names(m)})
+    every = known + sorted({n for m in POLICY_OPTIONS for n in option_names(m)})
     unknown = [k for k in spec if k not in every]
     if unknown:
         raise _unknown("speculative setting", unknown, every)

@@ -192,6 +192,36 @@ def test_host_loop_splits_an_iteration_into_forward_and_host_work(tmp_path: Path
             assert 1 < r["tokens_per_iteration"] <= 7
 
 
+def test_adaptive_costs_times_plain_steps_and_rounds_from_the_engines_reports(
+        tmp_path: Path) -> None:
+    """§1.3's costs by kind (a tiny random model on CPU): per run, the plain steps and rounds
+    counted by kind and by bucket add up, each kind's time is positive where it ran, vanilla
+    only steps plainly and a fixed γ only drafts, and the adaptive controller's counts (from
+    the warm-up on) hold the timed run's."""
+    out = tmp_path / "costs.json"
+    run("adaptive_costs.py", "--tiny", "--batch", "2", "--max-tokens", "12", "--warmup", "4",
+        "--gamma", "2", "--min-tokens", "16", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["label"] for r in rows] == [
+        f"{mode} {name}" for mode in ("greedy", "sampled")
+        for name in ("vanilla", "vegas", "vegas fixed", "stream", "stream fixed")]
+    for r in rows:
+        decoded = r["plain_n"] + r["round_n"]
+        buckets = r["plain_and_rounds_by_bucket"]
+        assert set(buckets) <= {"1", "2"}
+        assert [sum(c[0] for c in buckets.values()), sum(c[1] for c in buckets.values())] \
+            == [r["plain_n"], r["round_n"]]
+        assert r["step_n"] >= decoded >= 1 and r["step_ms"] > 0 and r["select_ms"] >= 0
+        for kind in ("plain", "round"):
+            assert (r[f"{kind}_ms"] > 0) == (r[f"{kind}_n"] > 0)
+        if r["label"].endswith("vanilla"):  # 12 tokens: the prefill's and 11 plain steps
+            assert (r["plain_n"], r["round_n"], r["select_ms"]) == (11, 0, 0)
+        elif r["label"].endswith("fixed"):
+            assert r["plain_n"] == 0 and "rounds" not in r
+        else:
+            assert r["rounds"] >= r["round_n"] and r["plain_steps"] >= r["plain_n"]
+
+
 def test_step_parts_times_the_steps_that_admit_a_prompt(tmp_path: Path) -> None:
     """§7's chunk late in a long prompt: per budget, a prefilling step's excess over a
     decode-only step, and the line of excess against prompt tokens."""

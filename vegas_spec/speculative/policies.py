@@ -17,9 +17,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vegas_spec import config
 from vegas_spec.attention.context import DynamicSelector, SparsePlan, StepContext
 from vegas_spec.cache import slots_of
-from vegas_spec.config import SpecConfig
+from vegas_spec.config import ConfigError, PolicyOptions, SpecConfig
 from vegas_spec.ops import cat_padded, quest_page_scores_ref, sorted_positions, topk_positions
 
 
@@ -228,12 +229,39 @@ POLICIES: dict[str, type[Policy]] = {}
 
 
 def register(cls: type[Policy]) -> type[Policy]:
+    """A built-in method's class (its name is one of config.METHODS); a policy of one's
+    own is registered with `register_method`."""
     POLICIES[cls.name] = cls
     return cls
 
 
 def make_policy(cfg: SpecConfig) -> Policy:
     return POLICIES[cfg.method](cfg)
+
+
+def register_method(cls: type[Policy],
+                    options: type[PolicyOptions] | None = None) -> type[Policy]:
+    """A policy of one's own (a variant of a method, an ablation) as a method under its own
+    name `cls.name`, in this process: `SpecConfig(method=cls.name, ...)` accepts it, with
+    the settings of `options` (default: those of the nearest registered method `cls` derives
+    from, else none), and the engine runs it like any method -> cls (usable as a decorator).
+
+    A name that another class holds is refused; registering the same class again does
+    nothing. Processes started afresh (tensor-parallel workers) do not see it."""
+    name = getattr(cls, "name", None)
+    if not (isinstance(cls, type) and issubclass(cls, Policy) and isinstance(name, str)
+            and name):
+        raise ConfigError(f"register_method takes a Policy subclass with a name, got {cls!r}")
+    if POLICIES.get(name) is cls:
+        return cls
+    if name in config.POLICY_OPTIONS:
+        raise ConfigError(f"method {name!r} is taken; give {cls.__name__} a name of its own")
+    if options is None:
+        options = next((config.POLICY_OPTIONS[base.name] for base in cls.__mro__[1:]
+                        if POLICIES.get(getattr(base, "name", None)) is base), PolicyOptions)
+    config.POLICY_OPTIONS[name] = options
+    POLICIES[name] = cls
+    return cls
 
 
 @register
