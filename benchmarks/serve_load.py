@@ -26,6 +26,9 @@ method:
   the end of the prefill and after it (`paced_*`), and the prefill pacer's
   estimates after the last step (`pacer`: decode seconds, the prompt tokens a step can
   take, the budget they give);
+- the decode iterations by kind, plain steps and rounds, in the steps that prefilled
+  (`paced_plain_steps`, `paced_rounds`) and in the others (`decode_only_...`): what adaptive
+  speculation chose (`--fixed-gamma`: a round every iteration);
 - the share of decode time spent outside the device's work (`decode_host_share`): over the
   steps that prefilled nothing, 1 - the device time of their decode phases (CUDA events
   around the graph replays) over their wall time: the host work of the loop. On CPU the
@@ -167,11 +170,17 @@ class StepLog:
     paced_tokens: list[int] = field(default_factory=list)
     paced_parts: list[tuple[float, float]] = field(default_factory=list)  # prefill, decode s
     ceiling: int = 0  # the engine's prefill budget: a paced step that took all of it
+    # decode iterations by kind: [plain steps, rounds] in paced steps and in decode-only ones
+    kinds: dict[str, list[int]] = field(default_factory=lambda: {"paced": [0, 0],
+                                                                 "decode_only": [0, 0]})
 
     def after(self, then: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
         """An on_step hook that records the step, then calls `then` (the server's metrics)."""
         def hook(engine: Any, outs: Any) -> None:
             info, device = engine.last_step, decode_device_s(engine)
+            if info.emitted:
+                kind = "paced" if info.prefill_tokens else "decode_only"
+                self.kinds[kind][int(info.drafted)] += 1
             if info.prefill_tokens:
                 self.prefill_ends.append(time.perf_counter())
                 self.prefill_s.append(info.seconds)
@@ -190,6 +199,7 @@ class StepLog:
         for values in (self.prefill_ends, self.prefill_s, self.decode_s, self.paced_tokens,
                        self.paced_parts):
             values.clear()
+        self.kinds = {kind: [0, 0] for kind in self.kinds}
         self.decode_device, self.device_mark = 0.0, decode_device_s(engine)
 
     def summary(self) -> dict:
@@ -207,7 +217,9 @@ class StepLog:
                 "paced_tokens_max": max(self.paced_tokens, default=None),
                 "paced_whole": sum(t >= self.ceiling for t in self.paced_tokens),
                 "paced_prefill_part_p50_s": pct([p for p, _ in self.paced_parts], 50),
-                "paced_decode_part_p50_s": pct([d for _, d in self.paced_parts], 50)}
+                "paced_decode_part_p50_s": pct([d for _, d in self.paced_parts], 50),
+                **{f"{kind}_{name}": counts[i] for kind, counts in self.kinds.items()
+                   for i, name in enumerate(("plain_steps", "rounds"))}}
 
 
 def pacer_estimates(engine: Any) -> dict[str, float | None]:
@@ -344,6 +356,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--gamma", type=int, default=6)
     p.add_argument("--ratio", type=float, default=0.05)
+    p.add_argument("--fixed-gamma", action="store_true",
+                   help="speculate every iteration (adaptive speculation off)")
     p.add_argument("--methods", nargs="+", default=["vanilla", "vegas", "stream"])
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens prefilled per step (default: the engine's)")
@@ -384,8 +398,8 @@ def main(argv: list[str] | None = None) -> None:
     from vegas_spec.tokenizer import load_tokenizer
 
     try:  # every method checked before the model loads
-        specs = [spec_config({"method": m, "gamma": args.gamma, "ratio": args.ratio})
-                 for m in args.methods]
+        specs = [spec_config({"method": m, "gamma": args.gamma, "ratio": args.ratio,
+                              "adaptive": not args.fixed_gamma}) for m in args.methods]
         engine = LLMEngine(args.model, speculative=specs[0], device=args.device,
                            dtype=args.dtype, max_num_seqs=args.concurrency,
                            kv_cache_bytes=int(args.kv_cache_gb * 2**30),

@@ -161,6 +161,12 @@ def test_serve_load_reports_throughput_and_latency_per_method(tmp_path: Path) ->
                 r["itl_admitting_p99_s"] / r["itl_p50_s"])
         assert 0 <= r["decode_host_share"] <= 1 and r["decode_wall_s"] > 0
         assert r["steps"] > r["prefill_steps"] >= 2
+        # every decode iteration counted by kind, in paced steps and in decode-only ones
+        assert r["paced_plain_steps"] + r["paced_rounds"] == r["paced_steps"]
+        assert r["decode_only_plain_steps"] + r["decode_only_rounds"] == \
+            r["steps"] - r["prefill_steps"]
+        if r["method"] == "vanilla":
+            assert r["paced_rounds"] == r["decode_only_rounds"] == 0
         assert 0 < r["prefill_step_p50_s"] <= r["prefill_step_max_s"]
         assert 0 < r["decode_step_p50_s"] <= r["decode_step_p99_s"]
         assert 0 <= r["paced_steps"] <= r["prefill_steps"]
