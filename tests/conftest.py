@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib
 import importlib.util
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -224,6 +227,17 @@ def family_plain(family_llm: Any, family_prompts: list[list[int]]) -> list[list[
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     outs = family_llm.generate(family_prompts, params, speculative=tiny_spec(None))
     return [o.token_ids for o in outs]
+
+
+def benchmark_script(name: str) -> ModuleType:
+    """benchmarks/NAME.py as a module, its folder on sys.path while it imports (for the
+    scripts' shared `common`)."""
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)
 
 
 def package_dir(name: str) -> Path:

@@ -5,11 +5,11 @@ and the experts it is routed to, not by every expert) and moe_kernel's bytes of 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from conftest import benchmark_script
 
 from vegas_spec.config import ModelConfig
 
@@ -18,12 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def pb() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import prefill_bench
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return prefill_bench
+    return benchmark_script("prefill_bench")
 
 
 def config(name: str) -> ModelConfig:
@@ -71,11 +66,7 @@ def test_moe_kernel_floor_counts_each_expert_hit_once() -> None:
     many tokens it serves, plus the activations."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import moe_kernel
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    moe_kernel = benchmark_script("moe_kernel")
     cfg = config("qwen3-30b-a3b")
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     expert = 2 * 3 * h * i

@@ -7,13 +7,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 import transformers
+from conftest import benchmark_script
 
 from vegas_spec import SpecConfig
 from vegas_spec.config import ModelConfig
@@ -37,12 +37,7 @@ GAMMA = 6
 
 @pytest.fixture(scope="module")
 def sp() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import step_profile
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return step_profile
+    return benchmark_script("step_profile")
 
 
 def dummy_engine(folder: Path) -> LLM:
