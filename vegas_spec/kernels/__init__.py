@@ -105,22 +105,19 @@ def tuned(module: ModuleType, **settings: object) -> Iterator[None]:
     whatever the device class (e.g. `tuned(paged_attention, score_tiles={64: ...})`); an
     unknown name, or a module without a table, is a KeyError. Launches read the table, so a
     CUDA graph captured inside the block keeps the tiles it was captured with."""
-    table: dict[str, object] | None = getattr(module, "TUNING", None)
-    fields = set() if table is None else {
-        field.name for entry in table.values() for field in dataclasses.fields(entry)}
+    table: dict[str, object] = getattr(module, "TUNING", {})  # none: every name unknown
+    fields = {field.name for entry in table.values() for field in dataclasses.fields(entry)}
     unknown = [name for name in settings if name not in fields]
     if unknown:
         raise KeyError(f"{module.__name__} has no tuning field {', '.join(unknown)}")
-    assert table is not None or not settings
-    saved = dict(table or {})
+    saved = dict(table)
     try:
         for key, entry in saved.items():
             table[key] = dataclasses.replace(entry, **settings)
         yield
     finally:
-        if table is not None:
-            table.clear()
-            table.update(saved)
+        table.clear()
+        table.update(saved)
 
 
 def interpreting() -> bool:

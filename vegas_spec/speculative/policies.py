@@ -260,8 +260,7 @@ def register_method(cls: type[Policy],
         options = next((config.POLICY_OPTIONS[base.name] for base in cls.__mro__[1:]
                         if POLICIES.get(getattr(base, "name", None)) is base), PolicyOptions)
     config.POLICY_OPTIONS[name] = options
-    POLICIES[name] = cls
-    return cls
+    return register(cls)
 
 
 @register
