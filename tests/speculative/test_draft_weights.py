@@ -1,7 +1,8 @@
 """FP8 and INT4 draft weights (`draft_weights="fp8"`, `"int4"`) end to end on the real
-SmolLM2 model: the draft steps, and only they, read the copy; greedy output of every method
-stays plain decoding's token for token, in float32 and, in exact mode, in bfloat16, on the
-dynamic path and the static shapes' buffers; drafts stay useful (tokens per iteration)."""
+SmolLM2 model: the draft steps, and only they, read the copy; greedy output of the policies
+that differ in what their projections see stays plain decoding's token for token, in float32
+and, in exact mode, in bfloat16, on the dynamic path and the static shapes' buffers; drafts
+stay useful (tokens per iteration)."""
 
 from __future__ import annotations
 
