@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import tiny_model
+from common import StepWatch, tiny_model
 
 from vegas_spec import LLM, SamplingParams
 from vegas_spec.bench.workloads import generation_prompts
@@ -58,36 +58,27 @@ RUNS = [("vanilla", {}), ("vegas", {}), ("vegas", {"adaptive": False}), ("stream
 ROUND_PHASES = ("speculate", "draft", "verify", "accept")
 
 
-class StepClock:
-    """`on_step` for `LLM.generate`: every step's wall time, and per decode iteration its
-    kind, batch bucket and the phase timer's seconds it added."""
+class StepClock(StepWatch):
+    """Every step's wall time, and per decode iteration its kind, batch bucket and the phase
+    timer's seconds it added."""
 
     def __init__(self, llm: LLM) -> None:
-        self.engine = llm.engine
-        self.last: float | None = None  # when the previous call returned
-        self.phases: dict[str, float] = {}
+        super().__init__(llm)
         self.times: dict[str, list[float]] = {"plain": [], "round": [], "step": []}
         self.select = 0.0
         # bucket -> [plain steps, rounds]
         self.kinds: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0])
 
-    def __call__(self, progress: Any) -> None:
-        now = time.perf_counter()
-        phases = dict(self.engine.runner.timer.totals)
-        if self.last is not None:  # the first call comes before the first step
-            self.times["step"].append(now - self.last)
-            added = {k: v - self.phases.get(k, 0.0) for k, v in phases.items()}
-            self.select += added.get("select", 0.0)
-            info = self.engine.last_step
-            if info.bucket:  # the step decoded
-                if info.drafted:
-                    self.times["round"].append(sum(added.get(k, 0.0) for k in ROUND_PHASES))
-                else:
-                    self.times["plain"].append(added.get("decode", 0.0))
-                if info.emitted:
-                    self.kinds[info.bucket][int(info.drafted)] += 1
-        self.phases = phases
-        self.last = time.perf_counter()
+    def step(self, wall: float, added: dict[str, float], info: Any) -> None:
+        self.times["step"].append(wall)
+        self.select += added.get("select", 0.0)
+        if info.bucket:  # the step decoded
+            if info.drafted:
+                self.times["round"].append(sum(added.get(k, 0.0) for k in ROUND_PHASES))
+            else:
+                self.times["plain"].append(added.get("decode", 0.0))
+            if info.emitted:
+                self.kinds[info.bucket][int(info.drafted)] += 1
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -1,13 +1,16 @@
 """What several benchmarks share: long text (the Paul Graham essays and, as a second kind
 that is not prose, the Python standard library's own source code; the same texts `vegas
 bench` reads, its essays and code workloads, loaded from there on first use), a tiny random
-model that speaks SmolLM2's tokenizer, and the timer of calls captured in one CUDA graph."""
+model that speaks SmolLM2's tokenizer, the per-step watch of `LLM.generate`'s `on_step`, and
+the timer of calls captured in one CUDA graph."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def essays() -> list[str]:
@@ -40,6 +43,30 @@ def tiny_model(folder: Path) -> Path:
               "eos_token_id": 2, "tie_word_embeddings": True}
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+class StepWatch:
+    """`on_step` for `LLM.generate` that hands every step to `step(wall, added, info)`: its
+    wall time since the previous call returned (so the callback's own time is left out),
+    the seconds the runner's phase timer added in it, by phase (`engine.runner.timer.totals`,
+    the figures behind a run's `phase_s`), and what the step did (`engine.last_step`)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.engine = llm.engine
+        self.last: float | None = None  # when the previous call returned
+        self.phases: dict[str, float] = {}
+
+    def __call__(self, progress: Any) -> None:
+        now = time.perf_counter()
+        phases = dict(self.engine.runner.timer.totals)
+        if self.last is not None:  # the first call comes before the first step
+            added = {k: v - self.phases.get(k, 0.0) for k, v in phases.items()}
+            self.step(now - self.last, added, self.engine.last_step)
+        self.phases = phases
+        self.last = time.perf_counter()
+
+    def step(self, wall: float, added: dict[str, float], info: Any) -> None:
+        raise NotImplementedError
 
 
 def cuda_median_ms(fn: Callable[[], object], reps: int) -> float:

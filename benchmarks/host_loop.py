@@ -51,40 +51,31 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import tiny_model
+from common import StepWatch, tiny_model
 
 from vegas_spec import LLM, SamplingParams, SpecConfig
 
 FIGURES = ("iteration_ms", "forward_ms", "select_ms", "host_ms", "tokens_per_iteration")
 
 
-class StepClock:
-    """`on_step` for `LLM.generate`: per kept step (decode only, every one of `rows` rows) its
-    wall time and the phase timer's seconds it added, summed."""
+class StepClock(StepWatch):
+    """Per kept step (decode only, every one of `rows` rows) its wall time and the phase
+    timer's seconds it added, summed."""
 
     def __init__(self, llm: LLM, rows: int) -> None:
-        self.engine, self.rows = llm.engine, rows
+        super().__init__(llm)
+        self.rows = rows
         self.wall = self.forward = self.select = 0.0
         self.iterations = self.tokens = 0
-        self.last: float | None = None  # when the previous call returned
-        self.phases: dict[str, float] = {}
 
-    def __call__(self, progress: Any) -> None:
-        now = time.perf_counter()
-        phases = dict(self.engine.runner.timer.totals)
-        if self.last is not None:  # the first call comes before the first step
-            info = self.engine.last_step
-            if (len(info.emitted) == self.rows and not info.prefill_tokens
-                    and not info.first_tokens):
-                added = {k: v - self.phases.get(k, 0.0) for k, v in phases.items()}
-                select = added.pop("select", 0.0)
-                self.wall += now - self.last
-                self.forward += sum(added.values())
-                self.select += select
-                self.iterations += 1
-                self.tokens += sum(info.emitted)
-        self.phases = phases
-        self.last = time.perf_counter()
+    def step(self, wall: float, added: dict[str, float], info: Any) -> None:
+        if len(info.emitted) == self.rows and not info.prefill_tokens and not info.first_tokens:
+            select = added.pop("select", 0.0)
+            self.wall += wall
+            self.forward += sum(added.values())
+            self.select += select
+            self.iterations += 1
+            self.tokens += sum(info.emitted)
 
     def row(self) -> dict[str, Any]:
         n = max(self.iterations, 1)
