@@ -28,7 +28,9 @@ method:
   take, the budget they give);
 - the decode iterations by kind, plain steps and rounds, in the steps that prefilled
   (`paced_plain_steps`, `paced_rounds`) and in the others (`decode_only_...`): what adaptive
-  speculation chose (`--fixed-gamma`: a round every iteration);
+  speculation chose (`--fixed-gamma`: a round every iteration), their mean decode seconds
+  (`*_plain_step_mean_s`, `*_round_mean_s`; a paced step's after its prefill), and the
+  controller's estimates per batch bucket after the last step (`controller`);
 - the share of decode time spent outside the device's work (`decode_host_share`): over the
   steps that prefilled nothing, 1 - the device time of their decode phases (CUDA events
   around the graph replays) over their wall time: the host work of the loop. On CPU the
@@ -173,6 +175,9 @@ class StepLog:
     # decode iterations by kind: [plain steps, rounds] in paced steps and in decode-only ones
     kinds: dict[str, list[int]] = field(default_factory=lambda: {"paced": [0, 0],
                                                                  "decode_only": [0, 0]})
+    # and their decode seconds (a paced step's: its time after the prefill), summed
+    kind_s: dict[str, list[float]] = field(default_factory=lambda: {"paced": [0.0, 0.0],
+                                                                    "decode_only": [0.0, 0.0]})
 
     def after(self, then: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
         """An on_step hook that records the step, then calls `then` (the server's metrics)."""
@@ -181,6 +186,7 @@ class StepLog:
             if info.emitted:
                 kind = "paced" if info.prefill_tokens else "decode_only"
                 self.kinds[kind][int(info.drafted)] += 1
+                self.kind_s[kind][int(info.drafted)] += info.seconds - info.prefill_seconds
             if info.prefill_tokens:
                 self.prefill_ends.append(time.perf_counter())
                 self.prefill_s.append(info.seconds)
@@ -200,6 +206,7 @@ class StepLog:
                        self.paced_parts):
             values.clear()
         self.kinds = {kind: [0, 0] for kind in self.kinds}
+        self.kind_s = {kind: [0.0, 0.0] for kind in self.kinds}
         self.decode_device, self.device_mark = 0.0, decode_device_s(engine)
 
     def summary(self) -> dict:
@@ -219,7 +226,10 @@ class StepLog:
                 "paced_prefill_part_p50_s": pct([p for p, _ in self.paced_parts], 50),
                 "paced_decode_part_p50_s": pct([d for _, d in self.paced_parts], 50),
                 **{f"{kind}_{name}": counts[i] for kind, counts in self.kinds.items()
-                   for i, name in enumerate(("plain_steps", "rounds"))}}
+                   for i, name in enumerate(("plain_steps", "rounds"))},
+                **{f"{kind}_{name}_mean_s": self.kind_s[kind][i] / counts[i] if counts[i]
+                   else None for kind, counts in self.kinds.items()
+                   for i, name in enumerate(("plain_step", "round"))}}
 
 
 def pacer_estimates(engine: Any) -> dict[str, float | None]:
@@ -230,6 +240,16 @@ def pacer_estimates(engine: Any) -> dict[str, float | None]:
         return {}
     return {"decode_s": pacer.decode_s, "tokens": pacer.tokens,
             "budget": pacer.budget(decoding=True)}
+
+
+def controller_estimates(engine: Any) -> dict[str, dict[str, float | None]]:
+    """Adaptive speculation's estimates per batch bucket after the last step ({} when it
+    is off): the plain step's and the round's seconds and τ, as it weighs them."""
+    controller = engine.controller
+    if controller is None:
+        return {}
+    return {str(bucket): {"plain_s": b.plain.value, "round_s": b.round.value,
+                          "tau": b.tokens.value} for bucket, b in controller.buckets.items()}
 
 
 def free_port() -> int:
@@ -279,7 +299,8 @@ def measure(engine: Any, spec: Any, args: argparse.Namespace,
         http.should_exit = True
         thread.join(timeout=120)
     return {"method": spec.method, **throughput(results, wall), **latency(results, log),
-            **log.summary(), "pacer": pacer_estimates(engine)}
+            **log.summary(), "pacer": pacer_estimates(engine),
+            "controller": controller_estimates(engine)}
 
 
 # --- the figures ----------------------------------------------------------------------------
