@@ -6,8 +6,10 @@ counter-based: every draw is a hash of (the request's seed, the position of the 
 for, a slot naming its use, and for a sample the vocabulary index), so a seeded request
 draws the same numbers alone or in any batch, eagerly or inside a CUDA graph, and sampling
 keeps no generator state and needs no host synchronisation. A sample is argmax(p / E) with
-E ~ Exp(1) per token (the exponential trick); on CUDA one Triton kernel hashes, draws and
-reduces a row in one read of p (`kernels.sample`), elsewhere `exponential_argmax_ref`.
+E ~ Exp(1) per token (the exponential trick). On CUDA the draws, the sample and the
+candidates' transform are one Triton kernel each (`kernels.sample`: a sampled draft step
+launches the top-k, an argmax and two kernels, where the references below chain some
+seventy elementwise launches); elsewhere the references run.
 Where every row of a batch is greedy or filters to a top-k of at most CANDIDATES tokens,
 `dist` keeps each distribution as those candidates (`Candidates`: probabilities and token
 ids) rather than a vocabulary-wide row, so a draft step's sampling touches 64 values a row,
@@ -209,7 +211,7 @@ def exponential_argmax_ref(p: torch.Tensor, keys: torch.Tensor,
     """p [R, V] float32 weights, keys [R] -> tokens [R]: argmax(p / E), E = -log(u) with u
     the counter-based uniforms of (key, token id), ties to the lowest id; with index [R, W]
     p [R, W] are the weights of those token ids (candidates). The reference of
-    `kernels.sample.exponential_argmax`."""
+    `kernels.sample.sample_tokens` (which derives the keys: `draw_keys`)."""
     if index is None:
         noise = -torch.log(to_uniform(vocab_hash(keys, p.shape[-1])))
         return (p / noise).argmax(-1)
@@ -220,31 +222,35 @@ def exponential_argmax_ref(p: torch.Tensor, keys: torch.Tensor,
     return torch.where(ratio == best, index, torch.iinfo(torch.long).max).min(-1).values
 
 
-def exponential_argmax(p: torch.Tensor, keys: torch.Tensor,
-                       index: torch.Tensor | None = None) -> torch.Tensor:
-    if p.is_cuda:
-        from vegas_spec.kernels.sample import exponential_argmax as kernel
-
-        return kernel(p, keys, index)
-    return exponential_argmax_ref(p, keys, index)
+def _kernels(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels of `kernels.sample` run on t (CUDA; else the references)."""
+    return t.is_cuda
 
 
 def sample(p: Dist, s: BatchSampling, positions: torch.Tensor,
            slot: int = TARGET) -> torch.Tensor:
     """p [B, ..., V] weights (or candidates), positions [B, ...] (the positions of the
     tokens drawn) -> token ids [B, ...]."""
-    keys = draw_keys(s.seeds, positions, slot).reshape(-1)
-    if isinstance(p, Candidates):
-        width = p.values.shape[-1]
-        return exponential_argmax(p.values.reshape(-1, width).contiguous(), keys,
-                                  p.index.reshape(-1, width).contiguous()
-                                  ).view(p.values.shape[:-1])
-    flat = p.reshape(-1, p.shape[-1])
-    return exponential_argmax(flat.contiguous(), keys).view(p.shape[:-1])
+    values, index = (p.values, p.index) if isinstance(p, Candidates) else (p, None)
+    width = values.shape[-1]
+    flat = values.reshape(-1, width).contiguous()
+    flat_index = None if index is None else index.reshape(-1, width).contiguous()
+    if _kernels(flat):  # keys, hashes and the argmax in one kernel
+        from vegas_spec.kernels.sample import sample_tokens
+
+        tokens = sample_tokens(flat, s.seeds, positions, slot, flat_index)
+    else:
+        keys = draw_keys(s.seeds, positions, slot).reshape(-1)
+        tokens = exponential_argmax_ref(flat, keys, flat_index)
+    return tokens.view(values.shape[:-1])
 
 
 def uniform(s: BatchSampling, positions: torch.Tensor, slot: int = ACCEPT) -> torch.Tensor:
     """positions [B, ...] -> uniforms [B, ...] in (0, 1), one per (row's seed, position)."""
+    if _kernels(positions):
+        from vegas_spec.kernels.sample import draws
+
+        return draws(s.seeds, positions, slot, uniform=True)
     return to_uniform(mix32(draw_keys(s.seeds, positions, slot)))
 
 
@@ -322,14 +328,37 @@ def dist(logits: torch.Tensor, s: BatchSampling) -> Dist:
     if not (s.filters and s.candidates):
         return probs(logits, s)
     shape, width = logits.shape, min(CANDIDATES, logits.shape[-1])
-    flat = logits.reshape(shape[0], -1, shape[-1])
-    x = flat / s.temperature.clamp(min=1e-5)[:, None, None]
-    c = _candidates(x, s.top_k, s.top_p, width)
-    greedy = (s.temperature == 0)[:, None, None]
-    first = torch.arange(width, device=logits.device) == 0
-    values = torch.where(greedy, first.float(), c.values)
-    index = torch.where(greedy & first, flat.argmax(-1, keepdim=True), c.index)
-    return Candidates(values.reshape(*shape[:-1], width), index.reshape(*shape[:-1], width))
+    flat = logits.reshape(-1, shape[-1])
+    # the largest logits are the largest after any temperature: one ranking for every row
+    values, index = torch.topk(flat, width, dim=-1)  # sorted, descending
+    top = flat.argmax(-1)
+    if _kernels(flat):  # the transform of the W values in one kernel
+        from vegas_spec.kernels.sample import candidate_probs
+
+        values, index = candidate_probs(values, index, top, s.temperature, s.top_k, s.top_p)
+    else:
+        values, index = candidate_probs_ref(values, index, top, s.temperature, s.top_k,
+                                            s.top_p)
+    return Candidates(values.view(*shape[:-1], width), index.view(*shape[:-1], width))
+
+
+def candidate_probs_ref(values: torch.Tensor, index: torch.Tensor, top: torch.Tensor,
+                        temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """values [R, W] a row's W largest logits, descending, index [R, W] their token ids, top
+    [R] each row's argmax; temperature, top_k, top_p [S] of S sequences of R / S rows each ->
+    the candidates' probabilities [R, W] after the row's transform (a greedy row: one-hot at
+    its argmax, in the first slot) and their ids [R, W]. The reference of
+    `kernels.sample.candidate_probs`."""
+    rows, width = values.shape
+    seqs = temperature.shape[0]
+    x = values.view(seqs, -1, width) / temperature.clamp(min=1e-5)[:, None, None]
+    p = torch.softmax(_nucleus(x, top_k, top_p), dim=-1)
+    greedy = (temperature == 0)[:, None, None]
+    first = torch.arange(width, device=values.device) == 0
+    p = torch.where(greedy, first.float(), p)
+    ids = torch.where(greedy & first, top.view(seqs, -1, 1), index.view(seqs, -1, width))
+    return p.view(rows, width), ids.view(rows, width)
 
 
 def next_tokens(logits: torch.Tensor, s: BatchSampling, positions: torch.Tensor) -> torch.Tensor:

@@ -20,13 +20,16 @@
   skinny_matmul     a projection of few rows that streams its weights once (the draft
                     steps' FP8 weights)
   sample            a token per row by argmax(p / E) with counter-based Exp(1) noise, in one
-                    read of p (sampled decoding, drafting and verification)
+                    read of p; the draws' keys and uniforms; the candidates' probabilities
+                    after temperature, top-k and top-p (sampled decoding, drafting and
+                    verification)
 
 Every kernel has a plain-PyTorch reference that is its test oracle:
 `vegas_spec.attention.torch_backend` (attention, KV store),
 `vegas_spec.ops` (`rms_norm`, `add_rms_norm`, `silu_mul`, `clamped_swiglu`, `apply_rope`,
 `topk_positions`, `quest_page_scores_ref`, `moe_experts`),
-`vegas_spec.sampling.exponential_argmax_ref` (sample) and `torch.nn.functional.linear`
+`vegas_spec.sampling` (`draw_keys`, `uniform`, `exponential_argmax_ref`,
+`candidate_probs_ref`: sample) and `torch.nn.functional.linear`
 (exact_matmul, skinny_matmul). On a machine without CUDA the kernels run on CPU tensors under
 Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is first imported), patched below
 where it departs from compiled Triton.
