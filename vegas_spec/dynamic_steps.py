@@ -42,8 +42,7 @@ class DynamicSteps:
         req = score_request(policy, cfg.num_layers, cfg.num_kv_heads, len(batch.ids),
                             gamma + 1, bound + gamma + 1, False, batch.lengths.device)
 
-        def step(kind: str, tokens: torch.Tensor, positions: torch.Tensor,
-                 raw: bool) -> torch.Tensor:
+        def step(kind: str, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             verify = kind == "verify"  # drafts read up to bound + γ - 1, verify bound + γ
             draft = kind == "draft"
             ctx = self._ctx(batch.page_table, positions, bound + gamma + verify,

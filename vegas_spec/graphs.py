@@ -358,11 +358,11 @@ class GraphRunner:
             [False] * rows, [kind in ("filtered", "topk")] * rows, [kind == "topk"] * rows)
 
         def step(step_kind: str, tokens: torch.Tensor, positions: torch.Tensor,
-                 raw: bool) -> torch.Tensor:
+                 ) -> torch.Tensor:
             n = tokens.shape[1]
             b.tokens[n][:rows].copy_(tokens)
             b.positions[n][:rows].copy_(positions)
-            return self._forward(step_kind, rows, raw)
+            return self._forward(step_kind, rows, raw=True)
 
         accepted, emitted = speculate(step, last, lengths, self.shapes.verify_rows - 1,
                                       self.shapes.draft_kind, sampling)
@@ -391,7 +391,8 @@ class GraphRunner:
 
     def _forward(self, kind: str, rows: int, raw: bool = False) -> torch.Tensor:
         """One step of the first `rows` buffer rows: logits [rows, n, V] float32 (raw: in the
-        model's dtype, for an argmax, which the exact float32 cast would not change)."""
+        model's dtype, for a round's argmax, top-k and sampling, which the exact float32
+        cast would not change)."""
         n = self.shapes.verify_rows if kind == "verify" else 1
         ctx = self._context(kind, rows, n)
         hidden = self.model(self.buf.tokens[n][:rows], ctx, self.kv_caches, self.ops, self.attn)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from vegas_spec import sampling as sampling_module
 from vegas_spec.config import SamplingParams
 from vegas_spec.sampling import BatchSampling, probs
 from vegas_spec.speculative import round as round_module
@@ -28,8 +29,7 @@ def tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def bigram_step(target: torch.Tensor, draft: torch.Tensor):  # noqa: ANN201
-    def step(kind: str, tokens: torch.Tensor, positions: torch.Tensor,
-             raw: bool) -> torch.Tensor:
+    def step(kind: str, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return (target if kind == "verify" else draft)[tokens]
     return step
 
@@ -132,6 +132,50 @@ def test_a_round_of_candidates_emits_the_dense_rounds_tokens(
     keep = torch.arange(GAMMA + 1)[None, :] <= sparse[0][:, None]
     assert torch.equal(sparse[1][keep], dense[1][keep])
     assert 0 < float(sparse[0].double().mean()) < GAMMA  # rejections and acceptances
+
+
+def mixed_round_inputs(rows: int, vocab: int = VOCAB) -> tuple:
+    """Bigram tables of `vocab` tokens, and rows greedy (every fifth) or at the reference's
+    setting, with their last tokens and lengths."""
+    g = torch.Generator().manual_seed(vocab + rows)
+    target = torch.randn(vocab, vocab, generator=g) * 2
+    draft = target + torch.randn(vocab, vocab, generator=g)
+    params = [SamplingParams(seed=i) if i % 5 == 0 else
+              SamplingParams(seed=i, temperature=0.6, top_k=20, top_p=0.95) for i in range(rows)]
+    s = BatchSampling.build(params, torch.device("cpu"))
+    return target, draft, s, torch.arange(rows) % vocab, torch.arange(rows) % 97 + 5
+
+
+def test_a_round_on_the_models_dtype_emits_its_float32_casts_tokens() -> None:
+    """Logits in bfloat16 (a round's steps return the model's dtype) and their exact float32
+    cast: the same drafts, acceptances and tokens, dense rows and candidates alike."""
+    target, draft, s, last, lengths = mixed_round_inputs(400)
+    target, draft = target.bfloat16(), draft.bfloat16()
+    low = speculate(bigram_step(target, draft), last, lengths, GAMMA, "draft", s)
+    wide = speculate(bigram_step(target.float(), draft.float()), last, lengths, GAMMA,
+                     "draft", s)
+    assert all(torch.equal(a, b) for a, b in zip(low, wide))
+    dense = BatchSampling.build([SamplingParams(seed=i, temperature=0.8) for i in range(400)],
+                                torch.device("cpu"))
+    low = speculate(bigram_step(target, draft), last, lengths, GAMMA, "draft", dense)
+    wide = speculate(bigram_step(target.float(), draft.float()), last, lengths, GAMMA,
+                     "draft", dense)
+    assert all(torch.equal(a, b) for a, b in zip(low, wide))
+
+
+def test_the_sampling_kernels_round_emits_the_references_tokens(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same round with `kernels.sample` (on CPU under the Triton interpreter) and with
+    the PyTorch references: the same accepted counts and tokens, row for row."""
+    target, draft, s, last, lengths = mixed_round_inputs(120)
+    step = bigram_step(target, draft)
+    reference = speculate(step, last, lengths, GAMMA, "draft", s)
+    monkeypatch.setattr(sampling_module, "_kernels", lambda t: True)
+    kernels = speculate(step, last, lengths, GAMMA, "draft", s)
+    assert torch.equal(kernels[0], reference[0])
+    keep = torch.arange(GAMMA + 1)[None, :] <= reference[0][:, None]
+    assert torch.equal(kernels[1][keep], reference[1][keep])
+    assert 0 < float(reference[0].double().mean()) < GAMMA
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

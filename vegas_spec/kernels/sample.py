@@ -162,7 +162,7 @@ def _candidate_probs_kernel(x_ptr, index_ptr, top_ptr, temp_ptr, top_k_ptr, top_
     temperature = tl.load(temp_ptr + seq)
     top_k = tl.load(top_k_ptr + seq)
     top_p = tl.load(top_p_ptr + seq)
-    logits = tl.load(x_ptr + row * width + col, mask=valid, other=0.0)
+    logits = tl.load(x_ptr + row * width + col, mask=valid, other=0.0).to(tl.float32)
     index = tl.load(index_ptr + row * width + col, mask=valid, other=0)
     x = logits / tl.maximum(temperature, 1e-5)
     k = tl.where(top_k > 0, top_k, width)
@@ -185,9 +185,10 @@ def _candidate_probs_kernel(x_ptr, index_ptr, top_ptr, temp_ptr, top_k_ptr, top_
 def candidate_probs(values: torch.Tensor, index: torch.Tensor, top: torch.Tensor,
                     temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """values [R, W] float32, a row's W largest logits in descending order, index [R, W]
-    int64 their token ids, top [R] each row's argmax; temperature, top_k, top_p [S] of the
-    S sequences (R = S * m) -> (probabilities [R, W] float32, token ids [R, W] int64)."""
+    """values [R, W] (float32 or the model's dtype), a row's W largest logits in descending
+    order, index [R, W] int64 their token ids, top [R] each row's argmax; temperature,
+    top_k, top_p [S] of the S sequences (R = S * m) -> (probabilities [R, W] float32,
+    token ids [R, W] int64)."""
     rows, width = values.shape
     assert index.shape == values.shape and top.shape == (rows,)
     seqs = temperature.shape[0]

@@ -18,9 +18,10 @@ import torch
 from vegas_spec.sampling import DRAFT, BatchSampling, Dist, dist, sample, stack
 from vegas_spec.speculative.acceptance import accept_greedy, accept_sampling
 
-# step(kind, tokens [B, n], positions [B, n], raw) -> logits [B, n, V]: float32, or with raw
-# in the model's dtype (read only by an argmax, which the exact float32 cast cannot change).
-StepFn = Callable[[str, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+# step(kind, tokens [B, n], positions [B, n]) -> logits [B, n, V], in the model's dtype or
+# float32: read by an argmax, a top-k and the sampling transform (which computes in float32),
+# none of which the exact float32 cast changes.
+StepFn = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
 Phase = Callable[[str], AbstractContextManager]
 
 
@@ -36,7 +37,7 @@ def draft_tokens(step: StepFn, last: torch.Tensor, lengths: torch.Tensor, gamma:
     drafts)."""
     token, drafts, qs = last, [], []
     for j in range(gamma):
-        logits = step(kind, token[:, None], (lengths + j)[:, None], sampling is None)[:, -1]
+        logits = step(kind, token[:, None], (lengths + j)[:, None])[:, -1]
         if sampling is None:
             token = logits.argmax(-1)
         else:
@@ -58,7 +59,7 @@ def speculate(step: StepFn, last: torch.Tensor, lengths: torch.Tensor, gamma: in
     with phase("verify"):
         tokens = torch.cat([last[:, None], draft], 1)
         positions = lengths[:, None] + torch.arange(gamma + 1, device=lengths.device)
-        logits = step("verify", tokens, positions, sampling is None)
+        logits = step("verify", tokens, positions)
     with phase("accept"):
         if sampling is None:
             return accept_greedy(draft, logits)
