@@ -44,7 +44,11 @@ per second (τ · batch / (round + host work)) in exact mode against the default
         --contexts 7500 --batches 64 --modes default exact --brief --out exact_smollm2.json
 
 `--profile` adds a per-kernel table (torch.profiler) of one replay of each step (quest's
-draft step too);
+draft step too); `--launches` counts the kernels of one replay of each step, the greedy and
+the sampled round included (`launches_<step>`, and by kernel under `launches`: on CUDA the
+profiler's, a graph's kernels included; on CPU what the CPU path runs, Triton launches
+under the interpreter and PyTorch operators that would launch a kernel, the sampling
+references included, for the script's own tests);
 `--score-tiles` times scored passes with other tiles than the library's for the model's head
 dim (`paged_attention.PagedTuning.score_tiles`), each in graphs of its own; `--sparse-splits
 paged` the draft steps with the sparse attention split by the paged kernel's rule, likewise
@@ -113,6 +117,63 @@ def kernel_table(fn, rows: int = 25) -> str:  # noqa: ANN001
     total = sum(e.device_time for e in events)
     head = f"{len(events)} kernels, {total / 1e3:.3f} ms of kernel time\n"
     return head + prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
+# PyTorch operators that launch no kernel on a GPU (views, allocations, metadata)
+NO_KERNEL = frozenset({
+    "view", "_unsafe_view", "expand", "select", "slice", "t", "transpose", "permute",
+    "unsqueeze", "squeeze", "as_strided", "detach", "alias", "reshape", "split",
+    "split_with_sizes", "unbind", "lift_fresh", "view_as", "narrow", "unflatten", "flatten",
+    "diagonal", "empty", "empty_like", "empty_strided", "sym_size", "sym_stride",
+    "is_same_size", "_local_scalar_dense"})
+
+
+def launches(fn) -> dict[str, int]:  # noqa: ANN001
+    """The kernels one call of fn launches, by name: on CUDA the profiler's (a graph
+    replay's included); elsewhere the Triton launches (under the interpreter) and the
+    PyTorch operators that launch a kernel on a GPU, counted as fn runs them."""
+    import collections
+
+    fn()
+    counts: collections.Counter[str] = collections.Counter()
+    if torch.cuda.is_available():
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        counts.update(e.name for e in prof.events() if e.device_type.name == "CUDA")
+        return dict(counts)
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime import interpreter
+
+    inside = [0]
+
+    class Operators(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            name = func.overloadpacket.__name__
+            if not inside[0] and name not in NO_KERNEL:
+                counts["torch." + name] += 1
+            return func(*args, **(kwargs or {}))
+
+    launch = interpreter.GridExecutor.__call__
+
+    def counted(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        counts["triton." + self.fn.__name__] += 1
+        inside[0] += 1
+        try:
+            return launch(self, *a, **k)
+        finally:
+            inside[0] -= 1
+
+    interpreter.GridExecutor.__call__ = counted
+    try:
+        with Operators():
+            fn()
+    finally:
+        interpreter.GridExecutor.__call__ = launch
+    return dict(counts)
 
 
 def graph_runner(llm: LLM, spec: SpecConfig, policy: Any, bsz: int) -> GraphRunner:
@@ -291,6 +352,7 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
             * llm.engine.runner.cache.layers[0][0].element_size()
         wbytes = weight_bytes(llm)
         profiles: dict[str, str] = {}
+        counted: dict[str, dict[str, int]] = {}  # each step's launches by kernel
         hits: dict[str, list[int]] = {}  # each step's experts hit, layer by layer (MoE)
 
         plain = graph_runner(llm, SpecConfig(method="vanilla"), None, bsz)
@@ -299,6 +361,8 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         out["plain_ms"] = median_ms(step, args.reps)
         if args.profile:
             profiles["plain"] = kernel_table(step)
+        if args.launches:
+            counted["plain"] = launches(step)
         if cfg.num_experts:
             hits["plain"] = experts_hit(plain, "plain")
         llm.engine.runner.use_graphs(None)
@@ -322,6 +386,8 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         out["verify_ms"] = median_ms(verify, args.reps)
         if args.profile:
             profiles["verify"] = kernel_table(verify)
+        if args.launches:
+            counted["verify"] = launches(verify)
         verify()
         if cfg.num_experts:
             hits["verify"] = experts_hit(runner, "verify")
@@ -346,6 +412,8 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         budget = int(runner.buf.budget[:bsz].max())  # the plan select() left in the buffers
         draft = lambda: runner.run("draft", tokens[:, :1], positions[:, :1])  # noqa: E731
         out["draft_ms"] = median_ms(draft, args.reps)
+        if args.launches:
+            counted["draft"] = launches(draft)
         if args.profile:
             profiles["draft"] = kernel_table(draft)
             profiles["select"] = kernel_table(select)
@@ -369,9 +437,12 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
             out[key] = median_ms(round_, args.reps)
             if args.profile and plans:
                 profiles["round"] = kernel_table(round_)
+            if args.launches and plans:
+                counted["round"] = launches(round_)
             llm.engine.runner.use_graphs(None)
         out["round_sampled_ms"] = sampled_round_ms(llm, shapes, policy, table, plan, last,
-                                                   lengths, args.reps)
+                                                   lengths, args.reps,
+                                                   counted if args.launches else None)
         out["select_in_round_ms"] = out["round_ms"] - out["round_unplanned_ms"]
         out["budget"] = budget
         full_kv = kv_read_bytes(cfg, bsz, context, 1, kv_token)
@@ -407,6 +478,10 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
             out["quest_draft_over_draft"] = out["quest_draft_ms"] / out["draft_ms"]
         if profiles:
             out["profiles"] = profiles
+        for name, kernels in counted.items():
+            out[f"launches_{name}"] = sum(kernels.values())
+        if counted:
+            out["launches"] = counted
         return out
     finally:
         for p in pages:
@@ -437,9 +512,11 @@ def projection_bandwidth(llm: LLM, rows: int, bandwidth: float, reps: int) -> di
 
 
 def sampled_round_ms(llm: LLM, shapes: Any, policy: Any, table: torch.Tensor, plan: Any,
-                     last: torch.Tensor, lengths: torch.Tensor, reps: int) -> float:
+                     last: torch.Tensor, lengths: torch.Tensor, reps: int,
+                     counted: dict[str, dict[str, int]] | None = None) -> float:
     """A sampled round as the engine runs it, every row at the reference's setting:
-    temperature 0.6, top-k 20, top-p 0.95 (the `topk` graph)."""
+    temperature 0.6, top-k 20, top-p 0.95 (the `topk` graph); with `counted`, its launches
+    go there as "round_sampled"."""
     runner = held_graph_runner(llm, shapes, len(last), policy)
     runner.set_rows(0, table)
     runner.set_plan_rows(plan, 0)
@@ -449,7 +526,10 @@ def sampled_round_ms(llm: LLM, shapes: Any, policy: Any, table: torch.Tensor, pl
     runner.buf.seeds[:rows] = torch.arange(rows, device=last.device)
     setting = SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
     sampling = BatchSampling.build([setting] * rows, last.device)
-    ms = median_ms(functools.partial(runner.run_spec, last, lengths, sampling), reps)
+    round_ = functools.partial(runner.run_spec, last, lengths, sampling)
+    ms = median_ms(round_, reps)
+    if counted is not None:
+        counted["round_sampled"] = launches(round_)
     llm.engine.runner.use_graphs(None)
     return ms
 
@@ -692,6 +772,10 @@ def main() -> None:
     ap.add_argument("--tokens-per-iteration", type=float, default=6.3,
                     help="τ of the projected speedup (measured on the real model)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--launches", action="store_true",
+                    help="count each step's kernel launches, by kernel (`launches_<step>`): "
+                         "the profiler's on CUDA, the interpreter's Triton launches and the "
+                         "PyTorch operators that launch a kernel elsewhere")
     ap.add_argument("--projections", action="store_true",
                     help="also time each projection at M = batch and batch x (γ + 1) rows")
     ap.add_argument("--modes", nargs="+", default=["default"], choices=["default", "exact"],
@@ -799,7 +883,8 @@ def main() -> None:
             project(row, spec.gamma, args.tokens_per_iteration)
             rows.append(row)
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
-                              for k, v in row.items() if k != "profiles"}), flush=True)
+                              for k, v in row.items() if k not in ("profiles", "launches")}),
+                  flush=True)
             for name, text in row.get("profiles", {}).items():
                 print(f"--- {name} ---\n{text}", flush=True)
         del llm

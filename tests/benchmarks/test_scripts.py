@@ -41,7 +41,7 @@ def test_step_profile_times_each_step_against_its_floor(tmp_path: Path) -> None:
     out = tmp_path / "steps.json"
     run("step_profile.py", "--config", str(tmp_path), "--contexts", "64", "--batches", "2",
         "--reps", "1", "--min-tokens", "16", "--host-gap-tokens", "4",
-        "--draft-weights", "model", "fp8", "--out", str(out))
+        "--draft-weights", "model", "fp8", "--launches", "--out", str(out))
     row, fp8 = json.loads(out.read_text())["rows"]
     for r in (row, fp8):
         assert (r["context"], r["batch"]) == (64, 2)
@@ -60,6 +60,12 @@ def test_step_profile_times_each_step_against_its_floor(tmp_path: Path) -> None:
             r["round_sampled_ms"] / r["round_ms"])
         assert r["byte_ideal_speedup"] == pytest.approx(
             TAU * r["floor_plain_ms"] / (GAMMA * r["floor_draft_ms"] + r["floor_verify_ms"]))
+        # each step's launches (`--launches`), by kernel and in all; a round launches its
+        # γ drafts, its verify step and more (acceptance, selection)
+        for kind in ("plain", "verify", "draft", "round", "round_sampled"):
+            assert r[f"launches_{kind}"] == sum(r["launches"][kind].values()) > 0
+        assert r["launches_round"] > GAMMA * r["launches_draft"] + r["launches_verify"]
+        assert r["launches_round_sampled"] > r["launches_round"]
     # FP8 draft copies: the draft step reads fewer weight bytes, the other steps the same
     assert fp8["floor_draft_ms"] < row["floor_draft_ms"]
     assert fp8["floor_plain_ms"] == row["floor_plain_ms"]
