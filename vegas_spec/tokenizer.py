@@ -1,7 +1,11 @@
 """Tokenizer and chat template through `transformers.AutoTokenizer`.
 
 Converting a GGUF vocabulary takes seconds, so the converted tokenizer is cached on disk
-(keyed by the file's name, size and modification time)."""
+(keyed by the file's name, size and modification time). A GGUF file whose architecture
+transformers cannot convert (llama.cpp's gpt-oss) but whose vocabulary is byte-level BPE
+(`tokenizer.ggml.model` "gpt2") is built here with the `tokenizers` library: its tokens and
+merges, the pre-tokenizer its `tokenizer.ggml.pre` names (`PRE_TOKENIZERS`), its control
+tokens special, its BOS/EOS/padding ids and chat template."""
 
 from __future__ import annotations
 
@@ -51,12 +55,73 @@ def _load(source: ModelSource):  # noqa: ANN202
     cached = cache_dir() / key[:16]
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(str(cached))
-    tok = AutoTokenizer.from_pretrained(str(source.folder), gguf_file=source.path.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(source.folder), gguf_file=source.path.name)
+    except (TypeError, ValueError, KeyError):
+        tok = _byte_level_bpe(source.path)
+        if tok is None:
+            raise
     try:
         tok.save_pretrained(str(cached))
     except OSError:
         pass  # a read-only home only costs the conversion next time
     return tok
+
+
+# llama.cpp's pre-tokenizer names (`tokenizer.ggml.pre`) -> the split before byte-level BPE
+# (None: GPT-2's own, the ByteLevel pre-tokenizer's regex). gpt-4o's is tiktoken's o200k.
+PRE_TOKENIZERS: dict[str, str | None] = {
+    "default": None,
+    "gpt2": None,
+    "gpt-4o": "|".join([
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]),
+}
+CONTROL = 3  # llama.cpp's token type of a control (special) token
+
+
+def _byte_level_bpe(path: Path):  # noqa: ANN202 - a PreTrainedTokenizerFast, or None
+    """The tokenizer of a GGUF file's byte-level BPE vocabulary (None: not one); ValueError
+    for a pre-tokenizer it does not know."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from vegas_spec.models.gguf_file import read_gguf
+
+    fields = read_gguf(path).fields
+    if fields.get("tokenizer.ggml.model") != "gpt2":
+        return None
+    pre = str(fields.get("tokenizer.ggml.pre", "default"))
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"the vocabulary's pre-tokenizer {pre!r} is not one this engine "
+                         f"builds ({', '.join(PRE_TOKENIZERS)})")
+    tokens = [str(t) for t in fields["tokenizer.ggml.tokens"]]  # type: ignore[union-attr]
+    merges = [tuple(str(m).split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
+    kinds = list(fields.get("tokenizer.ggml.token_type", [1] * len(tokens)))  # type: ignore[arg-type]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    split = PRE_TOKENIZERS[pre]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None)
+    tok.pre_tokenizer = byte_level if split is None else pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, kind in zip(tokens, kinds) if kind == CONTROL])
+
+    def token(key: str) -> str | None:
+        index = fields.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else None
+
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=token("bos"),
+                                   eos_token=token("eos"), pad_token=token("padding"),
+                                   chat_template=fields.get("tokenizer.chat_template"))
 
 
 def text_decoder(tok) -> Callable[[list[int]], str]:  # noqa: ANN001

@@ -2,15 +2,18 @@
 transformers on prompts longer than the sliding window (one prefill chunk or many, exact
 mode), the fused 3-D expert tensors read by the family's table (and cut for tensor
 parallelism), greedy output of every speculative method equal to plain decoding's (default
-and exact mode), and the variants the family does not run refused in one line. MXFP4 expert
-weights: tests/models/test_mxfp4.py."""
+and exact mode), and the variants the family does not run refused in one line; the same
+model as llama.cpp's gpt-oss GGUF file (F32, MXFP4 experts) read to the same config, weights
+and logits. MXFP4 expert weights of safetensors checkpoints: tests/models/test_mxfp4.py."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -18,19 +21,22 @@ from conftest import (
     TINY_IDS,
     TINY_METHODS,
     assert_close_logits,
+    close_gguf,
     family_engine,
+    gguf_model_fields,
     hf_logits,
     random_prompts,
     randomize_norms_and_biases,
     tiny_spec,
 )
 from safetensors import safe_open
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from vegas_spec import parallel
 from vegas_spec.attention.torch_backend import paged_attention_ref
 from vegas_spec.config import ConfigError, ModelConfig, SamplingParams, SpecConfig
 from vegas_spec.engine import LLM
-from vegas_spec.models import loader
+from vegas_spec.models import loader, registry
 
 VOCAB = 256
 WINDOW = 8
@@ -259,3 +265,184 @@ def test_weight_scores_count_the_sink_in_their_denominator() -> None:
     _, windowed = paged_attention_ref(q, k_cache, v_cache, table, positions, 16, 7, 0.25,
                                       torch.tensor([1]), "weight", sinks=sinks, window=3)
     assert windowed is not None and not windowed[0, 0, 0, :4].any() and windowed[0, 0, 0, 4:].all()
+
+
+# --- llama.cpp's gpt-oss GGUF -----------------------------------------------------------------
+
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+              "mlp.router": "ffn_gate_inp"}
+EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+BYTES = bytes_to_unicode()  # GPT-2's byte -> character map of byte-level BPE vocabularies
+SPACE = BYTES[32]
+# the bytes but the last three, " t" and " a" (merged), and a control token
+GGUF_TOKENS = [BYTES[b] for b in range(VOCAB - 3)] + [SPACE + "t", SPACE + "a", "<|end|>"]
+
+
+def gguf_tensors(model: transformers.PreTrainedModel) -> dict[str, np.ndarray]:
+    """model's tensors as llama.cpp's converter writes a gpt-oss GGUF: q/k not permuted, the
+    sinks `attn_sinks.weight`, each layer's fused gate/up stack [E, hidden, 2I] (interleaved)
+    cut into gate and up stacks [E, I, hidden] and their biases [E, I], down [E, hidden, I]."""
+    out = {"token_embd.weight": model.model.embed_tokens.weight,
+           "output_norm.weight": model.model.norm.weight, "output.weight": model.lm_head.weight}
+    for i, layer in enumerate(model.model.layers):
+        blk = f"blk.{i}."
+        for key, t in layer.state_dict().items():
+            module, _, leaf = key.rpartition(".")
+            if module in GGUF_NAMES:
+                out[f"{blk}{GGUF_NAMES[module]}.{leaf}"] = t
+        out[blk + "attn_sinks.weight"] = layer.self_attn.sinks
+        experts = layer.mlp.experts
+        rows = experts.gate_up_proj.transpose(1, 2)  # [E, 2I, hidden], gate and up alternating
+        bias = experts.gate_up_proj_bias
+        for first, part in enumerate(("ffn_gate_exps", "ffn_up_exps")):
+            out[f"{blk}{part}.weight"] = rows[:, first::2]
+            out[f"{blk}{part}.bias"] = bias[:, first::2]
+        out[blk + "ffn_down_exps.weight"] = experts.down_proj.transpose(1, 2)
+        out[blk + "ffn_down_exps.bias"] = experts.down_proj_bias
+    return {name: np.ascontiguousarray(t.detach().float().numpy()) for name, t in out.items()}
+
+
+def write_gguf(path: Path, model: transformers.PreTrainedModel, quantized: Any = None,
+               drop: str = "") -> Path:
+    """model as a gpt-oss GGUF (F32 tensors; the expert stacks' weights in `quantized`, a
+    GGML type, where given; without the tensor named `drop`), its clamp under a
+    `swiglu_limit` key, with a byte-level BPE vocabulary as the published files have one
+    (pre-tokenizer "gpt-4o"): bytes, two merged tokens and a control token, the EOS."""
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    gguf_model_fields(w, cfg)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    w.add_sliding_window(cfg.sliding_window)
+    rope = cfg.rope_parameters
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_float32("gpt-oss.swiglu_limit", LIMIT)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-4o")
+    w.add_token_list(GGUF_TOKENS)
+    w.add_token_merges([f"{SPACE} t", f"{SPACE} a"])
+    w.add_token_types([1] * (VOCAB - 1) + [3])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(VOCAB - 1)
+    for name, a in gguf_tensors(model).items():
+        if name == drop:
+            continue
+        if quantized is not None and name.endswith(".weight") \
+                and name.split(".")[-2] in EXPERT_STACKS:
+            w.add_tensor(name, gguf.quants.quantize(a, quantized), raw_dtype=quantized)
+        else:
+            w.add_tensor(name, a)
+    close_gguf(w)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf_path(hf: transformers.PreTrainedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gguf(tmp_path_factory.mktemp("gpt-oss-gguf") / "tiny-gpt-oss.F32.gguf", hf)
+
+
+def test_gguf_config_is_the_checkpoints(folder: Path, gguf_path: Path) -> None:
+    """The gpt-oss keys give the checkpoint's config: windows on every other layer from the
+    first, sinks and biases, the experts, YaRN without truncation, the clamp."""
+    ours = loader.load_config(loader.resolve(gguf_path))
+    want = loader.load_config(loader.resolve(folder))
+    assert registry.by_gguf("gpt-oss") is registry.family("GptOssForCausalLM")
+    for field in ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "tie_word_embeddings", "layer_windows", "sinks",
+                  "qkv_bias", "o_bias", "router_bias", "expert_bias", "num_experts",
+                  "experts_per_token", "moe_intermediate_size", "norm_topk_prob",
+                  "swiglu_limit"):
+        assert getattr(ours, field) == getattr(want, field), field
+    for key in ("rope_type", "factor", "original_max_position_embeddings", "truncate"):
+        assert ours.rope[key] == want.rope[key], key
+    for field in ("rms_norm_eps", "rope_theta"):  # GGUF stores them as float32
+        assert getattr(ours, field) == pytest.approx(getattr(want, field), rel=1e-6), field
+
+
+def test_gguf_weights_are_the_checkpoints(folder: Path, gguf_path: Path) -> None:
+    """The gate and up stacks joined back into the checkpoint's fused tensors (and their
+    biases), down transposed back: every tensor equal to the safetensors', TP slices too."""
+    source = loader.resolve(folder)
+    cfg = loader.load_config(source)
+    want = loader.load_weights(source, cfg)
+    ours = loader.load_weights(loader.resolve(gguf_path), cfg)
+    assert ours.keys() == want.keys()
+    for name, w in want.items():
+        assert torch.equal(ours[name], w), name
+    for rank in range(2):
+        tp = parallel.TPGroup(2, rank)
+        half = loader.load_weights(loader.resolve(gguf_path), cfg, tp)
+        for name, w in loader.load_weights(source, cfg, tp).items():
+            assert torch.equal(half[name], w), name
+
+
+def test_gguf_logits_match_transformers(hf: transformers.PreTrainedModel, gguf_path: Path) -> None:
+    assert_close_logits(family_engine(gguf_path).logits(PROMPT), hf_logits(hf, PROMPT))
+
+
+def test_mxfp4_gguf_experts_give_transformers_logits_on_their_values(
+        hf: transformers.PreTrainedModel, tmp_path: Path) -> None:
+    """MXFP4 expert stacks, as the published GGUF files hold them: the logits of
+    transformers' model holding the dequantised values (and not those of the original)."""
+    import gguf
+
+    mx = gguf.GGMLQuantizationType.MXFP4
+    path = write_gguf(tmp_path / "tiny.MXFP4.gguf", hf, quantized=mx)
+    back = {name: torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(a, mx), mx))
+            for name, a in gguf_tensors(hf).items()
+            if name.endswith(".weight") and name.split(".")[-2] in EXPERT_STACKS}
+    ref = copy.deepcopy(hf)
+    with torch.no_grad():
+        for i, layer in enumerate(ref.model.layers):
+            experts = layer.mlp.experts
+            gate, up = back[f"blk.{i}.ffn_gate_exps.weight"], back[f"blk.{i}.ffn_up_exps.weight"]
+            experts.gate_up_proj.copy_(torch.stack([gate, up], 2).flatten(1, 2).transpose(1, 2))
+            experts.down_proj.copy_(back[f"blk.{i}.ffn_down_exps.weight"].transpose(1, 2))
+    got = family_engine(path).logits(PROMPT)
+    assert_close_logits(got, hf_logits(ref, PROMPT))
+    assert not torch.allclose(got, hf_logits(hf, PROMPT), atol=1e-3, rtol=0)
+
+
+def test_vegas_on_the_gguf_gives_plain_tokens(gguf_path: Path,
+                                              family_prompts: list[list[int]]) -> None:
+    llm = family_engine(gguf_path)
+    plain = [o.token_ids for o in llm.generate(family_prompts, PARAMS, speculative=PLAIN)]
+    outs = llm.generate(family_prompts, PARAMS, speculative=tiny_spec({"method": "vegas"}))
+    assert [o.token_ids for o in outs] == plain
+
+
+def test_the_gguf_vocabulary_is_built_where_transformers_does_not_convert_it(
+        gguf_path: Path) -> None:
+    """transformers converts no gpt-oss vocabulary: the byte-level BPE is built from the
+    file (its merges, gpt-4o's pre-tokenizer, the control token special, the EOS), every
+    text round-trips, and the cached copy is the same tokenizer."""
+    from vegas_spec.tokenizer import load_tokenizer
+
+    for _ in range(2):  # converted, then read from the cache
+        tok = load_tokenizer(loader.resolve(gguf_path))
+        assert tok.eos_token == "<|end|>" and tok.eos_token_id == VOCAB - 1
+        ids = tok("at ta<|end|>", add_special_tokens=False)["input_ids"]
+        assert ids == [GGUF_TOKENS.index("a"), GGUF_TOKENS.index("t"),
+                       GGUF_TOKENS.index(SPACE + "t"), GGUF_TOKENS.index("a"), VOCAB - 1]
+        for text in ("a\n\n  b 12345 x!?", "Grüße, 世界"):
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            assert max(ids) < VOCAB - 3 + 2 and tok.decode(ids) == text
+
+
+def test_a_gguf_without_a_part_of_a_fused_tensor_is_refused(hf: transformers.PreTrainedModel,
+                                                            tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "no-up.gguf", hf, drop="blk.1.ffn_up_exps.weight")
+    with pytest.raises(loader.WeightError, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj "
+                                                 r"is made from tensors blk\.1\.ffn_gate_exps\."
+                                                 r"weight, blk\.1\.ffn_up_exps\.weight; the file "
+                                                 r"lacks blk\.1\.ffn_up_exps\.weight"):
+        family_engine(path)

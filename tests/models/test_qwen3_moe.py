@@ -373,9 +373,6 @@ def test_an_expert_tensor_that_is_not_a_stack_is_refused(hf: transformers.PreTra
 
 
 def test_gguf_architectures_not_read_are_refused_by_name() -> None:
-    with pytest.raises(ConfigError, match="^GGUF architecture 'gptoss' is GptOssForCausalLM, "
-                                          "which is read from safetensors checkpoints only"):
-        registry.by_gguf("gptoss")
     with pytest.raises(ConfigError, match="unsupported GGUF architecture 'foo'; supported: "
-                                          ".*qwen3moe"):
+                                          "llama, mistral, qwen2, qwen3, qwen3moe, gpt-oss$"):
         registry.by_gguf("foo")

@@ -152,10 +152,13 @@ def test_shapes_splits_and_gguf_names_come_from_the_table(architecture: str) -> 
         assert row is not None
         assert parallel.split_dim(name) == fam.split_dim(name) == row.split
         assert halves[name] == parallel.shard_shape(shapes[name], row.split, 2)
-        gguf = row.gguf if name in {r.hf for r in fam.weights} else \
-            f"blk.{name.split('.')[2]}.{row.gguf}"
-        if not row.per_expert:  # llama.cpp stacks the experts: no name of one expert's
-            assert fam.from_gguf(gguf) == name
+        block = "" if name in {r.hf for r in fam.weights} else f"blk.{name.split('.')[2]}."
+        if row.gguf is None:  # llama.cpp holds it in parts, which a join puts together
+            join = next(j for j in fam.gguf_joins if name == block.replace(
+                "blk.", "model.layers.") + j.hf)
+            assert all(fam.gguf_join(block + p)[:2] == (name, join) for p in join.parts)
+        elif not row.per_expert:  # llama.cpp stacks the experts: no name of one expert's
+            assert fam.from_gguf(block + row.gguf) == name
     weights = loader.dummy_weights(cfg, torch.float32, torch.device("cpu"))
     assert {k: tuple(v.shape) for k, v in weights.items()} == shapes
 

@@ -14,7 +14,10 @@ concatenated within each expert. A row's `convert` puts a checkpoint's tensor in
 parameter's layout (gpt-oss's fused expert stacks, saved transposed and interleaved), its shape
 and split staying the checkpoint's. The loader's expected shapes and GGUF names, the dummy
 weights, the tensor-parallel slices and the model's fused parameters are all read from these
-rows."""
+rows. Where llama.cpp stores one HF tensor as several (gpt-oss's fused gate/up stack as a gate
+and an up stack), the row has no GGUF name and a `GgufJoin` of the family's makes the HF
+tensor from its parts; a family's `gguf_fields` reads the config keys of its own that a GGUF
+file carries (or implies) beyond the shared ones."""
 
 from __future__ import annotations
 
@@ -75,7 +78,7 @@ class Weight:
     param: str  # the model's (a layer's) parameter it fills, e.g. "qkv.weight"
     shape: Shape  # its full shape (before tensor parallelism cuts it)
     split: int | None  # ROWS, COLUMNS or None (whole on every rank)
-    gguf: str  # llama.cpp's name (a layer's: after "blk.{i}.")
+    gguf: str | None  # llama.cpp's name (a layer's: after "blk.{i}."; None: a `GgufJoin`'s)
     when: Condition = always  # whether the config's checkpoints hold it
     rope_heads: Callable[[ModelConfig], int] | None = None  # q/k: heads llama.cpp permutes
     # the checkpoint's tensor -> the parameter's layout (None: as it is), e.g. an expert
@@ -117,6 +120,26 @@ class Experts(NamedTuple):
     swiglu_limit: float = 0.0  # > 0: gpt-oss's clamped SwiGLU (`ModelConfig.swiglu_limit`)
 
 
+@dataclass(frozen=True)
+class GgufJoin:
+    """An HF tensor of a layer (name relative to the layer prefix) that a GGUF file holds as
+    `parts` (llama.cpp's names after "blk.{i}."), made by `join` from the parts' tensors in
+    that order, in the HF checkpoint's layout."""
+
+    hf: str
+    parts: tuple[str, ...]
+    join: Callable[..., torch.Tensor]
+
+
+# accessor(key, default) of the file's "{arch}.{key}" fields, the config read so far -> the
+# family's own config fields
+GgufFields = Callable[[Callable[..., Any], dict[str, Any]], dict[str, Any]]
+
+
+def no_gguf_fields(field: Callable[..., Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    return {}
+
+
 def dense(hf: dict[str, Any]) -> Experts:
     return Experts()
 
@@ -140,6 +163,8 @@ class Family:
     experts: Callable[[dict[str, Any]], Experts] = dense  # read from the HF config
     # each layer's sliding window, read from the HF config (`ModelConfig.layer_windows`)
     windows: Callable[[dict[str, Any]], tuple[int, ...]] = full_attention
+    gguf_joins: tuple[GgufJoin, ...] = ()  # HF tensors a GGUF file holds in parts
+    gguf_fields: GgufFields = no_gguf_fields  # config fields of the family's GGUF keys
 
     def shapes(self, cfg: ModelConfig, world_size: int = 1) -> dict[str, tuple[int, ...]]:
         """Every tensor a checkpoint of cfg holds -> its shape, in table order (at world_size
@@ -170,8 +195,19 @@ class Family:
             rows, rel, prefix = self.weights, name, ""
         else:
             rows, rel, prefix = self.layer_weights, layer[1], self.layer_prefix.format(i=layer[0])
-        row = next((w for w in rows if w.gguf == rel), None)
+        row = next((w for w in rows if w.gguf is not None and w.gguf == rel), None)
         return name if row is None else prefix + row.hf
+
+    def gguf_join(self, name: str) -> tuple[str, GgufJoin, int] | None:
+        """llama.cpp's tensor name -> (the HF name of the tensor it is a part of, the join,
+        the part's place in it), or None where it is no join's part."""
+        layer = _layer_part(name, GGUF_LAYER_PREFIX)
+        if layer is None:
+            return None
+        found = next((j for j in self.gguf_joins if layer[1] in j.parts), None)
+        if found is None:
+            return None
+        return self.layer_prefix.format(i=layer[0]) + found.hf, found, found.parts.index(layer[1])
 
 
 def _layer_part(name: str, prefix: str) -> tuple[int, str] | None:

@@ -13,16 +13,28 @@ Checkpoints hold each layer's experts as fused 3-D tensors, as transformers save
 column), `down_proj` [E, I, hidden] and their biases; the table's `convert`s put them in the
 shared layer's layout ([E, 2I, hidden], gate rows then up rows; [E, hidden, I]). OpenAI's
 published checkpoints store the experts' weights in MXFP4 (`*_blocks`, `*_scales`), which
-the loader dequantises (`models.mxfp4`). GGUF files are not read."""
+the loader dequantises (`models.mxfp4`).
+
+GGUF files of llama.cpp's `gpt-oss` architecture are read too (MXFP4 expert stacks
+dequantised by `gguf`): q/k rows are not permuted, the post-attention norm is
+`post_attention_norm`, the sinks `attn_sinks.weight`, and each layer's experts are stacks
+(`ffn_gate_exps`, `ffn_up_exps` [E, I, hidden] with biases [E, I], `ffn_down_exps` [E,
+hidden, I] with its bias) that the family's joins put back in the checkpoint's layout. The
+file's `attention.sliding_window` gives the window (every other layer, the first sliding, as
+llama.cpp and transformers lay them out), its YaRN keys the RoPE, without truncation as the
+published config says, and a `swiglu_limit` key, where a file has one, the clamp (7
+otherwise, which llama.cpp fixes)."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from vegas_spec.config import ConfigError, count_field, real_field
-from vegas_spec.models.family import ROWS, Experts, Family, Switches, Weight, dims
+from vegas_spec.models.family import ROWS, Experts, Family, GgufJoin, Switches, Weight, dims
 from vegas_spec.models.layers import MoEDecoderLayer
 from vegas_spec.models.llama import ATTENTION_WEIGHTS, MODEL_WEIGHTS, NORM_WEIGHTS
 
@@ -50,6 +62,23 @@ def down_layout(w: torch.Tensor) -> torch.Tensor:
     return w.transpose(1, 2).contiguous()
 
 
+def gguf_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's gate and up stacks [E, I, hidden] -> the checkpoint's [E, hidden, 2I],
+    gate and up columns interleaved."""
+    experts, inter, hidden = gate.shape
+    return torch.stack([gate, up], dim=2).reshape(experts, 2 * inter, hidden).transpose(1, 2)
+
+
+def gguf_gate_up_bias(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """[E, I] each -> [E, 2I] interleaved."""
+    return torch.stack([gate, up], dim=2).reshape(gate.shape[0], -1)
+
+
+def gguf_down(w: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's down stack [E, hidden, I] -> the checkpoint's [E, I, hidden]."""
+    return w.transpose(1, 2)
+
+
 SINK_WEIGHTS = (
     Weight("self_attn.sinks", "sinks", dims("heads"), ROWS, "attn_sinks.weight"),
 )
@@ -61,15 +90,42 @@ EXPERT_WEIGHTS = (
            "ffn_gate_inp.weight"),
     Weight("mlp.router.bias", "router.bias", dims("experts"), None, "ffn_gate_inp.bias"),
     Weight("mlp.experts.gate_up_proj", "experts_gate_up", dims("experts", "hidden", "moe_gate_up"),
-           2, "ffn_gate_up_exps.weight", convert=gate_up_layout),
+           2, None, convert=gate_up_layout),
     Weight("mlp.experts.gate_up_proj_bias", "experts_gate_up_bias",
-           dims("experts", "moe_gate_up"), 1, "ffn_gate_up_exps.bias",
-           convert=gate_up_bias_layout),
+           dims("experts", "moe_gate_up"), 1, None, convert=gate_up_bias_layout),
     Weight("mlp.experts.down_proj", "experts_down", dims("experts", "moe_ffn", "hidden"), 1,
-           "ffn_down_exps.weight", convert=down_layout),
+           None, convert=down_layout),
     Weight("mlp.experts.down_proj_bias", "experts_down_bias", dims("experts", "hidden"), None,
            "ffn_down_exps.bias"),
 )
+
+
+# the post-attention norm under llama.cpp's gpt-oss name
+GPT_OSS_NORM_WEIGHTS = tuple(
+    dataclasses.replace(w, gguf="post_attention_norm.weight") if w.gguf == "ffn_norm.weight"
+    else w for w in NORM_WEIGHTS)
+
+GGUF_JOINS = (
+    GgufJoin("mlp.experts.gate_up_proj", ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+             gguf_gate_up),
+    GgufJoin("mlp.experts.gate_up_proj_bias", ("ffn_gate_exps.bias", "ffn_up_exps.bias"),
+             gguf_gate_up_bias),
+    GgufJoin("mlp.experts.down_proj", ("ffn_down_exps.weight",), gguf_down),
+)
+
+
+def gpt_oss_gguf_fields(field: Callable[..., Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """The window, the experts' width, YaRN without truncation and the clamp, from a
+    `gpt-oss` GGUF file's keys."""
+    out: dict[str, Any] = {"intermediate_size": field("expert_feed_forward_length",
+                                                      cfg["intermediate_size"]),
+                           "sliding_window": field("attention.sliding_window", SLIDING_WINDOW)}
+    limit = field("swiglu_limit")
+    if limit is not None:
+        out["swiglu_limit"] = limit
+    if cfg.get("rope_scaling"):
+        out["rope_scaling"] = {**cfg["rope_scaling"], "truncate": False}
+    return out
 
 
 def gpt_oss_switches(hf: dict[str, Any]) -> Switches:
@@ -114,5 +170,7 @@ def gpt_oss_windows(hf: dict[str, Any]) -> tuple[int, ...]:
 
 
 GPT_OSS = Family(ARCHITECTURE, "gpt_oss", MoEDecoderLayer, MODEL_WEIGHTS,
-                 ATTENTION_WEIGHTS + SINK_WEIGHTS + EXPERT_WEIGHTS + NORM_WEIGHTS,
-                 gpt_oss_switches, experts=gpt_oss_experts, windows=gpt_oss_windows)
+                 ATTENTION_WEIGHTS + SINK_WEIGHTS + EXPERT_WEIGHTS + GPT_OSS_NORM_WEIGHTS,
+                 gpt_oss_switches, gguf="gpt-oss", experts=gpt_oss_experts,
+                 windows=gpt_oss_windows, gguf_joins=GGUF_JOINS,
+                 gguf_fields=gpt_oss_gguf_fields)

@@ -21,7 +21,7 @@ import torch
 
 from vegas_spec.config import ConfigError, ModelConfig
 from vegas_spec.models import mxfp4, registry
-from vegas_spec.models.family import EXPERT, Family
+from vegas_spec.models.family import EXPERT, Family, GgufJoin
 from vegas_spec.models.gguf_file import GGUFFile, read_gguf
 from vegas_spec.parallel import SINGLE, TPGroup, shard
 
@@ -324,6 +324,7 @@ def gguf_config(reader: GGUFFile) -> dict:
         freqs = next(t for t in reader.tensors if t.name == ROPE_FREQS)
         cfg["rope_scaling"] = {"rope_type": "freq_factors",
                                "factors": [float(f) for f in np.asarray(freqs.data).ravel()]}
+    cfg.update(family.gguf_fields(a, cfg))
     return cfg
 
 
@@ -337,7 +338,8 @@ def _gguf_weights(source: ModelSource, cfg: ModelConfig, family: Family,
                   tp: TPGroup, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Every tensor dequantised whole (GGUF blocks cannot be sliced by rows in general), then
     only rank tp.rank's slice kept, in `dtype` where given; a stack of experts
-    (`ffn_up_exps` [experts, rows, columns]) becomes the table's per-expert tensors."""
+    (`ffn_up_exps` [experts, rows, columns]) becomes the table's per-expert tensors, and the
+    parts of a family's `GgufJoin` its HF tensor once all are read."""
 
     def kept(w: torch.Tensor, name: str) -> torch.Tensor:
         part = shard(w, family.split_dim(name), tp)
@@ -347,6 +349,8 @@ def _gguf_weights(source: ModelSource, cfg: ModelConfig, family: Family,
 
     reader = _gguf_reader(source.path)
     weights: dict[str, torch.Tensor] = {}
+    # the parts of joins read so far, by HF name: (their "blk.{i}.", the join, the parts)
+    parts: dict[str, tuple[str, GgufJoin, list[torch.Tensor | None]]] = {}
     for t in reader.tensors:
         if t.name == ROPE_FREQS:
             continue  # read into the config's RoPE by gguf_config
@@ -355,6 +359,15 @@ def _gguf_weights(source: ModelSource, cfg: ModelConfig, family: Family,
         except NotImplementedError:
             raise WeightError(f"{source.path}: tensor {t.name} is stored as "
                               f"{t.tensor_type.name}, which gguf cannot dequantise") from None
+        joined = family.gguf_join(t.name)
+        if joined is not None:  # a part of an HF tensor: joined once all parts are in
+            name, join, place = joined
+            block = t.name[: len(t.name) - len(join.parts[place])]  # "blk.{i}."
+            got = parts.setdefault(name, (block, join, [None] * len(join.parts)))[2]
+            got[place] = torch.from_numpy(np.ascontiguousarray(w))
+            if all(p is not None for p in got):
+                weights[name] = kept(join.join(*parts.pop(name)[2]).contiguous(), name)
+            continue
         name = family.from_gguf(t.name)
         if EXPERT in name:  # llama.cpp stacks a layer's experts: [experts, rows, columns]
             if w.ndim != 3:
@@ -369,4 +382,9 @@ def _gguf_weights(source: ModelSource, cfg: ModelConfig, family: Family,
         if family.gguf_permuted and row is not None and row.rope_heads is not None:
             w = _unpermute(w, row.rope_heads(cfg))
         weights[name] = kept(torch.from_numpy(np.ascontiguousarray(w)), name)
+    for name, (block, join, got) in parts.items():  # a join whose parts are not all in
+        missing = [block + p for p, t in zip(join.parts, got) if t is None]
+        raise WeightError(f"{source.path}: {name} is made from tensors "
+                          f"{', '.join(block + p for p in join.parts)}; the file lacks "
+                          f"{', '.join(missing)}")
     return weights

@@ -51,12 +51,6 @@ def by_gguf(name: Any) -> Family:  # noqa: ANN401 - a GGUF field, of any type
     """The family of GGUF `general.architecture` name."""
     found = next((f for f in FAMILIES.values() if f.gguf is not None and f.gguf == name), None)
     if found is None:
-        # llama.cpp names an architecture by its HF model_type without underscores (gptoss)
-        known = next((f for f in FAMILIES.values()
-                      if f.model_type.replace("_", "") == name and f.gguf is None), None)
-        if known is not None:
-            raise ConfigError(f"GGUF architecture {name!r} is {known.architecture}, which is "
-                              "read from safetensors checkpoints only, not from GGUF files")
         names = ", ".join(f.gguf for f in FAMILIES.values() if f.gguf is not None)
         raise ConfigError(f"unsupported GGUF architecture {name!r}; supported: {names}")
     return found
