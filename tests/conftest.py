@@ -172,6 +172,35 @@ def gguf_model_fields(writer: Any, cfg: Any) -> None:
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
 
 
+def gguf_expert_fields(writer: Any, head_dim: int, experts: int, top_k: int,
+                       width: int) -> None:
+    """A mixture of experts' GGUF keys: the heads' width, the experts, those a token uses
+    and each one's width."""
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(top_k)
+    writer.add_expert_feed_forward_length(width)
+
+
+def assert_gguf_weights_equal(folder: Path, gguf_path: Path, world: int = 1) -> None:
+    """The weights read from the GGUF file equal the safetensors checkpoint's, name for
+    name, whole and (world > 1) each tensor-parallel rank's slices."""
+    from vegas_spec import parallel
+    from vegas_spec.models import loader
+
+    source = loader.resolve(folder)
+    cfg = loader.load_config(source)
+    groups = [parallel.SINGLE] + [parallel.TPGroup(world, r) for r in range(world)
+                                  if world > 1]
+    for tp in groups:
+        want = loader.load_weights(source, cfg, tp)
+        ours = loader.load_weights(loader.resolve(gguf_path), cfg, tp)
+        assert ours.keys() == want.keys()
+        for name, w in want.items():
+            assert torch.equal(ours[name], w), (name, tp)
+
+
 def close_gguf(writer: Any) -> None:
     """A GGUF writer's header, key-values and tensors written out, the file closed."""
     writer.write_header_to_file()
@@ -209,6 +238,17 @@ def family_engine(path: Path, **kwargs: Any) -> Any:
     if kwargs.get("backend") == "triton":
         kwargs.setdefault("device", TRITON_DEVICE)
     return LLM(str(path), kv_cache_bytes=4 << 20, **kwargs)
+
+
+def assert_vegas_gives_plain_tokens(path: Path, prompts: list[list[int]]) -> None:
+    """vegas's greedy tokens of the prompts (8 each) on the checkpoint at path are plain
+    decoding's."""
+    from vegas_spec.config import SamplingParams
+
+    llm, params = family_engine(path), SamplingParams(max_tokens=8, ignore_eos=True)
+    plain = [o.token_ids for o in llm.generate(prompts, params, speculative=tiny_spec(None))]
+    outs = llm.generate(prompts, params, speculative=tiny_spec({"method": "vegas"}))
+    assert [o.token_ids for o in outs] == plain
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["default", "exact"])

@@ -21,8 +21,11 @@ from conftest import (
     TINY_IDS,
     TINY_METHODS,
     assert_close_logits,
+    assert_gguf_weights_equal,
+    assert_vegas_gives_plain_tokens,
     close_gguf,
     family_engine,
+    gguf_expert_fields,
     gguf_model_fields,
     hf_logits,
     random_prompts,
@@ -315,11 +318,8 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, quantized: Any =
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "gpt-oss")
     gguf_model_fields(w, cfg)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_expert_count(cfg.num_local_experts)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    gguf_expert_fields(w, cfg.head_dim, cfg.num_local_experts, cfg.num_experts_per_tok,
+                       cfg.intermediate_size)
     w.add_sliding_window(cfg.sliding_window)
     rope = cfg.rope_parameters
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -371,18 +371,7 @@ def test_gguf_config_is_the_checkpoints(folder: Path, gguf_path: Path) -> None:
 def test_gguf_weights_are_the_checkpoints(folder: Path, gguf_path: Path) -> None:
     """The gate and up stacks joined back into the checkpoint's fused tensors (and their
     biases), down transposed back: every tensor equal to the safetensors', TP slices too."""
-    source = loader.resolve(folder)
-    cfg = loader.load_config(source)
-    want = loader.load_weights(source, cfg)
-    ours = loader.load_weights(loader.resolve(gguf_path), cfg)
-    assert ours.keys() == want.keys()
-    for name, w in want.items():
-        assert torch.equal(ours[name], w), name
-    for rank in range(2):
-        tp = parallel.TPGroup(2, rank)
-        half = loader.load_weights(loader.resolve(gguf_path), cfg, tp)
-        for name, w in loader.load_weights(source, cfg, tp).items():
-            assert torch.equal(half[name], w), name
+    assert_gguf_weights_equal(folder, gguf_path, world=2)
 
 
 def test_gguf_logits_match_transformers(hf: transformers.PreTrainedModel, gguf_path: Path) -> None:
@@ -414,10 +403,7 @@ def test_mxfp4_gguf_experts_give_transformers_logits_on_their_values(
 
 def test_vegas_on_the_gguf_gives_plain_tokens(gguf_path: Path,
                                               family_prompts: list[list[int]]) -> None:
-    llm = family_engine(gguf_path)
-    plain = [o.token_ids for o in llm.generate(family_prompts, PARAMS, speculative=PLAIN)]
-    outs = llm.generate(family_prompts, PARAMS, speculative=tiny_spec({"method": "vegas"}))
-    assert [o.token_ids for o in outs] == plain
+    assert_vegas_gives_plain_tokens(gguf_path, family_prompts)
 
 
 def test_the_gguf_vocabulary_is_built_where_transformers_does_not_convert_it(

@@ -21,8 +21,11 @@ from conftest import (
     TINY_IDS,
     TINY_METHODS,
     assert_close_logits,
+    assert_gguf_weights_equal,
+    assert_vegas_gives_plain_tokens,
     close_gguf,
     family_engine,
+    gguf_expert_fields,
     gguf_model_fields,
     hf_logits,
     random_prompts,
@@ -239,11 +242,8 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, quantized: Any =
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "qwen3moe")
     gguf_model_fields(w, cfg)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_expert_count(cfg.num_experts)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    gguf_expert_fields(w, cfg.head_dim, cfg.num_experts, cfg.num_experts_per_tok,
+                       cfg.moe_intermediate_size)
     if weights_norm is not None:
         w.add_expert_weights_norm(weights_norm)
     chars = bytes_to_unicode()
@@ -290,13 +290,10 @@ def test_gguf_config_is_the_checkpoints(folder: Path, gguf_path: Path) -> None:
 
 def test_gguf_weights_are_the_checkpoints(folder: Path, gguf_path: Path) -> None:
     """The stacked experts become the table's per-expert tensors, equal to transformers'."""
+    assert_gguf_weights_equal(folder, gguf_path)
     source = loader.resolve(folder)
     cfg = loader.load_config(source)
     want = loader.load_weights(source, cfg)
-    ours = loader.load_weights(loader.resolve(gguf_path), cfg)
-    assert ours.keys() == want.keys()
-    for name, w in want.items():
-        assert torch.equal(ours[name], w), name
     half = [loader.load_weights(loader.resolve(gguf_path), cfg, parallel.TPGroup(2, r))
             for r in range(2)]
     assert half[1]["model.layers.1.mlp.experts.6.up_proj.weight"].shape == (16, 64)
@@ -358,10 +355,7 @@ def test_gguf_expert_weights_norm_false_keeps_the_probabilities(tmp_path: Path) 
 
 def test_vegas_on_the_gguf_gives_plain_tokens(gguf_path: Path,
                                               family_prompts: list[list[int]]) -> None:
-    llm = family_engine(gguf_path)
-    plain = [o.token_ids for o in llm.generate(family_prompts, PARAMS, speculative=PLAIN)]
-    outs = llm.generate(family_prompts, PARAMS, speculative=tiny_spec({"method": "vegas"}))
-    assert [o.token_ids for o in outs] == plain
+    assert_vegas_gives_plain_tokens(gguf_path, family_prompts)
 
 
 def test_an_expert_tensor_that_is_not_a_stack_is_refused(hf: transformers.PreTrainedModel,
