@@ -17,6 +17,7 @@ from conftest import (
     TINY_LLAMA,
     TINY_METHODS,
     TINY_VOCAB,
+    TRITON_DEVICE,
     config_folder,
     random_prompts,
     tiny_spec,
@@ -190,6 +191,27 @@ def test_paced_prefill_takes_the_pacers_budget_while_others_decode(
     assert prefilled[:3] == [30, 30, 30] and sum(prefilled) == len(prompts[4])
     assert final[first].token_ids == alone["vegas"][3]
     assert final[late].token_ids == alone["vegas"][4]
+
+
+def test_a_paced_steps_prefill_part_holds_its_prefills_device_time(
+        tiny: Path, prompts: list[list[int]]) -> None:
+    """A step that prefills a chunk completing no prompt (nothing read back: on a GPU the
+    device runs it behind the host) while a row decodes: its prefill part holds at least
+    the prefill's device time (the phase timer's), so adaptive speculation does not weigh it
+    as the iteration's; on the GPU where there is one (CPU: the host's times)."""
+    engine = LLMEngine(str(tiny), speculative=tiny_spec({"method": "vegas"}), prefill_chunk=16,
+                       device=TRITON_DEVICE, **ENGINE)
+    engine.add_request(prompts[0], params(40))
+    while not engine.last_step.emitted:
+        engine.step()
+    engine.add_request(prompts[4], params(4))  # 90 tokens: five chunks of 16, then the rest
+    timer = engine.runner.timer
+    for _ in range(3):
+        before = timer.totals["prefill"]
+        engine.step()
+        step = engine.last_step
+        assert step.prefill_tokens == 16 and step.emitted  # a chunk, and an iteration
+        assert timer.totals["prefill"] - before <= step.prefill_seconds < step.seconds
 
 
 def test_a_step_is_one_plan_of_plain_data(tiny: Path, prompts: list[list[int]],

@@ -368,13 +368,18 @@ class LLMEngine:
         t0 = time.perf_counter()
         budget = self._prefill_budget()
         plan = self._plan(info, budget, prefill_first)
+        t1 = time.perf_counter()
         result = self.runner.execute(plan)
         self._first_tokens(result, touched, info)
         if plan.decode:
             self._decoded(result, touched, info)
         self.scheduler.stepped()
         t2 = time.perf_counter()
-        prefill_s = result.prefill_seconds if plan.decode else t2 - t0
+        # a step that decoded: its prefill's part is the planning that admitted its prompts
+        # and the runner's prefill (the rest is the iteration's, which adaptive speculation
+        # weighs); a step that only prefilled is all prefill
+        prefill_s = (t1 - t0 + result.prefill_seconds if plan.prefill else 0.0) \
+            if plan.decode else t2 - t0
         self.wall["prefill"] += prefill_s
         self.wall["decode"] += t2 - t0 - prefill_s
         info.seconds, info.prefill_seconds = t2 - t0, prefill_s

@@ -45,6 +45,30 @@ class PhaseTimer:
         self._pending.clear()
 
 
+class DeviceSpan:
+    """The device's time from construction to `stop` (CUDA events; 0.0 elsewhere, where the
+    host's own clock measures the work), read once the device has passed `stop`: after a
+    later host read, so that reading it waits for nothing."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True),
+                           torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+
+    def stop(self) -> None:
+        if self.events is not None:
+            self.events[1].record()
+
+    def seconds(self) -> float:
+        if self.events is None:
+            return 0.0
+        start, end = self.events
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
+
+
 @dataclass
 class SeqStats:
     """A sequence's iterations: tokens emitted and budget read by each, with running counts

@@ -72,7 +72,9 @@ class StepResult:
     (request id, token; in the plan's order); if it decoded, per row (`rows`: request ids in
     row order) the tokens it emitted (1..γ+1) and the selection budget its drafts read (None:
     no sparse drafts), drafted: the iteration was a round (False: a plain step);
-    prefill_seconds: the wall time of the step's prefill, up to its first tokens' read."""
+    prefill_seconds: the part of the step's wall time its prefill took: up to its first
+    tokens' read, or where the prefill read nothing back and the device ran it behind the
+    host, its device time."""
 
     first: list[tuple[str, int]] = field(default_factory=list)
     rows: list[str] = field(default_factory=list)
