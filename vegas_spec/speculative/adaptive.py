@@ -3,9 +3,10 @@ faster, from the engine's own running measurements.
 
 A round emits τ tokens a row in the time c_round of its batch bucket; a plain step emits one
 in c_plain. Speculating pays while τ · c_plain > c_round. The controller keeps, per bucket,
-exponential moving averages of both costs (the wall time of an engine step that decoded and
-did not prefill: the device's time and all the host's work of the step, which an iteration
-pays whatever its tokens, so a plain step is dearer than its forward) and of τ, speculates
+exponential moving averages of both costs (the wall time of an engine step's iteration: the
+device's time and all the host's work of the step, which an iteration pays whatever its
+tokens, so a plain step is dearer than its forward; in a step that also prefilled, less the
+prefill's part, its device time where the device ran it behind the host) and of τ, speculates
 while the estimate says it pays and now and then runs the other choice once (a probe) so
 that both estimates follow the context as it grows. A probe loses time: a probing round
 costs c_round where plain steps would give its τ tokens in τ · c_plain, a probing plain step
