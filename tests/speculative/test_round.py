@@ -134,16 +134,17 @@ def test_a_round_of_candidates_emits_the_dense_rounds_tokens(
     assert 0 < float(sparse[0].double().mean()) < GAMMA  # rejections and acceptances
 
 
-def mixed_round_inputs(rows: int, vocab: int = VOCAB) -> tuple:
+def mixed_round_inputs(rows: int, vocab: int = VOCAB, device: str = "cpu") -> tuple:
     """Bigram tables of `vocab` tokens, and rows greedy (every fifth) or at the reference's
-    setting, with their last tokens and lengths."""
+    setting, with their last tokens and lengths, on `device`."""
     g = torch.Generator().manual_seed(vocab + rows)
     target = torch.randn(vocab, vocab, generator=g) * 2
     draft = target + torch.randn(vocab, vocab, generator=g)
     params = [SamplingParams(seed=i) if i % 5 == 0 else
               SamplingParams(seed=i, temperature=0.6, top_k=20, top_p=0.95) for i in range(rows)]
-    s = BatchSampling.build(params, torch.device("cpu"))
-    return target, draft, s, torch.arange(rows) % vocab, torch.arange(rows) % 97 + 5
+    s = BatchSampling.build(params, torch.device(device))
+    return (target.to(device), draft.to(device), s, (torch.arange(rows) % vocab).to(device),
+            (torch.arange(rows) % 97 + 5).to(device))
 
 
 def test_a_round_on_the_models_dtype_emits_its_float32_casts_tokens() -> None:
@@ -165,13 +166,17 @@ def test_a_round_on_the_models_dtype_emits_its_float32_casts_tokens() -> None:
 
 def test_the_sampling_kernels_round_emits_the_references_tokens(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same round with `kernels.sample` (on CPU under the Triton interpreter) and with
-    the PyTorch references: the same accepted counts and tokens, row for row."""
+    """The same round with `kernels.sample` (on the GPU where there is one, else on CPU
+    under the Triton interpreter) and with the PyTorch references (on CPU): the same
+    accepted counts and tokens, row for row."""
     target, draft, s, last, lengths = mixed_round_inputs(120)
-    step = bigram_step(target, draft)
-    reference = speculate(step, last, lengths, GAMMA, "draft", s)
-    monkeypatch.setattr(sampling_module, "_kernels", lambda t: True)
-    kernels = speculate(step, last, lengths, GAMMA, "draft", s)
+    reference = speculate(bigram_step(target, draft), last, lengths, GAMMA, "draft", s)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        monkeypatch.setattr(sampling_module, "_kernels", lambda t: True)
+    target, draft, s, last, lengths = mixed_round_inputs(120, device=device)
+    kernels = [t.cpu() for t in speculate(bigram_step(target, draft), last, lengths, GAMMA,
+                                          "draft", s)]
     assert torch.equal(kernels[0], reference[0])
     keep = torch.arange(GAMMA + 1)[None, :] <= reference[0][:, None]
     assert torch.equal(kernels[1][keep], reference[1][keep])
