@@ -276,17 +276,20 @@ GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
               "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
               "mlp.router": "ffn_gate_inp"}
-EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps")
 BYTES = bytes_to_unicode()  # GPT-2's byte -> character map of byte-level BPE vocabularies
 SPACE = BYTES[32]
 # the bytes but the last three, " t" and " a" (merged), and a control token
 GGUF_TOKENS = [BYTES[b] for b in range(VOCAB - 3)] + [SPACE + "t", SPACE + "a", "<|end|>"]
 
 
-def gguf_tensors(model: transformers.PreTrainedModel) -> dict[str, np.ndarray]:
+def gguf_tensors(model: transformers.PreTrainedModel,
+                 fused: bool = False) -> dict[str, np.ndarray]:
     """model's tensors as llama.cpp's converter writes a gpt-oss GGUF: q/k not permuted, the
     sinks `attn_sinks.weight`, each layer's fused gate/up stack [E, hidden, 2I] (interleaved)
-    cut into gate and up stacks [E, I, hidden] and their biases [E, I], down [E, hidden, I]."""
+    cut into gate and up stacks [E, I, hidden] and their biases [E, I] (fused: one
+    `ffn_gate_up_exps` stack [E, 2I, hidden], gate rows then up rows, and its bias), down
+    [E, hidden, I]."""
     out = {"token_embd.weight": model.model.embed_tokens.weight,
            "output_norm.weight": model.model.norm.weight, "output.weight": model.lm_head.weight}
     for i, layer in enumerate(model.model.layers):
@@ -302,13 +305,18 @@ def gguf_tensors(model: transformers.PreTrainedModel) -> dict[str, np.ndarray]:
         for first, part in enumerate(("ffn_gate_exps", "ffn_up_exps")):
             out[f"{blk}{part}.weight"] = rows[:, first::2]
             out[f"{blk}{part}.bias"] = bias[:, first::2]
+        if fused:
+            for kind in ("weight", "bias"):
+                gate, up = (out.pop(f"{blk}{part}.{kind}") for part in ("ffn_gate_exps",
+                                                                          "ffn_up_exps"))
+                out[f"{blk}ffn_gate_up_exps.{kind}"] = torch.cat([gate, up], dim=1)
         out[blk + "ffn_down_exps.weight"] = experts.down_proj.transpose(1, 2)
         out[blk + "ffn_down_exps.bias"] = experts.down_proj_bias
     return {name: np.ascontiguousarray(t.detach().float().numpy()) for name, t in out.items()}
 
 
 def write_gguf(path: Path, model: transformers.PreTrainedModel, quantized: Any = None,
-               drop: str = "") -> Path:
+               drop: str = "", fused: bool = False) -> Path:
     """model as a gpt-oss GGUF (F32 tensors; the expert stacks' weights in `quantized`, a
     GGML type, where given; without the tensor named `drop`), its clamp under a
     `swiglu_limit` key, with a byte-level BPE vocabulary as the published files have one
@@ -333,7 +341,7 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, quantized: Any =
     w.add_token_types([1] * (VOCAB - 1) + [3])
     w.add_bos_token_id(1)
     w.add_eos_token_id(VOCAB - 1)
-    for name, a in gguf_tensors(model).items():
+    for name, a in gguf_tensors(model, fused).items():
         if name == drop:
             continue
         if quantized is not None and name.endswith(".weight") \
@@ -368,10 +376,13 @@ def test_gguf_config_is_the_checkpoints(folder: Path, gguf_path: Path) -> None:
         assert getattr(ours, field) == pytest.approx(getattr(want, field), rel=1e-6), field
 
 
-def test_gguf_weights_are_the_checkpoints(folder: Path, gguf_path: Path) -> None:
+def test_gguf_weights_are_the_checkpoints(hf: transformers.PreTrainedModel, folder: Path,
+                                          gguf_path: Path, tmp_path: Path) -> None:
     """The gate and up stacks joined back into the checkpoint's fused tensors (and their
-    biases), down transposed back: every tensor equal to the safetensors', TP slices too."""
+    biases), down transposed back: every tensor equal to the safetensors', TP slices too;
+    likewise from the converter's fused gate/up stacks."""
     assert_gguf_weights_equal(folder, gguf_path, world=2)
+    assert_gguf_weights_equal(folder, write_gguf(tmp_path / "fused.gguf", hf, fused=True))
 
 
 def test_gguf_logits_match_transformers(hf: transformers.PreTrainedModel, gguf_path: Path) -> None:

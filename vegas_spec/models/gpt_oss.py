@@ -18,8 +18,9 @@ the loader dequantises (`models.mxfp4`).
 GGUF files of llama.cpp's `gpt-oss` architecture are read too (MXFP4 expert stacks
 dequantised by `gguf`): q/k rows are not permuted, the post-attention norm is
 `post_attention_norm`, the sinks `attn_sinks.weight`, and each layer's experts are stacks
-(`ffn_gate_exps`, `ffn_up_exps` [E, I, hidden] with biases [E, I], `ffn_down_exps` [E,
-hidden, I] with its bias) that the family's joins put back in the checkpoint's layout. The
+(`ffn_gate_exps`, `ffn_up_exps` [E, I, hidden] with biases [E, I], or fused as
+`ffn_gate_up_exps` [E, 2I, hidden], gate rows then up rows; `ffn_down_exps` [E, hidden, I]
+with its bias) that the family's joins put back in the checkpoint's layout. The
 file's `attention.sliding_window` gives the window (every other layer, the first sliding, as
 llama.cpp and transformers lay them out), its YaRN keys the RoPE, without truncation as the
 published config says, and a `swiglu_limit` key, where a file has one, the clamp (7
@@ -74,6 +75,16 @@ def gguf_gate_up_bias(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.stack([gate, up], dim=2).reshape(gate.shape[0], -1)
 
 
+def gguf_fused_gate_up(w: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's fused stack [E, 2I, hidden], gate rows then up rows -> the checkpoint's."""
+    return gguf_gate_up(*w.chunk(2, dim=1))
+
+
+def gguf_fused_gate_up_bias(b: torch.Tensor) -> torch.Tensor:
+    """[E, 2I], gate then up -> [E, 2I] interleaved."""
+    return gguf_gate_up_bias(*b.chunk(2, dim=1))
+
+
 def gguf_down(w: torch.Tensor) -> torch.Tensor:
     """llama.cpp's down stack [E, hidden, I] -> the checkpoint's [E, I, hidden]."""
     return w.transpose(1, 2)
@@ -111,6 +122,10 @@ GGUF_JOINS = (
     GgufJoin("mlp.experts.gate_up_proj_bias", ("ffn_gate_exps.bias", "ffn_up_exps.bias"),
              gguf_gate_up_bias),
     GgufJoin("mlp.experts.down_proj", ("ffn_down_exps.weight",), gguf_down),
+    # the converter's fused variant: one gate/up stack and bias, gate rows then up rows
+    GgufJoin("mlp.experts.gate_up_proj", ("ffn_gate_up_exps.weight",), gguf_fused_gate_up),
+    GgufJoin("mlp.experts.gate_up_proj_bias", ("ffn_gate_up_exps.bias",),
+             gguf_fused_gate_up_bias),
 )
 
 
