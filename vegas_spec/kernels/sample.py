@@ -43,12 +43,12 @@ def _mix32(x):
 
 
 @triton.jit
-def _draw_key(seed, position, slot_key):
+def _draw_key(seed, position, SLOT_KEY: tl.constexpr):
     """`sampling.draw_keys` of int64 lanes: the key of (seed, position) in a slot whose
-    host-side constant is slot_key ((slot * golden) & MASK32)."""
+    constant is SLOT_KEY ((slot * golden) & MASK32)."""
     lo = seed.to(tl.uint32)  # the low 32 bits
     hi = (seed >> 32).to(tl.uint32)
-    key = _mix32(lo ^ slot_key.to(tl.uint32))
+    key = _mix32(lo ^ tl.full(lo.shape, SLOT_KEY, tl.uint32))
     return _mix32(_mix32(key ^ hi) ^ position.to(tl.uint32))
 
 
@@ -59,13 +59,13 @@ def _uniform(h):
 
 
 @triton.jit
-def _draws_kernel(seed_ptr, pos_ptr, out_ptr, n, m, slot_key, UNIFORM: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def _draws_kernel(seed_ptr, pos_ptr, out_ptr, n, m, SLOT_KEY: tl.constexpr,
+                  UNIFORM: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     seed = tl.load(seed_ptr + i // m, mask=mask, other=0)
     position = tl.load(pos_ptr + i, mask=mask, other=0)
-    key = _draw_key(seed, position, slot_key)
+    key = _draw_key(seed, position, SLOT_KEY)
     if UNIFORM:
         tl.store(out_ptr + i, _uniform(_mix32(key)), mask=mask)
     else:
@@ -97,15 +97,17 @@ def draws(seeds: torch.Tensor, positions: torch.Tensor, slot: int,
         return out
     block = min(triton.next_power_of_2(n), 1024)
     _draws_kernel[(triton.cdiv(n, block),)](seeds.contiguous(), pos, out, n, m,
-                                            _slot_key(slot), UNIFORM=uniform, BLOCK=block)
+                                            SLOT_KEY=_slot_key(slot), UNIFORM=uniform,
+                                            BLOCK=block)
     return out
 
 
 @triton.jit
-def _sample_kernel(p_ptr, index_ptr, seed_ptr, pos_ptr, out_ptr, width, m, slot_key,
-                   stride_p, stride_index, INDEXED: tl.constexpr, BLOCK: tl.constexpr):
+def _sample_kernel(p_ptr, index_ptr, seed_ptr, pos_ptr, out_ptr, width, m, stride_p,
+                   stride_index, SLOT_KEY: tl.constexpr, INDEXED: tl.constexpr,
+                   BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    key = _draw_key(tl.load(seed_ptr + row // m), tl.load(pos_ptr + row), slot_key)
+    key = _draw_key(tl.load(seed_ptr + row // m), tl.load(pos_ptr + row), SLOT_KEY)
     lanes = tl.arange(0, BLOCK)
     best = tl.full((BLOCK,), -1.0, tl.float32)
     best_token = tl.zeros((BLOCK,), tl.int64)
@@ -147,8 +149,9 @@ def sample_tokens(p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
     block = min(triton.next_power_of_2(p.shape[1]), 2048)
     _sample_kernel[(p.shape[0],)](
         p, p if index is None else index, seeds.contiguous(), positions.contiguous(), out,
-        p.shape[1], m, _slot_key(slot), p.stride(0), 0 if index is None else index.stride(0),
-        INDEXED=index is not None, BLOCK=block, num_warps=8 if index is None else 2)
+        p.shape[1], m, p.stride(0), 0 if index is None else index.stride(0),
+        SLOT_KEY=_slot_key(slot), INDEXED=index is not None, BLOCK=block,
+        num_warps=8 if index is None else 2)
     return out
 
 
