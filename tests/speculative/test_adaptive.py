@@ -25,6 +25,7 @@ from conftest import (
 from vegas_spec import SamplingParams, SpecConfig
 from vegas_spec.engine import LLM, LLMEngine
 from vegas_spec.speculative.adaptive import Ema, SpeculationController
+from vegas_spec.speculative.policies import window_positions
 from vegas_spec.step import StepPlan
 
 
@@ -188,7 +189,8 @@ def test_plain_steps_on_the_static_shapes(tmp_path_factory: pytest.TempPathFacto
 def test_a_round_after_plain_steps_plans_from_the_newest_token(
         tmp_path_factory: pytest.TempPathFactory, method: str, static: bool) -> None:
     """Plain steps leave the last plan's recent range behind the newest tokens; the next
-    round plans again from the newest committed token (its drafts see every new token)."""
+    round plans again from the newest committed token (its drafts see every new token):
+    its recent range ends there and starts its window's positions before it."""
     from vegas_spec.engine import LLMEngine as Engine
 
     folder = config_folder(tmp_path_factory, "tiny-refresh", TINY_LLAMA)
@@ -203,9 +205,11 @@ def test_a_round_after_plain_steps_plans_from_the_newest_token(
     assert runner._stale
     runner._refresh_plan(runner.batch)
     assert not runner._stale
-    recent = runner.graphs.buf.recent_start[: runner.rows] if static \
-        else runner.batch.plan.recent_start
-    assert torch.equal(recent, runner.batch.lengths - 1)
+    recent, k = (runner.graphs.buf.recent_start[: runner.rows],
+                  runner.graphs.buf.budget[: runner.rows]) if static \
+        else (runner.batch.plan.recent_start, runner.batch.plan.budget)
+    near = window_positions(k, runner.policy.window)
+    assert torch.equal(recent, runner.batch.lengths - 1 - near)
     out = runner.execute(StepPlan(decode=True))  # a round from the fresh plan
     assert out.drafted and all(1 <= len(t) <= 4 for t in out.tokens)
 

@@ -20,7 +20,13 @@ from vegas_spec.attention.context import SparsePlan, StepContext
 from vegas_spec.attention.torch_backend import paged_attention_ref
 from vegas_spec.config import METHODS, ConfigError, SpecConfig, option_names
 from vegas_spec.ops import topk_positions
-from vegas_spec.speculative.policies import POLICIES, SelectionInput, budget, make_policy
+from vegas_spec.speculative.policies import (
+    POLICIES,
+    SelectionInput,
+    budget,
+    make_policy,
+    window_width,
+)
 
 LAYERS, HKV, GROUP, DIM, GAMMA, PAGE_SIZE = 3, 2, 2, 8, 4, 8
 HEADS = HKV * GROUP
@@ -492,6 +498,29 @@ def test_the_window_starts_the_recent_range(method: str, window: int) -> None:
     assert [n + min(window, 3 * kb // 4) for n, kb in zip(listed, k)] == k
 
 
+@pytest.mark.parametrize("window", [0, 16, 192])
+def test_a_windows_positions_are_not_listed(window: int) -> None:
+    """The static index width is the most positions a budget up to kmax lists, kmax less
+    its window's (the recent range holds those), so every budget's list fits it; a plan
+    made without scores (after plain steps) still keeps the sink and the k - sink most
+    recent positions, the window's now in the recent range."""
+    policy = make_policy(spec("vegas", window=window))
+    for kmax in (1, 8, 50, 300, 1000):
+        width = policy.index_width(kmax)
+        assert width == kmax - min(window, 3 * kmax // 4)
+        assert all(k - window_width(k, window) <= width for k in range(1, kmax + 1))
+    case = make_case(35, prefill=False)
+    plan = policy.plan(case.selection_input(None))
+    assert plan is not None
+    sink = policy.options.sink
+    for b, row in enumerate(case.row_pos):
+        k = expected_budget(policy.cfg, case.lengths[b], row)
+        listed = {int(p) for p in plan.indices[0, b, 0] if p >= 0}
+        recent = set(range(int(plan.recent_start[b]), row))
+        assert not listed & recent and len(listed) + len(recent) == k
+        assert listed | recent == set(range(min(sink, k))) | set(range(row - k + sink, row))
+
+
 @pytest.mark.parametrize("method", ["vegas", "lastq"])
 def test_pure_top_k_is_todays_path(method: str) -> None:
     """window 0 and pool 1 take today's path: vegas hands its collected rows to the
@@ -529,8 +558,9 @@ def test_pure_top_k_is_todays_path(method: str) -> None:
 @pytest.mark.parametrize("method", ["vegas", "lastq"])
 def test_local_context_with_host_bounds_is_the_dynamic_selection(method: str) -> None:
     """kmax and rank_width (the static shapes' host bounds, no host sync) give the dynamic
-    plan, -1 padded to kmax, over a key width past the context (the Triton top-k, whose
-    ties at the threshold do not depend on the row's width as torch.topk's may)."""
+    plan, -1 padded to the most positions a budget of kmax lists (kmax less its window's,
+    which the recent range holds), over a key width past the context (the Triton top-k,
+    whose ties at the threshold do not depend on the row's width as torch.topk's may)."""
     from vegas_spec.attention.triton_backend import topk_by_width
 
     cfg = spec(method, window=16, pool=5)
@@ -548,7 +578,8 @@ def test_local_context_with_host_bounds_is_the_dynamic_selection(method: str) ->
     inp.topk, inp.kmax, inp.rank_width = topk_by_width, kmax, max(start) + 1
     static = policy.plan(inp)
     assert dynamic is not None and static is not None
-    assert static.indices.shape[-1] == kmax > dynamic.indices.shape[-1]
+    assert static.indices.shape[-1] == policy.index_width(kmax) == kmax - 16 \
+        > dynamic.indices.shape[-1]
     width = dynamic.indices.shape[-1]
     assert torch.equal(static.indices[..., :width], dynamic.indices)
     assert bool((static.indices[..., width:] == -1).all())

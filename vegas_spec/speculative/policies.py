@@ -179,7 +179,16 @@ class Policy:
 
     def index_width(self, kmax: int) -> int:
         """Width of the plan's indices when budgets stay <= kmax (0: no indices)."""
-        return kmax
+        return self.listed_max(kmax)
+
+    def listed_max(self, kmax: int) -> int:
+        """The most positions a plan lists when budgets stay <= kmax: a budget less the
+        positions its window keeps in the recent range, which grows with the budget."""
+        return kmax - window_width(kmax, self.window)
+
+    def listed_bound(self, inp: SelectionInput) -> int | None:
+        """`listed_max` of the input's host bound kmax (None: none given)."""
+        return None if inp.kmax is None else self.listed_max(inp.kmax)
 
     def plan(self, inp: SelectionInput) -> SparsePlan | None:
         """None means: draft with full attention. A policy that selects from scores, given
@@ -187,14 +196,14 @@ class Policy:
         tokens), keeps the sink and the most recent positions for that round, as stream."""
         start = self.selection_row(inp)
         k = budget(self.cfg, inp.lengths, start)
+        # the window's positions join the recent range; the rest of the budget is listed
+        near = window_positions(k, self.window) if self.window else 0
+        ranked, listed = start - near, k - near
         if self.wants_scores and inp.scores is None:
             groups = inp.kv_caches[0][0].shape[1] if self.per_kv_head else 1
-            indices = recent_positions(inp, start, k, self.options.sink).expand(-1, -1, groups, -1)
-            ranked, listed = start, k
+            indices = recent_positions(inp, ranked, listed, self.options.sink,
+                                       self.listed_bound(inp)).expand(-1, -1, groups, -1)
         else:
-            # the window's positions join the recent range; the rest of the budget is ranked
-            near = window_positions(k, self.window) if self.window else 0
-            ranked, listed = start - near, k - near
             indices = self.indices(inp, ranked, listed)
         recent = inp.recent_max if inp.recent_max is not None \
             else recent_bound(inp.lengths, ranked, inp.gamma)
@@ -223,6 +232,11 @@ def window_positions(k: torch.Tensor, window: int) -> torch.Tensor:
     the ranked selection always has a quarter of the budget (a window as wide as the budget
     would leave a plan of recent positions alone, without even stream's sink)."""
     return torch.clamp(k * 3 // 4, max=window)
+
+
+def window_width(k: int, window: int) -> int:
+    """`window_positions` of one budget on the host."""
+    return min(k * 3 // 4, window)
 
 
 POLICIES: dict[str, type[Policy]] = {}
@@ -295,9 +309,10 @@ class Vegas(Policy):
         top = inp.topk or topk_positions
         if self.options.pool == 1:
             if inp.topk_sum is not None:
-                return inp.topk_sum(_ranked(inp), rankable, k, inp.kmax)
-            return top(_ranked(inp).sum(2), rankable, k, inp.kmax)
-        return top(pooled(_ranked(inp).sum(2), rankable, self.options.pool), rankable, k, inp.kmax)
+                return inp.topk_sum(_ranked(inp), rankable, k, self.listed_bound(inp))
+            return top(_ranked(inp).sum(2), rankable, k, self.listed_bound(inp))
+        return top(pooled(_ranked(inp).sum(2), rankable, self.options.pool), rankable, k,
+                   self.listed_bound(inp))
 
 
 @register
@@ -323,7 +338,7 @@ class LastQ(Vegas):
         scores = _row(_ranked(inp), inp.accepted)
         if self.options.pool > 1:
             scores = pooled(scores, rankable, self.options.pool)
-        return top(scores, rankable, k, inp.kmax)
+        return top(scores, rankable, k, self.listed_bound(inp))
 
 
 def pooled(scores: torch.Tensor, rankable: torch.Tensor, pool: int) -> torch.Tensor:
@@ -363,7 +378,7 @@ class SpecExtend(LastQ):
     name = "specextend"
 
     def index_width(self, kmax: int) -> int:
-        return math.ceil(kmax / self.options.chunk) * self.options.chunk
+        return math.ceil(self.listed_max(kmax) / self.options.chunk) * self.options.chunk
 
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
@@ -372,7 +387,8 @@ class SpecExtend(LastQ):
         last = _row(inp.scores[-1:], inp.accepted)[0, :, 0]  # [B, W]
         chunk_scores = _chunk_means(last, rankable, c)  # [B, C]
         n_chunks = units(k, rankable, c)
-        most = None if inp.kmax is None else math.ceil(inp.kmax / c)
+        listed = self.listed_bound(inp)
+        most = None if listed is None else math.ceil(listed / c)
         pos = topk_positions(chunk_scores[:, None], pages_of(rankable, c), n_chunks, most, c,
                              rankable)  # [B, 1, n * c]
         pos = sorted_positions(pos)
@@ -391,10 +407,10 @@ def _chunk_means(scores: torch.Tensor, rankable: torch.Tensor, c: int) -> torch.
 
 
 def recent_positions(inp: SelectionInput, rankable: torch.Tensor, k: torch.Tensor,
-                     sink: int) -> torch.Tensor:
+                     sink: int, width: int | None) -> torch.Tensor:
     """The first min(sink, k) positions and the last k - sink before rankable, -1 padded:
-    [layers, B, 1, kmax] (kmax: the host bound, or read from k)."""
-    kmax = max(int(k.max()), 1) if inp.kmax is None else inp.kmax
+    [layers, B, 1, width] (width: the host bound of every k, or None: read from k)."""
+    kmax = max(int(k.max()), 1) if width is None else width
     j = torch.arange(kmax, device=k.device)[None, :]
     first = torch.clamp(k, max=sink)[:, None]
     window_pos = rankable[:, None] - (k[:, None] - j)  # the last k - sink positions
@@ -411,7 +427,7 @@ class Stream(Policy):
 
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor:
-        return recent_positions(inp, rankable, k, self.options.sink)
+        return recent_positions(inp, rankable, k, self.options.sink, self.listed_bound(inp))
 
 
 @register
