@@ -134,7 +134,8 @@ SAMPLING = ("temperature", "top_k", "top_p", "seeds")  # per-row settings, as Ba
 class StaticBuffers:
     """The inputs of every decode-loop forward, `capacity` rows each; a bucket reads the first
     rows. tokens, positions: {n: [C, n] int64} for n = 1 and γ+1; page_table [C, P] int32;
-    indices [layers, C, G, K] int64; recent_start, budget [C] int64; score_rows [R] int64;
+    indices [layers, C, G, K] int64; recent_start, budget, listed [C] int64 (listed: the most
+    positions a row lists, `SparsePlan.listed`); score_rows [R] int64;
     scores [layers, C, R, G, W] float32 (W = P * page_size); state: the policy's in-step
     selection state (`Policy.step_state`: quest's page bounds; None for the others);
     last, lengths [C] int64: a round's newest tokens and committed lengths; temperature,
@@ -153,6 +154,7 @@ class StaticBuffers:
                                    **i64)
         self.recent_start = torch.zeros(capacity, **i64)
         self.budget = torch.zeros(capacity, **i64)
+        self.listed = torch.zeros(capacity, **i64)
         self.score_rows = torch.tensor(shapes.score_rows, **i64)
         self.scores = torch.zeros(layers, capacity, len(shapes.score_rows), shapes.score_groups,
                                   shapes.pages * page_size if shapes.score_rows else 0,
@@ -178,6 +180,7 @@ class StaticBuffers:
         self.indices[:, rows].fill_(-1)
         self.recent_start[rows].zero_()
         self.budget[rows].zero_()
+        self.listed[rows].zero_()
         self.last[rows].zero_()
         self.lengths[rows].zero_()
         self.temperature[rows].zero_()  # greedy: a dummy row's draws are one-hot
@@ -195,6 +198,7 @@ class StaticBuffers:
         self.indices[:, :rows] = self.indices[:, src]
         self.recent_start[:rows] = self.recent_start[src]
         self.budget[:rows] = self.budget[src]
+        self.listed[:rows] = self.listed[src]
         for name in SAMPLING:
             values = getattr(self, name)
             values[:rows] = values[src]
@@ -285,6 +289,10 @@ class GraphRunner:
         end = start + rows
         self.buf.recent_start[start:end].copy_(plan.recent_start)
         self.buf.budget[start:end].copy_(plan.budget)
+        if plan.listed is not None:
+            self.buf.listed[start:end].copy_(plan.listed)
+        else:  # the whole static width
+            self.buf.listed[start:end].fill_(self.shapes.index_width)
         if plan.indices is not None:
             self._set_indices(plan.indices, start, end)
 
@@ -418,7 +426,7 @@ class GraphRunner:
         b, s = self.buf, self.shapes
         if b.state is None:
             return SparsePlan(b.indices[:, :rows], b.recent_start[:rows], s.recent_max,
-                              b.budget[:rows])
+                              b.budget[:rows], listed=b.listed[:rows])
         assert self.policy is not None
         selector = self.policy.step_selector(b.state, rows, s.kmax)
         return SparsePlan(None, b.recent_start[:rows], s.recent_max, b.budget[:rows], selector)
@@ -456,7 +464,7 @@ class GraphRunner:
         lengths (rewritten before it is read) and plans, which are put back as they were: the
         replays draft from the plans the eager path would."""
         b = self.buf
-        plan = (b.indices, b.recent_start, b.budget) + \
+        plan = (b.indices, b.recent_start, b.budget, b.listed) + \
             (() if b.state is None else b.state.tensors())
         saved = [t.clone() for t in plan]
         self._capture_all((kind,))

@@ -42,6 +42,15 @@ class Case:
     block_k: int | None = None
     split_size: int | None = None
     sinks: bool = False  # a random sink logit per query head (gpt-oss's)
+    cut: bool = False  # a per-row `listed` count under the width, valid positions past it
+
+
+def row_counts(case: Case, indices: torch.Tensor, gen: torch.Generator) -> torch.Tensor | None:
+    """With case.cut, each row's listed count: a random cut of its width (positions past it
+    are valid, so a kernel that read them would attend to them); else None."""
+    if not case.cut:
+        return None
+    return torch.randint(0, indices.shape[-1] + 1, (indices.shape[0],), generator=gen).to(DEVICE)
 
 
 CASES = [
@@ -53,13 +62,19 @@ CASES = [
     Case((77, 150), 7, 6, 2, 128, per_kv_head=True, shuffled=True, recent_slack=5),
     Case((45, 12, 80), 1, 2, 2, 64, budget="empty", recent_extra=1),
     Case((300,), 7, 8, 2, 64, budget=0.5, block_k=16, split_size=64),
+    # per-row listed counts: rows stop early, in one split and several
+    Case((203, 37, 130), 1, 12, 4, 128, per_kv_head=True, budget=0.5, recent_extra=3,
+         block_k=16, split_size=32, cut=True),
+    Case((300, 90), 7, 8, 2, 64, budget=0.5, block_k=16, split_size=64, cut=True),
+    Case((150,), 1, 4, 4, 64, budget="dense", recent_extra=2, cut=True),
 ]
 
 
 def case_id(case: Case) -> str:
     g = "G=Hkv" if case.per_kv_head else "G=1"
     return (f"lens{'-'.join(map(str, case.lens))}_n{case.n}_h{case.heads}x{case.hkv}"
-            f"_d{case.dim}_{g}_{case.budget}{'_sinks' if case.sinks else ''}")
+            f"_d{case.dim}_{g}_{case.budget}{'_sinks' if case.sinks else ''}"
+            f"{'_cut' if case.cut else ''}")
 
 
 def sink_logits(case: Case, gen: torch.Generator) -> torch.Tensor | None:
@@ -100,13 +115,20 @@ def run(case: Case, dtype: torch.dtype, seed: int = 0) -> None:
     recent_max = max(ln - s for ln, s in zip(case.lens, starts, strict=True)) + case.recent_slack
     scale = case.dim ** -0.5
     sinks = sink_logits(case, gen)
+    counts = row_counts(case, indices, gen)
     out = sparse_attention(q, cache.k, cache.v, cache.page_table, positions, case.page_size,
                            indices, recent_start, recent_max, scale, block_k=case.block_k,
                            split_size=case.split_size, out=poisoned(*q.shape, dtype=dtype),
-                           sinks=sinks)
+                           sinks=sinks, listed=counts)
     want = sparse_attention_ref(q, cache.k, cache.v, cache.page_table, positions,
-                                case.page_size, indices, recent_start, recent_max, scale, sinks)
+                                case.page_size, indices, recent_start, recent_max, scale, sinks,
+                                counts)
     torch.testing.assert_close(out, want, **tol(dtype))
+    if counts is not None:  # the cut matters: the whole lists attend otherwise
+        whole = sparse_attention_ref(q, cache.k, cache.v, cache.page_table, positions,
+                                     case.page_size, indices, recent_start, recent_max, scale,
+                                     sinks)
+        assert not torch.allclose(whole, want, **tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -142,6 +164,8 @@ ONE_ROW = [c for c in CASES if c.n == 1] + [
          split_size=32),
     Case((90, 131), 1, 9, 3, 64, budget=0.3, recent_extra=6, block_k=16, split_size=32,
          sinks=True),
+    Case((90, 131), 1, 9, 3, 64, budget=0.5, recent_extra=6, block_k=16, split_size=32,
+         cut=True),
 ]
 
 
@@ -174,7 +198,9 @@ def test_rope_and_store_inside_match_rope_store_then_the_plain_kernel(
     args = (cache.page_table, positions, case.page_size, indices, recent_start, recent_max,
             case.dim ** -0.5)
     sinks = sink_logits(case, gen)
-    tiles = {"block_k": case.block_k, "split_size": case.split_size, "sinks": sinks}
+    counts = row_counts(case, indices, gen)
+    tiles = {"block_k": case.block_k, "split_size": case.split_size, "sinks": sinks,
+             "listed": counts}
     k_want, v_want = cache.k.clone(), cache.v.clone()
     q_rot = rope_store(q, k, v, k_want, v_want, table, positions, slots)
     want = sparse_attention(q_rot, k_want, v_want, *args, **tiles)
@@ -187,7 +213,8 @@ def test_rope_and_store_inside_match_rope_store_then_the_plain_kernel(
     store_kv_ref(apply_rope(k, table, positions)[keep][None], v[keep][None], k_ref, v_ref,
                  slots[keep][None])
     assert torch.equal(k_ref, cache.k) and torch.equal(v_ref, cache.v)
-    oracle = sparse_attention_ref(apply_rope(q, table, positions), k_ref, v_ref, *args, sinks)
+    oracle = sparse_attention_ref(apply_rope(q, table, positions), k_ref, v_ref, *args, sinks,
+                                  counts)
     torch.testing.assert_close(got, oracle, **tol(dtype))
 
 

@@ -56,6 +56,8 @@ class SparsePlan:
     recent_max: host bound on seq_len - recent_start (fixes the gather width).
     budget: [B] selected-token budget k of each sequence (statistics).
     selector: computes indices per layer from the query instead (quest).
+    listed: [B] the most positions each row lists (its indices past that are -1, and a
+            draft kernel stops there rather than at the static width K; None: K).
     """
 
     indices: torch.Tensor | None
@@ -63,6 +65,7 @@ class SparsePlan:
     recent_max: int
     budget: torch.Tensor
     selector: DynamicSelector | None = None
+    listed: torch.Tensor | None = None
 
 
 @dataclass

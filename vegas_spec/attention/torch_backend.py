@@ -232,14 +232,19 @@ def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def sparse_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
                          indices: torch.Tensor, recent_start: torch.Tensor, recent_max: int,
-                         scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                         scale: float, sinks: torch.Tensor | None = None,
+                         listed: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over selected positions plus a contiguous recent range.
 
     q [B, n, H, D]; indices [B, G, K] positions (-1 = unused; G = 1 shares them across the
     kv heads); recent_start [B]; query i sees recent positions recent_start..positions[b, i]
     (at most recent_max of them) and every listed index (all lie before recent_start);
-    sinks [H] (None: none) join each head's softmax denominator."""
+    sinks [H] (None: none) join each head's softmax denominator; listed [B] (None: K): only
+    a row's first listed[b] indices count."""
     bsz, n, heads, dim = q.shape
+    if listed is not None:
+        column = torch.arange(indices.shape[-1], device=q.device)
+        indices = torch.where(column < listed[:, None, None], indices, -1)
     hkv, groups = k_cache.shape[1], indices.shape[1]
     recent = recent_start[:, None, None] + torch.arange(recent_max, device=q.device)
     pos = torch.cat([indices.long(), recent.expand(bsz, groups, recent_max)], dim=-1)
@@ -313,4 +318,5 @@ class TorchBackend(AttentionBackend):
         assert plan is not None
         return sparse_attention_ref(q, k_cache, v_cache, ctx.page_table, ctx.positions,
                                     ctx.page_size, indices, plan.recent_start, plan.recent_max,
-                                    q.shape[-1] ** -0.5, sinks)
+                                    q.shape[-1] ** -0.5, sinks,
+                                    plan.listed if plan.selector is None else None)

@@ -146,4 +146,5 @@ class TritonBackend(AttentionBackend):
         assert plan is not None
         return sparse_attention(q, k_cache, v_cache, ctx.page_table, ctx.positions,
                                 ctx.page_size, indices, plan.recent_start, plan.recent_max,
-                                q.shape[-1] ** -0.5, new=new, sinks=sinks)
+                                q.shape[-1] ** -0.5, new=new, sinks=sinks,
+                                listed=plan.listed if plan.selector is None else None)

@@ -83,16 +83,16 @@ def tuning(device: torch.device) -> SparseTuning:
 
 @triton.jit
 def _sparse_split_kernel(
-        q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, idx_ptr, start_ptr,
+        q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, idx_ptr, start_ptr, listed_ptr,
         out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr, rope_ptr, slot_ptr, sinks_ptr,
-        n, H, Hkv, page_size, split_size, scale, rows_total, num_listed, recent_max,
+        n, H, Hkv, page_size, split_size, scale, rows_total, width, recent_max,
         stride_qb, stride_qn, stride_qh, stride_cs, stride_ch, stride_tb, stride_pb, stride_pn,
         stride_ib, stride_ig, stride_kb, stride_kh, stride_vb, stride_vh, stride_rope,
         stride_sb,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
         SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
-        MUL_RN: tl.constexpr, SINKS: tl.constexpr):
+        MUL_RN: tl.constexpr, SINKS: tl.constexpr, LISTED: tl.constexpr):
     b = tl.program_id(0) // Hkv
     kvh = tl.program_id(0) % Hkv
     rb = tl.program_id(1)
@@ -109,6 +109,9 @@ def _sparse_split_kernel(
     q_mask = lane_ok[:, None] & d_ok[None, :]
     max_pos = tl.max(pos, axis=0)
     recent0 = tl.load(start_ptr + b).to(tl.int32)
+    num_listed = width  # the row's list: its first listed[b] indices, or the whole width
+    if LISTED:
+        num_listed = tl.minimum(tl.load(listed_ptr + b).to(tl.int32), width)
     if ROPE:  # n = 1: q rotated as it is loaded; the step's own k and v stored first
         half = HEAD_DIM // 2
         first = d < half
@@ -224,7 +227,8 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float, *, block_k: int | None = None,
                      split_size: int | None = None,
                      out: torch.Tensor | None = None, new: NewKV | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None,
+                     listed: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over listed positions plus a contiguous recent range.
 
     q [B, n, H, D]; k_cache, v_cache [num_slots, Hkv, D]; page_table [B, P];
@@ -234,10 +238,15 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     j < recent_max up to positions[b, i]. Returns [B, n, H, D] in q's dtype.
     new: q is before RoPE, and the step's own k and v go to their slots first (`NewKV`).
     sinks [H] (None: none): a logit per query head in each row's softmax denominator, split
-    0's initial state (`split_merge.initial_state`)."""
+    0's initial state (`split_merge.initial_state`).
+    listed [B] (None: K): a row's list is its first listed[b] indices: the kernel walks
+    those and the recent range, not the static width (a plan's budget at a short context
+    lists far fewer than the width its graph was captured for)."""
     _check(q, k_cache, v_cache, page_table, positions, indices, recent_start, recent_max)
     assert sinks is None or (sinks.shape == (q.shape[2],) and sinks.is_contiguous()
                              and sinks.device == q.device)
+    assert listed is None or (listed.shape == (q.shape[0],) and listed.is_contiguous()
+                              and not listed.is_floating_point() and listed.device == q.device)
     if new is not None:
         _check_new(new, q, k_cache)
     bsz, n, heads, dim = q.shape
@@ -258,7 +267,8 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         (new.k, new.v, new.rope, new.slots)
     _sparse_split_kernel[(bsz * hkv, row_blocks, splits)](
         q, k_cache, v_cache, page_table, positions, indices, recent_start,
-        out, out, *((out, out, out) if parts is None else (parts.acc, parts.m, parts.l)),
+        recent_start if listed is None else listed, out, out,
+        *((out, out, out) if parts is None else (parts.acc, parts.m, parts.l)),
         kn, vn, rope, slots, q if sinks is None else sinks,
         n, heads, hkv, page_size, size, scale, bsz * n, indices.shape[2], recent_max,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
@@ -268,7 +278,7 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, SINGLE=parts is None,
         DOT_PRECISION=cfg.dot_precision, ROPE=new is not None, MUL_RN=not interpreting(),
-        SINKS=sinks is not None, **cfg.launch_options())
+        SINKS=sinks is not None, LISTED=listed is not None, **cfg.launch_options())
     if parts is not None:
         merge_splits(parts, out, None)
     return out

@@ -52,8 +52,12 @@ def cat_plans(a: SparsePlan | None, b: SparsePlan | None) -> SparsePlan | None:
     selector = None
     if a.selector is not None and b.selector is not None:
         selector = a.selector.cat(b.selector)
+    listed = None
+    if a.listed is not None and b.listed is not None:
+        listed = torch.cat([a.listed, b.listed])
     return SparsePlan(indices, torch.cat([a.recent_start, b.recent_start]),
-                      max(a.recent_max, b.recent_max), torch.cat([a.budget, b.budget]), selector)
+                      max(a.recent_max, b.recent_max), torch.cat([a.budget, b.budget]), selector,
+                      listed)
 
 
 def take_plan(plan: SparsePlan | None, idx: torch.Tensor) -> SparsePlan | None:
@@ -63,4 +67,4 @@ def take_plan(plan: SparsePlan | None, idx: torch.Tensor) -> SparsePlan | None:
     selector = None if plan.selector is None else plan.selector.take(idx)
     indices = None if plan.indices is None else plan.indices[:, idx]  # [layers, B', G, K]
     return SparsePlan(indices, plan.recent_start[idx], plan.recent_max, plan.budget[idx],
-                      selector)
+                      selector, None if plan.listed is None else plan.listed[idx])

@@ -207,7 +207,8 @@ class Policy:
             indices = self.indices(inp, ranked, listed)
         recent = inp.recent_max if inp.recent_max is not None \
             else recent_bound(inp.lengths, ranked, inp.gamma)
-        return SparsePlan(indices, ranked, recent, k, self.selector(inp, ranked, listed))
+        return SparsePlan(indices, ranked, recent, k, self.selector(inp, ranked, listed),
+                          listed if indices is not None else None)
 
     def indices(self, inp: SelectionInput, rankable: torch.Tensor,
                 k: torch.Tensor) -> torch.Tensor | None:
