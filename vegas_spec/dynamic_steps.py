@@ -57,7 +57,7 @@ class DynamicSteps:
     def _ctx(self, page_table: torch.Tensor, positions: torch.Tensor, kv_len_max: int,
              scores: ScoreRequest | None = None, sparse: SparsePlan | None = None,
              draft: bool = False) -> StepContext:
-        return StepContext(positions=positions, seq_lens=positions[:, -1] + 1,
+        return StepContext(positions=positions,
                            slot_mapping=slots_of(page_table, positions, self.page_size),
                            page_table=page_table, page_size=self.page_size,
                            kv_len_max=kv_len_max, scores=scores, sparse=sparse, draft=draft)

@@ -409,7 +409,7 @@ class GraphRunner:
     def _context(self, kind: str, rows: int, n: int) -> StepContext:
         positions, table = self.buf.positions[n][:rows], self.buf.page_table[:rows]
         return StepContext(
-            positions=positions, seq_lens=positions[:, -1] + 1,
+            positions=positions,
             slot_mapping=slots_of(table, positions, self.page_size), page_table=table,
             page_size=self.page_size, kv_len_max=self.kv_len,
             scores=self._score_request(rows) if kind == "verify" else None,

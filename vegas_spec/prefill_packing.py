@@ -183,9 +183,9 @@ def context(buf: PackedPrefill, chunk: Chunk, page_size: int, kv_len: int,
     """The step context of a packed forward (kv_len: host bound on its keys; last: the rows
     whose scores and queries it emits; memo: per-step values of the backend, tile lists)."""
     plan = PrefillPlan(buf.cu_q, buf.start, chunk.lengths, chunk.starts, last, memo or {})
-    return StepContext(positions=buf.positions[None], seq_lens=buf.start + buf.cu_q.diff(),
-                       slot_mapping=buf.slots[None], page_table=buf.table,
-                       page_size=page_size, kv_len_max=kv_len, scores=scores, prefill=plan)
+    return StepContext(positions=buf.positions[None], slot_mapping=buf.slots[None],
+                       page_table=buf.table, page_size=page_size, kv_len_max=kv_len,
+                       scores=scores, prefill=plan)
 
 
 def last_rows(buf: PackedPrefill, kv_len: int, q_out: torch.Tensor | None) -> LastRows | None:

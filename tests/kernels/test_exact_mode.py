@@ -81,7 +81,7 @@ def test_per_token_steps_are_row_wise(backend: str, dtype: torch.dtype) -> None:
     def rotate(b: slice) -> torch.Tensor:
         cache = torch.zeros(56, HKV, DIM, dtype=dtype, device=DEVICE)
         slots = torch.arange(56, device=DEVICE).view(8, 7)[b]
-        ctx = StepContext(positions=pos[b], seq_lens=pos[b, -1] + 1, slot_mapping=slots,
+        ctx = StepContext(positions=pos[b], slot_mapping=slots,
                           page_table=slots, page_size=1, kv_len_max=1)
         return attn.rope_store(q[b], k[b], k[b], cache, cache.clone(), ctx, rope)
 

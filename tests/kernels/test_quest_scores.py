@@ -110,7 +110,7 @@ def test_selector_with_rope_picks_the_pages_of_the_rotated_q() -> None:
     q, q_rot, table, positions = rope_inputs(case, torch.float32, gen)
     rankable = torch.tensor([24 * 16, 100, 13 * 16], device=DEVICE)
     selector = QuestSelector([(lo, hi)], rankable, torch.tensor([5, 3, 7], device=DEVICE), 16, 7)
-    ctx = StepContext(positions=positions, seq_lens=positions[:, 0] + 1,
+    ctx = StepContext(positions=positions,
                       slot_mapping=torch.full_like(positions, -1),
                       page_table=torch.zeros(bsz, 1, dtype=torch.int32, device=DEVICE),
                       page_size=16, kv_len_max=num_pages * 16)

@@ -75,7 +75,7 @@ class Runner:
             out = torch.full((cfg.num_layers, tokens.shape[0], len(rows), groups, kv_len),
                              float("nan"), device=DEVICE)
             req = ScoreRequest(torch.tensor(rows, device=DEVICE), out, mode, per_kv_head)
-        ctx = StepContext(positions=positions, seq_lens=positions[:, -1] + 1,
+        ctx = StepContext(positions=positions,
                           slot_mapping=slots_of(table, positions, PAGE), page_table=table,
                           page_size=PAGE, kv_len_max=kv_len, scores=req, sparse=plan)
         hidden = self.model(tokens, ctx, self.caches, self.ops, self.attn)

@@ -79,9 +79,9 @@ class AttentionBackend(ABC):
         """Selection scores of prompts' last rows (q_last [S', H, D], rotated) into
         scores.out[layer] ([S', R, G, W]): a one-row full-attention step over their pages,
         whose attention output is dropped."""
-        ctx = StepContext(positions=last.positions, seq_lens=last.positions[:, -1] + 1,
-                          slot_mapping=last.slots, page_table=last.page_table,
-                          page_size=page_size, kv_len_max=last.kv_len_max, scores=scores)
+        ctx = StepContext(positions=last.positions, slot_mapping=last.slots,
+                          page_table=last.page_table, page_size=page_size,
+                          kv_len_max=last.kv_len_max, scores=scores)
         self.full(layer, q_last[:, None], k_cache, v_cache, ctx, sinks, window)
 
     def prefill_block_rows(self, head_dim: int, device: torch.device) -> int | None:

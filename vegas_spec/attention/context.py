@@ -112,18 +112,17 @@ class PrefillPlan:
 @dataclass
 class StepContext:
     """positions:    [B, n] position of each input token.
-    seq_lens:     [B] KV length once this step's tokens are written (= positions[:, -1] + 1).
     slot_mapping: [B, n] cache slot receiving each token's K/V.
     page_table:   [B, P] pages of each sequence (page_size slots each).
-    kv_len_max:   host bound on seq_lens (the key axis of the reference gather).
-    prefill:      set for a packed prefill step (B = 1, n = T; page_table and seq_lens
-                  then have one row per piece; `scores` then covers prefill.last's rows).
+    kv_len_max:   host bound on the KV length once this step's tokens are written (the key
+                  axis of the reference gather).
+    prefill:      set for a packed prefill step (B = 1, n = T; page_table then has one row
+                  per piece; `scores` then covers prefill.last's rows).
     draft:        a draft step: the projections read the model's draft copy of their
                   weights where it has one (`quant`).
     """
 
     positions: torch.Tensor
-    seq_lens: torch.Tensor
     slot_mapping: torch.Tensor
     page_table: torch.Tensor
     page_size: int
