@@ -16,7 +16,7 @@ from vegas_spec.pages import OutOfMemoryError, PageAllocator, fmt_bytes
 from vegas_spec.prefix_cache import PrefixCache
 
 __all__ = ["OutOfMemoryError", "PagedKVCache", "available_bytes", "check_memory", "fmt_bytes",
-           "page_bytes", "slots_of"]
+           "page_bytes", "slots_of", "step_slots"]
 
 
 def slots_of(page_table: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -24,6 +24,16 @@ def slots_of(page_table: torch.Tensor, pos: torch.Tensor, page_size: int) -> tor
     flat = pos.reshape(pos.shape[0], -1)
     pages = torch.gather(page_table.long(), 1, torch.div(flat, page_size, rounding_mode="floor"))
     return (pages * page_size + flat % page_size).reshape(pos.shape)
+
+
+def step_slots(page_table: torch.Tensor, positions: torch.Tensor,
+               page_size: int) -> torch.Tensor:
+    """`slots_of` of a step's positions [B, n]: one kernel on CUDA (`kernels.slots`)."""
+    if positions.is_cuda:
+        from vegas_spec.kernels.slots import slots
+
+        return slots(page_table, positions, page_size)
+    return slots_of(page_table, positions, page_size)
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:

@@ -9,7 +9,7 @@ import torch
 
 from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import ScoreRequest, SparsePlan, StepContext
-from vegas_spec.cache import PagedKVCache, slots_of
+from vegas_spec.cache import PagedKVCache, step_slots
 from vegas_spec.compute.base import Ops
 from vegas_spec.input_batch import Batch
 from vegas_spec.models.decoder import Decoder
@@ -58,7 +58,7 @@ class DynamicSteps:
              scores: ScoreRequest | None = None, sparse: SparsePlan | None = None,
              draft: bool = False) -> StepContext:
         return StepContext(positions=positions,
-                           slot_mapping=slots_of(page_table, positions, self.page_size),
+                           slot_mapping=step_slots(page_table, positions, self.page_size),
                            page_table=page_table, page_size=self.page_size,
                            kv_len_max=kv_len_max, scores=scores, sparse=sparse, draft=draft)
 

@@ -37,7 +37,7 @@ import torch
 
 from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import ScoreRequest, SparsePlan, StepContext
-from vegas_spec.cache import slots_of
+from vegas_spec.cache import step_slots
 from vegas_spec.compute.base import Ops
 from vegas_spec.models.decoder import Decoder
 from vegas_spec.sampling import BatchSampling
@@ -410,7 +410,7 @@ class GraphRunner:
         positions, table = self.buf.positions[n][:rows], self.buf.page_table[:rows]
         return StepContext(
             positions=positions,
-            slot_mapping=slots_of(table, positions, self.page_size), page_table=table,
+            slot_mapping=step_slots(table, positions, self.page_size), page_table=table,
             page_size=self.page_size, kv_len_max=self.kv_len,
             scores=self._score_request(rows) if kind == "verify" else None,
             sparse=self._plan(rows) if kind == "draft" else None, draft=kind == "draft")

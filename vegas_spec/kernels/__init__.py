@@ -8,6 +8,7 @@
   split_merge       merge of the key splits of both (flash-decoding), shared tile helpers
   rope_store        RoPE on a step's q and k, with k and v written into their cache slots
   store_kv          a step's new K/V into their cache slots (the seam's store without RoPE)
+  slots             a step's cache slots from its positions and page table
   rms_norm          RMSNorm, fused with the residual add before it
   silu_mul          SiLU(gate) * up of the fused gate/up projection (or gpt-oss's clamped
                     SwiGLU)
@@ -26,7 +27,7 @@
 
 Every kernel has a plain-PyTorch reference that is its test oracle:
 `vegas_spec.attention.torch_backend` (attention, KV store),
-`vegas_spec.ops` (`rms_norm`, `add_rms_norm`, `silu_mul`, `clamped_swiglu`, `apply_rope`,
+`vegas_spec.cache.slots_of` (slots), `vegas_spec.ops` (`rms_norm`, `add_rms_norm`, `silu_mul`, `clamped_swiglu`, `apply_rope`,
 `topk_positions`, `quest_page_scores_ref`, `moe_experts`),
 `vegas_spec.sampling` (`draw_keys`, `uniform`, `exponential_argmax_ref`,
 `candidate_probs_ref`: sample) and `torch.nn.functional.linear`
