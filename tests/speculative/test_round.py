@@ -169,12 +169,12 @@ def test_the_sampling_kernels_round_emits_the_references_tokens(
     """The same round with `kernels.sample` (on the GPU where there is one, else on CPU
     under the Triton interpreter) and with the PyTorch references (on CPU): the same
     accepted counts and tokens, row for row."""
-    target, draft, s, last, lengths = mixed_round_inputs(120)
+    target, draft, s, last, lengths = mixed_round_inputs(60)
     reference = speculate(bigram_step(target, draft), last, lengths, GAMMA, "draft", s)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         monkeypatch.setattr(sampling_module, "_kernels", lambda t: True)
-    target, draft, s, last, lengths = mixed_round_inputs(120, device=device)
+    target, draft, s, last, lengths = mixed_round_inputs(60, device=device)
     kernels = [t.cpu() for t in speculate(bigram_step(target, draft), last, lengths, GAMMA,
                                           "draft", s)]
     assert torch.equal(kernels[0], reference[0])
