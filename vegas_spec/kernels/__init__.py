@@ -27,8 +27,9 @@
 
 Every kernel has a plain-PyTorch reference that is its test oracle:
 `vegas_spec.attention.torch_backend` (attention, KV store),
-`vegas_spec.cache.slots_of` (slots), `vegas_spec.ops` (`rms_norm`, `add_rms_norm`, `silu_mul`, `clamped_swiglu`, `apply_rope`,
-`topk_positions`, `quest_page_scores_ref`, `moe_experts`),
+`vegas_spec.cache.slots_of` (slots), `vegas_spec.ops` (`rms_norm`, `add_rms_norm`,
+`silu_mul`, `clamped_swiglu`, `apply_rope`, `topk_positions`, `quest_page_scores_ref`,
+`moe_experts`),
 `vegas_spec.sampling` (`draw_keys`, `uniform`, `exponential_argmax_ref`,
 `candidate_probs_ref`: sample) and `torch.nn.functional.linear`
 (exact_matmul, skinny_matmul). On a machine without CUDA the kernels run on CPU tensors under
