@@ -378,8 +378,12 @@ class LLMEngine:
         # a step that decoded: its prefill's part is the planning that admitted its prompts
         # and the runner's prefill (the rest is the iteration's, which adaptive speculation
         # weighs); a step that only prefilled is all prefill
-        prefill_s = (t1 - t0 + result.prefill_seconds if plan.prefill else 0.0) \
-            if plan.decode else t2 - t0
+        if not plan.decode:
+            prefill_s = t2 - t0
+        elif plan.prefill:
+            prefill_s = t1 - t0 + result.prefill_seconds
+        else:
+            prefill_s = 0.0
         self.wall["prefill"] += prefill_s
         self.wall["decode"] += t2 - t0 - prefill_s
         info.seconds, info.prefill_seconds = t2 - t0, prefill_s
