@@ -3,9 +3,11 @@ rank's to float32 rounding, and a model whose heads do not divide by N is refuse
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import queue
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -133,6 +135,35 @@ def vegas_histogram(model: str, prompts: list[list[int]], device: str = "cpu") -
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True),
                         speculative=spec)
     return [o.stats["tokens_per_iteration_histogram"] for o in outs]
+
+
+def adaptive_plans(model: str, prompts: list[list[int]]) -> dict[str, Any]:
+    """Adaptive vegas with the prefill pacer on every rank's engine, rank 1's rounds made
+    20 ms slower: its own clock would have it plan other steps than rank 0 (and meet it in
+    other collectives) -> tokens, the controller's estimates and the pacer's."""
+    import torch.distributed as dist
+
+    llm = LLM(model, **ENGINE, exact=True, prefill_pacing=2.0, dtype="float32")
+    engine = llm.engine
+    if dist.get_rank() == 1:
+        execute = engine.runner.execute
+
+        def slow(plan: Any) -> Any:
+            if plan.decode and plan.draft:
+                time.sleep(0.02)
+            return execute(plan)
+
+        engine.runner.execute = slow
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = llm.generate(prompts, params, speculative=SpecConfig(method="vanilla"))
+    spec = SpecConfig(method="vegas", gamma=3, ratio=0.1, min_tokens=8, adaptive=True)
+    outs = llm.generate(prompts, params, speculative=spec)
+    control = engine.controller
+    return {"plain": [o.token_ids for o in plain], "tokens": [o.token_ids for o in outs],
+            "estimates": {k: (b.plain.value, b.round.value, b.tokens.value)
+                          for k, b in control.buckets.items()},
+            "steps": (control.plain_steps, control.rounds),
+            "pacer": dataclasses.asdict(engine.pacer)}
 
 
 def logits_or_exit(model: str, prompt: list[int]) -> torch.Tensor:
@@ -291,6 +322,17 @@ def test_two_ranks_select_what_one_rank_selects(tiny: Path, tmp_path: Path) -> N
     one = vegas_histogram(str(tiny), prompts)
     ranks = run_ranks(2, tmp_path, vegas_histogram, str(tiny), prompts)
     assert ranks[0] == ranks[1] == one
+
+
+def test_spmd_ranks_plan_by_rank_0s_times(tiny: Path, tmp_path: Path) -> None:
+    """Every rank's engine runs adaptive speculation and the prefill pacer by rank 0's
+    measured times (rank 1's own rounds are 20 ms slower): the same steps on every rank, so
+    the same estimates, and plain decoding's tokens."""
+    prompts = random_prompts(9, (60, 45, 30), VOCAB)
+    ranks = run_ranks(2, tmp_path, adaptive_plans, str(tiny), prompts)
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["estimates"] and sum(ranks[0]["steps"]) > 0
+    assert ranks[0]["tokens"] == ranks[0]["plain"]
 
 
 def test_three_ranks_greedy_speculative_gives_plain_tokens(tmp_path_factory: pytest.TempPathFactory,

@@ -52,7 +52,7 @@ from vegas_spec.config import (
     sampling_list,
     spec_config,
 )
-from vegas_spec.executor import make_runner
+from vegas_spec.executor import make_runner, spmd_group
 from vegas_spec.graphs import bucket_for, round_kind_of
 from vegas_spec.models.loader import resolve
 from vegas_spec.prefill_graphs import bucket_floor
@@ -163,6 +163,7 @@ class LLMEngine:
         self.source = resolve(model)
         # under tensor parallelism (a `launch`), one that broadcasts each call to the workers
         self.runner: Runner = make_runner(self.config, self.source, self.spec)
+        self._spmd = spmd_group()
         budget = self.config.prefill_tokens(self.runner.model_config)
         self.scheduler = Scheduler(self.runner.pages, max_num_seqs, budget)
         pacing = self.config.prefill_pacing
@@ -384,19 +385,21 @@ class LLMEngine:
             prefill_s = t1 - t0 + result.prefill_seconds
         else:
             prefill_s = 0.0
+        outs = [self._output(s) for s in touched.values()] if collect else []
+        for seq in touched.values():
+            if seq.finished:  # its row, if it had one, leaves with the next plan
+                self._release(seq)
+        # the iteration's whole cost, its host work included (scheduling, appending,
+        # outputs: paid per iteration, whatever the tokens)
+        spent = time.perf_counter() - t0
+        if self._spmd is not None:  # every rank's engine plans by rank 0's times
+            t2, t0, prefill_s, spent = self._spmd.from_rank0((t2, t0, prefill_s, spent))
         self.wall["prefill"] += prefill_s
         self.wall["decode"] += t2 - t0 - prefill_s
         info.seconds, info.prefill_seconds = t2 - t0, prefill_s
         if self.pacer is not None:
             self.pacer.observe(info.prefill_tokens, bool(info.emitted), info.seconds, budget)
-        outs = [self._output(s) for s in touched.values()] if collect else []
-        for seq in touched.values():
-            if seq.finished:  # its row, if it had one, leaves with the next plan
-                self._release(seq)
-        if info.emitted and self.controller is not None:
-            # the iteration's whole cost, its host work included (scheduling, appending,
-            # outputs: paid per iteration, whatever the tokens), but not a prefill's
-            spent = time.perf_counter() - t0
+        if info.emitted and self.controller is not None:  # a prefill's part is not its own
             self.controller.observe(info.bucket, info.drafted,
                                     spent - (prefill_s if info.prefill_tokens else 0.0),
                                     sum(info.emitted) / len(info.emitted))

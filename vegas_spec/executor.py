@@ -234,6 +234,14 @@ def active() -> Executor | None:
     return _active
 
 
+def spmd_group() -> parallel.TPGroup | None:
+    """The tensor-parallel group where every rank runs an engine of its own (SPMD ranks:
+    `parallel.join` and no launch), else None. Such engines must plan the same steps, so
+    the times their plans follow (the pacer's and the adaptive controller's) are rank 0's."""
+    group = parallel.current()
+    return group if _active is None and group.world_size > 1 else None
+
+
 def launch(world_size: int, device: str) -> Executor | None:
     """Make this process rank 0 of `world_size` ranks -> its Executor; under torchrun, a rank
     other than 0 runs the worker loop instead and gets None. World size 1 (and no torchrun

@@ -56,8 +56,9 @@ order set by its place in the flattened tensor, which moves with the batch's sha
 ranks a + b = b + a, so the all_reduce is row-invariant as it is.
 
 Without a launch (`join` called directly, as the tests of this module do) every rank runs the
-whole engine on the same requests (SPMD), which the identical logits keep in step; the CLI
-and the server use the one-scheduler layout above.
+whole engine on the same requests (SPMD), which the identical logits and rank 0's measured
+times (`from_rank0`: the prefill pacer and adaptive speculation plan by them) keep in step;
+the CLI and the server use the one-scheduler layout above.
 """
 
 from __future__ import annotations
@@ -121,6 +122,16 @@ class TPGroup:
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return parts
+
+    def from_rank0(self, values: tuple[float, ...]) -> tuple[float, ...]:
+        """Rank 0's `values` on every rank (a host read; this rank's own at world size 1)."""
+        if self.world_size == 1:
+            return values
+        import torch.distributed as dist
+
+        box = [values]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        return tuple(box[0])
 
     def rank_slice(self, length: int) -> slice:
         """This rank's part of an axis of `length` split evenly over the ranks."""
