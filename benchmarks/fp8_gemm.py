@@ -4,9 +4,10 @@ copy bandwidth.
 
 Each cell cycles through `--layers` weights of its own (as a model's layers do, so that no
 call finds its weight in L2), in a CUDA graph of one call per weight, median over replays.
-Rows: `skinny_linear` on the FP8 copy (`quant.Fp8Weight`) with the default tiles and every
-`--tiles` setting, on the INT4 copy (`quant.Int4Weight`) with the default tiles, and cuBLAS
-(`F.linear`) on the bf16 weight beside it.
+Rows: `skinny_linear` on the FP8 copy (`quant.Fp8Weight`) and on the INT4 copy
+(`quant.Int4Weight`), each with the default tiles and, for the kinds `--tile-kinds` names
+(FP8 alone by default), every `--tiles` setting, and cuBLAS (`F.linear`) on the bf16 weight
+beside them.
 
     python benchmarks/fp8_gemm.py --out fp8_gemm.json
     python benchmarks/fp8_gemm.py --rows 16 32 --tiles 64:256:4:4:1 32:512:4:3:2 --out t.json
@@ -45,6 +46,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32, 64, 128])
     ap.add_argument("--tiles", type=tiles_arg, nargs="*", default=[],
                     help="BLOCK_N:BLOCK_K:WARPS:STAGES:SPLIT_K settings beside the default")
+    ap.add_argument("--tile-kinds", nargs="+", default=["fp8"], choices=["fp8", "int4"],
+                    help="the copies the --tiles settings run on")
     ap.add_argument("--layers", type=int, default=8, help="weights a cell cycles through")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -60,14 +63,18 @@ def main() -> None:
             x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
             calls = [("cublas bf16", None, lambda i, x=x, ws=weights: F.linear(x, ws[i]),
                       2 * n * k)]
-            for t in [None, *args.tiles]:
-                label = "fp8 " + ("default" if t is None else
-                                  f"{t.block_n}:{t.block_k}:{t.num_warps}:{t.num_stages}:"
-                                  f"{t.split_k}" + (":swap" if t.swap else ""))
-                calls.append((label, t, lambda i, t=t, x=x, cs=copies:
-                              skinny_linear(x, cs[i], tiles=t), n * k + 4 * n))
-            calls.append(("int4 default", None, lambda i, x=x, cs=int4s:
-                          skinny_linear(x, cs[i]), int4s[0].nbytes))
+            for kind, held, nbytes in (("fp8", copies, n * k + 4 * n),
+                                       ("int4", int4s, int4s[0].nbytes)):
+                settings = [None, *(args.tiles if kind in args.tile_kinds else [])]
+                for t in settings:
+                    if kind == "int4" and t is not None and t.swap:
+                        continue  # the INT4 kernel has no transposed product
+                    label = f"{kind} " + ("default" if t is None else
+                                          f"{t.block_n}:{t.block_k}:{t.num_warps}:"
+                                          f"{t.num_stages}:{t.split_k}"
+                                          + (":swap" if t.swap else ""))
+                    calls.append((label, t, lambda i, t=t, x=x, cs=held:
+                                  skinny_linear(x, cs[i], tiles=t), nbytes))
             for label, t, fn, nbytes in calls:
                 state = {"i": 0}
 
