@@ -54,24 +54,31 @@ MAX_DRAFT_ROWS = 128
 
 
 @dataclass(frozen=True)
-class SkinnyTuning:
-    """The default tiles (`skinny_tiles`) and the split-K sum on one device class (guesses, to
-    be replaced by measured ones).
-
-    Columns a program: `block_n` where N still gives `column_programs` programs (about two
-    per SM), else `block_n_narrow`. K step by the rows padded to a power of two
-    (`block_k_by_rows`, keys 16..MAX_DRAFT_ROWS): the shared memory of `stages` stages of x
-    and W tiles stays under 200 KB. `split_k` splits of K where the column blocks are fewer
-    than the SMs (`sms`, None: the device's own count) and K holds at least
-    `split_min_steps` K steps. The sum of the splits: `sum_block` elements and `sum_warps`
-    warps a program."""
+class RowTiles:
+    """A launch's tiles for one row bucket (the rows padded to a power of two >= 16):
+    `block_n` columns a program where N still gives `SkinnyTuning.column_programs` programs,
+    else `block_n_narrow`; `block_k` a K step (the shared memory of `stages` stages of x
+    and W tiles stays under 200 KB); `swap`: the transposed product (`SkinnyTiles.swap`)."""
 
     block_n: int
     block_n_narrow: int
+    block_k: int
+    warps: int = 4
+    stages: int = 4
+    swap: bool = False
+
+
+@dataclass(frozen=True)
+class SkinnyTuning:
+    """The default tiles (`skinny_tiles`) and the split-K sum on one device class.
+
+    `by_rows`: the tiles of each row bucket (keys 16..MAX_DRAFT_ROWS). `split_k` splits of
+    K where the column blocks are fewer than the SMs (`sms`, None: the device's own count)
+    and K holds at least `split_min_steps` K steps. The sum of the splits: `sum_block`
+    elements and `sum_warps` warps a program."""
+
+    by_rows: Mapping[int, RowTiles]
     column_programs: int
-    block_k_by_rows: Mapping[int, int]
-    warps: int
-    stages: int
     split_k: int
     split_min_steps: int
     sms: int | None
@@ -79,9 +86,10 @@ class SkinnyTuning:
     sum_warps: int
 
 
-_SM90 = SkinnyTuning(block_n=64, block_n_narrow=32, column_programs=256,
-                     block_k_by_rows={16: 256, 32: 256, 64: 128, 128: 64}, warps=4, stages=4,
-                     split_k=2, split_min_steps=4, sms=None, sum_block=1024, sum_warps=4)
+_SM90 = SkinnyTuning(by_rows={16: RowTiles(64, 32, 256), 32: RowTiles(64, 32, 256),
+                              64: RowTiles(64, 32, 128), 128: RowTiles(64, 32, 64)},
+                     column_programs=256, split_k=2, split_min_steps=4, sms=None,
+                     sum_block=1024, sum_warps=4)
 # By device class (`kernels.device_class`). The interpreter has no SMs: it assumes an H100's
 # or H200's 132, so that it runs the tiles those GPUs choose.
 TUNING: dict[str, SkinnyTuning] = {
@@ -121,14 +129,14 @@ def block_rows(m: int, most: int = MAX_ROWS) -> int:
 
 def skinny_tiles(m: int, n: int, k: int, device: torch.device) -> SkinnyTiles:
     """Default tiles for M rows of an [N, K] weight on `device` (`SkinnyTuning`)."""
-    tiles = tuning(device)
-    wide = triton.cdiv(n, tiles.block_n) >= tiles.column_programs
+    table = tuning(device)
+    tiles = table.by_rows[block_rows(m, MAX_DRAFT_ROWS)]
+    wide = triton.cdiv(n, tiles.block_n) >= table.column_programs
     block_n = tiles.block_n if wide else tiles.block_n_narrow
-    block_k = tiles.block_k_by_rows[block_rows(m, MAX_DRAFT_ROWS)]
-    sms = tiles.sms or device_sms(device)
-    split = triton.cdiv(n, block_n) < sms and k >= tiles.split_min_steps * block_k
-    return SkinnyTiles(block_n, block_k, num_warps=tiles.warps, num_stages=tiles.stages,
-                       split_k=tiles.split_k if split else 1)
+    sms = table.sms or device_sms(device)
+    split = triton.cdiv(n, block_n) < sms and k >= table.split_min_steps * tiles.block_k
+    return SkinnyTiles(block_n, tiles.block_k, num_warps=tiles.warps, num_stages=tiles.stages,
+                       split_k=table.split_k if split else 1, swap=tiles.swap)
 
 
 @triton.jit(do_not_specialize=["M"])
