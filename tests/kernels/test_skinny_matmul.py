@@ -17,6 +17,7 @@ from vegas_spec.kernels.skinny_matmul import (
     skinny_linear,
     skinny_linear_ref,
     skinny_tiles,
+    split_counters,
 )
 from vegas_spec.quant import fp8_linear_ref, int4_group, quantize_fp8, quantize_int4
 
@@ -86,6 +87,45 @@ def test_default_tiles_fill_the_gpu_at_8b_shapes(sms: int,
             for m in (1, 16, 64):
                 t = skinny_tiles(m, n, k, device)
                 assert -(-n // t.block_n) * t.split_k >= count, (device, m, n, k, t)
+
+
+@pytest.mark.parametrize("quantize", [None, quantize_fp8, quantize_int4],
+                         ids=["float32", "fp8", "int4"])
+@pytest.mark.parametrize("swap", [False, True], ids=["xw", "wx"])
+def test_split_k_sums_the_splits_in_order_in_one_launch(quantize, swap: bool) -> None:  # noqa: ANN001
+    """Three splits of K (64 channels each, the last column block partial): the column
+    block's last program sums the partials in split order 0, 1, 2 and adds the bias, the
+    float32 result of each split's K range computed alone, added in that order, to the bit;
+    the counters are back at zero for the next launch (a CUDA graph's replay)."""
+    if quantize is quantize_int4 and swap:
+        pytest.skip("the INT4 kernel has no transposed product")
+    gen = generator(191)
+    x = randn(5, 192, gen=gen)
+    w = randn(80, 192, gen=gen) / 16
+    b = randn(80, gen=gen)
+    weight = w if quantize is None else quantize(w, 64) if quantize is quantize_int4 \
+        else quantize(w)
+    with nan_empty():
+        got = skinny_linear(x, weight, b, tiles=SkinnyTiles(32, 64, 4, 2, 3, swap))
+    dense = w if quantize is None else weight.dequantize(torch.float32)
+    ref = quantize_fp8 if quantize is quantize_fp8 else None
+    parts = []
+    for s in range(3):
+        cut = slice(64 * s, 64 * (s + 1))
+        if ref is None:
+            one = dense[:, cut]
+        else:  # the FP8 kernel scales each split's sum: the same values, scale after
+            one = weight.values()[:, cut]
+        with nan_empty():
+            part = skinny_linear(x[:, cut].contiguous(), one.contiguous(),
+                                 tiles=SkinnyTiles(32, 64, 4, 2, 1, swap))
+        parts.append(part if ref is None else part * weight.scale)
+    want = (parts[0] + parts[1]) + parts[2] + b
+    if quantize is quantize_int4:  # group scales inside the sum: to rounding
+        assert float((got - want).norm() / want.norm()) < 1e-6
+    else:
+        assert torch.equal(got, want)
+    assert int(split_counters(1, x.device).abs().sum()) == 0
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

@@ -17,8 +17,11 @@ bytes per weight byte.
 
 The grid is cdiv(N, BLOCK_N) programs. Where that is few against the SMs (N = 4096: 128
 programs of 32 columns on 132 SMs), `split_k` programs share a column block, each
-walking 1/split_k of K, and write float32 partials [split_k, M, N] that a second small kernel
-sums in a fixed order (plus bias, cast): 2·split_k·M·N·4 more bytes, mostly in L2.
+walking 1/split_k of K, and write float32 partials [split_k, M, N]; the last of a column
+block's programs to finish (a counter a column block, `tl.atomic_add` with acquire-release
+order, left at zero for the next launch) sums them in split order 0, 1, .. (plus bias, cast),
+so the result does not depend on which program ends last and no second kernel is
+launched: 2·split_k·M·N·4 more bytes, mostly in L2.
 
 FP8 weights (`quant.Fp8Weight`, a draft step's copy: e4m3 values and one scale per output
 row) stream one byte a weight: each W tile is converted to x's dtype in registers (exact:
@@ -70,26 +73,22 @@ class RowTiles:
 
 @dataclass(frozen=True)
 class SkinnyTuning:
-    """The default tiles (`skinny_tiles`) and the split-K sum on one device class.
+    """The default tiles (`skinny_tiles`) on one device class.
 
     `by_rows`: the tiles of each row bucket (keys 16..MAX_DRAFT_ROWS). `split_k` splits of
     K where the column blocks are fewer than the SMs (`sms`, None: the device's own count)
-    and K holds at least `split_min_steps` K steps. The sum of the splits: `sum_block`
-    elements and `sum_warps` warps a program."""
+    and K holds at least `split_min_steps` K steps."""
 
     by_rows: Mapping[int, RowTiles]
     column_programs: int
     split_k: int
     split_min_steps: int
     sms: int | None
-    sum_block: int
-    sum_warps: int
 
 
 _SM90 = SkinnyTuning(by_rows={16: RowTiles(64, 32, 256), 32: RowTiles(64, 32, 256),
                               64: RowTiles(64, 32, 128), 128: RowTiles(64, 32, 64)},
-                     column_programs=256, split_k=2, split_min_steps=4, sms=None,
-                     sum_block=1024, sum_warps=4)
+                     column_programs=256, split_k=2, split_min_steps=4, sms=None)
 # By device class (`kernels.device_class`). The interpreter has no SMs: it assumes an H100's
 # or H200's 132, so that it runs the tiles those GPUs choose.
 TUNING: dict[str, SkinnyTuning] = {
@@ -139,19 +138,50 @@ def skinny_tiles(m: int, n: int, k: int, device: torch.device) -> SkinnyTiles:
                        split_k=table.split_k if split else 1, swap=tiles.swap)
 
 
+@triton.jit
+def _finish(acc, y_ptr, p_ptr, cnt_ptr, b_ptr, rm, rn, M, N, stride_ym,
+            HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] float32, this program's rows x columns (its split's part of K)
+    -> y [M, N] in y's dtype (+ bias). With SPLIT_K > 1 acc goes to the partials p
+    [SPLIT_K, M, N] and the column block's last program to arrive (its counter at
+    cnt_ptr[column block]) sums them in split order, adds the bias, stores y and sets the
+    counter back to zero."""
+    ok = (rm < M)[:, None] & (rn < N)[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=ok)
+    else:
+        part = rm[:, None] * N + rn[None, :]
+        tl.store(p_ptr + tl.program_id(1).to(tl.int64) * M * N + part, acc, mask=ok)
+        tl.debug_barrier()  # every thread's partial is written before the count says so
+        counter = cnt_ptr + tl.program_id(0)
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
+            tl.debug_barrier()
+            total = tl.load(p_ptr + part, mask=ok, other=0.0, cache_modifier=".cg")
+            for split in tl.static_range(1, SPLIT_K):
+                total += tl.load(p_ptr + split * M * N + part, mask=ok, other=0.0,
+                                 cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :],
+                     total.to(y_ptr.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(counter, 0)
+
+
 @triton.jit(do_not_specialize=["M"])
-def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_split, stride_xm, stride_wn,
-                   stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr,
-                   SWAP: tl.constexpr):
+def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, k_split,
+                   stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   SCALED: tl.constexpr, SWAP: tl.constexpr):
     """Program (j, s): rows 0..M-1 x columns j*BLOCK_N.. over K range s*k_split.. (all of K
-    when SPLIT_K is 1). With SPLIT_K > 1, y is the float32 partials [SPLIT_K, M, N] and the
-    bias waits for the sum. SCALED: W holds FP8 values, converted to x's dtype as loaded,
-    and s_ptr the per-column scales that multiply the sums. SWAP: the product is computed
-    transposed, y^T = W x^T, the W tile as the dot's first operand (the one that may come
-    from registers, where the converted FP8 tile already is) and the rows as its narrow
-    side."""
+    when SPLIT_K is 1), finished by `_finish`. SCALED: W holds FP8 values, converted to x's
+    dtype as loaded, and s_ptr the per-column scales that multiply the sums. SWAP: the
+    product is computed transposed, y^T = W x^T, the W tile as the dot's first operand (the
+    one that may come from registers, where the converted FP8 tile already is) and the rows
+    as its narrow side."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -179,48 +209,27 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, k_split, stride_x
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         else:
             acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    y_block = y_ptr + tl.program_id(1).to(tl.int64) * M * stride_ym
     if SWAP:  # acc [BLOCK_N, BLOCK_M]
         if SCALED:
             acc *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)[:, None]
-        if HAS_BIAS and SPLIT_K == 1:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_block + rm[None, :] * stride_ym + rn[:, None],
-                 acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
-    else:
-        if SCALED:
-            acc *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
-        if HAS_BIAS and SPLIT_K == 1:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_block + rm[:, None] * stride_ym + rn[None, :],
-                 acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _sum_splits_kernel(p_ptr, b_ptr, y_ptr, MN, N, HAS_BIAS: tl.constexpr,
-                       SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """y [M, N] = sum over s of partials [s, M, N] in order s = 0, 1, .. (+ bias), x's dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < MN
-    acc = tl.load(p_ptr + offs, mask=ok, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(p_ptr + s * MN + offs, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+        acc = tl.trans(acc)
+    elif SCALED:
+        acc *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
+    _finish(acc, y_ptr, p_ptr, cnt_ptr, b_ptr, rm, rn, M, N, stride_ym, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int4_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, k_split, K, stride_xm, stride_wn,
-                 stride_sn, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                 SUB: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _int4_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, k_split, K,
+                 stride_xm, stride_wn, stride_sn, stride_ym, HAS_BIAS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP: tl.constexpr, SUB: tl.constexpr, SPLIT_K: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
     """Program (j, s): rows 0..M-1 x columns j*BLOCK_N.. over K range s*k_split.. (a whole
-    number of BLOCK_K steps). A step is BLOCK_K // SUB pieces of SUB channels, each inside
-    one group: its bytes [BLOCK_N, SUB/2] (channel 2i in the low nibble of byte i, 2i + 1
-    in the high) become two integer tiles in x's dtype (exact: -8..7), one dot each with
-    x's even and odd channels, and the float32 sum is scaled once by the group's scale of
-    each column."""
+    number of BLOCK_K steps), finished by `_finish`. A step is BLOCK_K // SUB pieces of SUB
+    channels, each inside one group: its bytes [BLOCK_N, SUB/2] (channel 2i in the low
+    nibble of byte i, 2i + 1 in the high) become two integer tiles in x's dtype (exact:
+    -8..7), one dot each with x's even and odd channels, and the float32 sum is scaled once
+    by the group's scale of each column."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     half = tl.arange(0, SUB // 2)
@@ -247,11 +256,7 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, k_split, K, stride_xm,
             part = tl.dot(x_odd, tl.trans(high), part, input_precision=DOT_PRECISION)
             scale = tl.load(s_col + kp // GROUP, mask=n_ok & (kp < k_hi), other=0.0)
             acc += part * scale[None, :]
-    if HAS_BIAS and SPLIT_K == 1:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y_block = y_ptr + tl.program_id(1).to(tl.int64) * M * stride_ym
-    tl.store(y_block + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    _finish(acc, y_ptr, p_ptr, cnt_ptr, b_ptr, rm, rn, M, N, stride_ym, HAS_BIAS, SPLIT_K)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor | DraftWeight,
@@ -277,6 +282,21 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | DraftWeight,
     return out.view(*x.shape[:-1], n)
 
 
+# Zeroed split counters, a column block each, by device: grown (outside graph capture) to
+# the most column blocks a launch has split; every launch leaves them at zero.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(blocks: int, device: torch.device) -> torch.Tensor:
+    """At least `blocks` zeroed int32 counters on `device`, made once (4,096 at least) and
+    kept: the launches of a CUDA graph find them made by the eager warm-up before capture."""
+    held = _COUNTERS.get(device)
+    if held is None or held.numel() < blocks:
+        held = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = held
+    return held
+
+
 def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.Tensor | None,
             out: torch.Tensor, tiles: SkinnyTiles | None) -> None:
     """One launch: rows [M, K] (M <= one row block) into out [M, N]."""
@@ -284,20 +304,22 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.
     (m, k), n = rows.shape, weight.shape[0]
     block_m = block_rows(m, MAX_DRAFT_ROWS if draft else MAX_ROWS)
     cfg = tiles or skinny_tiles(m, n, k, rows.device)
-    # K per split, a whole number of K steps; trailing splits may be empty (they write zeros).
+    # K per split, a whole number of K steps; trailing splits may be empty (they add zeros).
     k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    partials = out if cfg.split_k == 1 else torch.empty(cfg.split_k, m, n, dtype=torch.float32,
-                                                        device=rows.device)
-    b = rows if bias is None else bias
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
-    stride_ym = out.stride(0) if cfg.split_k == 1 else n
+    if cfg.split_k == 1:
+        partials = counters = out
+    else:
+        partials = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=rows.device)
+        counters = split_counters(grid[0], rows.device)
+    b = rows if bias is None else bias
     precision = "ieee" if rows.dtype == torch.float32 else "tf32"
     if isinstance(weight, Int4Weight):
         sub = min(cfg.block_k, weight.group)  # a piece of a step inside one group
         assert sub >= 32, "INT4: K steps and groups of at least 32 channels"
         _int4_kernel[grid](
-            rows, weight.data, weight.scale, b, partials, m, n, k_split, k, rows.stride(0),
-            weight.data.stride(0), weight.scale.stride(0), stride_ym,
+            rows, weight.data, weight.scale, b, out, partials, counters, m, n, k_split, k,
+            rows.stride(0), weight.data.stride(0), weight.scale.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP=weight.group, SUB=sub, SPLIT_K=cfg.split_k,
             DOT_PRECISION=precision,
@@ -305,17 +327,12 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.
     else:
         w, scale = (weight.data, weight.scale) if draft else (weight, None)
         _skinny_kernel[grid](
-            rows, w, w if scale is None else scale, b, partials, m, n, k, k_split,
-            rows.stride(0), w.stride(0), stride_ym,
+            rows, w, w if scale is None else scale, b, out, partials, counters, m, n, k,
+            k_split, rows.stride(0), w.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, EVEN_K=k % cfg.block_k == 0,
             DOT_PRECISION=precision, SCALED=draft, SWAP=cfg.swap, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
-    if cfg.split_k > 1:
-        sums = tuning(rows.device)
-        _sum_splits_kernel[(triton.cdiv(m * n, sums.sum_block),)](
-            partials, b, out, m * n, n, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
-            BLOCK=sums.sum_block, num_warps=sums.sum_warps)
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor,
