@@ -94,9 +94,11 @@ def fp8_linear_ref(x: torch.Tensor, weight: Fp8Weight,
 
 @dataclass
 class Int4Weight:
-    """data [N, K/2] uint8: two 4-bit values a byte (input channel 2i in the low nibble, 2i + 1
-    in the high), each value u in 0..15 standing for u - 8; scale [N, K/group] float32: the
-    weight is (u - 8) * scale of its row and group of `group` consecutive input channels."""
+    """data [N, K/2] uint8: two 4-bit values a byte, each value u in 0..15 standing for
+    u - 8; a group's G = `group` consecutive input channels fill its G/2 bytes, byte i
+    holding channel i of the group in the low nibble and channel i + G/2 in the high (so a
+    kernel dots each nibble with a contiguous run of x); scale [N, K/group] float32: the
+    weight is (u - 8) * scale of its row and group."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -113,9 +115,11 @@ class Int4Weight:
 
     def values(self) -> torch.Tensor:
         """The stored integers [N, K] in -8..7 (float32)."""
-        low = (self.data & 15).float() - 8
-        high = (self.data >> 4).float() - 8
-        return torch.stack([low, high], dim=-1).flatten(-2)
+        n, half = self.data.shape[0], self.group // 2
+        packed = self.data.view(n, -1, half)  # [N, groups, G/2]
+        low = (packed & 15).float() - 8
+        high = (packed >> 4).float() - 8
+        return torch.cat([low, high], dim=-1).view(n, -1)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.values() * self.scale.repeat_interleave(self.group, dim=1)).to(dtype)
@@ -149,8 +153,8 @@ def quantize_int4(weight: torch.Tensor, group: int | None = None) -> Int4Weight:
     w = weight.float().view(n, k // group, group)
     amax = w.abs().amax(dim=-1)
     scale = torch.where(amax > 0, amax / 7, torch.ones_like(amax))
-    u = (torch.round(w / scale[..., None]).clamp(-8, 7) + 8).to(torch.uint8).view(n, k)
-    data = u[:, 0::2] | (u[:, 1::2] << 4)
+    u = (torch.round(w / scale[..., None]).clamp(-8, 7) + 8).to(torch.uint8)
+    data = (u[..., :group // 2] | (u[..., group // 2:] << 4)).view(n, k // 2)
     return Int4Weight(data.contiguous(), scale.contiguous(), group)
 
 

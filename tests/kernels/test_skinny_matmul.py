@@ -248,7 +248,8 @@ def test_int4_default_tiles_take_several_groups_a_step(m: int, k: int, group: in
 
 def test_quantize_int4_per_row_and_group() -> None:
     """Each group's largest magnitude maps to ±7; values within half a step of the weight;
-    channel 2i in the low nibble of byte i, 2i + 1 in the high; a zero group keeps scale 1;
+    byte i of a group of 64 holds its channel i in the low nibble and i + 32 in the high (the
+    second group's bytes from byte 32 on); a zero group keeps scale 1;
     the group is the first of 128, 64, 32 that divides K (SmolLM2's K = 576: 64)."""
     w = torch.randn(4, 128, generator=generator(3))
     w[1, 64:] = 0.0
@@ -262,8 +263,11 @@ def test_quantize_int4_per_row_and_group() -> None:
     back = q.dequantize(torch.float32)
     step = q.scale.repeat_interleave(64, dim=1)
     assert bool(((back - w).abs() <= step / 2 + 1e-6 * w.abs()).all())
-    low, high = (q.data[0, 5] & 15).item() - 8, (q.data[0, 5] >> 4).item() - 8
-    assert (low, high) == (values[0, 10].item(), values[0, 11].item())
+    for byte, channels in ((5, (5, 37)), (40, (72, 104))):
+        low, high = (q.data[0, byte] & 15).item() - 8, (q.data[0, byte] >> 4).item() - 8
+        assert (low, high) == tuple(values[0, c].item() for c in channels)
+        assert (low, high) == tuple(torch.round(w[0, c] / q.scale[0, c // 64]).item()
+                                    for c in channels)
     assert [int4_group(k) for k in (4096, 576, 1536, 96)] == [128, 64, 128, 32]
     with pytest.raises(ValueError, match="divisible by 32"):
         int4_group(100)

@@ -28,12 +28,13 @@ row) stream one byte a weight: each W tile is converted to x's dtype in register
 e4m3 values are bf16, fp16 and fp32 values), the products accumulate in float32, and the
 column's scale multiplies the sum. INT4 weights (`quant.Int4Weight`: two 4-bit values a
 byte, one scale per row and group of input channels) stream half a byte a weight: each
-BLOCK_K step of a program takes its group-sized pieces, unpacks a piece's low and high
-nibbles into two integer tiles in x's dtype (exact), dots them with x's even and odd
-channels and scales the float32 sum once per column and group (`_int4_kernel`): no
-per-weight multiply, one scale load per column and piece, wide K steps for bytes in
-flight. Draft weights take up to MAX_DRAFT_ROWS rows a launch. Oracles:
-`quant.Fp8Weight.ref`, `quant.Int4Weight.ref`."""
+BLOCK_K step of a program takes its pieces (a group or a part of one), unpacks a piece's
+low and high nibbles into two integer tiles in x's dtype (exact), dots them with the two
+contiguous runs of x's channels they hold (the low and the high half of the group's
+channels: the layout is made for this) and scales the float32 sum once per column and
+group (`_int4_kernel`): no per-weight multiply, no strided loads of x, one scale load per
+column and piece, wide K steps for bytes in flight. Draft weights take up to
+MAX_DRAFT_ROWS rows a launch. Oracles: `quant.Fp8Weight.ref`, `quant.Int4Weight.ref`."""
 
 from __future__ import annotations
 
@@ -224,12 +225,13 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, k_spli
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP: tl.constexpr, SUB: tl.constexpr, SPLIT_K: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
-    """Program (j, s): rows 0..M-1 x columns j*BLOCK_N.. over K range s*k_split.. (a whole
-    number of BLOCK_K steps), finished by `_finish`. A step is BLOCK_K // SUB pieces of SUB
-    channels, each inside one group: its bytes [BLOCK_N, SUB/2] (channel 2i in the low
-    nibble of byte i, 2i + 1 in the high) become two integer tiles in x's dtype (exact:
-    -8..7), one dot each with x's even and odd channels, and the float32 sum is scaled once
-    by the group's scale of each column."""
+    """Program (j, s): rows 0..M-1 x columns j*BLOCK_N.. over the bytes of K range
+    s*k_split.. (a whole number of BLOCK_K steps), finished by `_finish`. A step is
+    BLOCK_K // SUB pieces of SUB/2 bytes, each inside one group (SUB divides GROUP): its
+    bytes [BLOCK_N, SUB/2] become two integer tiles in x's dtype (exact: -8..7), the low
+    nibbles dotted with x's channels g*GROUP + j.. and the high with g*GROUP + GROUP/2 + j..
+    (j: the piece's first byte in its group g), and the float32 sum is scaled once by the
+    group's scale of each column."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     half = tl.arange(0, SUB // 2)
@@ -237,24 +239,25 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, k_spli
     x_row = x_ptr + rm[:, None] * stride_xm
     w_row = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     s_col = s_ptr + rn.to(tl.int64) * stride_sn
-    k_lo = tl.program_id(1) * k_split
-    k_hi = tl.minimum(k_lo + k_split, K)
+    b_lo = tl.program_id(1) * (k_split // 2)
+    b_hi = tl.minimum(b_lo + k_split // 2, K // 2)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for b0 in range(b_lo, b_hi, BLOCK_K // 2):
         for piece in tl.static_range(BLOCK_K // SUB):
-            kp = k0 + piece * SUB
-            even = kp + 2 * half  # K is even: the odd channel beside it is in range too
-            ok = even < k_hi
-            packed = tl.load(w_row + (kp // 2 + half)[None, :], mask=n_ok[:, None] & ok[None, :],
+            first = b0 + piece * (SUB // 2)  # the piece's first byte
+            group = first // (GROUP // 2)
+            low_k = group * GROUP + first % (GROUP // 2) + half  # its low nibbles' channels
+            ok = first + half < b_hi
+            packed = tl.load(w_row + (first + half)[None, :], mask=n_ok[:, None] & ok[None, :],
                              other=136)
             x_ok = m_ok[:, None] & ok[None, :]
-            x_even = tl.load(x_row + even[None, :], mask=x_ok, other=0.0)
-            x_odd = tl.load(x_row + (even + 1)[None, :], mask=x_ok, other=0.0)
+            x_low = tl.load(x_row + low_k[None, :], mask=x_ok, other=0.0)
+            x_high = tl.load(x_row + (low_k + GROUP // 2)[None, :], mask=x_ok, other=0.0)
             low = ((packed & 15).to(tl.int32) - 8).to(x_ptr.dtype.element_ty)
             high = ((packed >> 4).to(tl.int32) - 8).to(x_ptr.dtype.element_ty)
-            part = tl.dot(x_even, tl.trans(low), input_precision=DOT_PRECISION)
-            part = tl.dot(x_odd, tl.trans(high), part, input_precision=DOT_PRECISION)
-            scale = tl.load(s_col + kp // GROUP, mask=n_ok & (kp < k_hi), other=0.0)
+            part = tl.dot(x_low, tl.trans(low), input_precision=DOT_PRECISION)
+            part = tl.dot(x_high, tl.trans(high), part, input_precision=DOT_PRECISION)
+            scale = tl.load(s_col + group, mask=n_ok & (first < b_hi), other=0.0)
             acc += part * scale[None, :]
     _finish(acc, y_ptr, p_ptr, cnt_ptr, b_ptr, rm, rn, M, N, stride_ym, HAS_BIAS, SPLIT_K)
 
@@ -316,7 +319,8 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.
     precision = "ieee" if rows.dtype == torch.float32 else "tf32"
     if isinstance(weight, Int4Weight):
         sub = min(cfg.block_k, weight.group)  # a piece of a step inside one group
-        assert sub >= 32, "INT4: K steps and groups of at least 32 channels"
+        assert sub >= 32 and weight.group % sub == 0, \
+            "INT4: K steps and groups of at least 32 channels, powers of two"
         _int4_kernel[grid](
             rows, weight.data, weight.scale, b, out, partials, counters, m, n, k_split, k,
             rows.stride(0), weight.data.stride(0), weight.scale.stride(0), out.stride(0),
