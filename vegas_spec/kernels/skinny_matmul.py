@@ -285,19 +285,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | DraftWeight,
     return out.view(*x.shape[:-1], n)
 
 
-# Zeroed split counters, a column block each, by device: grown (outside graph capture) to
-# the most column blocks a launch has split; every launch leaves them at zero.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+# Zeroed split counters, a column block each, by device; every launch leaves them at zero.
+# A buffer is never freed: a CUDA graph captured with it keeps its address (a larger one,
+# should a launch need more column blocks, goes beside it).
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def split_counters(blocks: int, device: torch.device) -> torch.Tensor:
-    """At least `blocks` zeroed int32 counters on `device`, made once (4,096 at least) and
-    kept: the launches of a CUDA graph find them made by the eager warm-up before capture."""
-    held = _COUNTERS.get(device)
-    if held is None or held.numel() < blocks:
-        held = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = held
-    return held
+    """At least `blocks` zeroed int32 counters on `device` (65,536 at first: a column block
+    of 16 columns of a 1M-entry vocabulary), made once and kept for good."""
+    held = _COUNTERS.setdefault(device, [])
+    if not held or held[-1].numel() < blocks:
+        held.append(torch.zeros(max(blocks, 1 << 16), dtype=torch.int32, device=device))
+    return held[-1]
 
 
 def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.Tensor | None,
