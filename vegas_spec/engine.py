@@ -391,12 +391,12 @@ class LLMEngine:
                 self._release(seq)
         # the iteration's whole cost, its host work included (scheduling, appending,
         # outputs: paid per iteration, whatever the tokens)
-        spent = time.perf_counter() - t0
+        seconds, spent = t2 - t0, time.perf_counter() - t0
         if self._spmd is not None:  # every rank's engine plans by rank 0's times
-            t2, t0, prefill_s, spent = self._spmd.from_rank0((t2, t0, prefill_s, spent))
+            seconds, prefill_s, spent = self._spmd.from_rank0((seconds, prefill_s, spent))
         self.wall["prefill"] += prefill_s
-        self.wall["decode"] += t2 - t0 - prefill_s
-        info.seconds, info.prefill_seconds = t2 - t0, prefill_s
+        self.wall["decode"] += seconds - prefill_s
+        info.seconds, info.prefill_seconds = seconds, prefill_s
         if self.pacer is not None:
             self.pacer.observe(info.prefill_tokens, bool(info.emitted), info.seconds, budget)
         if info.emitted and self.controller is not None:  # a prefill's part is not its own

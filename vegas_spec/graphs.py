@@ -365,8 +365,7 @@ class GraphRunner:
             b.temperature[:rows], b.top_k[:rows], b.top_p[:rows], b.seeds[:rows],
             [False] * rows, [kind in ("filtered", "topk")] * rows, [kind == "topk"] * rows)
 
-        def step(step_kind: str, tokens: torch.Tensor, positions: torch.Tensor,
-                 ) -> torch.Tensor:
+        def step(step_kind: str, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             n = tokens.shape[1]
             b.tokens[n][:rows].copy_(tokens)
             b.positions[n][:rows].copy_(positions)
