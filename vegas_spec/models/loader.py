@@ -366,7 +366,8 @@ def _gguf_weights(source: ModelSource, cfg: ModelConfig, family: Family,
             got = parts.setdefault(name, (block, join, [None] * len(join.parts)))[2]
             got[place] = torch.from_numpy(np.ascontiguousarray(w))
             if all(p is not None for p in got):
-                weights[name] = kept(join.join(*parts.pop(name)[2]).contiguous(), name)
+                del parts[name]
+                weights[name] = kept(join.join(*got).contiguous(), name)
             continue
         name = family.from_gguf(t.name)
         if EXPERT in name:  # llama.cpp stacks a layer's experts: [experts, rows, columns]
