@@ -200,7 +200,8 @@ def test_a_paced_steps_prefill_part_holds_its_prefills_device_time(
     the prefill's device time (the phase timer's), so adaptive speculation does not weigh it
     as the iteration's; on the GPU where there is one (CPU: the host's times)."""
     engine = LLMEngine(str(tiny), speculative=tiny_spec({"method": "vegas"}), prefill_chunk=16,
-                       device=TRITON_DEVICE, **ENGINE)
+                       device=TRITON_DEVICE, static_shapes=True, **ENGINE)
+    engine.reserve(2)  # static buffers (as on CUDA) of two rows: the second prompt joins
     engine.add_request(prompts[0], params(40))
     while not engine.last_step.emitted:
         engine.step()
