@@ -12,7 +12,7 @@ from vegas_spec.kernels.exact_matmul import exact_linear
 from vegas_spec.kernels.fused_moe import fused_moe
 from vegas_spec.kernels.rms_norm import rms_norm
 from vegas_spec.kernels.silu_mul import silu_mul
-from vegas_spec.kernels.skinny_matmul import skinny_linear
+from vegas_spec.kernels.skinny_matmul import fused, skinny_linear
 from vegas_spec.quant import DRAFT_TYPES, DraftWeight
 
 
@@ -32,6 +32,18 @@ class TritonOps(Ops):
         if self.exact:
             return exact_linear(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def draft_linear(self, x: torch.Tensor, weight: torch.Tensor | DraftWeight,
+                     bias: torch.Tensor | None = None, *, norm: torch.Tensor | None = None,
+                     eps: float = 0.0, silu: bool = False,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+        """One launch of the few-row kernel with its neighbours fused where it takes them
+        (`skinny_matmul.fused`: small weights and FP8 copies on a GPU), else composed."""
+        if fused(x, weight):
+            return skinny_linear(x, weight, bias, norm=norm, eps=eps, silu=silu,
+                                 residual=residual)
+        return super().draft_linear(x, weight, bias, norm=norm, eps=eps, silu=silu,
+                                    residual=residual)
 
     def experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 weights: torch.Tensor, ids: torch.Tensor,

@@ -25,7 +25,7 @@ SWIGLU_ALPHA = 1.702
 
 
 @triton.jit
-def _exp(x, LIBDEVICE_EXP: tl.constexpr):
+def expf(x, LIBDEVICE_EXP: tl.constexpr):
     if LIBDEVICE_EXP:
         e = libdevice.exp(x)
     else:
@@ -47,7 +47,7 @@ def _clamped_swiglu(gate, up, limit, alpha, dtype: tl.constexpr, LIBDEVICE_EXP: 
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     z = _rounded(gate * alpha, dtype)
-    sigmoid = _rounded(tl.math.div_rn(1.0, 1.0 + _exp(-z, LIBDEVICE_EXP)), dtype)
+    sigmoid = _rounded(tl.math.div_rn(1.0, 1.0 + expf(-z, LIBDEVICE_EXP)), dtype)
     glu = _rounded(gate * sigmoid, dtype)
     return _rounded(up + 1.0, dtype) * glu
 
@@ -64,7 +64,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, limit, alpha, LIBDEVICE_EX
     if CLAMP:
         out = _clamped_swiglu(gate, up, limit, alpha, dtype, LIBDEVICE_EXP)
     else:
-        silu = _rounded(tl.math.div_rn(gate, 1.0 + _exp(-gate, LIBDEVICE_EXP)), dtype)
+        silu = _rounded(tl.math.div_rn(gate, 1.0 + expf(-gate, LIBDEVICE_EXP)), dtype)
         out = silu * up
     tl.store(out_ptr + row * inter + cols, out.to(dtype), mask=mask)
 
