@@ -11,7 +11,13 @@ import torch
 from kernel_cases import CUDA, DEVICE, DTYPES, generator, nan_empty, randn, tol
 
 from vegas_spec import ops
-from vegas_spec.kernels.fused_moe import fused_moe, group_by_expert, max_blocks
+from vegas_spec.kernels.fused_moe import (
+    MAX_GROUP_PAIRS,
+    fused_moe,
+    group_by_expert,
+    group_by_expert_ref,
+    max_blocks,
+)
 
 HIDDEN, INTER = 64, 32
 
@@ -107,15 +113,25 @@ def test_reference_is_transformers_routing() -> None:
         torch.testing.assert_close(weights, want)
 
 
-@pytest.mark.parametrize("t,e,k,block", [(1, 8, 2, 16), (40, 8, 2, 16), (5, 64, 4, 16),
-                                         (100, 4, 2, 16), (50, 8, 3, 4)])
-def test_grouping_puts_every_pair_once_in_a_block_of_its_expert(t: int, e: int, k: int,
-                                                                block: int) -> None:
+GROUPINGS = [(1, 8, 2, 16), (40, 8, 2, 16), (5, 64, 4, 16), (100, 4, 2, 16), (50, 8, 3, 4),
+             (1, 128, 8, 16), (16, 128, 8, 16), (128, 128, 8, 16), (129, 128, 8, 16),
+             (300, 32, 4, 64)]
+
+
+def random_ids(t: int, e: int, k: int) -> torch.Tensor:
     gen = generator(t + e)
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(DEVICE)
     if t == 100:  # most pairs on one expert: its run spans several blocks
         ids[:, 0] = 0
-    pair_of, expert_of = group_by_expert(ids, e, block)
+    return ids
+
+
+@pytest.mark.parametrize("group", [group_by_expert, group_by_expert_ref], ids=["kernel", "ref"])
+@pytest.mark.parametrize("t,e,k,block", GROUPINGS)
+def test_grouping_puts_every_pair_once_in_a_block_of_its_expert(t: int, e: int, k: int,
+                                                                block: int, group) -> None:  # noqa: ANN001
+    ids = random_ids(t, e, k)
+    pair_of, expert_of = group(ids, e, block)
     nb = max_blocks(t * k, e, block)
     assert pair_of.shape == (nb * block,) and expert_of.shape == (nb,)
     rows = pair_of.view(nb, block).long()
@@ -129,6 +145,37 @@ def test_grouping_puts_every_pair_once_in_a_block_of_its_expert(t: int, e: int, 
     assert used.long().diff().le(0).all(), "unused blocks come last"
     blocks = -(-torch.bincount(flat, minlength=e) // block)
     assert int(used.sum()) == int(blocks.sum())
+
+
+@pytest.mark.parametrize("t,e,k,block", GROUPINGS)
+def test_the_grouping_kernel_gives_the_references_groups(t: int, e: int, k: int,
+                                                         block: int) -> None:
+    """Up to MAX_GROUP_PAIRS pairs one launch groups them as the sort does, row for row
+    (the stable order within an expert included); past it the reference's ops run."""
+    ids = random_ids(t, e, k)
+    with nan_empty():
+        got = group_by_expert(ids, e, block)
+    want = group_by_expert_ref(ids, e, block)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_the_groupings_cover_both_paths() -> None:
+    pairs = [t * k for t, _, k, _ in GROUPINGS]
+    assert min(pairs) == 2 and max(pairs) > MAX_GROUP_PAIRS >= 1024 >= 128 * 8
+
+
+def test_slots_sum_in_order_with_each_sum_rounded() -> None:
+    """A token's top-k rows are added in slot order, each sum rounded to the dtype (torch's
+    chain of adds); a float32 sum rounded once differs."""
+    from vegas_spec.kernels.fused_moe import _sum_slots
+
+    gen = generator(8)
+    y = (randn(3, 8, 96, gen=gen) * 100).to(torch.float16)
+    want = ops.sum_slots(y)
+    got = _sum_slots(y)
+    assert got.dtype == torch.float16 and torch.equal(got, want)
+    assert not torch.equal(y.float().sum(1).half(), want)
+    assert torch.equal(_sum_slots(y[:, :1].contiguous()), y[:, 0])
 
 
 @pytest.mark.parametrize("oss", [False, True], ids=["plain", "biases-clamp"])

@@ -49,7 +49,8 @@ def draft_states(llm: LLM, monkeypatch: pytest.MonkeyPatch,
     with monkeypatch.context() as patch:
         patch.setattr(Decoder, "forward", recording)
         patch.setattr(DecoderLayer, "draft_forward", counting)
-        patch.setattr(Ops, "fuses_drafts", property(lambda self: fused and not self.exact))
+        fuses = Ops.fuses_draft
+        patch.setattr(Ops, "fuses_draft", lambda self, x, w: fused and fuses(self, x, w))
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True),
                             speculative=SpecConfig(method="vegas", gamma=3, ratio=0.5,
                                                    min_tokens=4, adaptive=False))
@@ -74,11 +75,30 @@ def test_exact_mode_and_tensor_parallelism_keep_the_unfused_steps() -> None:
     from vegas_spec.compute.base import make_ops
     from vegas_spec.parallel import TPGroup
 
-    assert make_ops("torch").fuses_drafts
-    assert not make_ops("torch", exact=True).fuses_drafts
+    x, w = torch.ones(2, 1, 8), [torch.ones(8, 8)]
+    assert make_ops("torch").fuses_draft(x, w) and make_ops("triton").fuses_draft(x, w)
+    assert not make_ops("torch", exact=True).fuses_draft(x, w)
 
     class TwoRanks(TPGroup):
         world_size = 2
 
     group = TwoRanks.__new__(TwoRanks)
-    assert not make_ops("torch", tp=group).fuses_drafts
+    assert not make_ops("torch", tp=group).fuses_draft(x, w)
+
+
+def test_on_a_gpu_only_small_weights_and_fp8_copies_fuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`skinny_matmul.fused` by shape (a CUDA tensor's metadata on the meta device stands in
+    for one): SmolLM2's projections at up to 64 rows, FP8 copies at any, not an 8B
+    model's bf16 weights, not INT4 copies nor more than 64 rows of the model's weights."""
+    import vegas_spec.kernels.skinny_matmul as skinny
+    from vegas_spec.quant import quantize_fp8, quantize_int4
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(skinny, "tuning", lambda device: skinny.TUNING["sm90"])
+    x32, x128 = torch.empty(32, 1, 576), torch.empty(128, 1, 576)
+    small = torch.empty(3072, 576, dtype=torch.bfloat16)  # SmolLM2's gate_up: 3.5 MB
+    big = torch.empty(6144, 576 * 8, dtype=torch.bfloat16)  # 57 MB
+    assert skinny.fused(x32, small) and not skinny.fused(x128, small)
+    assert not skinny.fused(x32, big)
+    assert skinny.fused(x128, quantize_fp8(torch.randn(64, 576)))
+    assert not skinny.fused(x32, quantize_int4(torch.randn(64, 576), 64))

@@ -4,7 +4,7 @@ collectives it meets, with its implementations chosen by name from a registry.""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -67,12 +67,14 @@ class Ops(ABC):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [..., 2I] -> silu(gate) * up [..., I]."""
 
-    @property
-    def fuses_drafts(self) -> bool:
-        """Whether a dense layer's draft step runs as four `draft_linear` calls around
-        attention (the residual stream whole, not split): not in exact mode (its rows are
-        computed as in any step) nor under tensor parallelism (o_proj's and down's partial
-        products are summed over the ranks before the residual add)."""
+    def fuses_draft(self, x: torch.Tensor,
+                    weights: Sequence[torch.Tensor | DraftWeight]) -> bool:
+        """Whether a dense layer's draft step on x [..., hidden] runs as four `draft_linear`
+        calls around attention through `weights` (the residual stream whole, not split):
+        not in exact mode (its rows are computed as in any step) nor under tensor
+        parallelism (o_proj's and down's partial products are summed over the ranks before
+        the residual add). An implementation that fuses only some shapes says no where it
+        would compose (a composed draft_linear launches the residual add on its own)."""
         return not self.exact and self.tp.world_size == 1
 
     def draft_linear(self, x: torch.Tensor, weight: torch.Tensor | DraftWeight,

@@ -4,6 +4,8 @@ Runs on CUDA, or on CPU under Triton's interpreter (slow: tests only)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +34,14 @@ class TritonOps(Ops):
         if self.exact:
             return exact_linear(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def fuses_draft(self, x: torch.Tensor,
+                    weights: Sequence[torch.Tensor | DraftWeight]) -> bool:
+        """Where every projection of the layer runs fused (`skinny_matmul.fused`); on CPU
+        tensors (the references, composed) wherever the ops allow it."""
+        if not super().fuses_draft(x, weights):
+            return False
+        return not x.is_cuda or all(fused(x, w) for w in weights)
 
     def draft_linear(self, x: torch.Tensor, weight: torch.Tensor | DraftWeight,
                      bias: torch.Tensor | None = None, *, norm: torch.Tensor | None = None,

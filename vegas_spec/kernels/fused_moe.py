@@ -78,11 +78,73 @@ def max_blocks(pairs: int, experts: int, block_m: int) -> int:
     return min(pairs, triton.cdiv(pairs, block_m) + min(experts, pairs) - 1)
 
 
+# Pairs a step groups in one program (`_group_kernel`); more go through the PyTorch ops.
+MAX_GROUP_PAIRS = 1024
+
+
 def group_by_expert(ids: torch.Tensor, experts: int,
                     block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] expert ids -> (pair_of [NB * block_m] int32: the pair each block row computes,
     P for padding; expert_of [NB] int32: each block's expert, -1 past the last used block),
-    NB = `max_blocks`. Fixed shapes, no host sync."""
+    NB = `max_blocks`. Fixed shapes, no host sync. Up to MAX_GROUP_PAIRS pairs (a decode
+    step's) in one launch (`_group_kernel`), else `group_by_expert_ref`'s PyTorch ops (two
+    dozen launches, a prefill's few)."""
+    pairs = ids.numel()
+    if pairs > MAX_GROUP_PAIRS or pairs == 0:
+        return group_by_expert_ref(ids, experts, block_m)
+    nb = max_blocks(pairs, experts, block_m)
+    flat = ids.reshape(-1)
+    pair_of = torch.empty(nb * block_m, dtype=torch.int32, device=ids.device)
+    expert_of = torch.empty(nb, dtype=torch.int32, device=ids.device)
+    block_p = max(16, triton.next_power_of_2(pairs))
+    _group_kernel[(1,)](flat, pair_of, expert_of, pairs, experts, nb, BM=block_m,
+                        BLOCK_E=max(16, triton.next_power_of_2(experts)),
+                        CHUNK=min(block_p, 64), BLOCK_B=64, num_warps=8)
+    return pair_of, expert_of
+
+
+@triton.jit
+def _group_kernel(ids_ptr, pair_ptr, expert_ptr, P, E, NB, BM: tl.constexpr,
+                  BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr):
+    """One program: `group_by_expert_ref`'s result for P pairs. Each expert's count (a
+    comparison of every pair with every expert), its blocks and their running sum (the
+    first block of each expert); every block's expert (the experts whose blocks end at or
+    before it: -1 past the last one) and padding rows; then each pair's row: its expert's
+    first block x BM + the earlier pairs of its expert (the stable sort's rank)."""
+    ex = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for q0 in range(0, P, CHUNK):
+        q = q0 + tl.arange(0, CHUNK)
+        eq = tl.load(ids_ptr + q, mask=q < P, other=-1).to(tl.int32)
+        counts += tl.sum((eq[None, :] == ex[:, None]).to(tl.int32), axis=1)
+    blocks = (counts + BM - 1) // BM
+    block_end = tl.cumsum(blocks, axis=0)
+    block_start = block_end - blocks
+    for b0 in range(0, NB, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        b_ok = b < NB
+        owner = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ptr + b, tl.where(owner < E, owner, -1), mask=b_ok)
+        rows = b[:, None] * BM + tl.arange(0, BM)[None, :]
+        tl.store(pair_ptr + rows, tl.zeros([BLOCK_B, BM], tl.int32) + P, mask=b_ok[:, None])
+    tl.debug_barrier()  # the padding is written before the pairs overwrite their rows
+    for p0 in range(0, P, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        ep = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
+        rank = tl.zeros([CHUNK], tl.int32)
+        for q0 in range(0, p0 + CHUNK, CHUNK):
+            q = q0 + tl.arange(0, CHUNK)
+            eq = tl.load(ids_ptr + q, mask=q < P, other=-2).to(tl.int32)
+            earlier = (eq[None, :] == ep[:, None]) & (q[None, :] < p[:, None])
+            rank += tl.sum(earlier.to(tl.int32), axis=1)
+        first = tl.sum(tl.where(ex[None, :] == ep[:, None], block_start[None, :], 0), axis=1)
+        tl.store(pair_ptr + first * BM + rank, p, mask=p < P)
+
+
+def group_by_expert_ref(ids: torch.Tensor, experts: int,
+                        block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`group_by_expert` in PyTorch ops of fixed shapes: a stable sort by expert, each
+    expert's run padded to whole blocks; the kernel's oracle."""
     flat = ids.reshape(-1)
     pairs, dev = flat.numel(), flat.device
     counts = torch.zeros(experts, dtype=torch.int64, device=dev).scatter_add_(
@@ -199,8 +261,29 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 
 
 def _sum_slots(y: torch.Tensor) -> torch.Tensor:
-    """y [T, k, H] -> y[:, 0] + y[:, 1] + ... in slot order (`ops.sum_slots`)."""
-    out = y[:, 0]
-    for j in range(1, y.shape[1]):
-        out = out + y[:, j]
+    """y [T, k, H] (contiguous) -> y[:, 0] + y[:, 1] + ... in slot order, each sum rounded to
+    y's dtype as torch's adds round it (`ops.sum_slots`), in one launch."""
+    t, k, hidden = y.shape
+    if k == 1:
+        return y[:, 0]
+    out = torch.empty(t, hidden, dtype=y.dtype, device=y.device)
+    block = min(triton.next_power_of_2(hidden), 1024)
+    _sum_slots_kernel[(t, triton.cdiv(hidden, block))](y, out, hidden, SLOTS=k, BLOCK=block,
+                                                        num_warps=4)
     return out
+
+
+@triton.jit
+def _sum_slots_kernel(y_ptr, out_ptr, H, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (token, column block): the token's SLOTS rows added in order, each float32
+    sum rounded to the dtype."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    dtype = out_ptr.dtype.element_ty
+    row = y_ptr + token * SLOTS * H + cols
+    total = tl.load(row, mask=ok, other=0.0).to(tl.float32)
+    for j in tl.static_range(1, SLOTS):
+        total = (total + tl.load(row + j * H, mask=ok, other=0.0).to(tl.float32))
+        total = total.to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * H + cols, total.to(dtype), mask=ok)

@@ -93,7 +93,8 @@ class LayerBase(nn.Module):
         -> (this layer's output, the residual stream before it). A draft step of a layer
         with `fused_drafts` (where the ops fuse them) returns the whole stream and None:
         the next layer takes it as the first takes the embeddings."""
-        if ctx.draft and self.fused_drafts and ops.fuses_drafts:
+        if ctx.draft and self.fused_drafts and ops.fuses_draft(
+                x, [self.weight(name, ctx) for name in self.projections]):
             return self.draft_forward(x, residual, rope, cache, ops, attn, ctx), None
         eps = self.cfg.rms_norm_eps
         if residual is None:
