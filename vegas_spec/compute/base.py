@@ -121,18 +121,23 @@ class Ops(ABC):
             gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
             limit: float = 0.0) -> torch.Tensor:
         """A mixture of experts: x [..., H] (normed) -> [..., H]. router_logits [..., E] pick
-        each token's top_k experts (`ops.route`), `experts` runs them on this rank's slice of
+        each token's top_k experts (`route`), `experts` runs them on this rank's slice of
         every expert (gate_up [E, 2I/N, H], down [E, H, I/N]; gpt-oss's biases gate_up_bias
         [E, 2I/N] and down_bias [E, H], the latter in rank 0's part only, so that the sum
         adds it once; its clamped SwiGLU where limit > 0), and the partial outputs are summed
         over the ranks."""
-        weights, ids = route(router_logits.reshape(-1, router_logits.shape[-1]), top_k,
-                             renormalize)
+        weights, ids = self.route(router_logits.reshape(-1, router_logits.shape[-1]), top_k,
+                                  renormalize)
         if self.tp.rank != 0:
             down_bias = None
         out = self.experts(x.reshape(-1, x.shape[-1]), gate_up, down, weights, ids,
                            gate_up_bias, down_bias, limit)
         return self.sum_ranks(out).view(x.shape)
+
+    def route(self, logits: torch.Tensor, top_k: int,
+              renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [T, E] -> each token's top_k (weights, expert ids): `ops.route`."""
+        return route(logits, top_k, renormalize)
 
     def head_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel LM head: x [..., hidden] @ weight [V/N, hidden]^T, the ranks'

@@ -1,5 +1,6 @@
 """Triton ops: the same semantics as TorchOps (their oracle), each per-token step one fused
-kernel of `vegas_spec.kernels` (add + RMSNorm, SiLU * up), a mixture of experts `fused_moe`.
+kernel of `vegas_spec.kernels` (add + RMSNorm, SiLU * up), a mixture of experts `route` and
+`fused_moe`.
 Runs on CUDA, or on CPU under Triton's interpreter (slow: tests only)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from vegas_spec.compute.base import Ops
 from vegas_spec.kernels.exact_matmul import exact_linear
 from vegas_spec.kernels.fused_moe import fused_moe
 from vegas_spec.kernels.rms_norm import rms_norm
+from vegas_spec.kernels.route import route as route_kernel
 from vegas_spec.kernels.silu_mul import silu_mul
 from vegas_spec.kernels.skinny_matmul import fused, skinny_linear
 from vegas_spec.quant import DRAFT_TYPES, DraftWeight
@@ -62,6 +64,11 @@ class TritonOps(Ops):
         """The fused kernel, gpt-oss's experts (biases, clamped SwiGLU) included."""
         return fused_moe(x, gate_up, down, weights, ids, self.exact,
                          gate_up_bias=gate_up_bias, down_bias=down_bias, limit=limit)
+
+    def route(self, logits: torch.Tensor, top_k: int,
+              renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One kernel a step (`kernels.route`; the softmax's five launches before)."""
+        return route_kernel(logits.contiguous(), top_k, renormalize)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)

@@ -16,10 +16,13 @@
                     quest's chosen pages expanded to their tokens in the same kernel
   quest_scores      quest's page scores for a draft row, from the pages' min/max keys
   exact_matmul      a projection whose rows do not depend on the number of rows (exact mode)
+  route             a mixture of experts' routing: each token's softmax, top-k experts and
+                    their renormalised weights
   fused_moe         a mixture of experts: the tokens grouped by expert, two grouped matmuls
                     that stream each hit expert's weights once a block of its tokens
   skinny_matmul     a projection of few rows that streams its weights once (the draft
-                    steps' FP8 weights)
+                    steps' FP8 weights), with a draft step's RMSNorm or SiLU * up before it
+                    and residual add after it in the same launch
   sample            a token per row by argmax(p / E) with counter-based Exp(1) noise, in one
                     read of p; the draws' keys and uniforms; the candidates' probabilities
                     after temperature, top-k and top-p (sampled decoding, drafting and
@@ -29,7 +32,7 @@ Every kernel has a plain-PyTorch reference that is its test oracle:
 `vegas_spec.attention.torch_backend` (attention, KV store),
 `vegas_spec.cache.slots_of` (slots), `vegas_spec.ops` (`rms_norm`, `add_rms_norm`,
 `silu_mul`, `clamped_swiglu`, `apply_rope`, `topk_positions`, `quest_page_scores_ref`,
-`moe_experts`),
+`route`, `moe_experts`, `fused_linear`),
 `vegas_spec.sampling` (`draw_keys`, `uniform`, `exponential_argmax_ref`,
 `candidate_probs_ref`: sample) and `torch.nn.functional.linear`
 (exact_matmul, skinny_matmul). On a machine without CUDA the kernels run on CPU tensors under
