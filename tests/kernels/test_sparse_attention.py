@@ -20,6 +20,7 @@ from kernel_cases import (
 )
 
 from vegas_spec.attention.torch_backend import sparse_attention_ref, store_kv_ref
+from vegas_spec.kernels import split_counters
 from vegas_spec.kernels.rope_store import rope_store
 from vegas_spec.kernels.sparse_attention import NewKV, sparse_attention
 from vegas_spec.ops import apply_rope
@@ -62,6 +63,8 @@ CASES = [
     Case((77, 150), 7, 6, 2, 128, per_kv_head=True, shuffled=True, recent_slack=5),
     Case((45, 12, 80), 1, 2, 2, 64, budget="empty", recent_extra=1),
     Case((300,), 7, 8, 2, 64, budget=0.5, block_k=16, split_size=64),
+    # 20 rows of 4 heads a kv head: two row blocks, each merging its own splits
+    Case((300, 120), 20, 8, 2, 64, budget=0.5, block_k=16, split_size=32),
     # per-row listed counts: rows stop early, in one split and several
     Case((203, 37, 130), 1, 12, 4, 128, per_kv_head=True, budget=0.5, recent_extra=3,
          block_k=16, split_size=32, cut=True),
@@ -124,6 +127,8 @@ def run(case: Case, dtype: torch.dtype, seed: int = 0) -> None:
                                 case.page_size, indices, recent_start, recent_max, scale, sinks,
                                 counts)
     torch.testing.assert_close(out, want, **tol(dtype))
+    # several splits: merged in the launch, every counter left at zero for the next one
+    assert int(split_counters(1, q.device).abs().sum()) == 0
     if counts is not None:  # the cut matters: the whole lists attend otherwise
         whole = sparse_attention_ref(q, cache.k, cache.v, cache.page_table, positions,
                                      case.page_size, indices, recent_start, recent_max, scale,

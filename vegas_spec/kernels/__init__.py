@@ -106,6 +106,24 @@ def device_sms(device: torch.device) -> int:
     return sm_count(device.index if device.index is not None else _current_cuda())
 
 
+# Zeroed counters by device, for the kernels whose last program of a group finishes the
+# group's work (skinny_matmul's split sum, sparse_attention's merge); every launch leaves them
+# at zero, so launches on a stream share them. A buffer is never freed: a CUDA graph captured
+# with it keeps its address (a larger one, should a launch need more, goes beside it).
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def split_counters(groups: int, device: torch.device) -> torch.Tensor:
+    """At least `groups` zeroed int32 counters on `device` (65,536 at first: a column block
+    of 16 columns of a 1M-entry vocabulary), made once and kept for good."""
+    import torch
+
+    held = _COUNTERS.setdefault(device, [])
+    if not held or held[-1].numel() < groups:
+        held.append(torch.zeros(max(groups, 1 << 16), dtype=torch.int32, device=device))
+    return held[-1]
+
+
 @contextlib.contextmanager
 def tuned(module: ModuleType, **settings: object) -> Iterator[None]:
     """Inside the block, `module`'s tuning holds the given settings; restored after it. A

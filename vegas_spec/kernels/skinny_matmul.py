@@ -47,7 +47,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels import device_sms, for_device, interpreting
+from vegas_spec.kernels import device_sms, for_device, interpreting, split_counters
 from vegas_spec.kernels.silu_mul import expf
 from vegas_spec.quant import DRAFT_TYPES, DraftWeight, Int4Weight
 
@@ -402,21 +402,6 @@ class _Prologue:
     def kind(self) -> int:
         """The kernel's PROLOGUE: 0 none, 1 RMSNorm, 2 SiLU * up."""
         return 1 if self.norm is not None else 2 if self.silu else 0
-
-
-# Zeroed split counters, a column block each, by device; every launch leaves them at zero.
-# A buffer is never freed: a CUDA graph captured with it keeps its address (a larger one,
-# should a launch need more column blocks, goes beside it).
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def split_counters(blocks: int, device: torch.device) -> torch.Tensor:
-    """At least `blocks` zeroed int32 counters on `device` (65,536 at first: a column block
-    of 16 columns of a 1M-entry vocabulary), made once and kept for good."""
-    held = _COUNTERS.setdefault(device, [])
-    if not held or held[-1].numel() < blocks:
-        held.append(torch.zeros(max(blocks, 1 << 16), dtype=torch.int32, device=device))
-    return held[-1]
 
 
 def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.Tensor | None,

@@ -8,12 +8,13 @@ list is shared by all kv heads, g = h otherwise; -1 = unused) followed by recent
 for j < recent_max. Query i sees a listed or recent position p if 0 <= p <= positions[b, i].
 Like the reference, a position listed twice (or listed and recent) counts twice. The list is
 walked in blocks of keys gathered through the page table and cut into splits for large
-budgets (merged by `split_merge.merge_splits`); the query tile packs all query heads of the
-kv head, so each selected K/V row is read once per kv head. Recent positions past the last
-query's position are never visited. Attention sinks (gpt-oss's, a logit per query head in
-the softmax denominator) are split 0's initial state, counted once by the merge. A
-sliding-window layer's draft steps attend to its window through the paged kernel (the
-window is the draft's), so this kernel takes no window.
+budgets, merged in the same launch by the last split program of each (sequence, kv head, row
+block) to finish (`split_merge.merge_when_last`, in split order); the query tile packs all
+query heads of the kv head, so each selected K/V row is read once per kv head. Recent
+positions past the last query's position are never visited. Attention sinks (gpt-oss's, a
+logit per query head in the softmax denominator) are split 0's initial state, counted once
+by the merge. A sliding-window layer's draft steps attend to its window through the paged
+kernel (the window is the draft's), so this kernel takes no window.
 
 With `new` (a one-row draft step), the kernel also does `rope_store`'s work, so the step
 launches one kernel fewer per layer: q arrives before RoPE and is rotated as it is loaded
@@ -31,13 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels import device_sms, for_device, interpreting
+from vegas_spec.kernels import device_sms, for_device, interpreting, split_counters
 from vegas_spec.kernels.rope_store import rotate_tile
 from vegas_spec.kernels.split_merge import (
     Partials,
     finish_split,
     initial_state,
-    merge_splits,
+    merge_when_last,
     output_buffer,
     softmax_block,
     split_size_for,
@@ -85,7 +86,8 @@ def tuning(device: torch.device) -> SparseTuning:
 def _sparse_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, idx_ptr, start_ptr, listed_ptr,
         out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr, rope_ptr, slot_ptr, sinks_ptr,
-        n, H, Hkv, page_size, split_size, scale, rows_total, width, recent_max,
+        cnt_ptr, n, H, Hkv, page_size, split_size, num_splits, scale, rows_total, width,
+        recent_max,
         stride_qb, stride_qn, stride_qh, stride_cs, stride_ch, stride_tb, stride_pb, stride_pn,
         stride_ib, stride_ig, stride_kb, stride_kh, stride_vb, stride_vh, stride_rope,
         stride_sb,
@@ -160,6 +162,11 @@ def _sparse_split_kernel(
         m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
     finish_split(m_i, l_i, acc, b * n + row, head, lane_ok, d, d_ok, split, rows_total, H,
                  out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, HEAD_DIM, SINGLE, False)
+    if not SINGLE:  # the group's last split program merges: no second launch
+        counter = cnt_ptr + tl.program_id(0) * tl.num_programs(1) + rb
+        merge_when_last(counter, num_splits, b * n + row, head, lane_ok, d, d_ok, rows_total,
+                        H, out_ptr, acc_ptr, m_ptr, l_ptr, BLOCK_N * GROUP_PAD, BLOCK_D,
+                        HEAD_DIM)
 
 
 def sparse_split_size(length: int, programs: int, block_k: int, device: torch.device,
@@ -262,6 +269,7 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     splits = triton.cdiv(length, size)
     out = output_buffer(q, out)
     parts = Partials.empty(splits, bsz * n, heads, dim, q.device) if splits > 1 else None
+    counters = split_counters(bsz * hkv * row_blocks, q.device) if parts is not None else out
     stride_ig = indices.stride(1) if indices.shape[1] > 1 else 0
     kn, vn, rope, slots = (q, q, q, positions) if new is None else \
         (new.k, new.v, new.rope, new.slots)
@@ -269,8 +277,8 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, page_table, positions, indices, recent_start,
         recent_start if listed is None else listed, out, out,
         *((out, out, out) if parts is None else (parts.acc, parts.m, parts.l)),
-        kn, vn, rope, slots, q if sinks is None else sinks,
-        n, heads, hkv, page_size, size, scale, bsz * n, indices.shape[2], recent_max,
+        kn, vn, rope, slots, q if sinks is None else sinks, counters,
+        n, heads, hkv, page_size, size, splits, scale, bsz * n, indices.shape[2], recent_max,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
         page_table.stride(0), positions.stride(0), positions.stride(1),
         indices.stride(0), stride_ig, kn.stride(0), kn.stride(2), vn.stride(0), vn.stride(2),
@@ -279,6 +287,4 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, SINGLE=parts is None,
         DOT_PRECISION=cfg.dot_precision, ROPE=new is not None, MUL_RN=not interpreting(),
         SINKS=sinks is not None, LISTED=listed is not None, **cfg.launch_options())
-    if parts is not None:
-        merge_splits(parts, out, None)
     return out

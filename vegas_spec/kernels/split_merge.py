@@ -10,7 +10,8 @@ and `merge_splits` combines them:
 
 A split in which a row sees no key has l_s = 0 and leaves acc_s unwritten; the merge reads
 acc_s only where l_s > 0. With a single split the split kernel normalises in place and the
-merge is skipped.
+merge is skipped. The sparse kernel merges in the same launch: the last of a group's split
+programs to finish merges the group's lanes (`merge_when_last`).
 
 Attention sinks (a logit per query head in the denominator, no value) are split 0's initial
 state (`initial_state`: m = sink, l = 1), so the merge counts each sink once.
@@ -285,6 +286,42 @@ def finish_split(m_i, l_i, acc, flat_row, head, lane_ok, d, d_ok, split, rows_to
         live = lane_ok & (l_i > 0)
         tl.store(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc,
                  mask=live[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def merge_when_last(counter, num_splits, flat_row, head, lane_ok, d, d_ok, rows_total, H,
+                    out_ptr, acc_ptr, m_ptr, l_ptr, M: tl.constexpr, BLOCK_D: tl.constexpr,
+                    HEAD_DIM: tl.constexpr):
+    """After a split program's `finish_split` (partials written): the last of the split
+    programs of its lanes to arrive (`counter`, one per group of such programs, counted with
+    acquire-release order) merges every split's partials of those lanes into out [B, n, H, D]
+    in split order, one split at a time as the serial merge does, and sets the counter back to
+    zero: a launch without `merge_splits`'s."""
+    tl.debug_barrier()  # every thread's partials are written before the count says so
+    if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+        tl.debug_barrier()
+        m_run = tl.full([M], float("-inf"), tl.float32)
+        l_run = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, BLOCK_D], tl.float32)
+        for split in range(0, num_splits):
+            base = (split * rows_total + flat_row).to(tl.int64) * H + head
+            m_s = tl.load(m_ptr + base, mask=lane_ok, other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(l_ptr + base, mask=lane_ok, other=0.0, cache_modifier=".cg")
+            live = l_s > 0
+            a_s = tl.load(acc_ptr + base[:, None] * HEAD_DIM + d[None, :],
+                          mask=live[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m_run, tl.where(live, m_s, float("-inf")))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_run - m_use)
+            beta = tl.where(live, tl.exp(m_s - m_use), 0.0)
+            l_run = l_run * alpha + l_s * beta
+            acc = acc * alpha[:, None] + a_s * beta[:, None]
+            m_run = m_new
+        l_safe = tl.where(l_run > 0, l_run, 1.0)
+        o_off = (flat_row.to(tl.int64) * H + head)[:, None] * HEAD_DIM + d[None, :]
+        tl.store(out_ptr + o_off, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=lane_ok[:, None] & d_ok[None, :])
+        tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
