@@ -2,7 +2,7 @@
 (`DecoderLayer.draft_forward` through `Ops.draft_linear`): the hidden states of every draft
 step are those of the layer's unfused steps, bit for bit, with either ops (the composed
 steps round as the unfused ones do), and the engine takes the fused path only where the ops
-allow it."""
+allow it; the fused kernels inside the model (under the interpreter) keep the tokens."""
 
 from __future__ import annotations
 
@@ -69,6 +69,46 @@ def test_fused_draft_steps_give_the_unfused_hidden_states(
         assert torch.equal(a, b)
     plain = llm.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
     assert tokens == tokens_unfused == [o.token_ids for o in plain]
+
+
+def test_the_fused_kernels_in_the_model_keep_the_tokens(
+        tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The skinny kernel's fused launches inside the model (on CPU under the interpreter, as
+    a GPU runs them; a Qwen2 layout for the q/k/v bias): each draft step's hidden states
+    those of the unfused steps to float32 rounding (the products summed in the kernel's
+    order), and the tokens plain decoding's."""
+    import vegas_spec.compute.triton_ops as triton_ops
+
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config)
+    with torch.no_grad():  # biases that count (transformers starts them at zero)
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+    folder = tiny.parent / "qwen2"
+    model.save_pretrained(str(folder))
+    llm = LLM(str(folder), backend="triton", device="cpu", **ENGINE)
+    unfused, _, _ = draft_states(llm, monkeypatch, False)
+    launched = [0]
+
+    def everywhere(x: torch.Tensor, weight: Any) -> bool:
+        launched[0] += 1
+        return True
+
+    monkeypatch.setattr(triton_ops, "fused", everywhere)
+    fused, tokens, calls = draft_states(llm, monkeypatch, True)
+    assert calls > 0 and launched[0] >= 4 * calls  # four fused projections a layer's step
+    assert len(fused) == len(unfused) > 0
+    for a, b in zip(fused, unfused, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    plain = llm.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert tokens == [o.token_ids for o in plain]
 
 
 def test_exact_mode_and_tensor_parallelism_keep_the_unfused_steps() -> None:
