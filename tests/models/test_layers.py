@@ -77,9 +77,9 @@ def test_the_fused_kernels_in_the_model_keep_the_tokens(
     a GPU runs them; a Qwen2 layout for the q/k/v bias): each draft step's hidden states
     those of the unfused steps to float32 rounding (the products summed in the kernel's
     order), and the tokens plain decoding's."""
-    import vegas_spec.compute.triton_ops as triton_ops
-
     import transformers
+
+    import vegas_spec.compute.triton_ops as triton_ops
 
     config = transformers.Qwen2Config(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
