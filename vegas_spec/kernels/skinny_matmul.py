@@ -34,7 +34,14 @@ contiguous runs of x's channels they hold (the low and the high half of the grou
 channels: the layout is made for this) and scales the float32 sum once per column and
 group (`_int4_kernel`): no per-weight multiply, no strided loads of x, one scale load per
 column and piece, wide K steps for bytes in flight. Draft weights take up to
-MAX_DRAFT_ROWS rows a launch. Oracles: `quant.Fp8Weight.ref`, `quant.Int4Weight.ref`."""
+MAX_DRAFT_ROWS rows a launch. Oracles: `quant.Fp8Weight.ref`, `quant.Int4Weight.ref`.
+
+A draft step's neighbours of a projection ride in its launch (model-dtype and FP8 weights;
+`fused` says where): an RMSNorm before it (each program first takes its rows' rstd over all
+of K, from L2, then normalises each x tile as it loads it) or SiLU(gate) * up of a gate/up
+row as the x operand, each rounded where its own kernel rounds, and a residual added to the
+rounded product. At a small model's shapes a draft step is launches, not bytes: a dense
+layer then takes four projections and its attention. Oracle: `ops.fused_linear`."""
 
 from __future__ import annotations
 
