@@ -40,6 +40,14 @@ def _rounded(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def silu_times_up(gate, up, dtype: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+    """SiLU(gate) * up of float32 gate and up (values of dtype), in float32: silu =
+    gate / (1 + exp(-gate)) with a correctly rounded division, rounded to dtype, times up
+    (torch's two kernels; the caller rounds the product)."""
+    return _rounded(tl.math.div_rn(gate, 1.0 + expf(-gate, LIBDEVICE_EXP)), dtype) * up
+
+
+@triton.jit
 def _clamped_swiglu(gate, up, limit, alpha, dtype: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
     """gpt-oss's activation of float32 gate and up (values of dtype), as torch computes
     `ops.clamped_swiglu`: z = gate * alpha, sigmoid(z) = 1 / (1 + exp(-z)), gate * sigmoid,
@@ -64,8 +72,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, limit, alpha, LIBDEVICE_EX
     if CLAMP:
         out = _clamped_swiglu(gate, up, limit, alpha, dtype, LIBDEVICE_EXP)
     else:
-        silu = _rounded(tl.math.div_rn(gate, 1.0 + expf(-gate, LIBDEVICE_EXP)), dtype)
-        out = silu * up
+        out = silu_times_up(gate, up, dtype, LIBDEVICE_EXP)
     tl.store(out_ptr + row * inter + cols, out.to(dtype), mask=mask)
 
 

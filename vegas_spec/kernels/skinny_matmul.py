@@ -55,7 +55,8 @@ import triton
 import triton.language as tl
 
 from vegas_spec.kernels import device_sms, for_device, interpreting, split_counters
-from vegas_spec.kernels.silu_mul import expf
+from vegas_spec.kernels.rms_norm import rstd, scaled_norm
+from vegas_spec.kernels.silu_mul import silu_times_up
 from vegas_spec.quant import DRAFT_TYPES, DraftWeight, Int4Weight
 
 # Rows the kernel takes at most (one row block); callers fall back to F.linear beyond.
@@ -220,15 +221,11 @@ def _row_rstd(x_row, m_ok, K, inv_k, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.con
         x = tl.load(x_row + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
         x = x.to(tl.float32)
         squares += tl.sum(x * x, axis=1)
-    if MEAN_BY_RECIPROCAL:
-        mean = squares * inv_k
-    else:
-        mean = squares / K
-    return tl.math.rsqrt(mean + eps)
+    return rstd(squares, inv_k, K, eps, MEAN_BY_RECIPROCAL)
 
 
 @triton.jit
-def _x_tile(x_row, k, mask, rstd, nw_ptr, up_off, K, dtype: tl.constexpr,
+def _x_tile(x_row, k, mask, row_rstd, nw_ptr, up_off, K, dtype: tl.constexpr,
             PROLOGUE: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
     """The x operand's tile [BLOCK_M, BLOCK_K] of K columns k, in x's dtype. PROLOGUE 0:
     x itself; 1: RMSNorm(x) * weight (nw_ptr [K]) with each row's rstd, rounded where the
@@ -237,14 +234,12 @@ def _x_tile(x_row, k, mask, rstd, nw_ptr, up_off, K, dtype: tl.constexpr,
     if PROLOGUE == 2:
         gate = tl.load(x_row + k[None, :], mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_row + up_off + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        silu = tl.math.div_rn(gate, 1.0 + expf(-gate, LIBDEVICE_EXP)).to(dtype).to(tl.float32)
-        x = (silu * up).to(dtype)
+        x = silu_times_up(gate, up, dtype, LIBDEVICE_EXP).to(dtype)
     else:
         x = tl.load(x_row + k[None, :], mask=mask, other=0.0)
         if PROLOGUE == 1:
-            normed = (x.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
             g = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            x = (g[None, :] * normed).to(dtype)
+            x = scaled_norm(x.to(tl.float32), row_rstd[:, None], g[None, :], dtype)
     return x
 
 
@@ -272,9 +267,9 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, r_ptr, nw_
     x_row = x_ptr + rm[:, None] * stride_xm
     w_row = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     if PROLOGUE == 1:
-        rstd = _row_rstd(x_row, m_ok, K, inv_k, eps, BLOCK_M, BLOCK_K, MEAN_BY_RECIPROCAL)
+        row_rstd = _row_rstd(x_row, m_ok, K, inv_k, eps, BLOCK_M, BLOCK_K, MEAN_BY_RECIPROCAL)
     else:
-        rstd = tl.zeros([BLOCK_M], tl.float32)
+        row_rstd = tl.zeros([BLOCK_M], tl.float32)
     k_lo = tl.program_id(1) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     if SWAP:
@@ -284,13 +279,13 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, r_ptr, nw_
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + rk
         if EVEN_K:
-            x = _x_tile(x_row, k, m_ok[:, None], rstd, nw_ptr, up_off, K, dtype, PROLOGUE,
+            x = _x_tile(x_row, k, m_ok[:, None], row_rstd, nw_ptr, up_off, K, dtype, PROLOGUE,
                         LIBDEVICE_EXP)
             w = tl.load(w_row + k[None, :], mask=n_ok[:, None], other=0.0)
         else:
             k_ok = k < k_hi
-            x = _x_tile(x_row, k, m_ok[:, None] & k_ok[None, :], rstd, nw_ptr, up_off, K,
-                        dtype, PROLOGUE, LIBDEVICE_EXP)
+            x = _x_tile(x_row, k, m_ok[:, None] & k_ok[None, :], row_rstd, nw_ptr, up_off,
+                        K, dtype, PROLOGUE, LIBDEVICE_EXP)
             w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if SCALED:
             w = w.to(dtype)
@@ -392,13 +387,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor | DraftWeight,
     for start in range(0, rows.shape[0], step):  # one launch unless draft rows exceed a block
         part = slice(start, start + step)
         _launch(rows[part], weight, bias, out[part], tiles,
-                _Prologue(norm, eps, silu, None if res is None else res[part]))
+                _Neighbours(norm, eps, silu, None if res is None else res[part]))
     return out.view(*x.shape[:-1], n)
 
 
 @dataclass(frozen=True)
-class _Prologue:
-    """A launch's fused neighbours (`skinny_linear`'s norm, eps, silu and residual rows)."""
+class _Neighbours:
+    """A launch's fused neighbours (`skinny_linear`'s norm, eps, silu and residual rows): the
+    x operand's prologue and the residual epilogue."""
 
     norm: torch.Tensor | None = None
     eps: float = 0.0
@@ -413,7 +409,7 @@ class _Prologue:
 
 def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.Tensor | None,
             out: torch.Tensor, tiles: SkinnyTiles | None,
-            prologue: _Prologue = _Prologue()) -> None:
+            neighbours: _Neighbours = _Neighbours()) -> None:
     """One launch: rows [M, K] (M <= one row block; [M, 2K] with SiLU * up) into out [M, N]."""
     draft = isinstance(weight, DRAFT_TYPES)
     m, (n, k) = rows.shape[0], weight.shape
@@ -442,16 +438,16 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         w, scale = (weight.data, weight.scale) if draft else (weight, None)
-        res = out if prologue.residual is None else prologue.residual
-        options = {"enable_fp_fusion": False} if prologue.kind == 1 else {}  # as `rms_norm`
+        res = out if neighbours.residual is None else neighbours.residual
+        options = {"enable_fp_fusion": False} if neighbours.kind == 1 else {}  # as `rms_norm`
         _skinny_kernel[grid](
             rows, w, w if scale is None else scale, b, out, partials, counters, res,
-            rows if prologue.norm is None else prologue.norm, m, n, k, k_split, k, 1.0 / k,
-            prologue.eps, rows.stride(0), w.stride(0), out.stride(0), res.stride(0),
+            rows if neighbours.norm is None else neighbours.norm, m, n, k, k_split, k, 1.0 / k,
+            neighbours.eps, rows.stride(0), w.stride(0), out.stride(0), res.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, EVEN_K=k % cfg.block_k == 0,
-            DOT_PRECISION=precision, SCALED=draft, SWAP=cfg.swap, PROLOGUE=prologue.kind,
-            RESIDUAL=prologue.residual is not None, MEAN_BY_RECIPROCAL=rows.is_cuda,
+            DOT_PRECISION=precision, SCALED=draft, SWAP=cfg.swap, PROLOGUE=neighbours.kind,
+            RESIDUAL=neighbours.residual is not None, MEAN_BY_RECIPROCAL=rows.is_cuda,
             LIBDEVICE_EXP=not interpreting(), num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **options)
 

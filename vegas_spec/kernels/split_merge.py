@@ -266,17 +266,26 @@ def softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _store_normalised(acc, l_run, flat_row, head, ok, d, d_ok, H, out_ptr,
+                      HEAD_DIM: tl.constexpr):
+    """out[flat_row, head] = acc / l (l = 0, a row that saw no key: acc itself, zeros), in
+    out's dtype, for the lanes ok -> l with its zeros as ones (for the lse)."""
+    l_safe = tl.where(l_run > 0, l_run, 1.0)
+    o_off = (flat_row.to(tl.int64) * H + head)[:, None] * HEAD_DIM + d[None, :]
+    tl.store(out_ptr + o_off, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+             mask=ok[:, None] & d_ok[None, :])
+    return l_safe
+
+
+@triton.jit
 def finish_split(m_i, l_i, acc, flat_row, head, lane_ok, d, d_ok, split, rows_total, H,
                  out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr,
                  HEAD_DIM: tl.constexpr, SINGLE: tl.constexpr, WRITE_LSE: tl.constexpr):
     """Epilogue of a split program. flat_row = b * n + row, head, lane_ok: [M] per lane.
     SINGLE: normalise into out [B, n, H, D] (and lse [B, n, H]); else write the partials."""
     if SINGLE:
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        o_off = (flat_row.to(tl.int64) * H + head)[:, None] * HEAD_DIM + d[None, :]
-        o = acc / l_safe[:, None]
-        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty),
-                 mask=lane_ok[:, None] & d_ok[None, :])
+        l_safe = _store_normalised(acc, l_i, flat_row, head, lane_ok, d, d_ok, H, out_ptr,
+                                   HEAD_DIM)
         if WRITE_LSE:
             tl.store(lse_ptr + flat_row * H + head, m_i + tl.log(l_safe), mask=lane_ok)
     else:
@@ -286,6 +295,18 @@ def finish_split(m_i, l_i, acc, flat_row, head, lane_ok, d, d_ok, split, rows_to
         live = lane_ok & (l_i > 0)
         tl.store(acc_ptr + base[:, None] * HEAD_DIM + d[None, :], acc,
                  mask=live[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_one(m_run, l_run, acc, m_s, l_s, a_s):
+    """One split's partial state (m_s, l_s [M], a_s [M, D]; l_s = 0: the split saw no key)
+    folded into the running (m, l, acc) of the serial merge -> the new running state."""
+    live = l_s > 0
+    m_new = tl.maximum(m_run, tl.where(live, m_s, float("-inf")))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_run - m_use)
+    beta = tl.where(live, tl.exp(m_s - m_use), 0.0)
+    return m_new, l_run * alpha + l_s * beta, acc * alpha[:, None] + a_s * beta[:, None]
 
 
 @triton.jit
@@ -307,20 +328,11 @@ def merge_when_last(counter, num_splits, flat_row, head, lane_ok, d, d_ok, rows_
             base = (split * rows_total + flat_row).to(tl.int64) * H + head
             m_s = tl.load(m_ptr + base, mask=lane_ok, other=float("-inf"), cache_modifier=".cg")
             l_s = tl.load(l_ptr + base, mask=lane_ok, other=0.0, cache_modifier=".cg")
-            live = l_s > 0
             a_s = tl.load(acc_ptr + base[:, None] * HEAD_DIM + d[None, :],
-                          mask=live[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_run, tl.where(live, m_s, float("-inf")))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_run - m_use)
-            beta = tl.where(live, tl.exp(m_s - m_use), 0.0)
-            l_run = l_run * alpha + l_s * beta
-            acc = acc * alpha[:, None] + a_s * beta[:, None]
-            m_run = m_new
-        l_safe = tl.where(l_run > 0, l_run, 1.0)
-        o_off = (flat_row.to(tl.int64) * H + head)[:, None] * HEAD_DIM + d[None, :]
-        tl.store(out_ptr + o_off, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=lane_ok[:, None] & d_ok[None, :])
+                          mask=(l_s > 0)[:, None] & d_ok[None, :], other=0.0,
+                          cache_modifier=".cg")
+            m_run, l_run, acc = _merge_one(m_run, l_run, acc, m_s, l_s, a_s)
+        _store_normalised(acc, l_run, flat_row, head, lane_ok, d, d_ok, H, out_ptr, HEAD_DIM)
         tl.atomic_xchg(counter, 0)
 
 
@@ -342,14 +354,9 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, num_splits, rows_tota
             base = (first * rows_total + flat_row).to(tl.int64) * H + h
             m_s = tl.load(m_ptr + base, mask=h_ok, other=float("-inf"))
             l_s = tl.load(l_ptr + base, mask=h_ok, other=0.0)
-            live = l_s > 0
             a_s = tl.load(acc_ptr + base[:, None] * HEAD_DIM + d[None, :],
-                          mask=live[:, None] & d_ok[None, :], other=0.0)
-            m_new = tl.maximum(m_run, tl.where(live, m_s, float("-inf")))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_run - m_use)
-            beta = tl.where(live, tl.exp(m_s - m_use), 0.0)
-            l_add, acc_add = l_s * beta, a_s * beta[:, None]
+                          mask=(l_s > 0)[:, None] & d_ok[None, :], other=0.0)
+            m_run, l_run, acc = _merge_one(m_run, l_run, acc, m_s, l_s, a_s)
         else:  # BLOCK_S splits: [BLOCK_S, BLOCK_H(, BLOCK_D)] tiles summed over the splits
             s = first + tl.arange(0, BLOCK_S)
             base2 = (s[:, None] * rows_total + flat_row).to(tl.int64) * H + h[None, :]
@@ -363,15 +370,10 @@ def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, num_splits, rows_tota
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_run - m_use)
             beta2 = tl.where(live2, tl.exp(m_s2 - m_use[None, :]), 0.0)
-            l_add = tl.sum(l_s2 * beta2, axis=0)
-            acc_add = tl.sum(a_s2 * beta2[:, :, None], axis=0)
-        l_run = l_run * alpha + l_add
-        acc = acc * alpha[:, None] + acc_add
-        m_run = m_new
-    l_safe = tl.where(l_run > 0, l_run, 1.0)
-    o_off = (flat_row.to(tl.int64) * H + h)[:, None] * HEAD_DIM + d[None, :]
-    o = acc / l_safe[:, None]
-    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+            l_run = l_run * alpha + tl.sum(l_s2 * beta2, axis=0)
+            acc = acc * alpha[:, None] + tl.sum(a_s2 * beta2[:, :, None], axis=0)
+            m_run = m_new
+    l_safe = _store_normalised(acc, l_run, flat_row, h, h_ok, d, d_ok, H, out_ptr, HEAD_DIM)
     if WRITE_LSE:
         tl.store(lse_ptr + flat_row.to(tl.int64) * H + h, m_run + tl.log(l_safe), mask=h_ok)
 

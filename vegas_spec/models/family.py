@@ -195,7 +195,7 @@ class Family:
             rows, rel, prefix = self.weights, name, ""
         else:
             rows, rel, prefix = self.layer_weights, layer[1], self.layer_prefix.format(i=layer[0])
-        row = next((w for w in rows if w.gguf == rel), None)  # a join's row (None) never
+        row = next((w for w in rows if w.gguf == rel), None)  # gguf None: never a match
         return name if row is None else prefix + row.hf
 
     def gguf_join(self, name: str) -> tuple[str, GgufJoin, int] | None:

@@ -83,7 +83,8 @@ class LayerBase(nn.Module):
 
     def draft_forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: torch.Tensor,
                       cache: tuple[torch.Tensor, ...], ops: Ops, attn: AttentionBackend,
-                      ctx: StepContext) -> torch.Tensor:
+                      ctx: StepContext,
+                      weights: dict[str, torch.Tensor | DraftWeight]) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: torch.Tensor,
@@ -93,9 +94,11 @@ class LayerBase(nn.Module):
         -> (this layer's output, the residual stream before it). A draft step of a layer
         with `fused_drafts` (where the ops fuse them) returns the whole stream and None:
         the next layer takes it as the first takes the embeddings."""
-        if ctx.draft and self.fused_drafts and ops.fuses_draft(
-                x, [self.weight(name, ctx) for name in self.projections]):
-            return self.draft_forward(x, residual, rope, cache, ops, attn, ctx), None
+        if ctx.draft and self.fused_drafts:
+            weights = {name: self.weight(name, ctx) for name in self.projections}
+            if ops.fuses_draft(x, list(weights.values())):
+                return self.draft_forward(x, residual, rope, cache, ops, attn, ctx,
+                                          weights), None
         eps = self.cfg.rms_norm_eps
         if residual is None:
             h, residual = ops.norm(x, self.input_norm, eps), x
@@ -201,20 +204,21 @@ class DecoderLayer(Attention, DenseMLP):
 
     def draft_forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: torch.Tensor,
                       cache: tuple[torch.Tensor, ...], ops: Ops, attn: AttentionBackend,
-                      ctx: StepContext) -> torch.Tensor:
+                      ctx: StepContext,
+                      weights: dict[str, torch.Tensor | DraftWeight]) -> torch.Tensor:
         """x (+ residual where the previous layer split them): the residual stream -> the
-        stream after this layer. Each norm rides in the projection after it, SiLU * up in
-        down, and each residual add in the projection before it: the values of `forward`'s
-        steps, in four launches and attention."""
+        stream after this layer, through the step's `weights` (`weight` of each projection).
+        Each norm rides in the projection after it, SiLU * up in down, and each residual
+        add in the projection before it: the values of `forward`'s steps, in four launches
+        and attention."""
         eps = self.cfg.rms_norm_eps
         h = x if residual is None else x + residual
-        qkv = ops.draft_linear(h, self.weight("qkv", ctx), self.qkv.bias, norm=self.input_norm,
-                               eps=eps)
+        qkv = ops.draft_linear(h, weights["qkv"], self.qkv.bias, norm=self.input_norm, eps=eps)
         out = self.attend(qkv, rope, cache, ops, attn, ctx)
-        h = ops.draft_linear(out, self.weight("o_proj", ctx), self.o_proj.bias, residual=h)
-        gate_up = ops.draft_linear(h, self.weight("gate_up", ctx), self.gate_up.bias,
+        h = ops.draft_linear(out, weights["o_proj"], self.o_proj.bias, residual=h)
+        gate_up = ops.draft_linear(h, weights["gate_up"], self.gate_up.bias,
                                    norm=self.post_norm, eps=eps)
-        return ops.draft_linear(gate_up, self.weight("down", ctx), self.down.bias, silu=True,
+        return ops.draft_linear(gate_up, weights["down"], self.down.bias, silu=True,
                                 residual=h)
 
 
