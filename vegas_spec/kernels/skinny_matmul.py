@@ -36,12 +36,12 @@ group (`_int4_kernel`): no per-weight multiply, no strided loads of x, one scale
 column and piece, wide K steps for bytes in flight. Draft weights take up to
 MAX_DRAFT_ROWS rows a launch. Oracles: `quant.Fp8Weight.ref`, `quant.Int4Weight.ref`.
 
-A draft step's neighbours of a projection ride in its launch (model-dtype and FP8 weights;
-`fused` says where): an RMSNorm before it (each program first takes its rows' rstd over all
-of K, from L2, then normalises each x tile as it loads it) or SiLU(gate) * up of a gate/up
-row as the x operand, each rounded where its own kernel rounds, and a residual added to the
-rounded product. At a small model's shapes a draft step is launches, not bytes: a dense
-layer then takes four projections and its attention. Oracle: `ops.fused_linear`."""
+A draft step's neighbours of a projection on an FP8 copy ride in its launch (`fused`): an
+RMSNorm before it (each program first takes its rows' rstd over all of K, from L2, then
+normalises each x tile as it loads it) or SiLU(gate) * up of a gate/up row as the x
+operand, each rounded where its own kernel rounds, and a residual added to the rounded
+product: a dense layer's draft step then takes four projections and its attention.
+Oracle: `ops.fused_linear`."""
 
 from __future__ import annotations
 
@@ -98,13 +98,11 @@ class SkinnyTuning:
     split_k: int
     split_min_steps: int
     sms: int | None
-    fuse_max_bytes: int
 
 
 _SM90 = SkinnyTuning(by_rows={16: RowTiles(64, 32, 256), 32: RowTiles(64, 32, 256),
                               64: RowTiles(64, 32, 128), 128: RowTiles(64, 32, 64)},
-                     column_programs=256, split_k=2, split_min_steps=4, sms=None,
-                     fuse_max_bytes=8 << 20)
+                     column_programs=256, split_k=2, split_min_steps=4, sms=None)
 # By device class (`kernels.device_class`). The interpreter has no SMs: it assumes an H100's
 # or H200's 132, so that it runs the tiles those GPUs choose.
 TUNING: dict[str, SkinnyTuning] = {
@@ -135,16 +133,12 @@ class SkinnyTiles:
 
 
 def fused(x: torch.Tensor, weight: torch.Tensor | DraftWeight) -> bool:
-    """Whether `skinny_linear` takes x's rows through weight with its neighbours fused on x's
-    device: on a GPU, an FP8 copy, or the model's weight within MAX_ROWS rows and
-    `SkinnyTuning.fuse_max_bytes` (not INT4: its kernel takes no neighbours)."""
-    if not x.is_cuda or isinstance(weight, Int4Weight):
-        return False
-    if isinstance(weight, DRAFT_TYPES):
-        return True
-    rows = x.numel() // max(x.shape[-1], 1)
-    big = weight.numel() * weight.element_size() > tuning(x.device).fuse_max_bytes
-    return rows <= MAX_ROWS and not big
+    """Whether `skinny_linear` takes x's rows through weight with its neighbours fused: an
+    FP8 copy on a GPU, which streams through this kernel anyway (not INT4: its kernel takes
+    no neighbours). The model's own weights stream through cuBLAS, their neighbours in
+    kernels of their own: at a small model's shapes that is faster than this kernel with
+    them fused ([kernel notes](../../docs/kernel-notes.md))."""
+    return x.is_cuda and isinstance(weight, DRAFT_TYPES) and not isinstance(weight, Int4Weight)
 
 
 def block_rows(m: int, most: int = MAX_ROWS) -> int:
