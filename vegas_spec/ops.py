@@ -135,10 +135,13 @@ def route(logits: torch.Tensor, top_k: int,
           renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, k] in the logits' dtype, expert ids [T, k] int64):
     the top_k of softmax(logits) taken in float32, renormalised to sum to 1 where
-    `renormalize` (the config's `norm_topk_prob`), as transformers' Qwen3-MoE router. Each
-    row alone (softmax, top-k and the sum are per row), so exact mode needs no variant."""
+    `renormalize` (the config's `norm_topk_prob`), as transformers' Qwen3-MoE router; experts
+    of equal probability in index order (a stable sort: torch.topk leaves their order to the
+    device, and on CUDA it differs). Each row alone (softmax, top-k and the sum are per row),
+    so exact mode needs no variant."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = probs.topk(top_k, dim=-1)
+    weights, ids = probs.sort(dim=-1, descending=True, stable=True)
+    weights, ids = weights[..., :top_k].contiguous(), ids[..., :top_k].contiguous()
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), ids

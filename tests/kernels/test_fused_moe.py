@@ -159,6 +159,19 @@ def test_the_grouping_kernel_gives_the_references_groups(t: int, e: int, k: int,
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_ids_sliced_from_a_wider_tensor_group_as_their_values(k: int) -> None:
+    """ids taken as the first k columns of a sort's [T, E] result (strided; a [T, 1] slice
+    flattens to a strided view) group as a contiguous copy of them."""
+    wide = torch.stack([torch.randperm(8, generator=generator(t)) for t in range(5)]).to(DEVICE)
+    ids = wide[:, :k]
+    assert not ids.is_contiguous()
+    with nan_empty():
+        got = group_by_expert(ids, 8, 16)
+    want = group_by_expert_ref(ids.contiguous(), 8, 16)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_the_groupings_cover_both_paths() -> None:
     pairs = [t * k for t, _, k, _ in GROUPINGS]
     assert min(pairs) == 2 and max(pairs) > MAX_GROUP_PAIRS >= 1024 >= 128 * 8

@@ -33,6 +33,7 @@ def test_equal_probabilities_go_in_index_order() -> None:
     logits[1, 7] = logits[1, 3] = 1.0
     weights, ids = route(logits, 4, True)
     assert ids.tolist() == [[0, 1, 2, 3], [3, 7, 0, 1]]
+    assert torch.equal(ops.route(logits, 4, True)[1], ids)
     torch.testing.assert_close(weights[0], torch.full((4,), 0.25, device=DEVICE))
     assert weights[1, 0] == weights[1, 1] > weights[1, 2] == weights[1, 3]
 

@@ -93,7 +93,7 @@ def group_by_expert(ids: torch.Tensor, experts: int,
     if pairs > MAX_GROUP_PAIRS or pairs == 0:
         return group_by_expert_ref(ids, experts, block_m)
     nb = max_blocks(pairs, experts, block_m)
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1).contiguous()  # a [T, 1] slice views as a strided row
     pair_of = torch.empty(nb * block_m, dtype=torch.int32, device=ids.device)
     expert_of = torch.empty(nb, dtype=torch.int32, device=ids.device)
     block_p = max(16, triton.next_power_of_2(pairs))
