@@ -50,7 +50,7 @@ class TritonOps(Ops):
                      eps: float = 0.0, silu: bool = False,
                      residual: torch.Tensor | None = None) -> torch.Tensor:
         """One launch of the few-row kernel with its neighbours fused where it takes them
-        (`skinny_matmul.fused`: small weights and FP8 copies on a GPU), else composed."""
+        (`skinny_matmul.fused`: FP8 copies on a GPU), else composed."""
         if fused(x, weight):
             return skinny_linear(x, weight, bias, norm=norm, eps=eps, silu=silu,
                                  residual=residual)

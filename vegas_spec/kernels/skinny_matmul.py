@@ -87,11 +87,7 @@ class SkinnyTuning:
 
     `by_rows`: the tiles of each row bucket (keys 16..MAX_DRAFT_ROWS). `split_k` splits of
     K where the column blocks are fewer than the SMs (`sms`, None: the device's own count)
-    and K holds at least `split_min_steps` K steps. `fuse_max_bytes`: a draft step's
-    projection on the model's own weight of at most these bytes runs here with its
-    neighbours fused (`fused`); a larger one streams through cuBLAS, its neighbours in
-    kernels of their own (a small projection's time is mostly its launch, a large one's
-    its bytes)."""
+    and K holds at least `split_min_steps` K steps."""
 
     by_rows: Mapping[int, RowTiles]
     column_programs: int
