@@ -25,6 +25,7 @@ their cache slot, then waits for its threads (a CTA barrier) before walking its 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ from vegas_spec.kernels import device_sms, for_device, interpreting, split_count
 from vegas_spec.kernels.rope_store import rotate_tile
 from vegas_spec.kernels.split_merge import (
     Partials,
+    TileConfig,
     finish_split,
     initial_state,
     merge_when_last,
@@ -47,15 +49,26 @@ from vegas_spec.kernels.split_merge import (
 
 
 @dataclass(frozen=True)
-class SparseTuning:
-    """The sparse kernel's tiles and split on one device class (its warps and stages are
-    `split_merge.SplitTuning`'s).
+class KeyTiles:
+    """Keys per loop step and pipeline stages of the sparse kernel at one head dim."""
 
-    block_k: keys per loop step at every head dim. Gathered rows arrive from scattered pages,
-    so more keys in flight per program hide more latency.
+    block_k: int
+    stages: int
+
+
+@dataclass(frozen=True)
+class SparseTuning:
+    """The sparse kernel's tiles and split on one device class (its warps, and its stages at
+    head dims not in by_head_dim, are `split_merge.SplitTuning`'s).
+
+    block_k: keys per loop step at head dims not in by_head_dim. Gathered rows arrive from
+    scattered pages, so more keys in flight per program hide more latency.
+
+    by_head_dim: keys per loop step and stages at the listed head dims (`KeyTiles`). A small
+    head dim takes wider blocks: each block is a chain of dependent loads (list entry, page,
+    K/V rows), so fewer, wider blocks wait on fewer chains.
 
     programs_per_sm: programs of 4 warps one SM holds, by head dim (None: none listed). A
-    program walks its blocks as a chain of dependent loads (list entry, page, K/V rows), so a
     small budget is bound by latency unless the SMs hold many programs: the list is cut into
     as many splits as fill those slots in one wave, at least min_split_blocks key blocks
     each, or one block each where those programs fit on the SMs one apiece (few sequences:
@@ -65,15 +78,18 @@ class SparseTuning:
     block_k: int
     programs_per_sm: Mapping[int, int] | None
     min_split_blocks: int
+    by_head_dim: Mapping[int, KeyTiles]
 
 
-_SM90 = SparseTuning(block_k=128, programs_per_sm={64: 3}, min_split_blocks=2)
+_SM90 = SparseTuning(block_k=128, programs_per_sm={64: 3}, min_split_blocks=2,
+                     by_head_dim={64: KeyTiles(block_k=256, stages=1)})
 # By device class (`kernels.device_class`). The interpreter: the decode tiles' small key
 # blocks and their split (`split_merge.TUNING`).
 TUNING: dict[str, SparseTuning] = {
     "sm90": _SM90,
     "default": _SM90,
-    "interpreter": SparseTuning(block_k=32, programs_per_sm=None, min_split_blocks=2),
+    "interpreter": SparseTuning(block_k=32, programs_per_sm=None, min_split_blocks=2,
+                                by_head_dim={}),
 }
 
 
@@ -169,6 +185,16 @@ def _sparse_split_kernel(
                         HEAD_DIM)
 
 
+def _tiles(q: torch.Tensor, hkv: int, block_k: int | None) -> TileConfig:
+    """The launch's tiles: `block_k` keys a loop step where given (stages then
+    `split_merge`'s), else the device's for q's head dim (`SparseTuning`)."""
+    tiles = tuning(q.device)
+    keys = tiles.by_head_dim.get(q.shape[3])
+    if block_k is not None or keys is None:
+        return tile_config(q, hkv, block_k or tiles.block_k)
+    return dataclasses.replace(tile_config(q, hkv, keys.block_k), num_stages=keys.stages)
+
+
 def sparse_split_size(length: int, programs: int, block_k: int, device: torch.device,
                       head_dim: int) -> int:
     """Keys per split (a multiple of block_k) of a list of `length` keys walked by `programs`
@@ -260,7 +286,7 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     hkv = k_cache.shape[1]
     if indices.shape[2] == 0:  # nothing listed: keep a valid pointer
         indices = torch.full((bsz, 1, 1), -1, dtype=torch.int64, device=q.device)
-    cfg = tile_config(q, hkv, block_k or tuning(q.device).block_k)
+    cfg = _tiles(q, hkv, block_k)
     row_blocks = triton.cdiv(n, cfg.block_n)
     length = indices.shape[2] + recent_max
     programs = bsz * hkv * row_blocks
