@@ -9,14 +9,18 @@ over the copy bandwidth. Each cell cycles through `--layers` layers' weights of 
 CUDA graph of one call per layer, so that no call finds its experts in L2 (every expert of one
 layer is 1.2 GB at Qwen3-30B-A3B, 0.5 GB at gpt-oss-20b); median over replays. T: 1, 16 and
 64 (a plain step at those batches) and 112 (a verify step of 16 sequences at γ 6).
+`--formats bf16 mxfp4` times the experts kept in MXFP4 as well (`quant.Mxfp4`, random codes
+and scales near 2^-6, read as stored: 17 bytes a 32 values against bf16's 64).
 
     python benchmarks/moe_kernel.py --out moe_kernel.json
     python benchmarks/moe_kernel.py --tokens 16 --tiles 16:64:128:4:4 32:64:64:4:3 --out t.json
+    python benchmarks/moe_kernel.py --formats bf16 mxfp4 --out mxfp4.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
@@ -26,6 +30,7 @@ from common import copy_bandwidth, graph_us
 from vegas_spec.config import ModelConfig
 from vegas_spec.kernels.exact_matmul import MatmulTiles
 from vegas_spec.kernels.fused_moe import fused_moe, moe_tiles
+from vegas_spec.quant import MXFP4_BLOCK, Mxfp4
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 
@@ -41,10 +46,22 @@ def routing(tokens: int, experts: int, top_k: int, gen: torch.Generator) -> torc
     return scores.topk(top_k, dim=-1).indices
 
 
-def read_bytes(cfg: ModelConfig, ids: torch.Tensor, itemsize: int) -> int:
-    """The floor's bytes of one call: the experts hit, and the activations moved."""
+def random_mxfp4(e: int, rows: int, cols: int, gen: torch.Generator) -> Mxfp4:
+    """An expert stack [E, rows, cols] of random MXFP4 codes, scales 2^-7..2^-5."""
+    groups = cols // MXFP4_BLOCK
+    blocks = torch.randint(0, 256, (e, rows, groups, MXFP4_BLOCK // 2), generator=gen,
+                           device="cuda", dtype=torch.uint8)
+    scales = torch.randint(120, 123, (e, rows, groups), generator=gen, device="cuda",
+                           dtype=torch.uint8)
+    return Mxfp4(blocks, scales)
+
+
+def read_bytes(cfg: ModelConfig, ids: torch.Tensor, itemsize: int, fmt: str = "bf16") -> int:
+    """The floor's bytes of one call: the experts hit (their matrices in `fmt`: MXFP4 half a
+    byte a value and a byte a 32), and the activations moved."""
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
-    expert = itemsize * (3 * h * i + (2 * i + h if cfg.expert_bias else 0))
+    matrices = 3 * h * i * (17 / 32 if fmt == "mxfp4" else itemsize)
+    expert = int(matrices) + itemsize * (2 * i + h if cfg.expert_bias else 0)
     pairs = ids.numel()
     moved = itemsize * (ids.shape[0] * h * 2 + pairs * (2 * i * 2 + i * 2 + h * 2))
     return int(ids.unique().numel()) * expert + moved
@@ -57,6 +74,8 @@ def main() -> None:
     ap.add_argument("--tiles", type=tiles_arg, nargs="*", default=[],
                     help="BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES settings beside the default")
     ap.add_argument("--layers", type=int, default=4, help="layers' weights a cell cycles through")
+    ap.add_argument("--formats", nargs="+", choices=["bf16", "mxfp4"], default=["bf16"],
+                    help="how the experts' matrices are kept")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     bandwidth = copy_bandwidth()
@@ -73,32 +92,36 @@ def main() -> None:
                      / h ** 0.5,
                      "down": torch.randn(e, h, i, generator=gen, device="cuda").to(bf16)
                      / i ** 0.5}
+            if "mxfp4" in args.formats:
+                layer["gate_up_mxfp4"] = random_mxfp4(e, 2 * i, h, gen)
+                layer["down_mxfp4"] = random_mxfp4(e, h, i, gen)
             if cfg.expert_bias:
                 layer["gate_up_bias"] = torch.zeros(e, 2 * i, dtype=bf16, device="cuda")
                 layer["down_bias"] = torch.zeros(e, h, dtype=bf16, device="cuda")
             layers.append(layer)
-        for t in args.tokens:
+        for t, fmt in itertools.product(args.tokens, args.formats):
             x = torch.randn(t, h, generator=gen, device="cuda").to(bf16)
             ids = [routing(t, e, k, gen) for _ in layers]
             weights = torch.full((t, k), 1.0 / k, dtype=bf16, device="cuda")
-            nbytes = sum(read_bytes(cfg, d, 2) for d in ids) / len(ids)
+            nbytes = sum(read_bytes(cfg, d, 2, fmt) for d in ids) / len(ids)
             hit = sum(int(d.unique().numel()) for d in ids) / len(ids)
             default = moe_tiles(x.device, t * k, e, False)
+            suffix = "" if fmt == "bf16" else "_" + fmt
             for tiles in [None, *args.tiles]:
                 state = {"i": 0}
 
                 def one(tiles=tiles, state=state, x=x, ids=ids, weights=weights,
-                        layers=layers, limit=cfg.swiglu_limit) -> None:
+                        layers=layers, limit=cfg.swiglu_limit, suffix=suffix) -> None:
                     n = state["i"] % len(layers)
                     lay = layers[n]
-                    fused_moe(x, lay["gate_up"], lay["down"], weights, ids[n], tiles=tiles,
-                              gate_up_bias=lay.get("gate_up_bias"),
+                    fused_moe(x, lay["gate_up" + suffix], lay["down" + suffix], weights,
+                              ids[n], tiles=tiles, gate_up_bias=lay.get("gate_up_bias"),
                               down_bias=lay.get("down_bias"), limit=limit)
                     state["i"] += 1
 
                 us = graph_us(one, calls=len(layers), reps=20)
                 cfg_used = tiles or default
-                rows.append({"model": name, "tokens": t, "experts_hit": hit,
+                rows.append({"model": name, "tokens": t, "format": fmt, "experts_hit": hit,
                              "tiles": f"{cfg_used.block_m}:{cfg_used.block_n}:"
                                       f"{cfg_used.block_k}:{cfg_used.num_warps}:"
                                       f"{cfg_used.num_stages}", "default": tiles is None,

@@ -1,4 +1,6 @@
-"""Draft weights in FP8 or INT4: a copy of each projection's weight in float8 e4m3 with one
+"""Weights in fewer bits: the draft copies (FP8, INT4) and MXFP4 expert stacks.
+
+Draft weights in FP8 or INT4: a copy of each projection's weight in float8 e4m3 with one
 float32 scale per output channel, or in 4-bit integers with one float32 scale per group of
 consecutive input channels of each output channel, read by draft steps only.
 
@@ -166,3 +168,58 @@ QUANTIZERS = {"fp8": quantize_fp8, "int4": quantize_int4}
 def fp8_supported(device: torch.device) -> bool:
     """FP8 tensor-core conversions: CUDA devices of compute capability 8.9 and up."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+# MXFP4, the OCP microscaling format gpt-oss checkpoints ship their experts in: two e2m1
+# codes a byte (the low nibble first), one power-of-two scale byte per 32 values (2^(s - 127)).
+# Every value is an e2m1 number times a power of two, exact in bfloat16.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1 codes 0..15
+MXFP4_SCALE_BIAS = 127
+MXFP4_BLOCK = 32  # values a scale
+MXFP4_MAX_SCALE = 240  # the largest scale byte `kernels.fused_moe` decodes
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor,
+                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """blocks [..., G, 16] uint8, scales [..., G] uint8 -> [..., 32 G] in dtype."""
+    assert blocks.dtype == torch.uint8 and scales.dtype == torch.uint8
+    assert blocks.shape[:-1] == scales.shape and 2 * blocks.shape[-1] == MXFP4_BLOCK
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)
+    exponent = scales.to(torch.int32) - MXFP4_SCALE_BIAS
+    values = torch.ldexp(values.flatten(-2), exponent[..., None].float())  # [..., G, 32]
+    return values.flatten(-2).to(dtype)
+
+
+@dataclass(frozen=True)
+class Mxfp4:
+    """An expert stack [E, N, K] kept in MXFP4, rows by output (the fused MoE kernel reads it
+    as stored, a quarter of bfloat16's bytes): blocks [E, N, K / 32, 16] and scales
+    [E, N, K / 32], uint8, contiguous."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    def __post_init__(self) -> None:
+        assert self.blocks.dtype == torch.uint8 and self.scales.dtype == torch.uint8
+        assert self.blocks.dim() == 4 and 2 * self.blocks.shape[3] == MXFP4_BLOCK
+        assert self.blocks.shape[:3] == self.scales.shape
+        assert self.blocks.is_contiguous() and self.scales.is_contiguous()
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        experts, rows, groups = self.scales.shape
+        return experts, rows, MXFP4_BLOCK * groups
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    def decodable(self) -> bool:
+        """Whether the kernel decodes every scale (each at most MXFP4_MAX_SCALE)."""
+        return self.scales.numel() == 0 or int(self.scales.max()) <= MXFP4_MAX_SCALE
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The stack [E, N, K] in dtype (`mxfp4_dequantize`)."""
+        return mxfp4_dequantize(self.blocks, self.scales, dtype)

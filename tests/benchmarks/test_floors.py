@@ -74,3 +74,16 @@ def test_moe_kernel_floor_counts_each_expert_hit_once() -> None:
     same = moe_kernel.read_bytes(cfg, torch.tensor([[3, 5], [5, 3]]), 2)
     assert one // expert == 2 and same // expert == 2  # the second token hits no new expert
     assert same - one == 2 * (2 * h + 2 * (4 * i + 2 * i + 2 * h))  # its activations only
+
+
+def test_moe_kernel_floor_of_mxfp4_experts_is_their_packed_bytes() -> None:
+    """An MXFP4 expert's matrices are half a byte a value and a scale byte a 32: 17/64 of
+    their bfloat16 bytes; the activations are the same."""
+    import torch
+
+    moe_kernel = benchmark_script("moe_kernel")
+    cfg = config("gpt-oss-20b")
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    ids = torch.tensor([[0, 1, 2, 3]])
+    bf16, fp4 = (moe_kernel.read_bytes(cfg, ids, 2, fmt) for fmt in ("bf16", "mxfp4"))
+    assert bf16 - fp4 == 4 * (2 * 3 * h * i - 3 * h * i * 17 // 32)

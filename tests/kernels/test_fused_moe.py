@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from kernel_cases import CUDA, DEVICE, DTYPES, generator, nan_empty, randn, tol
 
 from vegas_spec import ops
 from vegas_spec.kernels.fused_moe import (
     MAX_GROUP_PAIRS,
+    _mxfp4_tile,
     fused_moe,
     group_by_expert,
     group_by_expert_ref,
     max_blocks,
 )
+from vegas_spec.quant import MXFP4_MAX_SCALE, Mxfp4, mxfp4_dequantize
 
 HIDDEN, INTER = 64, 32
 
@@ -235,3 +239,71 @@ def test_a_captured_step_replays_other_routings() -> None:
         logits.copy_(randn(t, e, gen=gen, dtype=torch.bfloat16) * 3)
         graph.replay()
         assert torch.equal(out, step())
+
+
+def mxfp4_stack(e: int, rows: int, k: int, gen: torch.Generator, low: int = 120,
+                high: int = 124) -> Mxfp4:
+    """Random MXFP4 experts [E, rows, K]: every byte value, scales 2^(low-127)..2^(high-128)."""
+    blocks = torch.randint(0, 256, (e, rows, k // 32, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(low, high, (e, rows, k // 32), dtype=torch.uint8, generator=gen)
+    return Mxfp4(blocks.to(DEVICE), scales.to(DEVICE))
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
+@pytest.mark.parametrize("oss", [False, True], ids=["silu", "gpt-oss"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (7, 4, 4), (33, 16, 3)])
+def test_mxfp4_experts_give_the_products_of_their_dequantised_weights(
+        t: int, e: int, k: int, dtype: torch.dtype, oss: bool, exact: bool) -> None:
+    """Experts read as stored and decoded in the kernel give, bit for bit, what the same
+    kernel gives on the dequantised stacks (`quant.mxfp4_dequantize`), and the reference's
+    output to rounding."""
+    gen = generator(7 * t + e + k)
+    gate_up, down = mxfp4_stack(e, 2 * INTER, HIDDEN, gen), mxfp4_stack(e, HIDDEN, INTER, gen)
+    dense = gate_up.dequantize(dtype), down.dequantize(dtype)
+    x = randn(t, HIDDEN, gen=gen, dtype=dtype)
+    weights, ids = routed(t, e, k, gen, dtype, renormalize=k > 1)
+    extras = oss_extras(e, gen, dtype) if oss else {}
+    with nan_empty():
+        got = fused_moe(x, gate_up, down, weights, ids, exact, **extras)
+    assert torch.equal(got, fused_moe(x, *dense, weights, ids, exact, **extras))
+    ref = ops.moe_experts(x, *dense, weights, ids, exact, **extras)
+    torch.testing.assert_close(got, ref, **tol(dtype))
+
+
+@triton.jit
+def _decode_kernel(w_ptr, s_ptr, out_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows [BLOCK_N, K] of MXFP4 bytes and scales decoded by the kernel's `_mxfp4_tile`."""
+    rn = tl.arange(0, BLOCK_N)
+    w_row = w_ptr + rn[:, None] * (K // 2)
+    s_row = s_ptr + rn[:, None] * (K // 32)
+    for k0 in range(0, K, BLOCK_K):
+        values = _mxfp4_tile(w_row, s_row, k0, K, rn < BLOCK_N, BLOCK_N, BLOCK_K)
+        tl.store(out_ptr + rn[:, None] * K + k0 + tl.arange(0, BLOCK_K)[None, :], values)
+
+
+def test_the_kernel_decodes_every_code_at_every_scale_exactly() -> None:
+    """Every byte (both nibbles, so every e2m1 code with either neighbour) at every scale
+    the kernel takes, 2^-127 (subnormal results) to 2^113: the float32 values of
+    `quant.mxfp4_dequantize`, bit for bit (0.0 and -0.0 apart)."""
+    rows, k = 16, 512  # 256 blocks of 32 values
+    blocks = torch.arange(256, dtype=torch.uint8).repeat(16).view(rows, k // 32, 16)
+    scales = torch.cat([torch.arange(MXFP4_MAX_SCALE + 1),
+                        torch.arange(256 - MXFP4_MAX_SCALE - 1)]).to(torch.uint8)
+    scales = scales.view(rows, k // 32)
+    want = mxfp4_dequantize(blocks, scales, torch.float32).view(rows, k)
+    got = torch.empty(rows, k, device=DEVICE)
+    _decode_kernel[(1,)](blocks.to(DEVICE), scales.to(DEVICE), got, k, BLOCK_N=rows,
+                         BLOCK_K=64)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(got.cpu().signbit(), want.signbit())
+
+
+def test_decodable_scales_end_at_the_kernels_limit() -> None:
+    blocks = torch.zeros(2, 3, 1, 16, dtype=torch.uint8)
+    low = Mxfp4(blocks, torch.full((2, 3, 1), MXFP4_MAX_SCALE, dtype=torch.uint8))
+    assert low.shape == (2, 3, 32) and low.decodable()
+    high = torch.full((2, 3, 1), MXFP4_MAX_SCALE, dtype=torch.uint8)
+    high[1, 2, 0] += 1
+    assert not Mxfp4(blocks, high).decodable()
+

@@ -20,7 +20,17 @@ take the clamped SwiGLU at (2) (`silu_mul.clamped_swiglu`). Every product is rou
 to x's dtype where transformers rounds it. The tiles depend on P in the default mode only:
 in exact mode (`exact=True`) one tiling for every P, and a row's sum over K walks the same
 blocks in the same order wherever its pair lands, so a token's output does not depend on the
-other tokens of the step (the premise of `exact_matmul`: the dot computes rows alike)."""
+other tokens of the step (the premise of `exact_matmul`: the dot computes rows alike).
+
+Experts in MXFP4 (`Mxfp4`, gpt-oss checkpoints' format: two e2m1 values a byte, a
+power-of-two scale per 32) are read as stored, a quarter of bfloat16's bytes, and decoded in
+registers: each nibble's bits placed in a float16 (sign, then exponent and mantissa: the
+e2m1 value times 2^-14, subnormal for 0.5, exact), widened to float32 and times 2^(scale -
+113), then rounded to x's dtype as the dequantised weights are (exactly, in bfloat16 and
+float32). So the products are those of the dequantised weights (`quant.mxfp4_dequantize`,
+the oracle), summed in the same order. Scales past `quant.MXFP4_MAX_SCALE` (2^113 and up)
+are not decoded: whoever makes an `Mxfp4` for this kernel checks `Mxfp4.decodable` once, at
+load."""
 
 from __future__ import annotations
 
@@ -33,6 +43,7 @@ import triton.language as tl
 from vegas_spec.kernels import for_device
 from vegas_spec.kernels.exact_matmul import MatmulTiles
 from vegas_spec.kernels.silu_mul import clamped_swiglu, silu_mul
+from vegas_spec.quant import MXFP4_BLOCK, Mxfp4
 
 
 @dataclass(frozen=True)
@@ -165,17 +176,38 @@ def group_by_expert_ref(ids: torch.Tensor, experts: int,
     return pair_of.int(), expert_of.int()
 
 
+@triton.jit
+def _mxfp4_tile(w_row, s_row, k0, K, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns k0 .. k0 + BLOCK_K of MXFP4 rows (w_row [BLOCK_N, 1] pointers to their bytes,
+    s_row to their scales) -> [BLOCK_N, BLOCK_K] float32, the exact values (0 past K)."""
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(w_row + kb[None, :], mask=n_ok[:, None] & (kb < K // 2)[None, :], other=0)
+    codes = tl.join(packed & 0x0F, packed >> 4).to(tl.int16)  # [BLOCK_N, BLOCK_K / 2, 2]
+    # e2m1 bits into a float16: sign to bit 15, exponent and mantissa to bits 10..9 and 9:
+    # the value times 2^-14 (0.5 a subnormal), exact in float32
+    bits = ((codes & 8) << 12) | ((codes & 7) << 9)
+    values = bits.to(tl.float16, bitcast=True).to(tl.float32)
+    kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    scale = tl.load(s_row + kg[None, :], mask=n_ok[:, None] & (kg < K // 32)[None, :], other=0)
+    factor = ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s - 113)
+    values = tl.reshape(values, [BLOCK_N, BLOCK_K // 32, 32]) * factor[:, :, None]
+    return tl.reshape(values, [BLOCK_N, BLOCK_K])
+
+
 # P stays a runtime value: a one-token step and a many-token step run one compiled program.
 @triton.jit(do_not_specialize=["num_pairs"])
-def _expert_matmul_kernel(a_ptr, w_ptr, b_ptr, r_ptr, y_ptr, pair_ptr, expert_ptr, num_pairs,
-                          N, K, stride_am, stride_we, stride_wn, stride_be, stride_ym,
+def _expert_matmul_kernel(a_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, pair_ptr, expert_ptr,
+                          num_pairs, N, K, stride_am, stride_we, stride_wn, stride_se,
+                          stride_sn, stride_be, stride_ym,
                           PAIRS_PER_ROW: tl.constexpr, WEIGHTED: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, FP4: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
     """Program (j, b): y[p, j*BLOCK_N..] = a[p // PAIRS_PER_ROW] @ w[e]^T (+ b[e] where
     HAS_BIAS, added to the float32 sum before it is rounded, as a biased linear) for the
     pairs p of block b, e its expert (times r[p] where WEIGHTED). A block of expert -1 loops
-    zero times and stores nothing."""
+    zero times and stores nothing. FP4: w is MXFP4 blocks [E, N, K / 2] with scales s [E, N,
+    K / 32] (`Mxfp4`; BLOCK_K a multiple of 32), decoded by `_mxfp4_tile`."""
     block = tl.program_id(1)
     expert = tl.load(expert_ptr + block)
     pairs = tl.load(pair_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -186,13 +218,17 @@ def _expert_matmul_kernel(a_ptr, w_ptr, b_ptr, r_ptr, y_ptr, pair_ptr, expert_pt
     n_ok = rn < N
     a_row = a_ptr + rows[:, None] * stride_am
     w_row = w_ptr + expert.to(tl.int64) * stride_we + rn.to(tl.int64)[:, None] * stride_wn
+    s_row = s_ptr + expert.to(tl.int64) * stride_se + rn.to(tl.int64)[:, None] * stride_sn
     k_end = tl.where(expert >= 0, K, 0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k_end, BLOCK_K):
         k = k0 + rk
         k_ok = k < K
         a = tl.load(a_row + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if FP4:
+            w = _mxfp4_tile(w_row, s_row, k0, K, n_ok, BLOCK_N, BLOCK_K).to(a.dtype)
+        else:
+            w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + rn, mask=n_ok & (expert >= 0),
@@ -207,19 +243,23 @@ def _expert_matmul_kernel(a_ptr, w_ptr, b_ptr, r_ptr, y_ptr, pair_ptr, expert_pt
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _expert_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+def _expert_matmul(a: torch.Tensor, w: torch.Tensor | Mxfp4, out: torch.Tensor,
                    groups: tuple[torch.Tensor, torch.Tensor], pairs_per_row: int,
                    cfg: MatmulTiles, r: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None) -> None:
     """out [P, N] = a [rows, K] rows by pair @ w [E, N, K]^T (+ bias [E, N]) by the pairs'
     experts (* r [P])."""
     pair_of, expert_of = groups
-    n, k = w.shape[1], w.shape[2]
+    _, n, k = w.shape
+    fp4 = isinstance(w, Mxfp4)
+    data, scales = (w.blocks, w.scales) if isinstance(w, Mxfp4) else (w, out)
+    assert not fp4 or cfg.block_k % MXFP4_BLOCK == 0
     _expert_matmul_kernel[(triton.cdiv(n, cfg.block_n), expert_of.numel())](
-        a, w, out if bias is None else bias, out if r is None else r, out, pair_of, expert_of,
-        out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1),
+        a, data, scales, out if bias is None else bias, out if r is None else r, out, pair_of,
+        expert_of, out.shape[0], n, k, a.stride(0), data.stride(0), data.stride(1),
+        scales.stride(0) if fp4 else 0, scales.stride(1) if fp4 else 0,
         0 if bias is None else bias.stride(0), out.stride(0), PAIRS_PER_ROW=pairs_per_row,
-        WEIGHTED=r is not None, HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m,
+        WEIGHTED=r is not None, HAS_BIAS=bias is not None, FP4=fp4, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -230,20 +270,28 @@ def _check_bias(bias: torch.Tensor | None, shape: tuple[int, int], x: torch.Tens
                             and bias.dtype == x.dtype and bias.device == x.device)
 
 
-def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+def _check_experts(w: torch.Tensor | Mxfp4, x: torch.Tensor) -> None:
+    if isinstance(w, Mxfp4):  # its scales were checked where it was made (`decodable`)
+        assert w.device == x.device
+    else:
+        assert w.dtype == x.dtype and w.is_contiguous()
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Mxfp4, down: torch.Tensor | Mxfp4,
               weights: torch.Tensor, ids: torch.Tensor, exact: bool = False, *,
               tiles: MatmulTiles | None = None, gate_up_bias: torch.Tensor | None = None,
               down_bias: torch.Tensor | None = None, limit: float = 0.0) -> torch.Tensor:
     """x [T, H] through its experts -> [T, H] (`ops.moe_experts`'s contract): gate_up
-    [E, 2I, H], down [E, H, I], weights [T, k] in x's dtype, ids [T, k] expert ids.
-    gpt-oss's experts: biases gate_up_bias [E, 2I] and down_bias [E, H] (x's dtype) added to
-    each expert's products, and with limit > 0 the clamped SwiGLU (`clamped_swiglu`) in
-    place of SiLU(gate) * up."""
+    [E, 2I, H], down [E, H, I] (in x's dtype, or `Mxfp4` stacks read as stored), weights
+    [T, k] in x's dtype, ids [T, k] expert ids. gpt-oss's experts: biases gate_up_bias
+    [E, 2I] and down_bias [E, H] (x's dtype) added to each expert's products, and with
+    limit > 0 the clamped SwiGLU (`clamped_swiglu`) in place of SiLU(gate) * up."""
     (t, hidden), (experts, two_i, _) = x.shape, gate_up.shape
     assert gate_up.shape[2] == hidden and down.shape == (experts, hidden, two_i // 2)
     assert ids.shape == weights.shape and ids.shape[0] == t and weights.dtype == x.dtype
-    assert x.dtype == gate_up.dtype == down.dtype and x.stride(-1) == 1
-    assert gate_up.is_contiguous() and down.is_contiguous()
+    assert x.stride(-1) == 1
+    _check_experts(gate_up, x)
+    _check_experts(down, x)
     _check_bias(gate_up_bias, (experts, two_i), x)
     _check_bias(down_bias, (experts, hidden), x)
     top_k = ids.shape[1]
