@@ -195,10 +195,13 @@ def held_graph_runner(llm: LLM, shapes: Any, capacity: int, policy: Any) -> Grap
 
 
 def weight_bytes(llm: LLM) -> int:
-    """Bytes of weights a step reads: every parameter once, but of an untied input embedding
-    only the looked-up rows (ignored)."""
-    params = {p.data_ptr(): p for p in llm.engine.runner.model.parameters()}
+    """Bytes of weights a step reads: every parameter once, and experts kept in MXFP4 as
+    stored, but of an untied input embedding only the looked-up rows (ignored)."""
+    model = llm.engine.runner.model
+    params = {p.data_ptr(): p for p in model.parameters()}
     total = sum(p.numel() * p.element_size() for p in params.values())
+    total += sum(w.blocks.nbytes + w.scales.nbytes for layer in model.layers
+                 for w in (getattr(layer, "packed", None) or ()))
     embed, head = llm.engine.runner.model.embed.weight, llm.engine.runner.model.lm_head.weight
     untied = embed.data_ptr() != head.data_ptr()
     return total - (embed.numel() * embed.element_size() if untied else 0)
@@ -227,16 +230,18 @@ def expected_experts_hit(experts: int, top_k: int, tokens: int) -> float:
     return experts * (1 - (1 - top_k / experts) ** tokens)
 
 
-def expert_bytes(cfg: ModelConfig, itemsize: int) -> int:
+def expert_bytes(cfg: ModelConfig, itemsize: float) -> float:
     """One expert's weights in one layer: gate/up [2I, H] and down [H, I], and where
-    cfg.expert_bias (gpt-oss) their biases [2I] and [H]; 0 for a dense model."""
+    cfg.expert_bias (gpt-oss) their biases [2I] and [H], at itemsize bytes a value (17/32
+    in MXFP4: its biases are then undercounted by 0.1% of the expert); 0 for a dense
+    model."""
     if not cfg.num_experts:
         return 0
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     return itemsize * (3 * h * i + (2 * i + h if cfg.expert_bias else 0))
 
 
-def routed_weight_bytes(cfg: ModelConfig, all_bytes: int, itemsize: int,
+def routed_weight_bytes(cfg: ModelConfig, all_bytes: int, itemsize: float,
                         hits: Sequence[float]) -> float:
     """`all_bytes` (every weight read once: `weight_bytes` or `draft_weight_bytes`, i.e.
     attention projections, norms, routers, LM head and every expert) with each layer's
@@ -249,7 +254,7 @@ def routed_weight_bytes(cfg: ModelConfig, all_bytes: int, itemsize: int,
     return all_bytes - cfg.num_layers * cfg.num_experts * per + per * sum(hits)
 
 
-def expected_weight_bytes(cfg: ModelConfig, all_bytes: int, itemsize: int, rows: int,
+def expected_weight_bytes(cfg: ModelConfig, all_bytes: int, itemsize: float, rows: int,
                           batch: int) -> float:
     """The weight bytes a step of `batch` sequences of `rows` rows each (1: a plain or draft
     step; γ+1: a verify step) is expected to stream: `routed_weight_bytes` with
@@ -301,15 +306,18 @@ def experts_hit(runner: GraphRunner, kind: str) -> list[int]:
     return [int(i.unique().numel()) for i in ids]
 
 
-def expert_itemsize(llm: LLM) -> int:
-    """Bytes of one element of the experts' weights (0 for a dense model)."""
+def expert_itemsize(llm: LLM) -> float:
+    """Bytes a value of the experts' matrices: their dtype's, 17/32 kept in MXFP4 (half a
+    byte, and a scale byte a 32); 0 for a dense model."""
     layer = llm.engine.runner.model.layers[0]
+    if getattr(layer, "packed", None) is not None:
+        return 17 / 32
     weights = getattr(layer, "experts_gate_up", None)
     return 0 if weights is None else weights.element_size()
 
 
 def step_weights(cfg: ModelConfig, bsz: int, gamma: int, all_bytes: dict[str, int],
-                 itemsize: int, hits: dict[str, list[int]]) -> dict:
+                 itemsize: float, hits: dict[str, list[int]]) -> dict:
     """Each step's weight bytes (`weight_bytes_plain`, `_verify`, `_draft`): of a dense
     model all_bytes[step]; of a mixture of experts only the experts hit, counted (`hits`,
     `experts_hit_<step>`: their mean over the layers) and expected under uniform routing

@@ -108,6 +108,7 @@ class ModelConfig:
     # > 0: the experts' activation is gpt-oss's clamped SwiGLU, (up + 1) * gate *
     # sigmoid(1.702 * gate) with gate <= limit and |up| <= limit; 0: SiLU(gate) * up
     swiglu_limit: float = 0.0
+    mxfp4_experts: bool = False  # the checkpoint ships its experts in MXFP4 (gpt-oss's)
 
     @property
     def rope(self) -> dict[str, Any]:

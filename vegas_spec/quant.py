@@ -223,3 +223,33 @@ class Mxfp4:
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The stack [E, N, K] in dtype (`mxfp4_dequantize`)."""
         return mxfp4_dequantize(self.blocks, self.scales, dtype)
+
+
+MXFP4_MAGNITUDES = FP4_VALUES[:8]  # codes 0..7; 8..15 are their negatives
+
+
+def mxfp4_exact(w: torch.Tensor) -> Mxfp4 | None:
+    """An expert stack w [E, N, K] whose values are exactly MXFP4 (an MXFP4 checkpoint's,
+    dequantised) -> that `Mxfp4`, whose `dequantize` gives w back bit for bit; None where a
+    block of 32 is not e2m1 codes times one power of two within the kernel's scales (weights
+    that never were MXFP4). A block's scale is the least that brings its largest magnitude
+    to at most 6. Works one expert at a time, so the float32 temporaries stay small."""
+    if w.dim() != 3 or w.shape[2] % MXFP4_BLOCK or not w.is_floating_point():
+        return None
+    table = torch.tensor(MXFP4_MAGNITUDES, dtype=torch.float32, device=w.device)
+    blocks, scales = [], []
+    for expert in w:
+        v = expert.float().reshape(expert.shape[0], -1, MXFP4_BLOCK)  # [N, G, 32]
+        top = v.abs().amax(-1)
+        exp = torch.where(top > 0, torch.ceil(torch.log2(top / 6.0)), 0.0)  # all zero: 2^0
+        scale = exp + MXFP4_SCALE_BIAS
+        if bool(((scale < 0) | (scale > MXFP4_MAX_SCALE)).any()):
+            return None
+        mags = torch.ldexp(v.abs(), -exp[..., None])
+        idx = torch.searchsorted(table, mags.contiguous()).clamp_(max=len(table) - 1)
+        if not bool((table[idx] == mags).all()):
+            return None
+        codes = (idx | (torch.signbit(v).long() << 3)).to(torch.uint8)
+        blocks.append(codes[..., 0::2] | (codes[..., 1::2] << 4))
+        scales.append(scale.to(torch.uint8))
+    return Mxfp4(torch.stack(blocks).contiguous(), torch.stack(scales).contiguous())

@@ -68,9 +68,11 @@ def load(config: EngineConfig, source: ModelSource) -> Loaded:
     # engine's if one holds it. A draft copy is made before the KV budget, which the memory
     # it takes then leaves out.
     kind = draft_kind(config, device)
+    packs = keeps_mxfp4(config, device, tp)
     key = ModelKey(file_stamps(source), config.load_format, config.torch_dtype, device,
-                   tp.rank, tp.world_size, kind)
-    model = shared_model(key, lambda: _load_model(config, source, cfg, local, kind, device, tp))
+                   tp.rank, tp.world_size, kind, packs)
+    model = shared_model(key, lambda: _load_model(config, source, cfg, local, kind, device, tp,
+                                                  packs))
     drafts = model.draft_weight_bytes()
     ops = make_ops(config.resolved_backend, config.exact, tp)
     attn = make_backend(config.resolved_backend, config.exact)
@@ -81,16 +83,26 @@ def load(config: EngineConfig, source: ModelSource) -> Loaded:
                   config.max_model_len or cfg.max_position_embeddings, kind)
 
 
+def keeps_mxfp4(config: EngineConfig, device: torch.device, tp: parallel.TPGroup) -> bool:
+    """Whether a model whose experts are exactly MXFP4 keeps them so: where the fused MoE
+    kernel reads them (a GPU, the Triton backend) and one rank holds them whole."""
+    return device.type == "cuda" and config.resolved_backend == "triton" and tp.world_size == 1
+
+
 def _load_model(config: EngineConfig, source: ModelSource, cfg: ModelConfig,
                 local: ModelConfig, kind: str, device: torch.device,
-                tp: parallel.TPGroup) -> Decoder:
+                tp: parallel.TPGroup, mxfp4: bool = False) -> Decoder:
     """This rank's model read from the source (or drawn: load_format "dummy"), with its
-    `kind` draft copies (fp8 or int4; model: none)."""
+    `kind` draft copies (fp8 or int4; model: none), and with mxfp4 its experts kept in
+    MXFP4 where their values are (`Decoder.keep_mxfp4_experts`; the dense stacks' memory
+    then goes back before the KV budget is set)."""
     if config.load_format == "dummy":
         weights = dummy_weights(cfg, config.torch_dtype, device, tp=tp)
     else:
         weights = load_weights(source, cfg, tp, config.torch_dtype)
     model = build_model(local, weights, config.torch_dtype, device)
+    if mxfp4 and model.keep_mxfp4_experts() and device.type == "cuda":
+        torch.cuda.empty_cache()
     if kind != "model":
         model.make_draft_weights(kind)
     return model

@@ -271,3 +271,31 @@ def test_spread_biases_routes_dummy_gpt_oss_tokens_apart(sp: ModuleType,
     biases = [p for n, p in llm.engine.runner.model.named_parameters() if n.endswith("bias")]
     assert biases and all(abs(float(b.std()) - 0.02) < 0.01 for b in biases)
     assert sum(step_hits(sp, llm, "verify", 2)) > 4
+
+
+def test_experts_kept_in_mxfp4_count_their_packed_bytes(
+        sp: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gpt-oss config that ships MXFP4 experts draws them as MXFP4 values, the engine keeps
+    them packed where it may (forced here on the CPU), and the step profile counts their
+    packed bytes: half a byte a value and a scale byte a 32."""
+    from vegas_spec import runner_setup
+
+    config = transformers.GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=8, max_position_embeddings=256,
+        quantization_config={"quant_method": "mxfp4"})
+    config.architectures = ["GptOssForCausalLM"]
+    config.save_pretrained(str(tmp_path))
+    monkeypatch.setattr(runner_setup, "keeps_mxfp4", lambda *args: True)
+    llm = dummy_engine(tmp_path)
+    cfg = llm.model_config
+    assert cfg.mxfp4_experts
+    layers = llm.engine.runner.model.layers
+    assert all(layer.packed is not None for layer in layers)
+    assert sp.expert_itemsize(llm) == 17 / 32
+    packed = sum(w.blocks.nbytes + w.scales.nbytes for layer in layers for w in layer.packed)
+    assert packed == 2 * 4 * 3 * 64 * 32 * 17 // 32  # layers x experts x values x 17/32
+    rest = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    embed = llm.engine.runner.model.embed.weight
+    assert sp.weight_bytes(llm) == rest + packed - embed.numel() * embed.element_size()

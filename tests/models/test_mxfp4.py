@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import assert_close_logits, hf_logits, random_prompts
+from conftest import assert_close_logits, family_engine, hf_logits, random_prompts, tiny_spec
 from safetensors.torch import load_file, save_file
 from test_gpt_oss import VOCAB, build_hf, save
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+from vegas_spec import quant, runner_setup
+from vegas_spec.config import SamplingParams
 from vegas_spec.engine import LLM
 from vegas_spec.models import loader, mxfp4
 from vegas_spec.models.loader import WeightError
@@ -102,3 +104,60 @@ def test_blocks_without_scales_are_refused(quantized: Quantized, tmp_path: Path)
     with pytest.raises(WeightError, match="down_proj_blocks has no model.layers.1.mlp.experts"
                                           ".down_proj_scales"):
         loader.load_weights(source, loader.load_config(source))
+
+
+def test_exact_mxfp4_values_pack_back_bit_for_bit() -> None:
+    """Dequantised MXFP4 stacks (every code, scales 2^-27..2^12, zero blocks, -0.0) give
+    back an `Mxfp4` whose values are theirs, in bfloat16 and float32; values that never were
+    MXFP4, or need a scale past the kernel's, give None."""
+    gen = torch.Generator().manual_seed(5)
+    blocks = torch.randint(0, 256, (3, 8, 4, 16), dtype=torch.uint8, generator=gen)
+    blocks[0, 0, 0] = 0  # an all-zero block
+    blocks[0, 0, 1] = 0x88  # -0.0 everywhere
+    scales = torch.randint(100, 140, (3, 8, 4), dtype=torch.uint8, generator=gen)
+    for dtype in (torch.bfloat16, torch.float32):
+        values = quant.mxfp4_dequantize(blocks, scales, dtype)
+        packed = quant.mxfp4_exact(values)
+        assert packed is not None and packed.shape == (3, 8, 128)
+        again = packed.dequantize(dtype)
+        assert torch.equal(again, values) and torch.equal(again.signbit(), values.signbit())
+    assert quant.mxfp4_exact(torch.randn(2, 4, 64, generator=gen)) is None
+    assert quant.mxfp4_exact(torch.full((1, 1, 32), 7.0)) is None  # 7 = 3.5 x 2: no code
+    assert quant.mxfp4_exact(torch.full((1, 1, 32), 6.0 * 2.0 ** 113)) is not None  # scale 240
+    assert quant.mxfp4_exact(torch.full((1, 1, 32), 6.0 * 2.0 ** 114)) is None  # 241
+
+
+def test_experts_kept_in_mxfp4_give_the_same_tokens_and_logits(
+        quantized: Quantized, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the engine keeps an MXFP4 checkpoint's experts as stored (forced here on the
+    CPU, whose Triton backend runs the kernels in the interpreter), every MoE layer holds
+    them packed, the logits are transformers' and the dense stacks' bit for bit, and vegas's
+    greedy tokens are plain decoding's."""
+    folder, model = quantized
+    prompt = random_prompts(4, (30,), VOCAB)[0]
+    dense = family_engine(folder, backend="triton", static_shapes=True)
+    monkeypatch.setattr(runner_setup, "keeps_mxfp4", lambda *args: True)
+    packed = family_engine(folder, backend="triton", static_shapes=True)
+    layers = packed.engine.runner.model.layers
+    assert all(layer.packed is not None and layer.experts_gate_up is None for layer in layers)
+    logits = packed.logits(prompt)
+    assert torch.equal(logits, dense.logits(prompt))
+    assert_close_logits(logits, hf_logits(model, prompt))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    plain = packed.generate([prompt], params, speculative=tiny_spec(None))[0].token_ids
+    vegas = packed.generate([prompt], params, speculative=tiny_spec({"method": "vegas"}))
+    assert vegas[0].token_ids == plain
+
+
+def test_the_engine_keeps_mxfp4_only_where_the_kernel_reads_it() -> None:
+    """On a GPU with the Triton backend and the experts whole on one rank; not on the CPU,
+    the torch backend or under tensor parallelism."""
+    from types import SimpleNamespace
+
+    triton, torch_backend = (SimpleNamespace(resolved_backend=b) for b in ("triton", "torch"))
+    one, two = SimpleNamespace(world_size=1), SimpleNamespace(world_size=2)
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert runner_setup.keeps_mxfp4(triton, gpu, one)
+    assert not runner_setup.keeps_mxfp4(triton, cpu, one)
+    assert not runner_setup.keeps_mxfp4(torch_backend, gpu, one)
+    assert not runner_setup.keeps_mxfp4(triton, gpu, two)

@@ -10,7 +10,7 @@ import torch
 
 from vegas_spec.ops import route
 from vegas_spec.parallel import SINGLE, TPGroup
-from vegas_spec.quant import DraftWeight
+from vegas_spec.quant import DraftWeight, Mxfp4
 
 
 class Ops(ABC):
@@ -47,12 +47,13 @@ class Ops(ABC):
         a draft step's FP8 or INT4 copy (drafts only, in any mode)."""
 
     @abstractmethod
-    def experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                weights: torch.Tensor, ids: torch.Tensor,
+    def experts(self, x: torch.Tensor, gate_up: torch.Tensor | Mxfp4,
+                down: torch.Tensor | Mxfp4, weights: torch.Tensor, ids: torch.Tensor,
                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
                 limit: float = 0.0) -> torch.Tensor:
         """x [T, H] through the experts ids [T, k] weighted by weights [T, k] -> [T, H]
-        (the contract of `ops.moe_experts`)."""
+        (the contract of `ops.moe_experts`); stacks in MXFP4 (`quant.Mxfp4`) give their
+        dequantised values' products."""
 
     @abstractmethod
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -116,8 +117,8 @@ class Ops(ABC):
         selects from (`TPGroup.sum_scores`: head-aggregated ones summed over the ranks)."""
         return self.tp.sum_scores(scores, per_kv_head)
 
-    def moe(self, x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor,
-            down: torch.Tensor, top_k: int, renormalize: bool,
+    def moe(self, x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor | Mxfp4,
+            down: torch.Tensor | Mxfp4, top_k: int, renormalize: bool,
             gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
             limit: float = 0.0) -> torch.Tensor:
         """A mixture of experts: x [..., H] (normed) -> [..., H]. router_logits [..., E] pick

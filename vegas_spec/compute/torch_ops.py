@@ -15,7 +15,7 @@ from vegas_spec.ops import (
     rms_norm,
     silu_mul,
 )
-from vegas_spec.quant import DRAFT_TYPES, DraftWeight
+from vegas_spec.quant import DRAFT_TYPES, DraftWeight, Mxfp4
 
 
 class TorchOps(Ops):
@@ -32,11 +32,14 @@ class TorchOps(Ops):
             return exact_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    def experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                weights: torch.Tensor, ids: torch.Tensor,
+    def experts(self, x: torch.Tensor, gate_up: torch.Tensor | Mxfp4,
+                down: torch.Tensor | Mxfp4, weights: torch.Tensor, ids: torch.Tensor,
                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
                 limit: float = 0.0) -> torch.Tensor:
-        """`ops.moe_experts`, in exact mode its row-invariant products."""
+        """`ops.moe_experts`, in exact mode its row-invariant products; MXFP4 stacks
+        dequantised first (correct, not fast)."""
+        gate_up, down = (w.dequantize(x.dtype) if isinstance(w, Mxfp4) else w
+                         for w in (gate_up, down))
         return moe_experts(x, gate_up, down, weights, ids, self.exact, gate_up_bias, down_bias,
                            limit)
 

@@ -17,7 +17,7 @@ from vegas_spec.kernels.rms_norm import rms_norm
 from vegas_spec.kernels.route import route as route_kernel
 from vegas_spec.kernels.silu_mul import silu_mul
 from vegas_spec.kernels.skinny_matmul import fused, skinny_linear
-from vegas_spec.quant import DRAFT_TYPES, DraftWeight
+from vegas_spec.quant import DRAFT_TYPES, DraftWeight, Mxfp4
 
 
 class TritonOps(Ops):
@@ -57,11 +57,12 @@ class TritonOps(Ops):
         return super().draft_linear(x, weight, bias, norm=norm, eps=eps, silu=silu,
                                     residual=residual)
 
-    def experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                weights: torch.Tensor, ids: torch.Tensor,
+    def experts(self, x: torch.Tensor, gate_up: torch.Tensor | Mxfp4,
+                down: torch.Tensor | Mxfp4, weights: torch.Tensor, ids: torch.Tensor,
                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
                 limit: float = 0.0) -> torch.Tensor:
-        """The fused kernel, gpt-oss's experts (biases, clamped SwiGLU) included."""
+        """The fused kernel, gpt-oss's experts (biases, clamped SwiGLU) included; MXFP4
+        stacks read as stored."""
         return fused_moe(x, gate_up, down, weights, ids, self.exact,
                          gate_up_bias=gate_up_bias, down_bias=down_bias, limit=limit)
 

@@ -59,6 +59,12 @@ class Decoder(nn.Module):
         the draft steps (embeddings, norms and the LM head stay the model's) -> their bytes."""
         return sum(layer.make_drafts(kind) for layer in self.layers)
 
+    def keep_mxfp4_experts(self) -> int:
+        """Every MoE layer's experts kept in MXFP4 where their values are exactly MXFP4
+        (`MoEMLP.keep_mxfp4`) -> the number of layers that keep them so."""
+        return sum(layer.keep_mxfp4() for layer in self.layers
+                   if isinstance(layer, layers.MoEMLP))
+
     def draft_weight_bytes(self) -> int:
         """Bytes of the draft copies (0: none, drafts read the model's weights)."""
         return sum(w.nbytes for layer in self.layers for w in (layer.drafts or {}).values())

@@ -118,6 +118,7 @@ class Experts(NamedTuple):
     router_bias: bool = False
     expert_bias: bool = False  # each expert's gate/up and down biased
     swiglu_limit: float = 0.0  # > 0: gpt-oss's clamped SwiGLU (`ModelConfig.swiglu_limit`)
+    mxfp4_experts: bool = False  # quantization_config says MXFP4
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@ Checkpoints hold each layer's experts as fused 3-D tensors, as transformers save
 column), `down_proj` [E, I, hidden] and their biases; the table's `convert`s put them in the
 shared layer's layout ([E, 2I, hidden], gate rows then up rows; [E, hidden, I]). OpenAI's
 published checkpoints store the experts' weights in MXFP4 (`*_blocks`, `*_scales`), which
-the loader dequantises (`models.mxfp4`).
+the loader dequantises (`models.mxfp4`); on a GPU with the Triton backend the engine then
+keeps them in MXFP4 again, exactly (`Decoder.keep_mxfp4_experts`), and the fused MoE kernel
+reads them as stored.
 
 GGUF files of llama.cpp's `gpt-oss` architecture are read too (MXFP4 expert stacks
 dequantised by `gguf`): q/k rows are not permuted, the post-attention norm is
@@ -161,7 +163,8 @@ def gpt_oss_experts(hf: dict[str, Any]) -> Experts:
         raise ConfigError(f"num_experts_per_tok={top_k} is more than the {experts} experts")
     return Experts(experts, top_k, count_field(hf, "intermediate_size"), norm_topk_prob=True,
                    router_bias=True, expert_bias=True,
-                   swiglu_limit=real_field(hf, "swiglu_limit", SWIGLU_LIMIT))
+                   swiglu_limit=real_field(hf, "swiglu_limit", SWIGLU_LIMIT),
+                   mxfp4_experts=quant is not None)
 
 
 def gpt_oss_windows(hf: dict[str, Any]) -> tuple[int, ...]:

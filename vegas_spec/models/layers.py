@@ -25,7 +25,7 @@ from torch import nn
 
 from vegas_spec import quant
 from vegas_spec.config import ModelConfig
-from vegas_spec.quant import QUANTIZERS, DraftWeight
+from vegas_spec.quant import QUANTIZERS, DraftWeight, Mxfp4, mxfp4_exact
 
 if TYPE_CHECKING:  # the seams' types only: models imports neither attention nor compute
     from vegas_spec.attention.backend import AttentionBackend
@@ -184,14 +184,28 @@ class MoEMLP(LayerBase):
         biased = cfg.expert_bias
         self.experts_gate_up_bias = nn.Parameter(torch.empty(e, 2 * i)) if biased else None
         self.experts_down_bias = nn.Parameter(torch.empty(e, h)) if biased else None
+        self.packed: tuple[Mxfp4, Mxfp4] | None = None  # (gate_up, down) kept in MXFP4
+
+    def keep_mxfp4(self) -> bool:
+        """Both expert stacks kept in MXFP4 in place of their dense values where those are
+        exactly MXFP4 (an MXFP4 checkpoint's, dequantised at load: `quant.mxfp4_exact`): a
+        quarter of bfloat16's bytes, read as stored by the ops' `moe`, the same values.
+        False, and nothing changed, where they are not."""
+        if self.packed is None:
+            gate_up, down = mxfp4_exact(self.experts_gate_up), mxfp4_exact(self.experts_down)
+            if gate_up is None or down is None:
+                return False
+            self.packed = gate_up, down
+            self.experts_gate_up, self.experts_down = None, None  # type: ignore[assignment]
+        return True
 
     def mlp(self, h: torch.Tensor, ops: Ops, ctx: StepContext) -> torch.Tensor:
         """h [B, n, hidden] (normed) -> [B, n, hidden]."""
         cfg = self.cfg
         logits = ops.linear(h, self.router.weight, self.router.bias)  # [B, n, E]
-        return ops.moe(h, logits, self.experts_gate_up, self.experts_down,
-                       cfg.experts_per_token, cfg.norm_topk_prob, self.experts_gate_up_bias,
-                       self.experts_down_bias, cfg.swiglu_limit)
+        gate_up, down = self.packed or (self.experts_gate_up, self.experts_down)
+        return ops.moe(h, logits, gate_up, down, cfg.experts_per_token, cfg.norm_topk_prob,
+                       self.experts_gate_up_bias, self.experts_down_bias, cfg.swiglu_limit)
 
 
 class DecoderLayer(Attention, DenseMLP):

@@ -184,17 +184,34 @@ def _dequantize_mxfp4(weights: dict[str, torch.Tensor], family: Family, tp: TPGr
 def dummy_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                   seed: int = 0, tp: TPGroup = SINGLE) -> dict[str, torch.Tensor]:
     """Random weights of the right shapes (timing runs without a checkpoint). Each tensor is
-    drawn whole, then rank tp.rank's slice kept: the same model at every world size."""
+    drawn whole, then rank tp.rank's slice kept: the same model at every world size. Where
+    the config ships MXFP4 experts (`ModelConfig.mxfp4_experts`), the expert stacks are
+    random MXFP4 values, as a real checkpoint's are once dequantised."""
     gen = torch.Generator(device=device).manual_seed(seed)
     family = registry.family(cfg.architecture)
     weights = {}
     for name, shape in family.shapes(cfg).items():
         if len(shape) == 1:
             w = torch.ones(shape, dtype=dtype, device=device)
+        elif cfg.mxfp4_experts and len(shape) == 3:  # [E, in, out] as checkpoints hold them
+            w = _random_mxfp4(shape, dtype, device, gen)
         else:
             w = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
         weights[name] = shard(w, family.split_dim(name), tp)
     return weights
+
+
+def _random_mxfp4(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                  gen: torch.Generator) -> torch.Tensor:
+    """An expert stack [E, in, out] of random MXFP4 values (rows of `out` outputs, blocks of
+    32 inputs; scales 2^-7..2^-5, so that the weights are about as large as 0.02-wide
+    normal ones), in dtype."""
+    experts, inputs, outputs = shape
+    blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), dtype=torch.uint8,
+                           device=device, generator=gen)
+    scales = torch.randint(120, 123, (experts, outputs, inputs // 32), dtype=torch.uint8,
+                           device=device, generator=gen)
+    return mxfp4.dequantize(blocks, scales, dtype).transpose(1, 2)
 
 
 def _safetensors_weights(folder: Path, family: Family,

@@ -36,6 +36,7 @@ class ModelKey:
     rank: int  # tensor parallelism: the rank's slices
     world_size: int
     drafts: str  # the copies of its projections draft steps read: fp8, int4 or model (none)
+    mxfp4_experts: bool = False  # experts whose values are MXFP4 kept so (`keep_mxfp4_experts`)
 
 
 _MODELS: weakref.WeakValueDictionary[ModelKey, Decoder] = weakref.WeakValueDictionary()
