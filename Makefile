@@ -27,7 +27,7 @@ test-gpu:
 	$(PYTHON) -m pytest -q -n 8 tests/kernels
 	$(PYTHON) -m pytest -q -n 4 --dist loadfile tests/speculative/test_exact_gpu.py \
 		tests/speculative/test_lossless_gpu.py tests/speculative/test_round.py \
-		tests/models/test_gpt_oss.py tests/models/test_qwen3_moe.py
+		tests/models/test_gpt_oss.py tests/models/test_qwen3_moe.py tests/models/test_mxfp4.py
 	$(PYTHON) -m pytest -q -n 8 tests/test_graphs.py tests/test_engine_prefill.py \
 		tests/test_engine_steps.py tests/test_engine_generate.py tests/test_engine_exact.py \
 		-k "cuda or gpu or lossless or prefill or graph or exact"
