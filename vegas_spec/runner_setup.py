@@ -68,7 +68,7 @@ def load(config: EngineConfig, source: ModelSource) -> Loaded:
     # engine's if one holds it. A draft copy is made before the KV budget, which the memory
     # it takes then leaves out.
     kind = draft_kind(config, device)
-    packs = keeps_mxfp4(config, device, tp)
+    packs = keeps_mxfp4(config, device)
     key = ModelKey(file_stamps(source), config.load_format, config.torch_dtype, device,
                    tp.rank, tp.world_size, kind, packs)
     model = shared_model(key, lambda: _load_model(config, source, cfg, local, kind, device, tp,
@@ -83,10 +83,12 @@ def load(config: EngineConfig, source: ModelSource) -> Loaded:
                   config.max_model_len or cfg.max_position_embeddings, kind)
 
 
-def keeps_mxfp4(config: EngineConfig, device: torch.device, tp: parallel.TPGroup) -> bool:
+def keeps_mxfp4(config: EngineConfig, device: torch.device) -> bool:
     """Whether a model whose experts are exactly MXFP4 keeps them so: where the fused MoE
-    kernel reads them (a GPU, the Triton backend) and one rank holds them whole."""
-    return device.type == "cuda" and config.resolved_backend == "triton" and tp.world_size == 1
+    kernel reads them (a GPU, the Triton backend). Under tensor parallelism each rank packs
+    its own slices, which stay exact where a slice holds whole blocks of 32 (a rank whose
+    slices do not keeps them dense: `quant.mxfp4_exact`)."""
+    return device.type == "cuda" and config.resolved_backend == "triton"
 
 
 def _load_model(config: EngineConfig, source: ModelSource, cfg: ModelConfig,

@@ -150,14 +150,28 @@ def test_experts_kept_in_mxfp4_give_the_same_tokens_and_logits(
 
 
 def test_the_engine_keeps_mxfp4_only_where_the_kernel_reads_it() -> None:
-    """On a GPU with the Triton backend and the experts whole on one rank; not on the CPU,
-    the torch backend or under tensor parallelism."""
+    """On a GPU with the Triton backend; not on the CPU or the torch backend."""
     from types import SimpleNamespace
 
     triton, torch_backend = (SimpleNamespace(resolved_backend=b) for b in ("triton", "torch"))
-    one, two = SimpleNamespace(world_size=1), SimpleNamespace(world_size=2)
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
-    assert runner_setup.keeps_mxfp4(triton, gpu, one)
-    assert not runner_setup.keeps_mxfp4(triton, cpu, one)
-    assert not runner_setup.keeps_mxfp4(torch_backend, gpu, one)
-    assert not runner_setup.keeps_mxfp4(triton, gpu, two)
+    assert runner_setup.keeps_mxfp4(triton, gpu)
+    assert not runner_setup.keeps_mxfp4(triton, cpu)
+    assert not runner_setup.keeps_mxfp4(torch_backend, gpu)
+
+
+def test_a_ranks_slices_pack_where_they_hold_whole_blocks() -> None:
+    """Tensor parallelism slices gate/up by output rows and down by inputs: row slices and
+    input slices of whole blocks of 32 pack exactly; an input slice that cuts blocks (whose
+    halves then share no scale) stays dense."""
+    gen = torch.Generator().manual_seed(9)
+    blocks = torch.randint(0, 256, (2, 6, 4, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(110, 130, (2, 6, 4), dtype=torch.uint8, generator=gen)
+    whole = quant.mxfp4_dequantize(blocks, scales)  # [2, 6, 128]
+    for part in (whole[:, :3], whole[:, 3:], whole[..., :64], whole[..., 64:]):
+        packed = quant.mxfp4_exact(part.contiguous())
+        assert packed is not None and torch.equal(packed.dequantize(torch.bfloat16), part)
+    scales[:, :, 1] = scales[:, :, 0] + 4  # neighbouring blocks 16x apart
+    blocks[:, :, 0] = 0x77  # block 0 all 6.0, its largest
+    cut = quant.mxfp4_dequantize(blocks, scales)[..., 16:48]  # half of block 0, half of 1
+    assert quant.mxfp4_exact(cut.contiguous()) is None
