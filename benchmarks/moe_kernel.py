@@ -30,7 +30,7 @@ from common import copy_bandwidth, graph_us
 from vegas_spec.config import ModelConfig
 from vegas_spec.kernels.exact_matmul import MatmulTiles
 from vegas_spec.kernels.fused_moe import fused_moe, moe_tiles
-from vegas_spec.quant import MXFP4_BLOCK, Mxfp4
+from vegas_spec.quant import random_mxfp4
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 
@@ -44,16 +44,6 @@ def routing(tokens: int, experts: int, top_k: int, gen: torch.Generator) -> torc
     """[T, k] distinct expert ids a token, uniformly at random (int64, on the GPU)."""
     scores = torch.rand(tokens, experts, generator=gen, device="cuda")
     return scores.topk(top_k, dim=-1).indices
-
-
-def random_mxfp4(e: int, rows: int, cols: int, gen: torch.Generator) -> Mxfp4:
-    """An expert stack [E, rows, cols] of random MXFP4 codes, scales 2^-7..2^-5."""
-    groups = cols // MXFP4_BLOCK
-    blocks = torch.randint(0, 256, (e, rows, groups, MXFP4_BLOCK // 2), generator=gen,
-                           device="cuda", dtype=torch.uint8)
-    scales = torch.randint(120, 123, (e, rows, groups), generator=gen, device="cuda",
-                           dtype=torch.uint8)
-    return Mxfp4(blocks, scales)
 
 
 def read_bytes(cfg: ModelConfig, ids: torch.Tensor, itemsize: int, fmt: str = "bf16") -> int:
@@ -93,8 +83,8 @@ def main() -> None:
                      "down": torch.randn(e, h, i, generator=gen, device="cuda").to(bf16)
                      / i ** 0.5}
             if "mxfp4" in args.formats:
-                layer["gate_up_mxfp4"] = random_mxfp4(e, 2 * i, h, gen)
-                layer["down_mxfp4"] = random_mxfp4(e, h, i, gen)
+                layer["gate_up_mxfp4"] = random_mxfp4(e, 2 * i, h, gen.device, gen)
+                layer["down_mxfp4"] = random_mxfp4(e, h, i, gen.device, gen)
             if cfg.expert_bias:
                 layer["gate_up_bias"] = torch.zeros(e, 2 * i, dtype=bf16, device="cuda")
                 layer["down_bias"] = torch.zeros(e, h, dtype=bf16, device="cuda")

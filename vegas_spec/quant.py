@@ -216,13 +216,21 @@ class Mxfp4:
     def device(self) -> torch.device:
         return self.blocks.device
 
-    def decodable(self) -> bool:
-        """Whether the kernel decodes every scale (each at most MXFP4_MAX_SCALE)."""
-        return self.scales.numel() == 0 or int(self.scales.max()) <= MXFP4_MAX_SCALE
-
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The stack [E, N, K] in dtype (`mxfp4_dequantize`)."""
         return mxfp4_dequantize(self.blocks, self.scales, dtype)
+
+
+def random_mxfp4(experts: int, rows: int, cols: int, device: torch.device,
+                 gen: torch.Generator) -> Mxfp4:
+    """A stack [E, rows, cols] of random MXFP4 codes, scales 2^-7..2^-5 (weights about as
+    large as 0.02-wide normal ones): timing runs' experts."""
+    groups = cols // MXFP4_BLOCK
+    blocks = torch.randint(0, 256, (experts, rows, groups, MXFP4_BLOCK // 2), generator=gen,
+                           device=device, dtype=torch.uint8)
+    scales = torch.randint(120, 123, (experts, rows, groups), generator=gen, device=device,
+                           dtype=torch.uint8)
+    return Mxfp4(blocks, scales)
 
 
 MXFP4_MAGNITUDES = FP4_VALUES[:8]  # codes 0..7; 8..15 are their negatives

@@ -29,7 +29,7 @@ e2m1 value times 2^-14, subnormal for 0.5, exact), widened to float32 and times 
 113), then rounded to x's dtype as the dequantised weights are (exactly, in bfloat16 and
 float32). So the products are those of the dequantised weights (`quant.mxfp4_dequantize`,
 the oracle), summed in the same order. Scales past `quant.MXFP4_MAX_SCALE` (2^113 and up)
-are not decoded: whoever makes an `Mxfp4` for this kernel checks `Mxfp4.decodable` once, at
+are not decoded: the engine's stacks come from `quant.mxfp4_exact`, which refuses them at
 load."""
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ def _expert_matmul(a: torch.Tensor, w: torch.Tensor | Mxfp4, out: torch.Tensor,
     pair_of, expert_of = groups
     _, n, k = w.shape
     fp4 = isinstance(w, Mxfp4)
-    data, scales = (w.blocks, w.scales) if isinstance(w, Mxfp4) else (w, out)
+    data, scales = (w.blocks, w.scales) if fp4 else (w, out)
     assert not fp4 or cfg.block_k % MXFP4_BLOCK == 0
     _expert_matmul_kernel[(triton.cdiv(n, cfg.block_n), expert_of.numel())](
         a, data, scales, out if bias is None else bias, out if r is None else r, out, pair_of,
@@ -271,7 +271,7 @@ def _check_bias(bias: torch.Tensor | None, shape: tuple[int, int], x: torch.Tens
 
 
 def _check_experts(w: torch.Tensor | Mxfp4, x: torch.Tensor) -> None:
-    if isinstance(w, Mxfp4):  # its scales were checked where it was made (`decodable`)
+    if isinstance(w, Mxfp4):  # its scales were checked where it was made (`mxfp4_exact`)
         assert w.device == x.device
     else:
         assert w.dtype == x.dtype and w.is_contiguous()

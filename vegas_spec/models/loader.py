@@ -24,6 +24,7 @@ from vegas_spec.models import mxfp4, registry
 from vegas_spec.models.family import EXPERT, Family, GgufJoin
 from vegas_spec.models.gguf_file import GGUFFile, read_gguf
 from vegas_spec.parallel import SINGLE, TPGroup, shard
+from vegas_spec.quant import random_mxfp4
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -194,24 +195,13 @@ def dummy_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
         if len(shape) == 1:
             w = torch.ones(shape, dtype=dtype, device=device)
         elif cfg.mxfp4_experts and len(shape) == 3:  # [E, in, out] as checkpoints hold them
-            w = _random_mxfp4(shape, dtype, device, gen)
+            experts, inputs, outputs = shape
+            w = random_mxfp4(experts, outputs, inputs, device, gen).dequantize(dtype)
+            w = w.transpose(1, 2)
         else:
             w = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
         weights[name] = shard(w, family.split_dim(name), tp)
     return weights
-
-
-def _random_mxfp4(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                  gen: torch.Generator) -> torch.Tensor:
-    """An expert stack [E, in, out] of random MXFP4 values (rows of `out` outputs, blocks of
-    32 inputs; scales 2^-7..2^-5, so that the weights are about as large as 0.02-wide
-    normal ones), in dtype."""
-    experts, inputs, outputs = shape
-    blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), dtype=torch.uint8,
-                           device=device, generator=gen)
-    scales = torch.randint(120, 123, (experts, outputs, inputs // 32), dtype=torch.uint8,
-                           device=device, generator=gen)
-    return mxfp4.dequantize(blocks, scales, dtype).transpose(1, 2)
 
 
 def _safetensors_weights(folder: Path, family: Family,
