@@ -1,10 +1,14 @@
 """BENCHMARKS.md's tables name the raw files they come from: every one of them is in the
-checkout, so a reader can check a figure against its run."""
+checkout, so a reader can check a figure against its run, and git keeps no raw result that
+no table cites (the history keeps the others)."""
 
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,3 +41,16 @@ def test_every_raw_file_the_report_cites_exists() -> None:
     assert len(cited) > 20
     missing = [name for name in cited if not (ROOT / name).exists()]
     assert not missing, f"BENCHMARKS.md cites files that are not in the checkout: {missing}"
+
+
+def test_every_raw_file_in_git_is_cited() -> None:
+    """Only the raw files a table cites stay in git (cited in BENCHMARKS.md or the kernel
+    notes)."""
+    listed = subprocess.run(["git", "ls-files", "benchmarks/results"], cwd=ROOT,
+                            capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    text = (ROOT / "BENCHMARKS.md").read_text() + (ROOT / "docs" / "kernel-notes.md").read_text()
+    cited = set(cited_paths(text))
+    uncited = [name for name in listed.stdout.split() if name not in cited]
+    assert not uncited, f"raw results in git that no table cites: {uncited}"
