@@ -35,10 +35,13 @@ SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096),
 
 
 def tiles_arg(text: str) -> SkinnyTiles:
-    """BLOCK_N:BLOCK_K:WARPS:STAGES:SPLIT_K, then :swap for the transposed product."""
+    """BLOCK_N:BLOCK_K:WARPS:STAGES:SPLIT_K, then :swap for the transposed product and :half
+    for the dot in float16."""
     parts = text.split(":")
     n, k, warps, stages, split = (int(v) for v in parts[:5])
-    return SkinnyTiles(n, k, warps, stages, split, swap=parts[5:] == ["swap"])
+    flags = set(parts[5:])
+    assert flags <= {"swap", "half"}, f"unknown flags in {text}"
+    return SkinnyTiles(n, k, warps, stages, split, swap="swap" in flags, half="half" in flags)
 
 
 def main() -> None:
@@ -72,7 +75,8 @@ def main() -> None:
                     label = f"{kind} " + ("default" if t is None else
                                           f"{t.block_n}:{t.block_k}:{t.num_warps}:"
                                           f"{t.num_stages}:{t.split_k}"
-                                          + (":swap" if t.swap else ""))
+                                          + (":swap" if t.swap else "")
+                                          + (":half" if t.half else ""))
                     calls.append((label, t, lambda i, t=t, x=x, cs=held:
                                   skinny_linear(x, cs[i], tiles=t), nbytes))
             for label, t, fn, nbytes in calls:

@@ -66,6 +66,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4, help="layers' weights a cell cycles through")
     ap.add_argument("--formats", nargs="+", choices=["bf16", "mxfp4"], default=["bf16"],
                     help="how the experts' matrices are kept")
+    ap.add_argument("--fp4-dots", type=int, nargs="+", choices=[0, 1, 2], default=None,
+                    help="MXFP4: the kernel's FP4_DOT forms to time (default: the library's)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     bandwidth = copy_bandwidth()
@@ -97,15 +99,17 @@ def main() -> None:
             hit = sum(int(d.unique().numel()) for d in ids) / len(ids)
             default = moe_tiles(x.device, t * k, e, False)
             suffix = "" if fmt == "bf16" else "_" + fmt
-            for tiles in [None, *args.tiles]:
+            forms = args.fp4_dots if fmt == "mxfp4" and args.fp4_dots else [None]
+            for tiles, form in itertools.product([None, *args.tiles], forms):
                 state = {"i": 0}
 
-                def one(tiles=tiles, state=state, x=x, ids=ids, weights=weights,
+                def one(tiles=tiles, form=form, state=state, x=x, ids=ids, weights=weights,
                         layers=layers, limit=cfg.swiglu_limit, suffix=suffix) -> None:
                     n = state["i"] % len(layers)
                     lay = layers[n]
                     fused_moe(x, lay["gate_up" + suffix], lay["down" + suffix], weights,
-                              ids[n], tiles=tiles, gate_up_bias=lay.get("gate_up_bias"),
+                              ids[n], tiles=tiles, fp4_dot=form,
+                              gate_up_bias=lay.get("gate_up_bias"),
                               down_bias=lay.get("down_bias"), limit=limit)
                     state["i"] += 1
 
@@ -115,6 +119,7 @@ def main() -> None:
                              "tiles": f"{cfg_used.block_m}:{cfg_used.block_n}:"
                                       f"{cfg_used.block_k}:{cfg_used.num_warps}:"
                                       f"{cfg_used.num_stages}", "default": tiles is None,
+                             "fp4_dot": form,
                              "us": us, "bytes": nbytes,
                              "share_of_copy_bandwidth": nbytes / (us * 1e-6) / bandwidth})
                 print(json.dumps(rows[-1]), flush=True)

@@ -29,12 +29,6 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 INT4_GROUPS = (128, 64, 32)  # group sizes, the first that divides K
 DRAFT_WEIGHTS = ("auto", "fp8", "int4", "model")
-# Rows up to which a draft step reads the copy; a wider one reads the model's weights, whose
-# product streams them faster there than the copy's kernel streams the copy
-# (docs/kernel-notes.md, draft weights).
-DRAFT_COPY_ROWS = 16
-
-
 @dataclass
 class Fp8Weight:
     """data [N, K] float8_e4m3fn (nn.Linear's layout), scale [N] float32: the weight is
@@ -162,6 +156,10 @@ def quantize_int4(weight: torch.Tensor, group: int | None = None) -> Int4Weight:
 
 DraftWeight = Fp8Weight | Int4Weight
 DRAFT_TYPES = (Fp8Weight, Int4Weight)
+# Rows up to which a draft step reads a copy of each kind; a wider one reads the model's
+# weights, whose product streams them faster there than the copy's kernel streams the copy
+# (docs/kernel-notes.md, draft weights).
+DRAFT_COPY_ROWS: dict[type, int] = {Fp8Weight: 32, Int4Weight: 16}
 QUANTIZERS = {"fp8": quantize_fp8, "int4": quantize_int4}
 
 
@@ -178,6 +176,7 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 MXFP4_SCALE_BIAS = 127
 MXFP4_BLOCK = 32  # values a scale
 MXFP4_MAX_SCALE = 240  # the largest scale byte `kernels.fused_moe` decodes
+MXFP4_MIN_SCALE = 2  # the least (below it 0.5 x 2^(s - 127) is a bfloat16 subnormal)
 
 
 def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor,
@@ -251,7 +250,7 @@ def mxfp4_exact(w: torch.Tensor) -> Mxfp4 | None:
         top = v.abs().amax(-1)
         exp = torch.where(top > 0, torch.ceil(torch.log2(top / 6.0)), 0.0)  # all zero: 2^0
         scale = exp + MXFP4_SCALE_BIAS
-        if bool(((scale < 0) | (scale > MXFP4_MAX_SCALE)).any()):
+        if bool(((scale < MXFP4_MIN_SCALE) | (scale > MXFP4_MAX_SCALE)).any()):
             return None
         mags = torch.ldexp(v.abs(), -exp[..., None])
         idx = torch.searchsorted(table, mags.contiguous()).clamp_(max=len(table) - 1)

@@ -21,7 +21,7 @@ from vegas_spec.kernels.fused_moe import (
     group_by_expert_ref,
     max_blocks,
 )
-from vegas_spec.quant import MXFP4_MAX_SCALE, Mxfp4, mxfp4_dequantize
+from vegas_spec.quant import MXFP4_MAX_SCALE, MXFP4_MIN_SCALE, Mxfp4, mxfp4_dequantize
 
 HIDDEN, INTER = 64, 32
 
@@ -255,9 +255,9 @@ def mxfp4_stack(e: int, rows: int, k: int, gen: torch.Generator, low: int = 120,
 @pytest.mark.parametrize("t,e,k", [(1, 8, 2), (7, 4, 4), (33, 16, 3)])
 def test_mxfp4_experts_give_the_products_of_their_dequantised_weights(
         t: int, e: int, k: int, dtype: torch.dtype, oss: bool, exact: bool) -> None:
-    """Experts read as stored and decoded in the kernel give, bit for bit, what the same
-    kernel gives on the dequantised stacks (`quant.mxfp4_dequantize`), and the reference's
-    output to rounding."""
+    """Experts read as stored and decoded in the kernel (`fp4_dot` 0, the form of float32
+    rows and the interpreter) give, bit for bit, what the same kernel gives on the
+    dequantised stacks (`quant.mxfp4_dequantize`), and the reference's output to rounding."""
     gen = generator(7 * t + e + k)
     gate_up, down = mxfp4_stack(e, 2 * INTER, HIDDEN, gen), mxfp4_stack(e, HIDDEN, INTER, gen)
     dense = gate_up.dequantize(dtype), down.dequantize(dtype)
@@ -265,7 +265,7 @@ def test_mxfp4_experts_give_the_products_of_their_dequantised_weights(
     weights, ids = routed(t, e, k, gen, dtype, renormalize=k > 1)
     extras = oss_extras(e, gen, dtype) if oss else {}
     with nan_empty():
-        got = fused_moe(x, gate_up, down, weights, ids, exact, **extras)
+        got = fused_moe(x, gate_up, down, weights, ids, exact, fp4_dot=0, **extras)
     assert torch.equal(got, fused_moe(x, *dense, weights, ids, exact, **extras))
     ref = ops.moe_experts(x, *dense, weights, ids, exact, **extras)
     torch.testing.assert_close(got, ref, **tol(dtype))
@@ -297,3 +297,65 @@ def test_the_kernel_decodes_every_code_at_every_scale_exactly() -> None:
                          BLOCK_K=64)
     assert torch.equal(got.cpu(), want)
     assert torch.equal(got.cpu().signbit(), want.signbit())
+
+
+@pytest.mark.skipif(not CUDA, reason="Triton's scaled dot runs on a GPU only")
+@pytest.mark.parametrize("form", [1, 2], ids=["scaled-dot", "scaled-dot-transposed"])
+@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (7, 4, 4), (33, 16, 3)])
+def test_the_scaled_dot_forms_give_the_products_of_the_dequantised_weights(
+        t: int, e: int, k: int, exact: bool, form: int) -> None:
+    """bfloat16 rows against MXFP4 experts through Triton's scaled dot (`fp4_dot` 1 and 2):
+    gpt-oss's experts, what the kernel gives on the dequantised stacks, to rounding, and in
+    exact mode a token's output whatever the other tokens of the step."""
+    gen = generator(11 * t + e + k)
+    dtype = torch.bfloat16
+    gate_up, down = mxfp4_stack(e, 2 * INTER, HIDDEN, gen), mxfp4_stack(e, HIDDEN, INTER, gen)
+    dense = gate_up.dequantize(dtype), down.dequantize(dtype)
+    x = randn(t, HIDDEN, gen=gen, dtype=dtype)
+    weights, ids = routed(t, e, k, gen, dtype, renormalize=k > 1)
+    extras = oss_extras(e, gen, dtype)
+    with nan_empty():
+        got = fused_moe(x, gate_up, down, weights, ids, exact, fp4_dot=form, **extras)
+    want = fused_moe(x, *dense, weights, ids, exact, **extras)
+    torch.testing.assert_close(got, want, **tol(dtype))
+    if exact:
+        for row in range(t):
+            alone = fused_moe(x[row:row + 1], gate_up, down, weights[row:row + 1],
+                              ids[row:row + 1], True, fp4_dot=form, **extras)
+            assert torch.equal(alone, got[row:row + 1])
+
+
+@triton.jit
+def _scaled_dot_decode_kernel(w_ptr, s_ptr, out_ptr, K, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
+    """Rows [BLOCK_N, K] of MXFP4 bytes and scales through the scaled dot with an identity
+    block of bfloat16 rows: out [K, BLOCK_N] is their values, one product each."""
+    rn = tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    eye = (rk[:, None] == rk[None, :]).to(tl.bfloat16)
+    for k0 in range(0, K, BLOCK_K):
+        packed = tl.load(w_ptr + rn[:, None] * (K // 2) + k0 // 2
+                         + tl.arange(0, BLOCK_K // 2)[None, :])
+        scale = tl.load(s_ptr + rn[:, None] * (K // 32) + k0 // 32
+                        + tl.arange(0, BLOCK_K // 32)[None, :])
+        values = tl.dot_scaled(eye, None, "bf16", tl.trans(packed), scale, "e2m1",
+                               fast_math=True)
+        tl.store(out_ptr + (k0 + rk)[:, None] * BLOCK_N + rn[None, :], values)
+
+
+@pytest.mark.skipif(not CUDA, reason="Triton's scaled dot runs on a GPU only")
+def test_the_scaled_dot_decodes_every_code_at_every_scale_exactly() -> None:
+    """The scaled dot's decoding (`fp4_dot` 1 and 2) at every code and scale the engine
+    keeps packed: `quant.mxfp4_dequantize`'s bfloat16 values, bit for bit."""
+    rows, k = 16, 512
+    blocks = torch.arange(256, dtype=torch.uint8).repeat(16).view(rows, k // 32, 16)
+    scales = torch.cat([torch.arange(MXFP4_MIN_SCALE, MXFP4_MAX_SCALE + 1),
+                        torch.arange(MXFP4_MIN_SCALE, MXFP4_MIN_SCALE + 256
+                                     - (MXFP4_MAX_SCALE + 1 - MXFP4_MIN_SCALE))])
+    scales = scales.to(torch.uint8).view(rows, k // 32)
+    want = mxfp4_dequantize(blocks, scales, torch.bfloat16).view(rows, k).float()
+    got = torch.empty(k, rows, device=DEVICE)
+    _scaled_dot_decode_kernel[(1,)](blocks.to(DEVICE), scales.to(DEVICE), got, k,
+                                    BLOCK_N=rows, BLOCK_K=64)
+    assert torch.equal(got.T.cpu(), want)

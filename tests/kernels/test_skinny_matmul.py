@@ -76,17 +76,20 @@ SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 
 
 
 @pytest.mark.parametrize("sms", [132, 114, 78])  # an H100 SXM or H200, an H100 PCIe, an H20
-def test_default_tiles_fill_the_gpu_at_8b_shapes(sms: int,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU the default tiles give at least a program per SM (the device's own count), K
-    split where the column blocks alone would not; the interpreter assumes 132 SMs."""
+def test_default_tiles_split_k_only_within_one_wave(sms: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the default tiles split K where the split grid still fits one program an SM
+    (the device's own count) and K holds enough steps, and nowhere else; the interpreter
+    assumes 132 SMs."""
     as_sm90(monkeypatch)
     monkeypatch.setattr(kernels, "sm_count", lambda index: sms)
     for device, count in ((torch.device("cuda", 0), sms), (torch.device("cpu"), 132)):
         for n, k in SHAPES_8B:
-            for m in (1, 16, 64):
+            for m in (1, 16, 32, 64):
                 t = skinny_tiles(m, n, k, device)
-                assert -(-n // t.block_n) * t.split_k >= count, (device, m, n, k, t)
+                columns = -(-n // t.block_n)
+                fits = columns * 2 <= count and k >= 4 * t.block_k
+                assert t.split_k == (2 if fits else 1), (device, m, n, k, t)
 
 
 @pytest.mark.parametrize("quantize", [None, quantize_fp8, quantize_int4],
@@ -179,6 +182,33 @@ def test_fp8_weights_match_their_reference(m: int, n: int, k: int, bias: bool, s
         got = skinny_linear(x, q, b, tiles=SkinnyTiles(64, 64, 4, 2, split_k, swap))
     assert got.shape == (m, n) and got.dtype == dtype
     want = fp8_linear_ref(x.double(), q, None if b is None else b.double())
+    assert float((got.double() - want).norm() / want.norm()) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["xw", "wx"])
+@pytest.mark.parametrize("m,n,k,bias,split_k", FP8_CASES)
+def test_fp8_weights_in_a_float16_dot(m: int, n: int, k: int, bias: bool, split_k: int,
+                                      swap: bool) -> None:
+    """`SkinnyTiles.half`: bfloat16 rows against FP8 weights dotted in float16 give the
+    reference's product to bfloat16's rounding; rows past float16's range stay finite (x is
+    clamped to it) and their products follow the clamped rows."""
+    gen = generator(m * n + k + 1)
+    dtype = torch.bfloat16
+    x = randn(m, k, gen=gen, dtype=dtype)
+    q = quantize_fp8((randn(n, k, gen=gen) / k ** 0.5).to(DEVICE))
+    b = randn(n, gen=gen, dtype=dtype) if bias else None
+    tiles = SkinnyTiles(64, 64, 4, 2, split_k, swap, half=True)
+    with nan_empty():
+        got = skinny_linear(x, q, b, tiles=tiles)
+    want = fp8_linear_ref(x.double(), q, None if b is None else b.double())
+    assert float((got.double() - want).norm() / want.norm()) < REL_TOL[dtype]
+    big = x.clone()
+    big[0, 0] = 1e6
+    with nan_empty():
+        got = skinny_linear(big, q, b, tiles=tiles)
+    clamped = big.double().clamp(-65504, 65504)
+    want = fp8_linear_ref(clamped, q, None if b is None else b.double())
+    assert bool(got.isfinite().all())
     assert float((got.double() - want).norm() / want.norm()) < REL_TOL[dtype]
 
 

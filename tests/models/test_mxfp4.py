@@ -125,6 +125,8 @@ def test_exact_mxfp4_values_pack_back_bit_for_bit() -> None:
     assert quant.mxfp4_exact(torch.full((1, 1, 32), 7.0)) is None  # 7 = 3.5 x 2: no code
     assert quant.mxfp4_exact(torch.full((1, 1, 32), 6.0 * 2.0 ** 113)) is not None  # scale 240
     assert quant.mxfp4_exact(torch.full((1, 1, 32), 6.0 * 2.0 ** 114)) is None  # 241
+    assert quant.mxfp4_exact(torch.full((1, 1, 32), 6.0 * 2.0 ** -125)) is not None  # scale 2
+    assert quant.mxfp4_exact(torch.full((1, 1, 32), 6.0 * 2.0 ** -126)) is None  # 1
 
 
 def test_experts_kept_in_mxfp4_give_the_same_tokens_and_logits(

@@ -24,13 +24,17 @@ other tokens of the step (the premise of `exact_matmul`: the dot computes rows a
 
 Experts in MXFP4 (`Mxfp4`, gpt-oss checkpoints' format: two e2m1 values a byte, a
 power-of-two scale per 32) are read as stored, a quarter of bfloat16's bytes, and decoded in
-registers: each nibble's bits placed in a float16 (sign, then exponent and mantissa: the
-e2m1 value times 2^-14, subnormal for 0.5, exact), widened to float32 and times 2^(scale -
-113), then rounded to x's dtype as the dequantised weights are (exactly, in bfloat16 and
-float32). So the products are those of the dequantised weights (`quant.mxfp4_dequantize`,
-the oracle), summed in the same order. Scales past `quant.MXFP4_MAX_SCALE` (2^113 and up)
-are not decoded: the engine's stacks come from `quant.mxfp4_exact`, which refuses them at
-load."""
+registers. With bfloat16 rows on a GPU, Triton's scaled dot (`tl.dot_scaled`) takes the
+codes and scales: it decodes them to the bfloat16 values of the dequantised weights and
+dots those (the same products, summed in its own order: to rounding). Elsewhere (float32 or
+float16 rows, the interpreter) each nibble's bits are placed in a float16 (sign, then
+exponent and mantissa: the e2m1 value times 2^-14, subnormal for 0.5, exact), widened to
+float32 and times 2^(scale - 113), then rounded to x's dtype as the dequantised weights are
+(exactly, in bfloat16 and float32): the products of the dequantised weights
+(`quant.mxfp4_dequantize`, the oracle) summed in the same order, bit for bit. Scales
+outside `quant.MXFP4_MIN_SCALE`..`MXFP4_MAX_SCALE` are not decoded (the scaled dot flushes
+bfloat16 subnormals; 2^113 and up overflow the float16 placement): the engine's stacks come
+from `quant.mxfp4_exact`, which refuses them at load."""
 
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels import for_device
+from vegas_spec.kernels import for_device, interpreting
 from vegas_spec.kernels.exact_matmul import MatmulTiles
 from vegas_spec.kernels.silu_mul import clamped_swiglu, silu_mul
 from vegas_spec.quant import MXFP4_BLOCK, Mxfp4
@@ -55,12 +59,15 @@ class MoeTuning:
     few: MatmulTiles
     many: MatmulTiles
     small_block_pairs: int
+    fp4_dot: int = 0  # MXFP4 stacks with bfloat16 rows: `_expert_matmul_kernel`'s FP4_DOT
 
 
 # sm_90, few: 128-key blocks, measured best or within 2% of the best of eleven settings at 1,
 # 16 and 112 tokens of both models' expert shapes (H100; docs/kernel-notes.md); many: a guess.
+# MXFP4 experts: Triton's scaled dot, 1.2-1.4x faster than the decode and dot at 1-112 tokens
+# (the transposed form between them; H100, docs/kernel-notes.md).
 _SM90 = MoeTuning(few=MatmulTiles(16, 64, 128, 4, 3), many=MatmulTiles(64, 64, 64, 4, 3),
-                  small_block_pairs=16)
+                  small_block_pairs=16, fp4_dot=1)
 # By device class (`kernels.device_class`). The interpreter, whose cost is per program and
 # loop step: small row blocks, wide column and reduction blocks, whatever the step.
 _INTERPRETER_TILES = MatmulTiles(16, 64, 64, 1, 1)
@@ -200,8 +207,8 @@ def _expert_matmul_kernel(a_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, pair_ptr, ex
                           num_pairs, N, K, stride_am, stride_we, stride_wn, stride_se,
                           stride_sn, stride_be, stride_ym,
                           PAIRS_PER_ROW: tl.constexpr, WEIGHTED: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, FP4: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, FP4: tl.constexpr, FP4_DOT: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           DOT_PRECISION: tl.constexpr):
     """Program (j, b): y[p, j*BLOCK_N..] = a[p // PAIRS_PER_ROW] @ w[e]^T (+ b[e] where
     HAS_BIAS, added to the float32 sum before it is rounded, as a biased linear) for the
@@ -220,16 +227,35 @@ def _expert_matmul_kernel(a_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, pair_ptr, ex
     w_row = w_ptr + expert.to(tl.int64) * stride_we + rn.to(tl.int64)[:, None] * stride_wn
     s_row = s_ptr + expert.to(tl.int64) * stride_se + rn.to(tl.int64)[:, None] * stride_sn
     k_end = tl.where(expert >= 0, K, 0)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if FP4_DOT == 2:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k_end, BLOCK_K):
         k = k0 + rk
         k_ok = k < K
         a = tl.load(a_row + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if FP4:
-            w = _mxfp4_tile(w_row, s_row, k0, K, n_ok, BLOCK_N, BLOCK_K).to(a.dtype)
+        if FP4_DOT > 0:
+            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            packed = tl.load(w_row + kb[None, :], mask=n_ok[:, None] & (kb < K // 2)[None, :],
+                             other=0)
+            kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            scale = tl.load(s_row + kg[None, :], mask=n_ok[:, None] & (kg < K // 32)[None, :],
+                            other=0)
+            if FP4_DOT == 1:
+                acc = tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc,
+                                    fast_math=True)
+            else:
+                acc = tl.dot_scaled(packed, scale, "e2m1", tl.trans(a), None, "bf16", acc,
+                                    fast_math=True)
         else:
-            w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            if FP4:
+                w = _mxfp4_tile(w_row, s_row, k0, K, n_ok, BLOCK_N, BLOCK_K).to(a.dtype)
+            else:
+                w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if FP4_DOT == 2:
+        acc = tl.trans(acc)
     if HAS_BIAS:
         bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + rn, mask=n_ok & (expert >= 0),
                        other=0.0)
@@ -246,12 +272,14 @@ def _expert_matmul_kernel(a_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, pair_ptr, ex
 def _expert_matmul(a: torch.Tensor, w: torch.Tensor | Mxfp4, out: torch.Tensor,
                    groups: tuple[torch.Tensor, torch.Tensor], pairs_per_row: int,
                    cfg: MatmulTiles, r: torch.Tensor | None = None,
-                   bias: torch.Tensor | None = None) -> None:
+                   bias: torch.Tensor | None = None, fp4_dot: int = 0) -> None:
     """out [P, N] = a [rows, K] rows by pair @ w [E, N, K]^T (+ bias [E, N]) by the pairs'
-    experts (* r [P])."""
+    experts (* r [P]); `fp4_dot`: the kernel's FP4_DOT for MXFP4 stacks and bfloat16 rows
+    (0 otherwise)."""
     pair_of, expert_of = groups
     _, n, k = w.shape
     fp4 = isinstance(w, Mxfp4)
+    fp4_dot = fp4_dot if fp4 and a.dtype == torch.bfloat16 and not interpreting() else 0
     data, scales = (w.blocks, w.scales) if fp4 else (w, out)
     assert not fp4 or cfg.block_k % MXFP4_BLOCK == 0
     _expert_matmul_kernel[(triton.cdiv(n, cfg.block_n), expert_of.numel())](
@@ -259,7 +287,8 @@ def _expert_matmul(a: torch.Tensor, w: torch.Tensor | Mxfp4, out: torch.Tensor,
         expert_of, out.shape[0], n, k, a.stride(0), data.stride(0), data.stride(1),
         scales.stride(0) if fp4 else 0, scales.stride(1) if fp4 else 0,
         0 if bias is None else bias.stride(0), out.stride(0), PAIRS_PER_ROW=pairs_per_row,
-        WEIGHTED=r is not None, HAS_BIAS=bias is not None, FP4=fp4, BLOCK_M=cfg.block_m,
+        WEIGHTED=r is not None, HAS_BIAS=bias is not None, FP4=fp4, FP4_DOT=fp4_dot,
+        BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -279,7 +308,8 @@ def _check_experts(w: torch.Tensor | Mxfp4, x: torch.Tensor) -> None:
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Mxfp4, down: torch.Tensor | Mxfp4,
               weights: torch.Tensor, ids: torch.Tensor, exact: bool = False, *,
-              tiles: MatmulTiles | None = None, gate_up_bias: torch.Tensor | None = None,
+              tiles: MatmulTiles | None = None, fp4_dot: int | None = None,
+              gate_up_bias: torch.Tensor | None = None,
               down_bias: torch.Tensor | None = None, limit: float = 0.0) -> torch.Tensor:
     """x [T, H] through its experts -> [T, H] (`ops.moe_experts`'s contract): gate_up
     [E, 2I, H], down [E, H, I] (in x's dtype, or `Mxfp4` stacks read as stored), weights
@@ -301,11 +331,13 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Mxfp4, down: torch.Tensor
     cfg = tiles or moe_tiles(x.device, pairs, experts, exact)
     groups = group_by_expert(ids, experts, cfg.block_m)
     gate_up_out = torch.empty(pairs, two_i, dtype=x.dtype, device=x.device)
-    _expert_matmul(x, gate_up, gate_up_out, groups, top_k, cfg, bias=gate_up_bias)
+    form = tuning(x.device).fp4_dot if fp4_dot is None else fp4_dot
+    _expert_matmul(x, gate_up, gate_up_out, groups, top_k, cfg, bias=gate_up_bias,
+                   fp4_dot=form)
     act = clamped_swiglu(gate_up_out, limit) if limit > 0 else silu_mul(gate_up_out)  # [P, I]
     out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     _expert_matmul(act, down, out, groups, 1, cfg, weights.reshape(-1).contiguous(),
-                   bias=down_bias)
+                   bias=down_bias, fp4_dot=form)
     return _sum_slots(out.view(t, top_k, hidden))
 
 

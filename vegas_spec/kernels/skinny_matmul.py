@@ -67,38 +67,62 @@ MAX_DRAFT_ROWS = 128
 
 
 @dataclass(frozen=True)
-class RowTiles:
-    """A launch's tiles for one row bucket (the rows padded to a power of two >= 16):
-    `block_n` columns a program where N still gives `SkinnyTuning.column_programs` programs,
-    else `block_n_narrow`; `block_k` a K step (the shared memory of `stages` stages of x
-    and W tiles stays under 200 KB); `swap`: the transposed product (`SkinnyTiles.swap`)."""
-
+class SkinnyTiles:
     block_n: int
-    block_n_narrow: int
     block_k: int
-    warps: int = 4
-    stages: int = 4
-    swap: bool = False
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+    swap: bool = False  # y^T = W x^T: the weight tile as the dot's first operand
+    # FP8 weights with bfloat16 rows: the dot in float16 (`_skinny_kernel`'s HALF_DOT)
+    half: bool = False
+
+    def __post_init__(self) -> None:
+        for size in (self.block_n, self.block_k):
+            assert size >= 16 and size & (size - 1) == 0, "blocks: powers of two >= 16"
+        assert self.num_warps > 0 and self.num_stages > 0 and self.split_k > 0
+
+
+@dataclass(frozen=True)
+class RowTiles:
+    """The tiles of one row bucket (the rows padded to a power of two >= 16): `wide` where N
+    gives at least `SkinnyTuning.column_programs` column blocks of its block_n, else
+    `narrow`; each one's split_k is the split taken where `skinny_tiles` splits K."""
+
+    wide: SkinnyTiles
+    narrow: SkinnyTiles
 
 
 @dataclass(frozen=True)
 class SkinnyTuning:
     """The default tiles (`skinny_tiles`) on one device class.
 
-    `by_rows`: the tiles of each row bucket (keys 16..MAX_DRAFT_ROWS). `split_k` splits of
-    K where the column blocks are fewer than the SMs (`sms`, None: the device's own count)
-    and K holds at least `split_min_steps` K steps."""
+    `by_rows`: the tiles of each row bucket (keys 16..MAX_DRAFT_ROWS). K is split (the
+    tiles' split_k) where the split grid still fits one program an SM (`sms`, None: the
+    device's own count) and K holds at least `split_min_steps` K steps."""
 
     by_rows: Mapping[int, RowTiles]
     column_programs: int
-    split_k: int
     split_min_steps: int
     sms: int | None
 
 
-_SM90 = SkinnyTuning(by_rows={16: RowTiles(64, 32, 256), 32: RowTiles(64, 32, 256),
-                              64: RowTiles(64, 32, 128), 128: RowTiles(64, 32, 64)},
-                     column_programs=256, split_k=2, split_min_steps=4, sms=None)
+def _rows(block_n: int, block_n_narrow: int, block_k: int) -> RowTiles:
+    """Wide and narrow tiles alike but for their column blocks, K split in two."""
+    return RowTiles(SkinnyTiles(block_n, block_k, 4, 4, 2), SkinnyTiles(block_n_narrow, block_k,
+                                                                         4, 4, 2))
+
+
+# sm_90, up to 32 rows: FP8 weights dotted in float16 (best or within 4% of the best of nine
+# settings for each of the 8B projections at 1, 16 and 32 rows, H100; docs/kernel-notes.md):
+# the transposed product of 64 columns and 256-wide K steps, but for the wide weights of up
+# to 16 rows, which stream best in 512-wide steps untransposed. 64 and 128 rows: untimed.
+_HALF_SWAP = SkinnyTiles(64, 256, 4, 4, 2, swap=True, half=True)
+_SM90 = SkinnyTuning(by_rows={16: RowTiles(SkinnyTiles(64, 512, 4, 3, half=True), _HALF_SWAP),
+                              32: RowTiles(dataclasses.replace(_HALF_SWAP, split_k=1),
+                                           _HALF_SWAP),
+                              64: _rows(64, 32, 128), 128: _rows(64, 32, 64)},
+                     column_programs=256, split_min_steps=4, sms=None)
 # By device class (`kernels.device_class`). The interpreter has no SMs: it assumes an H100's
 # or H200's 132, so that it runs the tiles those GPUs choose.
 TUNING: dict[str, SkinnyTuning] = {
@@ -111,21 +135,6 @@ TUNING: dict[str, SkinnyTuning] = {
 def tuning(device: torch.device) -> SkinnyTuning:
     """The entry of `TUNING` that launches on `device` read."""
     return for_device(TUNING, device)
-
-
-@dataclass(frozen=True)
-class SkinnyTiles:
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    split_k: int = 1
-    swap: bool = False  # y^T = W x^T: the weight tile as the dot's first operand
-
-    def __post_init__(self) -> None:
-        for size in (self.block_n, self.block_k):
-            assert size >= 16 and size & (size - 1) == 0, "blocks: powers of two >= 16"
-        assert self.num_warps > 0 and self.num_stages > 0 and self.split_k > 0
 
 
 def fused(x: torch.Tensor, weight: torch.Tensor | DraftWeight) -> bool:
@@ -148,13 +157,13 @@ def block_rows(m: int, most: int = MAX_ROWS) -> int:
 def skinny_tiles(m: int, n: int, k: int, device: torch.device) -> SkinnyTiles:
     """Default tiles for M rows of an [N, K] weight on `device` (`SkinnyTuning`)."""
     table = tuning(device)
-    tiles = table.by_rows[block_rows(m, MAX_DRAFT_ROWS)]
-    wide = triton.cdiv(n, tiles.block_n) >= table.column_programs
-    block_n = tiles.block_n if wide else tiles.block_n_narrow
+    bucket = table.by_rows[block_rows(m, MAX_DRAFT_ROWS)]
+    wide = triton.cdiv(n, bucket.wide.block_n) >= table.column_programs
+    tiles = bucket.wide if wide else bucket.narrow
     sms = table.sms or device_sms(device)
-    split = triton.cdiv(n, block_n) < sms and k >= table.split_min_steps * tiles.block_k
-    return SkinnyTiles(block_n, tiles.block_k, num_warps=tiles.warps, num_stages=tiles.stages,
-                       split_k=table.split_k if split else 1, swap=tiles.swap)
+    split = (triton.cdiv(n, tiles.block_n) * tiles.split_k <= sms
+             and k >= table.split_min_steps * tiles.block_k)
+    return dataclasses.replace(tiles, split_k=tiles.split_k if split else 1)
 
 
 @triton.jit
@@ -239,14 +248,17 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, r_ptr, nw_
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr, SWAP: tl.constexpr,
-                   PROLOGUE: tl.constexpr, RESIDUAL: tl.constexpr,
+                   HALF_DOT: tl.constexpr, PROLOGUE: tl.constexpr, RESIDUAL: tl.constexpr,
                    MEAN_BY_RECIPROCAL: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
     """Program (j, s): rows 0..M-1 x columns j*BLOCK_N.. over K range s*k_split.. (all of K
     when SPLIT_K is 1), finished by `_finish`. SCALED: W holds FP8 values, converted to x's
     dtype as loaded, and s_ptr the per-column scales that multiply the sums. SWAP: the
     product is computed transposed, y^T = W x^T, the W tile as the dot's first operand (the
     one that may come from registers, where the converted FP8 tile already is) and the rows
-    as its narrow side. PROLOGUE (`_x_tile`): the x operand is RMSNorm(x) (1: each row's
+    as its narrow side. HALF_DOT (SCALED, bfloat16 x): the dot in float16, the FP8 tile
+    converted to float16 (one instruction a pair, where bfloat16 takes several) and the x
+    tile rounded to float16 within its range (a draft's numbers only: verification keeps the
+    output exact). PROLOGUE (`_x_tile`): the x operand is RMSNorm(x) (1: each row's
     rstd first, over all of K) or SiLU(gate) * up (2) of the row, computed as it is loaded;
     RESIDUAL: r [M, N] added to the result (`_output`)."""
     rm = tl.arange(0, BLOCK_M)
@@ -277,7 +289,10 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, r_ptr, nw_
             x = _x_tile(x_row, k, m_ok[:, None] & k_ok[None, :], row_rstd, nw_ptr, up_off,
                         K, dtype, PROLOGUE, LIBDEVICE_EXP)
             w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if SCALED:
+        if HALF_DOT:
+            w = w.to(tl.float16)
+            x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        elif SCALED:
             w = w.to(dtype)
         if SWAP:
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
@@ -436,7 +451,9 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.
             neighbours.eps, rows.stride(0), w.stride(0), out.stride(0), res.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, EVEN_K=k % cfg.block_k == 0,
-            DOT_PRECISION=precision, SCALED=draft, SWAP=cfg.swap, PROLOGUE=neighbours.kind,
+            DOT_PRECISION=precision, SCALED=draft, SWAP=cfg.swap,
+            HALF_DOT=draft and cfg.half and rows.dtype == torch.bfloat16,
+            PROLOGUE=neighbours.kind,
             RESIDUAL=neighbours.residual is not None, MEAN_BY_RECIPROCAL=rows.is_cuda,
             LIBDEVICE_EXP=not interpreting(), num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **options)
