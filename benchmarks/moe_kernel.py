@@ -97,7 +97,7 @@ def main() -> None:
             weights = torch.full((t, k), 1.0 / k, dtype=bf16, device="cuda")
             nbytes = sum(read_bytes(cfg, d, 2, fmt) for d in ids) / len(ids)
             hit = sum(int(d.unique().numel()) for d in ids) / len(ids)
-            default = moe_tiles(x.device, t * k, e, False)
+            default = moe_tiles(x.device, t * k, e, False, fmt == "mxfp4")
             suffix = "" if fmt == "bf16" else "_" + fmt
             forms = args.fp4_dots if fmt == "mxfp4" and args.fp4_dots else [None]
             for tiles, form in itertools.product([None, *args.tiles], forms):

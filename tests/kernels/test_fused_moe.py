@@ -10,16 +10,18 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from kernel_cases import CUDA, DEVICE, DTYPES, generator, nan_empty, randn, tol
+from kernel_cases import CUDA, DEVICE, DTYPES, as_sm90, generator, nan_empty, randn, tol
 
 from vegas_spec import ops
 from vegas_spec.kernels.fused_moe import (
     MAX_GROUP_PAIRS,
+    TUNING,
     _mxfp4_tile,
     fused_moe,
     group_by_expert,
     group_by_expert_ref,
     max_blocks,
+    moe_tiles,
 )
 from vegas_spec.quant import MXFP4_MAX_SCALE, MXFP4_MIN_SCALE, Mxfp4, mxfp4_dequantize
 
@@ -359,3 +361,16 @@ def test_the_scaled_dot_decodes_every_code_at_every_scale_exactly() -> None:
     _scaled_dot_decode_kernel[(1,)](blocks.to(DEVICE), scales.to(DEVICE), got, k,
                                     BLOCK_N=rows, BLOCK_K=64)
     assert torch.equal(got.T.cpu(), want)
+
+
+def test_mxfp4_stacks_take_their_own_decode_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On sm_90 a decode step (at most 16 pairs an expert on average) and every exact-mode
+    step take `few_fp4` where a stack is MXFP4 and `few` where none is; a prefill's many
+    pairs take `many` in default mode either way."""
+    as_sm90(monkeypatch)
+    gpu, table = torch.device("cuda", 0), TUNING["sm90"]
+    assert table.few_fp4 is not None and table.few_fp4.block_k % 32 == 0
+    for pairs, exact, fp4, want in [(64, False, True, table.few_fp4), (64, False, False, table.few),
+                                    (10_000, True, True, table.few_fp4),
+                                    (10_000, False, True, table.many)]:
+        assert moe_tiles(gpu, pairs, 32, exact, fp4) == want, (pairs, exact, fp4)

@@ -54,20 +54,24 @@ from vegas_spec.quant import MXFP4_BLOCK, Mxfp4
 class MoeTuning:
     """The tiles of both grouped matmuls on one device class: `few` where an expert has at
     most `small_block_pairs` pairs on average (decode steps), and for every step in exact
-    mode, whose tiles must not follow P; `many` otherwise."""
+    mode, whose tiles must not follow P (`few_fp4` in their place where a stack is MXFP4);
+    `many` otherwise."""
 
     few: MatmulTiles
     many: MatmulTiles
     small_block_pairs: int
     fp4_dot: int = 0  # MXFP4 stacks with bfloat16 rows: `_expert_matmul_kernel`'s FP4_DOT
+    few_fp4: MatmulTiles | None = None
 
 
 # sm_90, few: 128-key blocks, measured best or within 2% of the best of eleven settings at 1,
 # 16 and 112 tokens of both models' expert shapes (H100; docs/kernel-notes.md); many: a guess.
 # MXFP4 experts: Triton's scaled dot, 1.2-1.4x faster than the decode and dot at 1-112 tokens
-# (the transposed form between them; H100, docs/kernel-notes.md).
+# (the transposed form slower than both), in 256-key blocks of one stage: best of seven
+# settings in 4 of 6 cells (both models at 1, 16 and 112 tokens), within 5% in the others
+# (H100, docs/kernel-notes.md).
 _SM90 = MoeTuning(few=MatmulTiles(16, 64, 128, 4, 3), many=MatmulTiles(64, 64, 64, 4, 3),
-                  small_block_pairs=16, fp4_dot=1)
+                  small_block_pairs=16, fp4_dot=1, few_fp4=MatmulTiles(16, 64, 256, 4, 1))
 # By device class (`kernels.device_class`). The interpreter, whose cost is per program and
 # loop step: small row blocks, wide column and reduction blocks, whatever the step.
 _INTERPRETER_TILES = MatmulTiles(16, 64, 64, 1, 1)
@@ -84,12 +88,14 @@ def tuning(device: torch.device) -> MoeTuning:
     return for_device(TUNING, device)
 
 
-def moe_tiles(device: torch.device, pairs: int, experts: int, exact: bool) -> MatmulTiles:
+def moe_tiles(device: torch.device, pairs: int, experts: int, exact: bool,
+              fp4: bool = False) -> MatmulTiles:
     """The tiles of a launch of `pairs` pairs over `experts` experts on `device` (its
-    `MoeTuning`, read at every launch)."""
+    `MoeTuning`, read at every launch); `fp4`: a stack is MXFP4."""
     tiles = tuning(device)
-    few = exact or pairs <= tiles.small_block_pairs * experts
-    return tiles.few if few else tiles.many
+    if not (exact or pairs <= tiles.small_block_pairs * experts):
+        return tiles.many
+    return tiles.few_fp4 if fp4 and tiles.few_fp4 is not None else tiles.few
 
 
 def max_blocks(pairs: int, experts: int, block_m: int) -> int:
@@ -328,7 +334,8 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Mxfp4, down: torch.Tensor
     pairs = t * top_k
     if pairs == 0:
         return x.new_zeros(t, hidden)
-    cfg = tiles or moe_tiles(x.device, pairs, experts, exact)
+    fp4 = isinstance(gate_up, Mxfp4) or isinstance(down, Mxfp4)
+    cfg = tiles or moe_tiles(x.device, pairs, experts, exact, fp4)
     groups = group_by_expert(ids, experts, cfg.block_m)
     gate_up_out = torch.empty(pairs, two_i, dtype=x.dtype, device=x.device)
     form = tuning(x.device).fp4_dot if fp4_dot is None else fp4_dot
