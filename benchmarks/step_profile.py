@@ -81,8 +81,8 @@ from vegas_spec import LLM, SamplingParams, SpecConfig, runner_setup
 from vegas_spec.config import ModelConfig
 from vegas_spec.graphs import GraphRunner
 from vegas_spec.kernels import paged_attention as pa
+from vegas_spec.kernels import skinny_matmul, split_merge, tuned
 from vegas_spec.kernels import sparse_attention as sa
-from vegas_spec.kernels import split_merge, tuned
 from vegas_spec.kernels import topk as tk
 from vegas_spec.models.loader import load_config, resolve
 from vegas_spec.ops import route
@@ -802,6 +802,10 @@ def main() -> None:
     ap.add_argument("--draft-weights", nargs="+", default=["model"], choices=["model", "fp8"],
                     help="the draft steps' weights, each in an engine of its own: the "
                          "model's, or FP8 copies (`quant`)")
+    side_by_side(ap, "--draft-fusion", default=["fused"], choices=["fused", "unfused"],
+                 text="FP8 copies' draft steps: their RMSNorm, SiLU * up and residual add in "
+                      "the projections' launches (skinny_matmul.SkinnyTuning.fuse_neighbours) "
+                      "or in kernels of their own")
     ap.add_argument("--max-model-len", type=int, default=0,
                     help="the engines' max_model_len, which sizes the static key width "
                          "(0: context + gamma + 64)")
@@ -863,17 +867,19 @@ def main() -> None:
         if model.num_experts:  # routing follows the values: spread as a trained model's
             spread_biases(llm.engine.runner.model)
         summing = llm.engine.runner.attn.topk_sum
-        for (bsz, tiles, width, sparse, least, sums, fill, lanes,
-             verify) in itertools.product(args.batches, tilings, args.rank_widths,
+        for (bsz, tiles, width, sparse, least, sums, fill, lanes, verify,
+             fusion) in itertools.product(args.batches, tilings, args.rank_widths,
                                           args.sparse_splits, args.topk_min_warps,
                                           args.topk_sums, args.split_fill, args.max_lanes,
-                                          args.verify_tiles):
+                                          args.verify_tiles, args.draft_fusion):
             llm.engine.runner.attn.topk_sum = summing if sums == "yes" else None
             llm.engine.runner.use_graphs(None)
             with contextlib.ExitStack() as settings:  # read when the graphs are captured
                 cell_settings(settings, device, dim, tiles, sparse, least, fill, lanes, verify)
+                settings.enter_context(tuned(skinny_matmul,
+                                             fuse_neighbours=fusion == "fused"))
                 verify_now = pa.tuning(device).verify_tiles.get(dim)
-                row = {"mode": mode, "draft_weights": drafts,
+                row = {"mode": mode, "draft_weights": drafts, "draft_fusion": fusion,
                        "max_lanes": split_merge.tuning(device).max_lanes,
                        "verify_tiles": "tile_config" if verify_now is None else
                        f"{verify_now.block_k}:{verify_now.stages}:{verify_now.maxnreg or 0}",

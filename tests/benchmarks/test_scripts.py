@@ -95,6 +95,21 @@ def test_step_profile_measures_exact_mode_against_the_default(tmp_path: Path) ->
             1 - cost[f"{kind}_tok_s_exact"] / cost[f"{kind}_tok_s_default"])
 
 
+def test_step_profile_times_fp8_drafts_fused_and_unfused(tmp_path: Path) -> None:
+    """§1.2's comparison: `--draft-fusion fused unfused` gives a row each, FP8 copies'
+    neighbours in their launches or in kernels of their own (on a GPU; CPU steps compose
+    the references either way), each timed."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    out = tmp_path / "fusion.json"
+    run("step_profile.py", "--config", str(tmp_path), "--contexts", "64", "--batches", "2",
+        "--reps", "1", "--min-tokens", "16", "--host-gap-tokens", "4", "--brief",
+        "--draft-weights", "fp8", "--draft-fusion", "fused", "unfused", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["draft_weights"], r["draft_fusion"]) for r in rows] == [("fp8", "fused"),
+                                                                         ("fp8", "unfused")]
+    assert all(r["draft_ms"] > 0 and r["round_ms"] > 0 for r in rows)
+
+
 def test_method_sweep_pairs_prompts_and_checks_losslessness(tmp_path: Path) -> None:
     """§5: tokens per iteration per prompt of each variant (an ablation of vegas among them),
     every output equal to vanilla's."""

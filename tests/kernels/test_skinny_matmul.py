@@ -5,11 +5,14 @@ projection shapes in bfloat16."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from kernel_cases import CUDA, DEVICE, as_sm90, generator, nan_empty, randn
 
 import vegas_spec.kernels as kernels
+from vegas_spec.kernels import skinny_matmul, tuned
 from vegas_spec.kernels.skinny_matmul import (
     MAX_DRAFT_ROWS,
     MAX_ROWS,
@@ -377,3 +380,21 @@ def test_int4_weights_take_no_neighbours() -> None:
     with pytest.raises(ValueError, match="INT4 weights take no fused"):
         skinny_linear(x, q, norm=torch.ones(64, device=DEVICE))
     assert skinny_linear(x, q).shape == (2, 32)  # without neighbours they run
+
+
+def test_fp8_copies_fuse_their_neighbours_on_a_gpu_unless_tuned_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fused`: an FP8 copy's rows on a GPU take their RMSNorm, SiLU * up and residual add in
+    the projection's launch; INT4 copies, the model's weights, CPU rows and
+    `SkinnyTuning.fuse_neighbours` off do not."""
+    as_sm90(monkeypatch)
+    gpu_rows = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    cpu_rows = torch.zeros(2, 64)
+    w = randn(32, 64, gen=generator(3))
+    fp8, int4 = quantize_fp8(w), quantize_int4(w)
+    assert skinny_matmul.fused(gpu_rows, fp8)
+    assert not any(skinny_matmul.fused(gpu_rows, other) for other in (int4, w))
+    assert not skinny_matmul.fused(cpu_rows, fp8)
+    with tuned(skinny_matmul, fuse_neighbours=False):
+        assert not skinny_matmul.fused(gpu_rows, fp8)
+    assert skinny_matmul.fused(gpu_rows, fp8)

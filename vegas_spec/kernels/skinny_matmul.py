@@ -99,12 +99,15 @@ class SkinnyTuning:
 
     `by_rows`: the tiles of each row bucket (keys 16..MAX_DRAFT_ROWS). K is split (the
     tiles' split_k) where the split grid still fits one program an SM (`sms`, None: the
-    device's own count) and K holds at least `split_min_steps` K steps."""
+    device's own count) and K holds at least `split_min_steps` K steps. `fuse_neighbours`:
+    whether FP8 copies take their RMSNorm, SiLU * up and residual add in their launch
+    (`fused`)."""
 
     by_rows: Mapping[int, RowTiles]
     column_programs: int
     split_min_steps: int
     sms: int | None
+    fuse_neighbours: bool = True
 
 
 def _rows(block_n: int, block_n_narrow: int, block_k: int) -> RowTiles:
@@ -142,8 +145,10 @@ def fused(x: torch.Tensor, weight: torch.Tensor | DraftWeight) -> bool:
     FP8 copy on a GPU, which streams through this kernel anyway (not INT4: its kernel takes
     no neighbours). The model's own weights stream through cuBLAS, their neighbours in
     kernels of their own: at a small model's shapes that is faster than this kernel with
-    them fused ([kernel notes](../../docs/kernel-notes.md))."""
-    return x.is_cuda and isinstance(weight, DRAFT_TYPES) and not isinstance(weight, Int4Weight)
+    them fused ([kernel notes](../../docs/kernel-notes.md)). `SkinnyTuning.fuse_neighbours`
+    turns it off (a draft step then runs its kernels unfused, the copies' products alone)."""
+    return (x.is_cuda and isinstance(weight, DRAFT_TYPES) and not isinstance(weight, Int4Weight)
+            and tuning(x.device).fuse_neighbours)
 
 
 def block_rows(m: int, most: int = MAX_ROWS) -> int:
