@@ -29,9 +29,9 @@ from vegas_spec.speculative.policies import Policy, max_budget
 
 CPU_KV_BYTES = 2 << 30
 
-# "auto" draft weights are FP8 on GPUs that have FP8 conversions once this is True: on an
-# H200 the FP8 kernel still streams its weights no faster than cuBLAS streams bf16 ones, so a
-# draft step with FP8 copies is slower (BENCHMARKS.md §1.2).
+# "auto" draft weights are FP8 on GPUs that have FP8 conversions once this is True: the FP8
+# projections alone take 0.56-0.71x cuBLAS's time up to 16 rows (H100), but the 8B shape's
+# whole draft step with its fused neighbours is not faster on them (BENCHMARKS.md §1.2).
 FP8_DRAFTS_BY_DEFAULT = False
 
 

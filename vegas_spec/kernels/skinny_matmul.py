@@ -25,16 +25,18 @@ launched: 2·split_k·M·N·4 more bytes, mostly in L2.
 
 FP8 weights (`quant.Fp8Weight`, a draft step's copy: e4m3 values and one scale per output
 row) stream one byte a weight: each W tile is converted to x's dtype in registers (exact:
-e4m3 values are bf16, fp16 and fp32 values), the products accumulate in float32, and the
-column's scale multiplies the sum. INT4 weights (`quant.Int4Weight`: two 4-bit values a
-byte, one scale per row and group of input channels) stream half a byte a weight: each
-BLOCK_K step of a program takes its pieces (a group or a part of one), unpacks a piece's
-low and high nibbles into two integer tiles in x's dtype (exact), dots them with the two
-contiguous runs of x's channels they hold (the low and the high half of the group's
-channels: the layout is made for this) and scales the float32 sum once per column and
-group (`_int4_kernel`): no per-weight multiply, no strided loads of x, one scale load per
-column and piece, wide K steps for bytes in flight. Draft weights take up to
-MAX_DRAFT_ROWS rows a launch. Oracles: `quant.Fp8Weight.ref`, `quant.Int4Weight.ref`.
+e4m3 values are bf16, fp16 and fp32 values), or with bfloat16 rows and `SkinnyTiles.half`
+(the GPU's default tiles) to float16 with the x tile rounded to float16 within its range,
+one conversion a pair (a draft's numbers only: verification keeps the output exact); the
+products accumulate in float32, and the column's scale multiplies the sum. INT4 weights
+(`quant.Int4Weight`: two 4-bit values a byte, one scale per row and group of input channels)
+stream half a byte a weight: each BLOCK_K step of a program takes its pieces (a group or a
+part of one), unpacks a piece's low and high nibbles into two integer tiles in x's dtype
+(exact), dots them with the two contiguous runs of x's channels they hold (the low and the
+high half of the group's channels: the layout is made for this) and scales the float32 sum
+once per column and group (`_int4_kernel`): no per-weight multiply, no strided loads of x,
+one scale load per column and piece, wide K steps for bytes in flight. Draft weights take up
+to MAX_DRAFT_ROWS rows a launch. Oracles: `quant.Fp8Weight.ref`, `quant.Int4Weight.ref`.
 
 A draft step's neighbours of a projection on an FP8 copy ride in its launch (`fused`): an
 RMSNorm before it (each program first takes its rows' rstd over all of K, from L2, then
