@@ -67,7 +67,7 @@ class MoeTuning:
 # sm_90, few: 128-key blocks, measured best or within 2% of the best of eleven settings at 1,
 # 16 and 112 tokens of both models' expert shapes (H100; docs/kernel-notes.md); many: a guess.
 # MXFP4 experts: Triton's scaled dot, 1.2-1.4x faster than the decode and dot at 1-112 tokens
-# (the transposed form slower than both), in 256-key blocks of one stage: best of seven
+# (a transposed scaled dot was slower than both), in 256-key blocks of one stage: best of seven
 # settings in 4 of 6 cells (both models at 1, 16 and 112 tokens), within 5% in the others
 # (H100, docs/kernel-notes.md).
 _SM90 = MoeTuning(few=MatmulTiles(16, 64, 128, 4, 3), many=MatmulTiles(64, 64, 64, 4, 3),
@@ -233,35 +233,26 @@ def _expert_matmul_kernel(a_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, pair_ptr, ex
     w_row = w_ptr + expert.to(tl.int64) * stride_we + rn.to(tl.int64)[:, None] * stride_wn
     s_row = s_ptr + expert.to(tl.int64) * stride_se + rn.to(tl.int64)[:, None] * stride_sn
     k_end = tl.where(expert >= 0, K, 0)
-    if FP4_DOT == 2:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k_end, BLOCK_K):
         k = k0 + rk
         k_ok = k < K
         a = tl.load(a_row + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if FP4_DOT > 0:
+        if FP4_DOT:
             kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             packed = tl.load(w_row + kb[None, :], mask=n_ok[:, None] & (kb < K // 2)[None, :],
                              other=0)
             kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
             scale = tl.load(s_row + kg[None, :], mask=n_ok[:, None] & (kg < K // 32)[None, :],
                             other=0)
-            if FP4_DOT == 1:
-                acc = tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc,
-                                    fast_math=True)
-            else:
-                acc = tl.dot_scaled(packed, scale, "e2m1", tl.trans(a), None, "bf16", acc,
-                                    fast_math=True)
+            acc = tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc,
+                                fast_math=True)
         else:
             if FP4:
                 w = _mxfp4_tile(w_row, s_row, k0, K, n_ok, BLOCK_N, BLOCK_K).to(a.dtype)
             else:
                 w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    if FP4_DOT == 2:
-        acc = tl.trans(acc)
     if HAS_BIAS:
         bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + rn, mask=n_ok & (expert >= 0),
                        other=0.0)
