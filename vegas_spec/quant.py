@@ -29,6 +29,8 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 INT4_GROUPS = (128, 64, 32)  # group sizes, the first that divides K
 DRAFT_WEIGHTS = ("auto", "fp8", "int4", "model")
+
+
 @dataclass
 class Fp8Weight:
     """data [N, K] float8_e4m3fn (nn.Linear's layout), scale [N] float32: the weight is

@@ -190,18 +190,27 @@ def group_by_expert_ref(ids: torch.Tensor, experts: int,
 
 
 @triton.jit
-def _mxfp4_tile(w_row, s_row, k0, K, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _mxfp4_load(w_row, s_row, k0, K, n_ok, BLOCK_K: tl.constexpr):
     """Columns k0 .. k0 + BLOCK_K of MXFP4 rows (w_row [BLOCK_N, 1] pointers to their bytes,
-    s_row to their scales) -> [BLOCK_N, BLOCK_K] float32, the exact values (0 past K)."""
+    s_row to their scales) as stored -> (bytes [BLOCK_N, BLOCK_K / 2], scales [BLOCK_N,
+    BLOCK_K / 32]), zeros past K."""
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     packed = tl.load(w_row + kb[None, :], mask=n_ok[:, None] & (kb < K // 2)[None, :], other=0)
+    kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    scale = tl.load(s_row + kg[None, :], mask=n_ok[:, None] & (kg < K // 32)[None, :], other=0)
+    return packed, scale
+
+
+@triton.jit
+def _mxfp4_tile(w_row, s_row, k0, K, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns k0 .. k0 + BLOCK_K of MXFP4 rows (`_mxfp4_load`) -> [BLOCK_N, BLOCK_K]
+    float32, the exact values (0 past K)."""
+    packed, scale = _mxfp4_load(w_row, s_row, k0, K, n_ok, BLOCK_K)
     codes = tl.join(packed & 0x0F, packed >> 4).to(tl.int16)  # [BLOCK_N, BLOCK_K / 2, 2]
     # e2m1 bits into a float16: sign to bit 15, exponent and mantissa to bits 10..9 and 9:
     # the value times 2^-14 (0.5 a subnormal), exact in float32
     bits = ((codes & 8) << 12) | ((codes & 7) << 9)
     values = bits.to(tl.float16, bitcast=True).to(tl.float32)
-    kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    scale = tl.load(s_row + kg[None, :], mask=n_ok[:, None] & (kg < K // 32)[None, :], other=0)
     factor = ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s - 113)
     values = tl.reshape(values, [BLOCK_N, BLOCK_K // 32, 32]) * factor[:, :, None]
     return tl.reshape(values, [BLOCK_N, BLOCK_K])
@@ -239,12 +248,7 @@ def _expert_matmul_kernel(a_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, pair_ptr, ex
         k_ok = k < K
         a = tl.load(a_row + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if FP4_DOT:
-            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(w_row + kb[None, :], mask=n_ok[:, None] & (kb < K // 2)[None, :],
-                             other=0)
-            kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            scale = tl.load(s_row + kg[None, :], mask=n_ok[:, None] & (kg < K // 32)[None, :],
-                            other=0)
+            packed, scale = _mxfp4_load(w_row, s_row, k0, K, n_ok, BLOCK_K)
             acc = tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc,
                                 fast_math=True)
         else:
