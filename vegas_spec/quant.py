@@ -158,10 +158,10 @@ def quantize_int4(weight: torch.Tensor, group: int | None = None) -> Int4Weight:
 
 DraftWeight = Fp8Weight | Int4Weight
 DRAFT_TYPES = (Fp8Weight, Int4Weight)
-# Rows up to which a draft step reads a copy of each kind; a wider one reads the model's
-# weights: at 32 rows the 8B shape's whole draft step took 1.4-1.5x as long on FP8 copies
-# (docs/kernel-notes.md, draft weights).
-DRAFT_COPY_ROWS: dict[type, int] = {Fp8Weight: 16, Int4Weight: 16}
+# Rows up to which a draft step reads the copy; a wider one reads the model's weights: at 32
+# rows the 8B shape's whole draft step took 1.4-1.5x as long on FP8 copies (docs/kernel-notes.md,
+# draft weights).
+DRAFT_COPY_ROWS = 16
 QUANTIZERS = {"fp8": quantize_fp8, "int4": quantize_int4}
 
 

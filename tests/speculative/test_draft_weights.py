@@ -103,7 +103,7 @@ def test_draft_steps_wider_than_the_copys_rows_read_the_models_weights(
         return real(weight, x, bias)
 
     monkeypatch.setattr(kind, "ref", counted)
-    monkeypatch.setattr(quant, "DRAFT_COPY_ROWS", dict.fromkeys(quant.DRAFT_TYPES, rows))
+    monkeypatch.setattr(quant, "DRAFT_COPY_ROWS", rows)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     out = draft_llm.generate(prompts[:1], params, speculative=spec("vegas"))[0]
     assert out.token_ids == plain[0].token_ids[:8]

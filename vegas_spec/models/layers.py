@@ -63,12 +63,10 @@ class LayerBase(nn.Module):
 
     def weight(self, name: str, ctx: StepContext) -> torch.Tensor | DraftWeight:
         """Projection `name`'s weight for this step: its draft copy in a draft step of at
-        most `quant.DRAFT_COPY_ROWS` rows (by the copy's kind) where the model made one
-        (`make_drafts`), else the model's."""
-        if ctx.draft and self.drafts is not None:
-            copy = self.drafts[name]
-            if ctx.positions.numel() <= quant.DRAFT_COPY_ROWS[type(copy)]:
-                return copy
+        most `quant.DRAFT_COPY_ROWS` rows where the model made one (`make_drafts`), else the
+        model's."""
+        if ctx.draft and self.drafts is not None and ctx.positions.numel() <= quant.DRAFT_COPY_ROWS:
+            return self.drafts[name]
         return getattr(self, name).weight
 
     def make_drafts(self, kind: str = "fp8") -> int:
