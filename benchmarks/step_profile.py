@@ -70,6 +70,7 @@ import functools
 import itertools
 import json
 import time
+import unittest.mock
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -77,12 +78,12 @@ from typing import Any
 import torch
 from common import copy_bandwidth, cuda_median_ms
 
-from vegas_spec import LLM, SamplingParams, SpecConfig, runner_setup
+from vegas_spec import LLM, SamplingParams, SpecConfig, quant, runner_setup
 from vegas_spec.config import ModelConfig
 from vegas_spec.graphs import GraphRunner
 from vegas_spec.kernels import paged_attention as pa
-from vegas_spec.kernels import skinny_matmul, split_merge, tuned
 from vegas_spec.kernels import sparse_attention as sa
+from vegas_spec.kernels import split_merge, tuned
 from vegas_spec.kernels import topk as tk
 from vegas_spec.models.loader import load_config, resolve
 from vegas_spec.ops import route
@@ -753,6 +754,25 @@ def sparse_splits_arg(text: str) -> str:
     raise argparse.ArgumentTypeError(f"library, paged or a positive integer, not {text!r}")
 
 
+def sparse_tiles_arg(text: str) -> str:
+    """--sparse-tiles: library, or BLOCK_K:STAGES:WARPS of the sparse kernel at the model's
+    head dim (`sparse_attention.KeyTiles`)."""
+    parts = text.split(":")
+    if text == "library" or (len(parts) == 3 and all(p.isdigit() and int(p) > 0
+                                                      for p in parts)):
+        return text
+    raise argparse.ArgumentTypeError(f"library or BLOCK_K:STAGES:WARPS, not {text!r}")
+
+
+def sparse_key_tiles(library: Mapping[int, sa.KeyTiles], setting: str,
+                     dim: int) -> Mapping[int, sa.KeyTiles]:
+    """sparse_attention's by_head_dim for a --sparse-tiles setting."""
+    if setting == "library":
+        return library
+    block_k, stages, warps = (int(p) for p in setting.split(":"))
+    return {**library, dim: sa.KeyTiles(block_k, stages, warps)}
+
+
 def sparse_programs(library: Mapping[int, int] | None, setting: str,
                     dim: int) -> Mapping[int, int] | None:
     """sparse_attention's programs_per_sm for a --sparse-splits setting."""
@@ -802,10 +822,6 @@ def main() -> None:
     ap.add_argument("--draft-weights", nargs="+", default=["model"], choices=["model", "fp8"],
                     help="the draft steps' weights, each in an engine of its own: the "
                          "model's, or FP8 copies (`quant`)")
-    side_by_side(ap, "--draft-fusion", default=["fused"], choices=["fused", "unfused"],
-                 text="FP8 copies' draft steps: their RMSNorm, SiLU * up and residual add in "
-                      "the projections' launches (skinny_matmul.SkinnyTuning.fuse_neighbours) "
-                      "or in kernels of their own")
     ap.add_argument("--max-model-len", type=int, default=0,
                     help="the engines' max_model_len, which sizes the static key width "
                          "(0: context + gamma + 64)")
@@ -818,6 +834,13 @@ def main() -> None:
                       "rule (sparse_attention.SparseTuning.programs_per_sm), the paged "
                       "kernel's occupancy split (paged), or a number: the one-wave split with that "
                       "many programs per SM at the model's head dim")
+    side_by_side(ap, "--sparse-tiles", default=["library"], type=sparse_tiles_arg,
+                 text="the draft steps' sparse kernel at the model's head dim: the library's "
+                      "tiles (sparse_attention.SparseTuning.by_head_dim) or "
+                      "BLOCK_K:STAGES:WARPS")
+    side_by_side(ap, "--draft-copy-rows", type=int, default=[0],
+                 text="rows up to which a draft step reads the FP8 copies "
+                      "(quant.DRAFT_COPY_ROWS, 0: the library's)")
     side_by_side(ap, "--topk-min-warps", type=int, default=[0],
                  text="the fewest warps of the resident top-k (quest's pages, vegas's "
                       "ranking; topk.TopkTuning.min_warps, 0: the library's)")
@@ -867,23 +890,28 @@ def main() -> None:
         if model.num_experts:  # routing follows the values: spread as a trained model's
             spread_biases(llm.engine.runner.model)
         summing = llm.engine.runner.attn.topk_sum
-        for (bsz, tiles, width, sparse, least, sums, fill, lanes, verify,
-             fusion) in itertools.product(args.batches, tilings, args.rank_widths,
-                                          args.sparse_splits, args.topk_min_warps,
-                                          args.topk_sums, args.split_fill, args.max_lanes,
-                                          args.verify_tiles, args.draft_fusion):
+        for (bsz, tiles, width, sparse, keys, least, sums, fill, lanes, verify,
+             copy_rows) in itertools.product(args.batches, tilings, args.rank_widths,
+                                             args.sparse_splits, args.sparse_tiles,
+                                             args.topk_min_warps, args.topk_sums,
+                                             args.split_fill, args.max_lanes,
+                                             args.verify_tiles, args.draft_copy_rows):
             llm.engine.runner.attn.topk_sum = summing if sums == "yes" else None
             llm.engine.runner.use_graphs(None)
             with contextlib.ExitStack() as settings:  # read when the graphs are captured
                 cell_settings(settings, device, dim, tiles, sparse, least, fill, lanes, verify)
-                settings.enter_context(tuned(skinny_matmul,
-                                             fuse_neighbours=fusion == "fused"))
+                settings.enter_context(tuned(sa, by_head_dim=sparse_key_tiles(
+                    sa.tuning(device).by_head_dim, keys, dim)))
+                settings.enter_context(unittest.mock.patch.object(
+                    quant, "DRAFT_COPY_ROWS", copy_rows or quant.DRAFT_COPY_ROWS))
                 verify_now = pa.tuning(device).verify_tiles.get(dim)
-                row = {"mode": mode, "draft_weights": drafts, "draft_fusion": fusion,
+                row = {"mode": mode, "draft_weights": drafts,
                        "max_lanes": split_merge.tuning(device).max_lanes,
                        "verify_tiles": "tile_config" if verify_now is None else
                        f"{verify_now.block_k}:{verify_now.stages}:{verify_now.maxnreg or 0}",
-                       "sparse_splits": sparse, "topk_min_warps": tk.tuning(device).min_warps,
+                       "sparse_splits": sparse, "sparse_tiles": keys,
+                       "draft_copy_rows": quant.DRAFT_COPY_ROWS,
+                       "topk_min_warps": tk.tuning(device).min_warps,
                        "topk_sum": sums, "split_fill": fill_name(device),
                        "score_tiles": f"{tiles.block_k}:{tiles.stages}:{tiles.store}",
                        "score_split_max": tiles.split_max, "score_maxnreg": tiles.maxnreg,

@@ -78,14 +78,15 @@ def with_tiles(block_k: int, stages: int, warps: int, maxnreg: int | None,
     return stack
 
 
-def sparse_sweep(args: argparse.Namespace, recent: int = 64) -> list[dict]:
-    """The draft step's sparse attention (n = 1) over a sorted random 5% of each sequence's
-    positions plus `recent` trailing ones: µs per call and TB/s of the K/V rows it must read.
+def sparse_sweep(args: argparse.Namespace) -> list[dict]:
+    """The draft step's sparse attention (n = 1) over a sorted random `--ratio` of each
+    sequence's positions plus `--recent` trailing ones: µs per call and TB/s of the K/V rows
+    it must read.
     With `--layers` L > 1 the calls of a graph cycle through L caches and lists of their own,
     as a model's layers do, so that the gathered rows come from HBM and not from L2."""
     torch.manual_seed(0)
     bsz, heads, hkv, dim, ctx = args.batch, args.heads, args.kv_heads, args.head_dim, args.context
-    budget = int(0.05 * ctx)
+    budget, recent = int(args.ratio * ctx), args.recent
     start = ctx - recent
     layers = []
     for _ in range(args.layers):
@@ -245,7 +246,7 @@ def main() -> None:
                          "dim)")
     ap.add_argument("--kernel", choices=["paged", "sparse", "quest", "topk", "merge"],
                     default="paged",
-                    help="sparse: the draft step's attention over a 5%% budget plus 64 recent; "
+                    help="sparse: the draft step's attention over a --ratio budget plus --recent; "
                          "quest: quest's page scores and top-k of one layer; topk: vegas's "
                          "ranking of a round's scores (--layers of them); merge: the split merge "
                          "alone (--merge-shapes)")
@@ -267,7 +268,10 @@ def main() -> None:
                          "(split_merge.SplitTuning.merge_tile, default: the library's)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="topk: times the settings are timed, interleaved")
-    ap.add_argument("--ratio", type=float, default=0.05, help="quest, topk: tokens kept")
+    ap.add_argument("--ratio", type=float, default=0.05,
+                    help="sparse, quest, topk: tokens kept")
+    ap.add_argument("--recent", type=int, default=64,
+                    help="sparse: trailing positions walked after the list (vegas's window)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     assert torch.cuda.is_available(), "tile_sweep times CUDA kernels"

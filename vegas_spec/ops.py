@@ -1,6 +1,5 @@
 """Plain-PyTorch references of the per-token steps around attention: RMSNorm (with the
-residual add before it), SiLU * up, RoPE, a draft step's projection with them fused
-(`fused_linear`), and the row-invariant projection of exact mode;
+residual add before it), SiLU * up, RoPE, and the row-invariant projection of exact mode;
 of a mixture of experts' router (`route`) and experts (`moe_experts`);
 of the selection's top-k (`topk_positions`, with quest's pages expanded to their tokens
 by `expand_pages`); and of quest's page scores (`quest_page_scores_ref`).
@@ -37,20 +36,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [..., 2I] -> silu(gate) * up [..., I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 norm: torch.Tensor | None = None, eps: float = 0.0, silu: bool = False,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
-    """A draft step's projection with its neighbours (the oracle of the fused few-row
-    kernel): the operand SiLU(gate) * up of x (silu) or RMSNorm(x) * norm, then x @ weight^T
-    (+ bias), then + residual."""
-    if silu:
-        x = silu_mul(x)
-    if norm is not None:
-        x = rms_norm(x, norm, eps)
-    y = F.linear(x, weight, bias)
-    return y if residual is None else y + residual
 
 
 def exact_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

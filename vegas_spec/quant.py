@@ -158,10 +158,11 @@ def quantize_int4(weight: torch.Tensor, group: int | None = None) -> Int4Weight:
 
 DraftWeight = Fp8Weight | Int4Weight
 DRAFT_TYPES = (Fp8Weight, Int4Weight)
-# Rows up to which a draft step reads the copy; a wider one reads the model's weights: at 32
-# rows the 8B shape's whole draft step took 1.4-1.5x as long on FP8 copies (docs/kernel-notes.md,
-# draft weights).
-DRAFT_COPY_ROWS = 16
+# Rows up to which a draft step reads the copy; a wider one reads the model's weights. At the
+# 8B shape (H100) the draft step on FP8 copies took 0.76x / 0.78x the model-weight step's time
+# at 32 rows (2K / 8K) and 0.69x at 8 and 16; 64 rows: not timed (docs/kernel-notes.md, draft
+# weights).
+DRAFT_COPY_ROWS = 32
 QUANTIZERS = {"fp8": quantize_fp8, "int4": quantize_int4}
 
 

@@ -29,10 +29,14 @@ from vegas_spec.speculative.policies import Policy, max_budget
 
 CPU_KV_BYTES = 2 << 30
 
-# "auto" draft weights are FP8 on GPUs that have FP8 conversions once this is True: the FP8
-# projections alone take 0.56-0.71x cuBLAS's time up to 16 rows (H100), but the 8B shape's
-# whole draft step with its fused neighbours is not faster on them (BENCHMARKS.md §1.2).
-FP8_DRAFTS_BY_DEFAULT = False
+# "auto" draft weights are FP8 on GPUs that have FP8 conversions, for dense models whose
+# layers hold at least FP8_AUTO_LAYER_BYTES of projections in the model's dtype, where the
+# copies take at most FP8_AUTO_MEMORY_SHARE of the device's memory (the rest is the KV pool's).
+# Measured (H100, BENCHMARKS.md §1.2): at the 8B shapes (436 MB a layer) the draft step on FP8
+# copies takes 0.69-0.77x the model-weight one; at SmolLM2's (7 MB a layer, launch-bound) 1.14-
+# 1.21x. The bound between them is not measured.
+FP8_AUTO_LAYER_BYTES = 64 << 20
+FP8_AUTO_MEMORY_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,7 @@ def load(config: EngineConfig, source: ModelSource) -> Loaded:
     # One model per checkpoint, dtype, device, rank and draft kind in a process: another
     # engine's if one holds it. A draft copy is made before the KV budget, which the memory
     # it takes then leaves out.
-    kind = draft_kind(config, device)
+    kind = draft_kind(config, device, local)
     packs = keeps_mxfp4(config, device)
     key = ModelKey(file_stamps(source), config.load_format, config.torch_dtype, device,
                    tp.rank, tp.world_size, kind, packs)
@@ -110,13 +114,31 @@ def _load_model(config: EngineConfig, source: ModelSource, cfg: ModelConfig,
     return model
 
 
-def draft_kind(config: EngineConfig, device: torch.device) -> str:
-    """What `draft_weights` asks the draft steps to read: fp8, int4 or model; "auto" is
-    model until FP8 drafts measure faster than the model's weights
-    (`FP8_DRAFTS_BY_DEFAULT`)."""
+def layer_projection_params(cfg: ModelConfig) -> int:
+    """Weights of one dense layer's four projections (qkv, o_proj, gate_up, down)."""
+    attn = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    return attn + cfg.num_heads * cfg.head_dim * cfg.hidden_size + \
+        3 * cfg.hidden_size * cfg.intermediate_size
+
+
+def fp8_pays(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether "auto" draft weights are FP8 for this rank's `cfg` (`FP8_AUTO_LAYER_BYTES`,
+    `FP8_AUTO_MEMORY_SHARE`): a dense model with FP8 conversions on its device."""
+    if cfg.num_experts or not fp8_supported(device):
+        return False
+    params = layer_projection_params(cfg)
+    copies = cfg.num_layers * params  # a byte a weight
+    total = torch.cuda.get_device_properties(device).total_memory
+    return (params * dtype.itemsize >= FP8_AUTO_LAYER_BYTES
+            and copies <= FP8_AUTO_MEMORY_SHARE * total)
+
+
+def draft_kind(config: EngineConfig, device: torch.device, cfg: ModelConfig) -> str:
+    """What `draft_weights` asks the draft steps to read: fp8, int4 or model; "auto" is fp8
+    where it pays for this rank's `cfg` (`fp8_pays`), else model."""
     mode = config.draft_weights
     if mode == "auto":
-        mode = "fp8" if FP8_DRAFTS_BY_DEFAULT and fp8_supported(device) else "model"
+        mode = "fp8" if fp8_pays(cfg, config.torch_dtype, device) else "model"
     if mode == "fp8" and device.type == "cuda" and not fp8_supported(device):
         raise ConfigError("draft_weights fp8 needs a GPU with FP8 conversions (compute "
                           "capability 8.9 or newer)")

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from vegas_spec import quant
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 32,
         "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -95,19 +97,25 @@ def test_step_profile_measures_exact_mode_against_the_default(tmp_path: Path) ->
             1 - cost[f"{kind}_tok_s_exact"] / cost[f"{kind}_tok_s_default"])
 
 
-def test_step_profile_times_fp8_drafts_fused_and_unfused(tmp_path: Path) -> None:
-    """§1.2's comparison: `--draft-fusion fused unfused` gives a row each, FP8 copies'
-    neighbours in their launches or in kernels of their own (on a GPU; CPU steps compose
-    the references either way), each timed."""
+def test_step_profile_sets_copy_rows_and_sparse_tiles_per_cell(tmp_path: Path) -> None:
+    """`--draft-copy-rows` (0: the library's `quant.DRAFT_COPY_ROWS`) and `--sparse-tiles`
+    give a row each, side by side; a malformed tile setting is refused."""
     (tmp_path / "config.json").write_text(json.dumps(TINY))
-    out = tmp_path / "fusion.json"
+    out = tmp_path / "cells.json"
     run("step_profile.py", "--config", str(tmp_path), "--contexts", "64", "--batches", "2",
         "--reps", "1", "--min-tokens", "16", "--host-gap-tokens", "4", "--brief",
-        "--draft-weights", "fp8", "--draft-fusion", "fused", "unfused", "--out", str(out))
+        "--draft-weights", "fp8", "--draft-copy-rows", "0", "1", "--sparse-tiles", "library",
+        "32:1:2", "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["draft_weights"], r["draft_fusion"]) for r in rows] == [("fp8", "fused"),
-                                                                         ("fp8", "unfused")]
-    assert all(r["draft_ms"] > 0 and r["round_ms"] > 0 for r in rows)
+    library = quant.DRAFT_COPY_ROWS
+    assert [(r["sparse_tiles"], r["draft_copy_rows"]) for r in rows] == [
+        ("library", library), ("library", 1), ("32:1:2", library), ("32:1:2", 1)]
+    assert all(r["draft_ms"] > 0 for r in rows)
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--config",
+                          str(tmp_path), "--contexts", "64", "--batches", "2",
+                          "--sparse-tiles", "32:1", "--out", str(out)],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "BLOCK_K:STAGES:WARPS" in bad.stderr
 
 
 def test_method_sweep_pairs_prompts_and_checks_losslessness(tmp_path: Path) -> None:

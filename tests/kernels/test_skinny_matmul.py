@@ -5,14 +5,11 @@ projection shapes in bfloat16."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 from kernel_cases import CUDA, DEVICE, as_sm90, generator, nan_empty, randn
 
 import vegas_spec.kernels as kernels
-from vegas_spec.kernels import skinny_matmul, tuned
 from vegas_spec.kernels.skinny_matmul import (
     MAX_DRAFT_ROWS,
     MAX_ROWS,
@@ -315,86 +312,3 @@ def test_quantize_int4_per_row_and_group() -> None:
     assert [int4_group(k) for k in (4096, 576, 1536, 96)] == [128, 64, 128, 32]
     with pytest.raises(ValueError, match="divisible by 32"):
         int4_group(100)
-
-
-# (rows, K, bias, split_k, swap): a partial K step (K = 200 in steps of 64) and K split with
-# an empty split, both products; the RMSNorm's rstd is taken over all of K by every split.
-FUSED_CASES = [(1, 256, False, 1, False), (7, 200, True, 2, True), (16, 200, True, 3, False),
-               (64, 128, False, 1, True)]
-
-
-@pytest.mark.parametrize("neighbours", ["norm", "silu", "residual", "norm+residual",
-                                        "silu+residual"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m,k,bias,split_k,swap", FUSED_CASES)
-def test_fused_neighbours_match_the_composed_steps(m: int, k: int, bias: bool, split_k: int,
-                                                   swap: bool, dtype: torch.dtype,
-                                                   neighbours: str) -> None:
-    """RMSNorm or SiLU * up before the product and the residual add after it, in the one
-    launch: `ops.fused_linear` (each step alone, in the dtype) to the dtype's rounding, where
-    the operand's rounding is each step's own. Against the unfused product of the same
-    operand the bias-free float32 case differs only by the sum's order."""
-    from vegas_spec.ops import fused_linear
-
-    gen = generator(m * k + len(neighbours))
-    silu = "silu" in neighbours
-    x = randn(m, 2 * k if silu else k, gen=gen, dtype=dtype) * 3
-    norm = (randn(k, gen=gen, dtype=dtype) + 1) if "norm" in neighbours else None
-    w = randn(N, k, gen=gen, dtype=dtype) / k ** 0.5
-    b = randn(N, gen=gen, dtype=dtype) if bias else None
-    residual = randn(m, N, gen=gen, dtype=dtype) if "residual" in neighbours else None
-    with nan_empty():
-        got = skinny_linear(x, w, b, tiles=SkinnyTiles(64, 64, 4, 2, split_k, swap),
-                            norm=norm, eps=1e-5, silu=silu, residual=residual)
-    assert got.shape == (m, N) and got.dtype == dtype
-    want = fused_linear(x, w, b, norm, 1e-5, silu, residual)
-    scale = want.double().norm()
-    assert float((got.double() - want.double()).norm() / scale) < REL_TOL[dtype]
-    unfused = fused_linear(x, w, b, norm, 1e-5, silu)  # without the residual: it must count
-    if residual is not None:
-        assert float((got.double() - unfused.double()).norm() / scale) > 10 * REL_TOL[dtype]
-
-
-@pytest.mark.parametrize("swap", [False, True], ids=["xw", "wx"])
-def test_fused_neighbours_with_fp8_weights(swap: bool) -> None:
-    """An FP8 copy with RMSNorm before it and the residual after it (a draft step's qkv and
-    o_proj): the dequantised copy's composed steps; default and chosen tiles."""
-    from vegas_spec.ops import fused_linear
-
-    gen = generator(77)
-    x = randn(5, 3, 96, gen=gen)
-    norm = randn(96, gen=gen) + 1
-    q = quantize_fp8(randn(40, 96, gen=gen) / 10)
-    residual = randn(5, 3, 40, gen=gen)
-    want = fused_linear(x, q.dequantize(torch.float32), None, norm, 1e-6, False, residual)
-    for tiles in (None, SkinnyTiles(32, 32, 4, 2, 2, swap)):
-        with nan_empty():
-            got = skinny_linear(x, q, tiles=tiles, norm=norm, eps=1e-6, residual=residual)
-        assert got.shape == (5, 3, 40)
-        assert float((got - want).norm() / want.norm()) < REL_TOL[torch.float32]
-
-
-def test_int4_weights_take_no_neighbours() -> None:
-    x = torch.ones(2, 64, device=DEVICE)
-    q = quantize_int4(torch.ones(32, 64, device=DEVICE), 64)
-    with pytest.raises(ValueError, match="INT4 weights take no fused"):
-        skinny_linear(x, q, norm=torch.ones(64, device=DEVICE))
-    assert skinny_linear(x, q).shape == (2, 32)  # without neighbours they run
-
-
-def test_fp8_copies_fuse_their_neighbours_on_a_gpu_unless_tuned_off(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """`fused`: an FP8 copy's rows on a GPU take their RMSNorm, SiLU * up and residual add in
-    the projection's launch; INT4 copies, the model's weights, CPU rows and
-    `SkinnyTuning.fuse_neighbours` off do not."""
-    as_sm90(monkeypatch)
-    gpu_rows = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
-    cpu_rows = torch.zeros(2, 64)
-    w = randn(32, 64, gen=generator(3))
-    fp8, int4 = quantize_fp8(w), quantize_int4(w)
-    assert skinny_matmul.fused(gpu_rows, fp8)
-    assert not any(skinny_matmul.fused(gpu_rows, other) for other in (int4, w))
-    assert not skinny_matmul.fused(cpu_rows, fp8)
-    with tuned(skinny_matmul, fuse_neighbours=False):
-        assert not skinny_matmul.fused(gpu_rows, fp8)
-    assert skinny_matmul.fused(gpu_rows, fp8)

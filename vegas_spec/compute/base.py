@@ -4,7 +4,7 @@ collectives it meets, with its implementations chosen by name from a registry.""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -67,33 +67,6 @@ class Ops(ABC):
     @abstractmethod
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [..., 2I] -> silu(gate) * up [..., I]."""
-
-    def fuses_draft(self, x: torch.Tensor,
-                    weights: Sequence[torch.Tensor | DraftWeight]) -> bool:
-        """Whether a dense layer's draft step on x [..., hidden] runs as four `draft_linear`
-        calls around attention through `weights` (the residual stream whole, not split):
-        not in exact mode (its rows are computed as in any step) nor under tensor
-        parallelism (o_proj's and down's partial products are summed over the ranks before
-        the residual add). An implementation that fuses only some shapes says no where it
-        would compose (a composed draft_linear launches the residual add on its own)."""
-        return not self.exact and self.tp.world_size == 1
-
-    def draft_linear(self, x: torch.Tensor, weight: torch.Tensor | DraftWeight,
-                     bias: torch.Tensor | None = None, *, norm: torch.Tensor | None = None,
-                     eps: float = 0.0, silu: bool = False,
-                     residual: torch.Tensor | None = None) -> torch.Tensor:
-        """A draft step's projection with the per-token step before it and the residual add
-        after it (`ops.fused_linear`'s contract): x [..., K] normed first (`norm` [K], `eps`)
-        or x [..., 2K] a gate/up row whose SiLU(gate) * up is the operand (`silu`), @ weight
-        [N, K]^T (+ bias), + residual [..., N]. Composed here from `silu_mul`, `norm` and
-        `linear` (each rounded as it is alone); an implementation may fuse them into one
-        launch."""
-        if silu:
-            x = self.silu_mul(x)
-        if norm is not None:
-            x = self.norm(x, norm, eps)
-        y = self.linear(x, weight, bias)
-        return y if residual is None else y + residual
 
     def row_linear(self, x: torch.Tensor, weight: torch.Tensor | DraftWeight,
                    bias: torch.Tensor | None = None) -> torch.Tensor:

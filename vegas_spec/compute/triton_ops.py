@@ -5,8 +5,6 @@ Runs on CUDA, or on CPU under Triton's interpreter (slow: tests only)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 
@@ -16,7 +14,7 @@ from vegas_spec.kernels.fused_moe import fused_moe
 from vegas_spec.kernels.rms_norm import rms_norm
 from vegas_spec.kernels.route import route as route_kernel
 from vegas_spec.kernels.silu_mul import silu_mul
-from vegas_spec.kernels.skinny_matmul import fused, skinny_linear
+from vegas_spec.kernels.skinny_matmul import skinny_linear
 from vegas_spec.quant import DRAFT_TYPES, DraftWeight, Mxfp4
 
 
@@ -36,26 +34,6 @@ class TritonOps(Ops):
         if self.exact:
             return exact_linear(x, weight, bias)
         return F.linear(x, weight, bias)
-
-    def fuses_draft(self, x: torch.Tensor,
-                    weights: Sequence[torch.Tensor | DraftWeight]) -> bool:
-        """Where every projection of the layer runs fused (`skinny_matmul.fused`); on CPU
-        tensors (the references, composed) wherever the ops allow it."""
-        if not super().fuses_draft(x, weights):
-            return False
-        return not x.is_cuda or all(fused(x, w) for w in weights)
-
-    def draft_linear(self, x: torch.Tensor, weight: torch.Tensor | DraftWeight,
-                     bias: torch.Tensor | None = None, *, norm: torch.Tensor | None = None,
-                     eps: float = 0.0, silu: bool = False,
-                     residual: torch.Tensor | None = None) -> torch.Tensor:
-        """One launch of the few-row kernel with its neighbours fused where it takes them
-        (`skinny_matmul.fused`: FP8 copies on a GPU), else composed."""
-        if fused(x, weight):
-            return skinny_linear(x, weight, bias, norm=norm, eps=eps, silu=silu,
-                                 residual=residual)
-        return super().draft_linear(x, weight, bias, norm=norm, eps=eps, silu=silu,
-                                    residual=residual)
 
     def experts(self, x: torch.Tensor, gate_up: torch.Tensor | Mxfp4,
                 down: torch.Tensor | Mxfp4, weights: torch.Tensor, ids: torch.Tensor,

@@ -21,8 +21,7 @@
   fused_moe         a mixture of experts: the tokens grouped by expert, two grouped matmuls
                     that stream each hit expert's weights once a block of its tokens
   skinny_matmul     a projection of few rows that streams its weights once (the draft
-                    steps' FP8 weights), on an FP8 copy with a draft step's RMSNorm or
-                    SiLU * up before it and residual add after it in the same launch
+                    steps' FP8 weights)
   sample            a token per row by argmax(p / E) with counter-based Exp(1) noise, in one
                     read of p; the draws' keys and uniforms; the candidates' probabilities
                     after temperature, top-k and top-p (sampled decoding, drafting and
@@ -32,7 +31,7 @@ Every kernel has a plain-PyTorch reference that is its test oracle:
 `vegas_spec.attention.torch_backend` (attention, KV store),
 `vegas_spec.cache.slots_of` (slots), `vegas_spec.ops` (`rms_norm`, `add_rms_norm`,
 `silu_mul`, `clamped_swiglu`, `apply_rope`, `topk_positions`, `quest_page_scores_ref`,
-`route`, `moe_experts`, `fused_linear`),
+`route`, `moe_experts`),
 `vegas_spec.sampling` (`draw_keys`, `uniform`, `exponential_argmax_ref`,
 `candidate_probs_ref`: sample) and `torch.nn.functional.linear`
 (exact_matmul, skinny_matmul). On a machine without CUDA the kernels run on CPU tensors under

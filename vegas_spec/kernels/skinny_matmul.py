@@ -36,14 +36,7 @@ part of one), unpacks a piece's low and high nibbles into two integer tiles in x
 high half of the group's channels: the layout is made for this) and scales the float32 sum
 once per column and group (`_int4_kernel`): no per-weight multiply, no strided loads of x,
 one scale load per column and piece, wide K steps for bytes in flight. Draft weights take up
-to MAX_DRAFT_ROWS rows a launch. Oracles: `quant.Fp8Weight.ref`, `quant.Int4Weight.ref`.
-
-A draft step's neighbours of a projection on an FP8 copy ride in its launch (`fused`): an
-RMSNorm before it (each program first takes its rows' rstd over all of K, from L2, then
-normalises each x tile as it loads it) or SiLU(gate) * up of a gate/up row as the x
-operand, each rounded where its own kernel rounds, and a residual added to the rounded
-product: a dense layer's draft step then takes four projections and its attention.
-Oracle: `ops.fused_linear`."""
+to MAX_DRAFT_ROWS rows a launch. Oracles: `quant.Fp8Weight.ref`, `quant.Int4Weight.ref`."""
 
 from __future__ import annotations
 
@@ -56,9 +49,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels import device_sms, for_device, interpreting, split_counters
-from vegas_spec.kernels.rms_norm import rstd, scaled_norm
-from vegas_spec.kernels.silu_mul import silu_times_up
+from vegas_spec.kernels import device_sms, for_device, split_counters
 from vegas_spec.quant import DRAFT_TYPES, DraftWeight, Int4Weight
 
 # Rows the kernel takes at most (one row block); callers fall back to F.linear beyond.
@@ -101,15 +92,12 @@ class SkinnyTuning:
 
     `by_rows`: the tiles of each row bucket (keys 16..MAX_DRAFT_ROWS). K is split (the
     tiles' split_k) where the split grid still fits one program an SM (`sms`, None: the
-    device's own count) and K holds at least `split_min_steps` K steps. `fuse_neighbours`:
-    whether FP8 copies take their RMSNorm, SiLU * up and residual add in their launch
-    (`fused`)."""
+    device's own count) and K holds at least `split_min_steps` K steps."""
 
     by_rows: Mapping[int, RowTiles]
     column_programs: int
     split_min_steps: int
     sms: int | None
-    fuse_neighbours: bool = True
 
 
 def _rows(block_n: int, block_n_narrow: int, block_k: int) -> RowTiles:
@@ -142,17 +130,6 @@ def tuning(device: torch.device) -> SkinnyTuning:
     return for_device(TUNING, device)
 
 
-def fused(x: torch.Tensor, weight: torch.Tensor | DraftWeight) -> bool:
-    """Whether `skinny_linear` takes x's rows through weight with its neighbours fused: an
-    FP8 copy on a GPU, which streams through this kernel anyway (not INT4: its kernel takes
-    no neighbours). The model's own weights stream through cuBLAS, their neighbours in
-    kernels of their own: at a small model's shapes that is faster than this kernel with
-    them fused ([kernel notes](../../docs/kernel-notes.md)). `SkinnyTuning.fuse_neighbours`
-    turns it off (a draft step then runs its kernels unfused, the copies' products alone)."""
-    return (x.is_cuda and isinstance(weight, DRAFT_TYPES) and not isinstance(weight, Int4Weight)
-            and tuning(x.device).fuse_neighbours)
-
-
 def block_rows(m: int, most: int = MAX_ROWS) -> int:
     """BLOCK_M: the rows padded to a power of two, at least 16 (the smallest dot tile); more
     than `most` rows are a ValueError."""
@@ -174,31 +151,25 @@ def skinny_tiles(m: int, n: int, k: int, device: torch.device) -> SkinnyTiles:
 
 
 @triton.jit
-def _output(total, y_ptr, r_ptr, rm, rn, ok, stride_ym, stride_rm, RESIDUAL: tl.constexpr):
-    """The float32 sum (bias added) rounded to y's dtype and stored; with RESIDUAL, the
-    residual row added to the rounded product in float32 and rounded again (a linear, then
-    torch's add)."""
-    dtype = y_ptr.dtype.element_ty
-    y = total.to(dtype)
-    if RESIDUAL:
-        r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=ok, other=0.0)
-        y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=ok)
+def _output(total, y_ptr, rm, rn, ok, stride_ym):
+    """The float32 sum (bias added) rounded to y's dtype and stored."""
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], total.to(y_ptr.dtype.element_ty),
+             mask=ok)
 
 
 @triton.jit
-def _finish(acc, y_ptr, p_ptr, cnt_ptr, b_ptr, r_ptr, rm, rn, M, N, stride_ym, stride_rm,
-            HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, RESIDUAL: tl.constexpr):
+def _finish(acc, y_ptr, p_ptr, cnt_ptr, b_ptr, rm, rn, M, N, stride_ym,
+            HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] float32, this program's rows x columns (its split's part of K)
-    -> y [M, N] in y's dtype (+ bias; + the residual r [M, N] where RESIDUAL, `_output`).
-    With SPLIT_K > 1 acc goes to the partials p [SPLIT_K, M, N] and the column block's last
-    program to arrive (its counter at cnt_ptr[column block]) sums them in split order, adds
-    the bias, stores y and sets the counter back to zero."""
+    -> y [M, N] in y's dtype (+ bias). With SPLIT_K > 1 acc goes to the partials
+    p [SPLIT_K, M, N] and the column block's last program to arrive (its counter at
+    cnt_ptr[column block]) sums them in split order, adds the bias, stores y and sets the
+    counter back to zero."""
     ok = (rm < M)[:, None] & (rn < N)[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        _output(acc, y_ptr, r_ptr, rm, rn, ok, stride_ym, stride_rm, RESIDUAL)
+        _output(acc, y_ptr, rm, rn, ok, stride_ym)
     else:
         part = rm[:, None] * N + rn[None, :]
         tl.store(p_ptr + tl.program_id(1).to(tl.int64) * M * N + part, acc, mask=ok)
@@ -212,51 +183,16 @@ def _finish(acc, y_ptr, p_ptr, cnt_ptr, b_ptr, r_ptr, rm, rn, M, N, stride_ym, s
                                  cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-            _output(total, y_ptr, r_ptr, rm, rn, ok, stride_ym, stride_rm, RESIDUAL)
+            _output(total, y_ptr, rm, rn, ok, stride_ym)
             tl.atomic_xchg(counter, 0)
 
 
-@triton.jit
-def _row_rstd(x_row, m_ok, K, inv_k, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-              MEAN_BY_RECIPROCAL: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of each row of x [BLOCK_M, K] (float32), as the RMSNorm
-    kernel takes it (`rms_norm`): the mean by the reciprocal of K on CUDA, by K elsewhere."""
-    squares = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-        x = x.to(tl.float32)
-        squares += tl.sum(x * x, axis=1)
-    return rstd(squares, inv_k, K, eps, MEAN_BY_RECIPROCAL)
-
-
-@triton.jit
-def _x_tile(x_row, k, mask, row_rstd, nw_ptr, up_off, K, dtype: tl.constexpr,
-            PROLOGUE: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
-    """The x operand's tile [BLOCK_M, BLOCK_K] of K columns k, in x's dtype. PROLOGUE 0:
-    x itself; 1: RMSNorm(x) * weight (nw_ptr [K]) with each row's rstd, rounded where the
-    RMSNorm kernel rounds; 2: SiLU(gate) * up of a gate/up row (gate at k, up at up_off + k),
-    rounded where the SiLU * up kernel rounds."""
-    if PROLOGUE == 2:
-        gate = tl.load(x_row + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_row + up_off + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        x = silu_times_up(gate, up, dtype, LIBDEVICE_EXP).to(dtype)
-    else:
-        x = tl.load(x_row + k[None, :], mask=mask, other=0.0)
-        if PROLOGUE == 1:
-            g = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            x = scaled_norm(x.to(tl.float32), row_rstd[:, None], g[None, :], dtype)
-    return x
-
-
 @triton.jit(do_not_specialize=["M"])
-def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, r_ptr, nw_ptr, M, N, K,
-                   k_split, up_off, inv_k, eps, stride_xm, stride_wn, stride_ym, stride_rm,
-                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr, SWAP: tl.constexpr,
-                   HALF_DOT: tl.constexpr, PROLOGUE: tl.constexpr, RESIDUAL: tl.constexpr,
-                   MEAN_BY_RECIPROCAL: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, k_split,
+                   stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   SCALED: tl.constexpr, SWAP: tl.constexpr, HALF_DOT: tl.constexpr):
     """Program (j, s): rows 0..M-1 x columns j*BLOCK_N.. over K range s*k_split.. (all of K
     when SPLIT_K is 1), finished by `_finish`. SCALED: W holds FP8 values, converted to x's
     dtype as loaded, and s_ptr the per-column scales that multiply the sums. SWAP: the
@@ -265,20 +201,13 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, r_ptr, nw_
     as its narrow side. HALF_DOT (SCALED, bfloat16 x): the dot in float16, the FP8 tile
     converted to float16 (one instruction a pair, where bfloat16 takes several) and the x
     tile rounded to float16 within its range (a draft's numbers only: verification keeps the
-    output exact). PROLOGUE (`_x_tile`): the x operand is RMSNorm(x) (1: each row's
-    rstd first, over all of K) or SiLU(gate) * up (2) of the row, computed as it is loaded;
-    RESIDUAL: r [M, N] added to the result (`_output`)."""
+    output exact)."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_ok, n_ok = rm < M, rn < N
-    dtype: tl.constexpr = x_ptr.dtype.element_ty
     x_row = x_ptr + rm[:, None] * stride_xm
     w_row = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    if PROLOGUE == 1:
-        row_rstd = _row_rstd(x_row, m_ok, K, inv_k, eps, BLOCK_M, BLOCK_K, MEAN_BY_RECIPROCAL)
-    else:
-        row_rstd = tl.zeros([BLOCK_M], tl.float32)
     k_lo = tl.program_id(1) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     if SWAP:
@@ -288,19 +217,17 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, r_ptr, nw_
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + rk
         if EVEN_K:
-            x = _x_tile(x_row, k, m_ok[:, None], row_rstd, nw_ptr, up_off, K, dtype, PROLOGUE,
-                        LIBDEVICE_EXP)
+            x = tl.load(x_row + k[None, :], mask=m_ok[:, None], other=0.0)
             w = tl.load(w_row + k[None, :], mask=n_ok[:, None], other=0.0)
         else:
             k_ok = k < k_hi
-            x = _x_tile(x_row, k, m_ok[:, None] & k_ok[None, :], row_rstd, nw_ptr, up_off,
-                        K, dtype, PROLOGUE, LIBDEVICE_EXP)
+            x = tl.load(x_row + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if HALF_DOT:
             w = w.to(tl.float16)
             x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         elif SCALED:
-            w = w.to(dtype)
+            w = w.to(x_ptr.dtype.element_ty)
         if SWAP:
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         else:
@@ -311,8 +238,7 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, r_ptr, nw_
         acc = tl.trans(acc)
     elif SCALED:
         acc *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
-    _finish(acc, y_ptr, p_ptr, cnt_ptr, b_ptr, r_ptr, rm, rn, M, N, stride_ym, stride_rm,
-            HAS_BIAS, SPLIT_K, RESIDUAL)
+    _finish(acc, y_ptr, p_ptr, cnt_ptr, b_ptr, rm, rn, M, N, stride_ym, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -355,76 +281,37 @@ def _int4_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, k_spli
             part = tl.dot(x_high, tl.trans(high), part, input_precision=DOT_PRECISION)
             scale = tl.load(s_col + group, mask=n_ok & (first < b_hi), other=0.0)
             acc += part * scale[None, :]
-    _finish(acc, y_ptr, p_ptr, cnt_ptr, b_ptr, y_ptr, rm, rn, M, N, stride_ym, 0, HAS_BIAS,
-            SPLIT_K, False)
+    _finish(acc, y_ptr, p_ptr, cnt_ptr, b_ptr, rm, rn, M, N, stride_ym, HAS_BIAS, SPLIT_K)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor | DraftWeight,
                   bias: torch.Tensor | None = None, *,
-                  tiles: SkinnyTiles | None = None, norm: torch.Tensor | None = None,
-                  eps: float = 0.0, silu: bool = False,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
+                  tiles: SkinnyTiles | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, for at most
     MAX_ROWS rows in all (a ValueError beyond: callers take F.linear there); a draft weight
     (FP8 or INT4) takes any number of rows, MAX_DRAFT_ROWS a launch. `tiles`: by default
-    `skinny_tiles` of the shape and device.
-
-    A draft step's neighbours of the product, fused into its launch (not with INT4 weights;
-    oracle `ops.fused_linear`): `norm` [K] (with `eps`): the operand is RMSNorm(x) * norm, as
-    `rms_norm` computes it; `silu`: x [..., 2K] is a gate/up row and the operand SiLU(gate) *
-    up, as `silu_mul` computes it; `residual` [..., N]: added to the product (rounded to x's
-    dtype first, as a linear and then torch's add)."""
+    `skinny_tiles` of the shape and device."""
     draft = isinstance(weight, DRAFT_TYPES)
     n, k = weight.shape
     w = weight.data if draft else weight
-    assert not (silu and norm is not None), "one prologue: SiLU * up or RMSNorm"
-    assert w.dim() == 2 and x.shape[-1] == (2 * k if silu else k) and w.stride(-1) == 1
+    assert w.dim() == 2 and x.shape[-1] == k and w.stride(-1) == 1
     assert x.device == w.device and (draft or x.dtype == w.dtype)
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous())
-    assert norm is None or (norm.shape == (k,) and norm.is_contiguous()
-                            and norm.dtype == x.dtype)
-    neighbours = norm is not None or silu or residual is not None
-    if neighbours and isinstance(weight, Int4Weight):
-        raise ValueError("INT4 weights take no fused RMSNorm, SiLU * up or residual")
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    res = None
-    if residual is not None:
-        assert residual.shape == (*x.shape[:-1], n) and residual.dtype == x.dtype
-        res = residual.reshape(-1, n)
-        res = res if res.stride(-1) == 1 else res.contiguous()
     out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
     step = MAX_DRAFT_ROWS if draft else max(rows.shape[0], 1)
     for start in range(0, rows.shape[0], step):  # one launch unless draft rows exceed a block
-        part = slice(start, start + step)
-        _launch(rows[part], weight, bias, out[part], tiles,
-                _Neighbours(norm, eps, silu, None if res is None else res[part]))
+        _launch(rows[start:start + step], weight, bias, out[start:start + step], tiles)
     return out.view(*x.shape[:-1], n)
 
 
-@dataclass(frozen=True)
-class _Neighbours:
-    """A launch's fused neighbours (`skinny_linear`'s norm, eps, silu and residual rows): the
-    x operand's prologue and the residual epilogue."""
-
-    norm: torch.Tensor | None = None
-    eps: float = 0.0
-    silu: bool = False
-    residual: torch.Tensor | None = None
-
-    @property
-    def kind(self) -> int:
-        """The kernel's PROLOGUE: 0 none, 1 RMSNorm, 2 SiLU * up."""
-        return 1 if self.norm is not None else 2 if self.silu else 0
-
-
 def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.Tensor | None,
-            out: torch.Tensor, tiles: SkinnyTiles | None,
-            neighbours: _Neighbours = _Neighbours()) -> None:
-    """One launch: rows [M, K] (M <= one row block; [M, 2K] with SiLU * up) into out [M, N]."""
+            out: torch.Tensor, tiles: SkinnyTiles | None) -> None:
+    """One launch: rows [M, K] (M <= one row block) into out [M, N]."""
     draft = isinstance(weight, DRAFT_TYPES)
-    m, (n, k) = rows.shape[0], weight.shape
+    (m, k), n = rows.shape, weight.shape[0]
     block_m = block_rows(m, MAX_DRAFT_ROWS if draft else MAX_ROWS)
     cfg = tiles or skinny_tiles(m, n, k, rows.device)
     # K per split, a whole number of K steps; trailing splits may be empty (they add zeros).
@@ -450,20 +337,14 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         w, scale = (weight.data, weight.scale) if draft else (weight, None)
-        res = out if neighbours.residual is None else neighbours.residual
-        options = {"enable_fp_fusion": False} if neighbours.kind == 1 else {}  # as `rms_norm`
         _skinny_kernel[grid](
-            rows, w, w if scale is None else scale, b, out, partials, counters, res,
-            rows if neighbours.norm is None else neighbours.norm, m, n, k, k_split, k, 1.0 / k,
-            neighbours.eps, rows.stride(0), w.stride(0), out.stride(0), res.stride(0),
+            rows, w, w if scale is None else scale, b, out, partials, counters, m, n, k,
+            k_split, rows.stride(0), w.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, EVEN_K=k % cfg.block_k == 0,
             DOT_PRECISION=precision, SCALED=draft, SWAP=cfg.swap,
             HALF_DOT=draft and cfg.half and rows.dtype == torch.bfloat16,
-            PROLOGUE=neighbours.kind,
-            RESIDUAL=neighbours.residual is not None, MEAN_BY_RECIPROCAL=rows.is_cuda,
-            LIBDEVICE_EXP=not interpreting(), num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **options)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor,

@@ -50,10 +50,12 @@ from vegas_spec.kernels.split_merge import (
 
 @dataclass(frozen=True)
 class KeyTiles:
-    """Keys per loop step and pipeline stages of the sparse kernel at one head dim."""
+    """Keys per loop step, pipeline stages and warps (None: `split_merge.SplitTuning`'s) of
+    the sparse kernel at one head dim."""
 
     block_k: int
     stages: int
+    warps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class SparseTuning:
     block_k: keys per loop step at head dims not in by_head_dim. Gathered rows arrive from
     scattered pages, so more keys in flight per program hide more latency.
 
-    by_head_dim: keys per loop step and stages at the listed head dims (`KeyTiles`). A small
+    by_head_dim: keys per loop step, stages and warps at the listed head dims (`KeyTiles`). A small
     head dim takes wider blocks: each block is a chain of dependent loads (list entry, page,
     K/V rows), so fewer, wider blocks wait on fewer chains.
 
@@ -192,7 +194,8 @@ def _tiles(q: torch.Tensor, hkv: int, block_k: int | None) -> TileConfig:
     keys = tiles.by_head_dim.get(q.shape[3])
     if block_k is not None or keys is None:
         return tile_config(q, hkv, block_k or tiles.block_k)
-    return dataclasses.replace(tile_config(q, hkv, keys.block_k), num_stages=keys.stages)
+    cfg = tile_config(q, hkv, keys.block_k)
+    return dataclasses.replace(cfg, num_stages=keys.stages, num_warps=keys.warps or cfg.num_warps)
 
 
 def sparse_split_size(length: int, programs: int, block_k: int, device: torch.device,

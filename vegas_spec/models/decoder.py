@@ -49,10 +49,8 @@ class Decoder(nn.Module):
         x, residual = ops.embed(input_ids, self.embed.weight), None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, self.rope, cache, ops, attn, ctx)
-        eps = self.cfg.rms_norm_eps
-        if residual is None:  # the last layer's draft step returned the whole stream
-            return ops.norm(x, self.norm, eps)
-        return ops.add_norm(x, residual, self.norm, eps)[0]
+        assert residual is not None, "a decoder has layers"
+        return ops.add_norm(x, residual, self.norm, self.cfg.rms_norm_eps)[0]
 
     def make_draft_weights(self, kind: str = "fp8") -> int:
         """`kind` (fp8 or int4, `quant.QUANTIZERS`) copies of every layer's projections for

@@ -53,7 +53,6 @@ class LayerBase(nn.Module):
     """One decoder layer: x -> attention and MLP, each behind an add + RMSNorm."""
 
     projections: tuple[str, ...] = ()  # the nn.Linear attributes a draft step may read in FP8
-    fused_drafts = False  # whether its draft steps run `draft_forward`
 
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
@@ -82,24 +81,11 @@ class LayerBase(nn.Module):
     def mlp(self, h: torch.Tensor, ops: Ops, ctx: StepContext) -> torch.Tensor:
         raise NotImplementedError
 
-    def draft_forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: torch.Tensor,
-                      cache: tuple[torch.Tensor, ...], ops: Ops, attn: AttentionBackend,
-                      ctx: StepContext,
-                      weights: dict[str, torch.Tensor | DraftWeight]) -> torch.Tensor:
-        raise NotImplementedError
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: torch.Tensor,
                 cache: tuple[torch.Tensor, ...], ops: Ops, attn: AttentionBackend,
                 ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (the embeddings, residual None, for the first layer)
-        -> (this layer's output, the residual stream before it). A draft step of a layer
-        with `fused_drafts` (where the ops fuse them) returns the whole stream and None:
-        the next layer takes it as the first takes the embeddings."""
-        if ctx.draft and self.fused_drafts:
-            weights = {name: self.weight(name, ctx) for name in self.projections}
-            if ops.fuses_draft(x, list(weights.values())):
-                return self.draft_forward(x, residual, rope, cache, ops, attn, ctx,
-                                          weights), None
+        -> (this layer's output, the residual stream before it)."""
         eps = self.cfg.rms_norm_eps
         if residual is None:
             h, residual = ops.norm(x, self.input_norm, eps), x
@@ -130,15 +116,9 @@ class Attention(LayerBase):
     def attention(self, h: torch.Tensor, rope: torch.Tensor, cache: tuple[torch.Tensor, ...],
                   ops: Ops, attn: AttentionBackend, ctx: StepContext) -> torch.Tensor:
         """h [B, n, hidden] (normed) -> [B, n, hidden]."""
-        out = self.attend(ops.linear(h, self.weight("qkv", ctx), self.qkv.bias), rope, cache,
-                          ops, attn, ctx)
-        return ops.row_linear(out, self.weight("o_proj", ctx), self.o_proj.bias)
-
-    def attend(self, qkv: torch.Tensor, rope: torch.Tensor, cache: tuple[torch.Tensor, ...],
-               ops: Ops, attn: AttentionBackend, ctx: StepContext) -> torch.Tensor:
-        """qkv [B, n, q + 2 kv] (projected) -> the heads' outputs [B, n, q], before o_proj."""
         cfg = self.cfg
-        bsz, n, _ = qkv.shape
+        bsz, n, _ = h.shape
+        qkv = ops.linear(h, self.weight("qkv", ctx), self.qkv.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(bsz, n, cfg.num_heads, cfg.head_dim)
         k = k.view(bsz, n, cfg.num_kv_heads, cfg.head_dim)
@@ -148,7 +128,8 @@ class Attention(LayerBase):
             k = ops.norm(k, self.k_norm, cfg.rms_norm_eps)
         out = attn.attend(self.index, q, k, v, cache[0], cache[1], ctx, rope, self.sinks,
                           self.window)
-        return out.reshape(bsz, n, self.q_size)
+        return ops.row_linear(out.reshape(bsz, n, self.q_size), self.weight("o_proj", ctx),
+                              self.o_proj.bias)
 
 
 class DenseMLP(LayerBase):
@@ -210,31 +191,9 @@ class MoEMLP(LayerBase):
 
 
 class DecoderLayer(Attention, DenseMLP):
-    """The dense families' layer: attention, then the gated MLP. Its draft steps run as four
-    projections around attention, each with its neighbours (`Ops.draft_linear`: one launch
-    where the ops fuse them)."""
+    """The dense families' layer: attention, then the gated MLP."""
 
     projections = ("qkv", "o_proj", "gate_up", "down")
-    fused_drafts = True
-
-    def draft_forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: torch.Tensor,
-                      cache: tuple[torch.Tensor, ...], ops: Ops, attn: AttentionBackend,
-                      ctx: StepContext,
-                      weights: dict[str, torch.Tensor | DraftWeight]) -> torch.Tensor:
-        """x (+ residual where the previous layer split them): the residual stream -> the
-        stream after this layer, through the step's `weights` (`weight` of each projection).
-        Each norm rides in the projection after it, SiLU * up in down, and each residual
-        add in the projection before it: the values of `forward`'s steps, in four launches
-        and attention."""
-        eps = self.cfg.rms_norm_eps
-        h = x if residual is None else x + residual
-        qkv = ops.draft_linear(h, weights["qkv"], self.qkv.bias, norm=self.input_norm, eps=eps)
-        out = self.attend(qkv, rope, cache, ops, attn, ctx)
-        h = ops.draft_linear(out, weights["o_proj"], self.o_proj.bias, residual=h)
-        gate_up = ops.draft_linear(h, weights["gate_up"], self.gate_up.bias,
-                                   norm=self.post_norm, eps=eps)
-        return ops.draft_linear(gate_up, weights["down"], self.down.bias, silu=True,
-                                residual=h)
 
 
 class MoEDecoderLayer(Attention, MoEMLP):
