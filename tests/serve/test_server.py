@@ -47,7 +47,8 @@ class Running:
                  api_key: str | None = None, header_timeout: float = HEADER_TIMEOUT_S,
                  **limits: Any) -> None:
         self.engine = engine
-        self.app = build_app(Server(engine, MODEL, max_queue, api_key, **limits))
+        self.api = Server(engine, MODEL, max_queue, api_key, **limits)
+        self.app = build_app(self.api)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -676,11 +677,11 @@ def test_a_queued_client_that_leaves_gives_its_place_up() -> None:
             assert next(lines).startswith("data: ")  # it holds the only row
             with pytest.raises(httpx.ReadTimeout):  # waits, then its client gives up
                 httpx.post(url, json={**long, "stream": False, "max_tokens": 3}, timeout=1.0)
-            for _ in range(100):
-                if running.engine.num_waiting == 0:
+            for _ in range(400):  # nothing on its way in, nothing waiting
+                if running.api.engine.arriving == 0 and running.engine.num_waiting == 0:
                     break
                 time.sleep(0.05)
-            assert running.engine.num_waiting == 0
+            assert running.api.engine.arriving == 0 and running.engine.num_waiting == 0
             with cf.ThreadPoolExecutor(1) as pool:  # its place is free for the next one
                 nxt = pool.submit(httpx.post, url, timeout=300,
                                   json={**long, "stream": False, "max_tokens": 3})

@@ -44,6 +44,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="vegas-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def arriving(self) -> int:
+        """Requests on their way in: being built, or their command not yet run."""
+        return self._pending
+
     # --- from the event loop ------------------------------------------------------------
 
     async def generate(self, build: Callable[[LLMEngine], Sequence],
@@ -57,14 +62,16 @@ class AsyncEngine:
         if self._pending + self._beyond_free_rows() >= self.max_queue:
             raise self._full()
         ticket = self._arrive()
+        gone = [False]  # its client left before the engine thread queued it
         try:
             seq = await loop.run_in_executor(self._workers, build, self.engine)
-            added: asyncio.Future[str] = loop.create_future()
+            added: asyncio.Future[str | None] = loop.create_future()
             outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-            self._call(lambda: self._add(seq, loop, outputs, added, ticket))
+            self._call(lambda: self._add(seq, loop, outputs, added, ticket, gone))
             try:
                 rid = await asyncio.shield(added)
-            except asyncio.CancelledError:  # gone before its id came back: abort it once it is
+            except asyncio.CancelledError:  # gone before its id came back: never queued, or
+                gone[0] = True  # aborted once it is
                 added.add_done_callback(self._abort_when_added)
                 raise
         finally:
@@ -141,7 +148,8 @@ class AsyncEngine:
     def _abort_when_added(self, added: asyncio.Future) -> None:
         if not added.cancelled() and added.exception() is None:
             rid = added.result()
-            self._call(lambda: self._abort(rid))
+            if rid is not None:  # None: never queued
+                self._call(lambda: self._abort(rid))
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -155,8 +163,14 @@ class AsyncEngine:
         self._commands.put(command)
         self._wake.set()
 
-    def _add(self, seq: Sequence, loop: asyncio.AbstractEventLoop,
-             outputs: asyncio.Queue, added: asyncio.Future, ticket: list[bool]) -> None:
+    def _add(self, seq: Sequence, loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue,
+             added: asyncio.Future, ticket: list[bool], gone: list[bool]) -> None:
+        """Queues seq in the engine (its id to `added`), unless its client has left (None to
+        `added`: it never holds a place in the queue) or the queue is full (`QueueFull`)."""
+        if gone[0]:
+            self._arrived(ticket)
+            loop.call_soon_threadsafe(_settle, added, None, None)
+            return
         try:
             if self._beyond_free_rows() >= self.max_queue:
                 raise self._full()
