@@ -114,11 +114,12 @@ def prompt_logits(model: str, prompt: list[int], device: str = "cpu") -> torch.T
 
 
 def greedy_tokens(model: str, prompts: list[list[int]], static: bool,
-                  device: str = "cpu") -> dict[str, list]:
+                  device: str = "cpu", drafts: str = "model") -> dict[str, list]:
     """Greedy tokens of plain decoding and of vegas (head-aggregated and per-KV-head
-    selection) in exact mode, where speculative output is plain output bit for bit."""
+    selection) in exact mode, where speculative output is plain output bit for bit; the
+    draft steps read `drafts` weights (this rank's copies of its slices)."""
     llm = LLM(model, **ENGINE, exact=True, static_shapes=static, device=device,
-              dtype="float32")
+              dtype="float32", draft_weights=drafts)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     methods = {"plain": SpecConfig(method="vanilla"),
                "vegas": SpecConfig(method="vegas", gamma=3, ratio=0.1, min_tokens=8),
@@ -313,6 +314,15 @@ def test_two_ranks_greedy_speculative_gives_plain_tokens(tiny: Path, tmp_path: P
     out = ranks[0]
     assert out["vegas"] == out["plain"] and out["vegas-kv_head"] == out["plain"]
     assert all(len(t) == 10 for t in out["plain"])
+
+
+def test_two_ranks_with_fp8_drafts_give_plain_tokens(tiny: Path, tmp_path: Path) -> None:
+    """FP8 copies of each rank's projection and LM-head slices: the draft steps' products
+    summed and gathered over the ranks as the model's are, greedy output plain decoding's."""
+    prompts = random_prompts(5, (60, 23), VOCAB)
+    ranks = run_ranks(2, tmp_path, greedy_tokens, str(tiny), prompts, False, "cpu", "fp8")
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["vegas"] == ranks[0]["plain"] == ranks[0]["vegas-kv_head"]
 
 
 def test_two_ranks_select_what_one_rank_selects(tiny: Path, tmp_path: Path) -> None:
