@@ -841,9 +841,6 @@ def main() -> None:
     side_by_side(ap, "--draft-copy-rows", type=int, default=[0],
                  text="rows up to which a draft step reads the FP8 copies "
                       "(quant.DRAFT_COPY_ROWS, 0: the library's)")
-    side_by_side(ap, "--draft-head", default=["library"], choices=["library", "model"],
-                 text="the draft steps' LM head: the library's (FP8 copies' engines read the "
-                      "head's copy, `Decoder.draft_head`) or the model's")
     side_by_side(ap, "--topk-min-warps", type=int, default=[0],
                  text="the fewest warps of the resident top-k (quest's pages, vegas's "
                       "ranking; topk.TopkTuning.min_warps, 0: the library's)")
@@ -893,13 +890,12 @@ def main() -> None:
         if model.num_experts:  # routing follows the values: spread as a trained model's
             spread_biases(llm.engine.runner.model)
         summing = llm.engine.runner.attn.topk_sum
-        decoder = llm.engine.runner.model
-        for (bsz, tiles, width, sparse, keys, least, sums, fill, lanes, verify, copy_rows,
-             head) in itertools.product(args.batches, tilings, args.rank_widths,
-                                        args.sparse_splits, args.sparse_tiles,
-                                        args.topk_min_warps, args.topk_sums, args.split_fill,
-                                        args.max_lanes, args.verify_tiles,
-                                        args.draft_copy_rows, args.draft_head):
+        for (bsz, tiles, width, sparse, keys, least, sums, fill, lanes, verify,
+             copy_rows) in itertools.product(args.batches, tilings, args.rank_widths,
+                                             args.sparse_splits, args.sparse_tiles,
+                                             args.topk_min_warps, args.topk_sums,
+                                             args.split_fill, args.max_lanes,
+                                             args.verify_tiles, args.draft_copy_rows):
             llm.engine.runner.attn.topk_sum = summing if sums == "yes" else None
             llm.engine.runner.use_graphs(None)
             with contextlib.ExitStack() as settings:  # read when the graphs are captured
@@ -908,9 +904,6 @@ def main() -> None:
                     sa.tuning(device).by_head_dim, keys, dim)))
                 settings.enter_context(unittest.mock.patch.object(
                     quant, "DRAFT_COPY_ROWS", copy_rows or quant.DRAFT_COPY_ROWS))
-                if head == "model":
-                    settings.enter_context(unittest.mock.patch.object(
-                        decoder, "draft_head", None))
                 verify_now = pa.tuning(device).verify_tiles.get(dim)
                 row = {"mode": mode, "draft_weights": drafts,
                        "max_lanes": split_merge.tuning(device).max_lanes,
@@ -918,7 +911,6 @@ def main() -> None:
                        f"{verify_now.block_k}:{verify_now.stages}:{verify_now.maxnreg or 0}",
                        "sparse_splits": sparse, "sparse_tiles": keys,
                        "draft_copy_rows": quant.DRAFT_COPY_ROWS,
-                       "draft_head": "model" if decoder.draft_head is None else "copy",
                        "topk_min_warps": tk.tuning(device).min_warps,
                        "topk_sum": sums, "split_fill": fill_name(device),
                        "score_tiles": f"{tiles.block_k}:{tiles.stages}:{tiles.store}",

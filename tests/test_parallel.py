@@ -317,8 +317,8 @@ def test_two_ranks_greedy_speculative_gives_plain_tokens(tiny: Path, tmp_path: P
 
 
 def test_two_ranks_with_fp8_drafts_give_plain_tokens(tiny: Path, tmp_path: Path) -> None:
-    """FP8 copies of each rank's projection and LM-head slices: the draft steps' products
-    summed and gathered over the ranks as the model's are, greedy output plain decoding's."""
+    """FP8 copies of each rank's projection slices: the draft steps' products summed over
+    the ranks as the model's are, greedy output plain decoding's."""
     prompts = random_prompts(5, (60, 23), VOCAB)
     ranks = run_ranks(2, tmp_path, greedy_tokens, str(tiny), prompts, False, "cpu", "fp8")
     assert ranks[0] == ranks[1]

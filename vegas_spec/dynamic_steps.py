@@ -66,4 +66,4 @@ class DynamicSteps:
                  last_only: bool = False) -> torch.Tensor:
         """tokens [B, n] -> logits [B, n, V] float32 ([B, 1, V] with last_only)."""
         hidden = self.model(tokens, ctx, self.kv_caches, self.ops, self.attn)
-        return self.model.logits(hidden[:, -1:] if last_only else hidden, self.ops, ctx.draft)
+        return self.model.logits(hidden[:, -1:] if last_only else hidden, self.ops)

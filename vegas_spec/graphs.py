@@ -403,9 +403,7 @@ class GraphRunner:
         n = self.shapes.verify_rows if kind == "verify" else 1
         ctx = self._context(kind, rows, n)
         hidden = self.model(self.buf.tokens[n][:rows], ctx, self.kv_caches, self.ops, self.attn)
-        draft = kind == "draft"
-        return self.model.head(hidden, self.ops, draft) if raw else \
-            self.model.logits(hidden, self.ops, draft)
+        return self.model.head(hidden, self.ops) if raw else self.model.logits(hidden, self.ops)
 
     def _context(self, kind: str, rows: int, n: int) -> StepContext:
         positions, table = self.buf.positions[n][:rows], self.buf.page_table[:rows]

@@ -123,12 +123,11 @@ def layer_projection_params(cfg: ModelConfig) -> int:
 
 def fp8_pays(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether "auto" draft weights are FP8 for this rank's `cfg` (`FP8_AUTO_LAYER_BYTES`,
-    `FP8_AUTO_MEMORY_SHARE`, the copies being the projections' and the LM head's): a dense
-    model with FP8 conversions on its device."""
+    `FP8_AUTO_MEMORY_SHARE`): a dense model with FP8 conversions on its device."""
     if cfg.num_experts or not fp8_supported(device):
         return False
     params = layer_projection_params(cfg)
-    copies = cfg.num_layers * params + cfg.vocab_size * cfg.hidden_size  # a byte a weight
+    copies = cfg.num_layers * params  # a byte a weight
     total = torch.cuda.get_device_properties(device).total_memory
     return (params * dtype.itemsize >= FP8_AUTO_LAYER_BYTES
             and copies <= FP8_AUTO_MEMORY_SHARE * total)

@@ -97,20 +97,19 @@ def test_step_profile_measures_exact_mode_against_the_default(tmp_path: Path) ->
             1 - cost[f"{kind}_tok_s_exact"] / cost[f"{kind}_tok_s_default"])
 
 
-def test_step_profile_sets_copy_rows_sparse_tiles_and_head_per_cell(tmp_path: Path) -> None:
-    """`--draft-copy-rows` (0: the library's `quant.DRAFT_COPY_ROWS`), `--sparse-tiles` and
-    `--draft-head` give a row each, side by side; a malformed tile setting is refused."""
+def test_step_profile_sets_copy_rows_and_sparse_tiles_per_cell(tmp_path: Path) -> None:
+    """`--draft-copy-rows` (0: the library's `quant.DRAFT_COPY_ROWS`) and `--sparse-tiles`
+    give a row each, side by side; a malformed tile setting is refused."""
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     out = tmp_path / "cells.json"
     run("step_profile.py", "--config", str(tmp_path), "--contexts", "64", "--batches", "2",
         "--reps", "1", "--min-tokens", "16", "--host-gap-tokens", "4", "--brief",
         "--draft-weights", "fp8", "--draft-copy-rows", "0", "1", "--sparse-tiles", "library",
-        "32:1:2", "--draft-head", "library", "model", "--out", str(out))
+        "32:1:2", "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
     library = quant.DRAFT_COPY_ROWS
-    assert [(r["sparse_tiles"], r["draft_copy_rows"], r["draft_head"]) for r in rows] == [
-        (tiles, copy_rows, head) for tiles in ("library", "32:1:2")
-        for copy_rows in (library, 1) for head in ("copy", "model")]
+    assert [(r["sparse_tiles"], r["draft_copy_rows"]) for r in rows] == [
+        ("library", library), ("library", 1), ("32:1:2", library), ("32:1:2", 1)]
     assert all(r["draft_ms"] > 0 for r in rows)
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--config",
                           str(tmp_path), "--contexts", "64", "--batches", "2",

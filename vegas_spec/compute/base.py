@@ -113,7 +113,7 @@ class Ops(ABC):
         """Router logits [T, E] -> each token's top_k (weights, expert ids): `ops.route`."""
         return route(logits, top_k, renormalize)
 
-    def head_linear(self, x: torch.Tensor, weight: torch.Tensor | DraftWeight) -> torch.Tensor:
+    def head_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel LM head: x [..., hidden] @ weight [V/N, hidden]^T, the ranks'
         slices gathered -> [..., V]."""
         return self.tp.gather_last(self.linear(x, weight))

@@ -10,8 +10,7 @@ gate/up fused into one matmul each (`models.family`); the layers are `models.lay
 
 A model may also hold draft copies of its projections (`make_draft_weights`: FP8, one scale
 per output row, or INT4, one scale per row and group), which the projections of draft steps
-(`ctx.draft`) read instead, and with FP8 copies one of the LM head, which a draft step's
-logits read (`head(..., draft=True)`).
+(`ctx.draft`) read instead.
 
 The plain-PyTorch references of the seams' steps live in `vegas_spec.ops`."""
 
@@ -22,7 +21,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from vegas_spec import quant
 from vegas_spec.config import MAX_GAMMA, ModelConfig
 from vegas_spec.models import layers, registry
 from vegas_spec.models.family import fill
@@ -42,7 +40,6 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(self.family.layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = layers.norm(cfg.hidden_size)
         self.lm_head = layers.lm_head(cfg)
-        self.draft_head: quant.DraftWeight | None = None  # the draft steps' LM head
         self.rope = torch.zeros(0)  # [max_pos + MAX_GAMMA + 1, D] cos|sin, by load_hf
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext,
@@ -57,13 +54,8 @@ class Decoder(nn.Module):
 
     def make_draft_weights(self, kind: str = "fp8") -> int:
         """`kind` (fp8 or int4, `quant.QUANTIZERS`) copies of every layer's projections for
-        the draft steps, and with fp8 of the LM head (embeddings and norms stay the model's;
-        INT4's kernel is slower than cuBLAS at every shape timed) -> their bytes."""
-        nbytes = sum(layer.make_drafts(kind) for layer in self.layers)
-        if kind == "fp8":
-            self.draft_head = quant.quantize_fp8(self.lm_head.weight)
-            nbytes += self.draft_head.nbytes
-        return nbytes
+        the draft steps (embeddings, norms and the LM head stay the model's) -> their bytes."""
+        return sum(layer.make_drafts(kind) for layer in self.layers)
 
     def keep_mxfp4_experts(self) -> int:
         """Every MoE layer's experts kept in MXFP4 where their values are exactly MXFP4
@@ -73,23 +65,15 @@ class Decoder(nn.Module):
 
     def draft_weight_bytes(self) -> int:
         """Bytes of the draft copies (0: none, drafts read the model's weights)."""
-        head = 0 if self.draft_head is None else self.draft_head.nbytes
-        return head + sum(w.nbytes for layer in self.layers
-                          for w in (layer.drafts or {}).values())
+        return sum(w.nbytes for layer in self.layers for w in (layer.drafts or {}).values())
 
-    def head(self, hidden: torch.Tensor, ops: Ops, draft: bool = False) -> torch.Tensor:
-        """hidden [..., hidden] -> logits [..., V] in the model's dtype; a draft step's
-        (`draft`) through the head's draft copy where there is one and its rows are at most
-        `quant.DRAFT_COPY_ROWS`, as the projections choose theirs."""
-        weight: torch.Tensor | quant.DraftWeight = self.lm_head.weight
-        if draft and self.draft_head is not None and \
-                hidden.numel() // hidden.shape[-1] <= quant.DRAFT_COPY_ROWS:
-            weight = self.draft_head
-        return ops.head_linear(hidden, weight)
+    def head(self, hidden: torch.Tensor, ops: Ops) -> torch.Tensor:
+        """hidden [..., hidden] -> logits [..., V] in the model's dtype."""
+        return ops.head_linear(hidden, self.lm_head.weight)
 
-    def logits(self, hidden: torch.Tensor, ops: Ops, draft: bool = False) -> torch.Tensor:
-        """hidden [..., hidden] -> logits [..., V] float32 (`head`'s)."""
-        return self.head(hidden, ops, draft).float()
+    def logits(self, hidden: torch.Tensor, ops: Ops) -> torch.Tensor:
+        """hidden [..., hidden] -> logits [..., V] float32."""
+        return self.head(hidden, ops).float()
 
     @torch.no_grad()
     def load_hf(self, weights: dict[str, torch.Tensor], dtype: torch.dtype,
