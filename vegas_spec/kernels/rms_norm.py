@@ -21,7 +21,7 @@ import triton.language as tl
 
 
 @triton.jit
-def rstd(squares, inv_n, n, eps, MEAN_BY_RECIPROCAL: tl.constexpr):
+def _rstd(squares, inv_n, n, eps, MEAN_BY_RECIPROCAL: tl.constexpr):
     """1 / sqrt(mean + eps) from a row's float32 sum of squares over n elements: the mean by
     float32(1 / n) on CUDA (as torch takes it there), by n elsewhere."""
     if MEAN_BY_RECIPROCAL:
@@ -32,7 +32,7 @@ def rstd(squares, inv_n, n, eps, MEAN_BY_RECIPROCAL: tl.constexpr):
 
 
 @triton.jit
-def scaled_norm(x, rstd_x, w, dtype: tl.constexpr):
+def _scaled_norm(x, rstd_x, w, dtype: tl.constexpr):
     """RMSNorm's output from float32 x, its rstd and the weight w (float32 values of dtype):
     x * rstd rounded to dtype, then times w rounded again (transformers' two steps)."""
     return (w * (x * rstd_x).to(dtype).to(tl.float32)).to(dtype)
@@ -55,9 +55,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, inner, N, inv_n, eps
         h = (x + r.to(tl.float32)).to(dtype)
         tl.store(h_ptr + row * N + cols, h, mask=mask)
         x = h.to(tl.float32)
-    row_rstd = rstd(tl.sum(x * x, axis=0), inv_n, N, eps, MEAN_BY_RECIPROCAL)
+    row_rstd = _rstd(tl.sum(x * x, axis=0), inv_n, N, eps, MEAN_BY_RECIPROCAL)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + cols, scaled_norm(x, row_rstd, w, dtype), mask=mask)
+    tl.store(out_ptr + row * N + cols, _scaled_norm(x, row_rstd, w, dtype), mask=mask)
 
 
 @overload

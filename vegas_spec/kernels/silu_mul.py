@@ -25,7 +25,7 @@ SWIGLU_ALPHA = 1.702
 
 
 @triton.jit
-def expf(x, LIBDEVICE_EXP: tl.constexpr):
+def _exp(x, LIBDEVICE_EXP: tl.constexpr):
     if LIBDEVICE_EXP:
         e = libdevice.exp(x)
     else:
@@ -40,11 +40,11 @@ def _rounded(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def silu_times_up(gate, up, dtype: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+def _silu_times_up(gate, up, dtype: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
     """SiLU(gate) * up of float32 gate and up (values of dtype), in float32: silu =
     gate / (1 + exp(-gate)) with a correctly rounded division, rounded to dtype, times up
     (torch's two kernels; the caller rounds the product)."""
-    return _rounded(tl.math.div_rn(gate, 1.0 + expf(-gate, LIBDEVICE_EXP)), dtype) * up
+    return _rounded(tl.math.div_rn(gate, 1.0 + _exp(-gate, LIBDEVICE_EXP)), dtype) * up
 
 
 @triton.jit
@@ -55,7 +55,7 @@ def _clamped_swiglu(gate, up, limit, alpha, dtype: tl.constexpr, LIBDEVICE_EXP: 
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     z = _rounded(gate * alpha, dtype)
-    sigmoid = _rounded(tl.math.div_rn(1.0, 1.0 + expf(-z, LIBDEVICE_EXP)), dtype)
+    sigmoid = _rounded(tl.math.div_rn(1.0, 1.0 + _exp(-z, LIBDEVICE_EXP)), dtype)
     glu = _rounded(gate * sigmoid, dtype)
     return _rounded(up + 1.0, dtype) * glu
 
@@ -72,7 +72,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, limit, alpha, LIBDEVICE_EX
     if CLAMP:
         out = _clamped_swiglu(gate, up, limit, alpha, dtype, LIBDEVICE_EXP)
     else:
-        out = silu_times_up(gate, up, dtype, LIBDEVICE_EXP)
+        out = _silu_times_up(gate, up, dtype, LIBDEVICE_EXP)
     tl.store(out_ptr + row * inter + cols, out.to(dtype), mask=mask)
 
 
