@@ -13,6 +13,7 @@ import torch
 from vegas_spec import runner_setup
 from vegas_spec.config import ConfigError, EngineConfig, ModelConfig
 from vegas_spec.models.loader import load_config, resolve
+from vegas_spec.models.registry import family
 
 CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
 GPU = torch.device("cuda", 0)
@@ -38,8 +39,9 @@ def test_auto_takes_fp8_copies_for_8b_layers_and_the_models_weights_for_small_on
         monkeypatch: pytest.MonkeyPatch) -> None:
     on_gpu(monkeypatch)
     llama, smol = shape("llama-3.1-8b"), shape("smollm2-135m")
-    assert runner_setup.layer_projection_params(llama) == 218_103_808  # 436 MB in bf16
-    assert runner_setup.layer_projection_params(smol) == 3_538_944  # 7 MB
+    # q/k/v, o_proj, gate/up and down, from the families' weight tables
+    assert family(llama.architecture).projection_params(llama) == 218_103_808  # 436 MB in bf16
+    assert family(smol.architecture).projection_params(smol) == 3_538_944  # 7 MB
     assert kind(llama) == kind(shape("qwen3-8b")) == "fp8"
     assert kind(smol) == "model"
 

@@ -21,6 +21,7 @@ from vegas_spec.graphs import GraphRunner, StaticShapes, bucket_for
 from vegas_spec.input_batch import InputBatch
 from vegas_spec.models.decoder import Decoder, build_model
 from vegas_spec.models.loader import ModelSource, dummy_weights, load_config, load_weights
+from vegas_spec.models.registry import family
 from vegas_spec.models.shared import ModelKey, file_stamps, shared_model
 from vegas_spec.prefill import Prefiller
 from vegas_spec.prefill_graphs import PrefillGraphs
@@ -114,19 +115,12 @@ def _load_model(config: EngineConfig, source: ModelSource, cfg: ModelConfig,
     return model
 
 
-def layer_projection_params(cfg: ModelConfig) -> int:
-    """Weights of one dense layer's four projections (qkv, o_proj, gate_up, down)."""
-    attn = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    return attn + cfg.num_heads * cfg.head_dim * cfg.hidden_size + \
-        3 * cfg.hidden_size * cfg.intermediate_size
-
-
 def fp8_pays(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether "auto" draft weights are FP8 for this rank's `cfg` (`FP8_AUTO_LAYER_BYTES`,
     `FP8_AUTO_MEMORY_SHARE`): a dense model with FP8 conversions on its device."""
     if cfg.num_experts or not fp8_supported(device):
         return False
-    params = layer_projection_params(cfg)
+    params = family(cfg.architecture).projection_params(cfg)
     copies = cfg.num_layers * params  # a byte a weight
     total = torch.cuda.get_device_properties(device).total_memory
     return (params * dtype.itemsize >= FP8_AUTO_LAYER_BYTES

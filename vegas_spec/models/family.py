@@ -21,6 +21,7 @@ file carries (or implies) beyond the shared ones."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -176,6 +177,13 @@ class Family:
             rows.update({prefix + name: w for w in self.layer_weights if w.when(cfg)
                          for name in w.names(cfg)})
         return {name: shard_shape(w.shape(cfg), w.split, world_size) for name, w in rows.items()}
+
+    def projection_params(self, cfg: ModelConfig) -> int:
+        """Weights of one layer's projections that draft steps may read as copies (its
+        layer's `projections`), by the table's shapes of cfg (a rank's, under TP)."""
+        params = {f"{name}.weight" for name in self.layer.projections}
+        return sum(math.prod(w.shape(cfg)) for w in self.layer_weights
+                   if w.param in params and w.when(cfg))
 
     def entry(self, name: str) -> Weight | None:
         """The row of full HF name `name` (None: not one of the family's)."""
