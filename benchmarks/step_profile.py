@@ -722,15 +722,17 @@ def kv_read_bytes(cfg: ModelConfig, bsz: int, keys: int, rows: int, kv_token: in
 
 
 def cell_settings(stack: contextlib.ExitStack, device: torch.device, dim: int,
-                  tiles: pa.ScoreTiles, sparse: str, least: int, fill: str, lanes: int,
-                  verify: str) -> None:
+                  tiles: pa.ScoreTiles, sparse: str, keys: str, least: int, fill: str,
+                  lanes: int, verify: str) -> None:
     """One cell's kernel settings, entered on `stack` (`kernels.tuned`; the library's on
     `device` where an option says 'library' or 0)."""
     chosen = parse_verify_tiles(verify)
     stack.enter_context(tuned(pa, score_tiles={dim: tiles}, verify_tiles=(
         pa.tuning(device).verify_tiles if chosen is None else {dim: chosen})))
+    library = sa.tuning(device)
     stack.enter_context(tuned(sa, programs_per_sm=sparse_programs(
-        sa.tuning(device).programs_per_sm, sparse, dim)))
+        library.programs_per_sm, sparse, dim), by_head_dim=sparse_key_tiles(
+        library.by_head_dim, keys, dim)))
     stack.enter_context(tuned(tk, min_warps=least or tk.tuning(device).min_warps))
     split = {} if fill == "library" else dict(
         zip(("split_programs_per_sm", "split_min_blocks"), map(int, fill.split(":")),
@@ -899,9 +901,8 @@ def main() -> None:
             llm.engine.runner.attn.topk_sum = summing if sums == "yes" else None
             llm.engine.runner.use_graphs(None)
             with contextlib.ExitStack() as settings:  # read when the graphs are captured
-                cell_settings(settings, device, dim, tiles, sparse, least, fill, lanes, verify)
-                settings.enter_context(tuned(sa, by_head_dim=sparse_key_tiles(
-                    sa.tuning(device).by_head_dim, keys, dim)))
+                cell_settings(settings, device, dim, tiles, sparse, keys, least, fill, lanes,
+                              verify)
                 settings.enter_context(unittest.mock.patch.object(
                     quant, "DRAFT_COPY_ROWS", copy_rows or quant.DRAFT_COPY_ROWS))
                 verify_now = pa.tuning(device).verify_tiles.get(dim)
