@@ -78,7 +78,7 @@ class StepClock(StepWatch):
             else:
                 self.times["plain"].append(added.get("decode", 0.0))
             if info.emitted:
-                self.kinds[info.bucket][int(info.drafted)] += 1
+                self.kinds[info.bucket][int(bool(info.drafted))] += 1
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -185,8 +185,9 @@ class StepLog:
             info, device = engine.last_step, decode_device_s(engine)
             if info.emitted:
                 kind = "paced" if info.prefill_tokens else "decode_only"
-                self.kinds[kind][int(info.drafted)] += 1
-                self.kind_s[kind][int(info.drafted)] += info.seconds - info.prefill_seconds
+                self.kinds[kind][int(bool(info.drafted))] += 1
+                spent = info.seconds - info.prefill_seconds
+                self.kind_s[kind][int(bool(info.drafted))] += spent
             if info.prefill_tokens:
                 self.prefill_ends.append(time.perf_counter())
                 self.prefill_s.append(info.seconds)

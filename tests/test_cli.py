@@ -409,6 +409,10 @@ def test_stats_say_how_many_iterations_were_plain_steps() -> None:
         "iterations"
     assert "plain steps" not in cli._stats_text(
         SimpleNamespace(**{**vars(out), "stats": {**stats, "plain_steps": 0}}), 0, 1)
+    assert "draft length" not in "".join(lines)  # every round drafted γ
+    shorter = {**stats, "sequence": {**seq, "draft_length_histogram": [3, 0, 0, 0, 0, 1]}}
+    lines = cli._stats_text(SimpleNamespace(**{**vars(out), "stats": shorter}), 0, 1)
+    assert "    rounds by draft length: 3 of 1, 1 of 6" in lines.splitlines()
 
 
 # --- argparse's own errors: one line, exit code 2, no torch imported -----------------------

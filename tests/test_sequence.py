@@ -132,14 +132,21 @@ def test_running_statistics_summarize_as_the_whole_lists() -> None:
     rng = random.Random(2)
     stats = SeqStats(gamma=6)
     for _ in range(50):
-        stats.record(rng.randint(1, 7), rng.choice([None, rng.randint(8, 400)]))
-        assert stats.summary() == summarize(stats.tokens_per_iteration, 6, stats.budget)
+        drafted = rng.choice([2, 4, 6])
+        stats.record(rng.randint(1, drafted + 1), rng.choice([None, rng.randint(8, 400)]),
+                     drafted)
+        assert stats.summary() == summarize(stats.tokens_per_iteration, 6, stats.budget,
+                                            stats.drafts)
     assert SeqStats().summary() == {"iterations": 0}
     assert summarize([1, 3, 7, 3], 6, [10, 30]) == {
         "iterations": 4, "tokens_per_iteration": 3.5,
         "tokens_per_iteration_histogram": [1, 0, 2, 0, 0, 0, 1],
+        "draft_length_histogram": [0, 0, 0, 0, 0, 4],
         "acceptance_rate_per_position": [0.75, 0.75, 0.25, 0.25, 0.25, 0.25],
         "budget_mean": 20.0}
+    # rounds of fewer drafts count only at the positions they drafted
+    assert summarize([1, 3, 7, 3], 6, [], [2, 2, 6, 6])["acceptance_rate_per_position"] == [
+        0.75, 0.75, 0.5, 0.5, 0.5, 0.5]
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +241,9 @@ def test_a_summary_up_to_an_iteration_is_the_one_taken_then() -> None:
     rng = random.Random(4)
     stats, taken = SeqStats(gamma=6), []
     for _ in range(40):
-        stats.record(rng.randint(1, 7), rng.choice([None, rng.randint(8, 400)]))
+        drafted = rng.choice([3, 6])
+        stats.record(rng.randint(1, drafted + 1), rng.choice([None, rng.randint(8, 400)]),
+                     drafted)
         taken.append((stats.iterations, len(stats.budget), stats.summary()))
     assert all(stats.summary_upto(n, b) == s for n, b, s in taken)
     assert taken[0][2] != taken[-1][2]

@@ -245,8 +245,9 @@ def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
                         "default), kv_head = one per KV head")
     g.add_argument("--fixed-gamma", dest="adaptive", action="store_false",
                    default=DEFAULT_SPEC.adaptive,
-                   help="draft --gamma tokens every iteration; by default a round runs only "
-                        "where the engine's own timings say it beats a plain step")
+                   help="draft --gamma tokens every iteration; by default the engine's own "
+                        "timings choose each iteration's draft length (gamma, 2/3 or 1/3 of "
+                        "it) or a plain step, whichever decodes fastest")
     g.add_argument("--adaptive", dest="adaptive", action="store_true",
                    help="the default: speculate only where it pays (overrides a settings "
                         "file's fixed gamma)")
@@ -503,6 +504,10 @@ def _stats_text(out, index: int, n: int, stats: dict | None = None,  # noqa: ANN
         if "budget_mean" in seq:
             line += f"; mean budget {seq['budget_mean']:.0f} tokens"
         lines.append(line)
+        lengths = seq.get("draft_length_histogram") or []
+        if sum(1 for c in lengths if c) > 1:  # adaptive speculation drafted fewer than γ
+            drafts = ", ".join(f"{c} of {g}" for g, c in enumerate(lengths, 1) if c)
+            lines.append(f"    rounds by draft length: {drafts}")
         if s.get("plain_steps"):
             lines.append(f"    plain steps where a round would not pay: "
                          f"{1 - s['speculative_share']:.0%} of the batch's row iterations")

@@ -3,10 +3,11 @@
 One engine step is one message each way: the scheduler plans it (`StepPlan`: it admits
 waiting requests, rows and KV pages permitting, takes the next pieces of the admitted prompts,
 at most one prefill budget of tokens, and gives the rows the KV pages their iteration writes,
-the newest sequences preempted where the pool runs out; the adaptive controller says whether
-the iteration drafts), and the model runner executes it: it prefills the pieces, the prompts
-that complete give their first token and join the input batch, then one decode iteration
-runs over every row (one token each, or a draft-verify-accept round of 1 to γ+1 tokens),
+the newest sequences preempted where the pool runs out; the adaptive controller says how
+many tokens the iteration drafts, none for a plain step), and the model runner executes it:
+it prefills the pieces, the prompts that complete give their first token and join the input
+batch, then one decode iteration runs over every row (one token each, or a
+draft-verify-accept round of 1 to g+1 tokens, g ≤ γ drafts),
 returning a `StepResult`: each step is exactly one `execute`. The engine appends its tokens
 to the sequences; each request that got tokens gets a `RequestOutput` with its text delta;
 finished requests give their pages back, and their rows leave with the next plan (the last
@@ -59,7 +60,7 @@ from vegas_spec.prefill_graphs import bucket_floor
 from vegas_spec.sampling import host_flags
 from vegas_spec.scheduler import Piece, PrefillPacer, Scheduler
 from vegas_spec.sequence import Detokenizer, Sequence, Status
-from vegas_spec.speculative.adaptive import SpeculationController
+from vegas_spec.speculative.adaptive import SpeculationController, draft_lengths
 from vegas_spec.stats import RunStats, SeqStats
 from vegas_spec.step import Prefill, Runner, StepPlan, StepResult
 from vegas_spec.tokenizer import encode, load_tokenizer, longest_token, text_decoder
@@ -74,7 +75,7 @@ class StepInfo:
     first_tokens: int = 0  # prompts that completed and gave their first token
     emitted: list[int] = field(default_factory=list)
     gamma: int = 0
-    drafted: bool = False  # the decode iteration was a round (False: a plain step)
+    drafted: int = 0  # the decode iteration's draft length (0: a plain step)
     bucket: int = 0  # the batch bucket of the decode iteration (its rows, rounded up)
     preempted: int = 0  # sequences preempted for the pages of this iteration
     seconds: float = 0.0
@@ -219,7 +220,9 @@ class LLMEngine:
     @staticmethod
     def _controller(spec: SpecConfig) -> SpeculationController | None:
         """Adaptive speculation's measurements, made again for another method."""
-        return SpeculationController() if spec.speculative and spec.adaptive else None
+        if not (spec.speculative and spec.adaptive):
+            return None
+        return SpeculationController(lengths=draft_lengths(spec.gamma))
 
     def warm_up(self, rows: int) -> int:
         """Before serving: the decode buffers and graphs of every batch bucket up to `rows`,
@@ -402,12 +405,12 @@ class LLMEngine:
         if info.emitted and self.controller is not None:  # a prefill's part is not its own
             self.controller.observe(info.bucket, info.drafted,
                                     spent - (prefill_s if info.prefill_tokens else 0.0),
-                                    sum(info.emitted) / len(info.emitted))
+                                    info.emitted)
         return outs
 
     def _plan(self, info: StepInfo, budget: int | None, prefill_first: bool) -> StepPlan:
         """The scheduler's plan of this step, with the adaptive controller's choice of a
-        round or a plain step for its decode iteration."""
+        round's draft length or a plain step (0) for its decode iteration."""
         scheduler = self.scheduler
         preemptions = scheduler.preemptions
         plan = scheduler.schedule(self._row_limit(), budget, prefill_first)
@@ -416,9 +419,9 @@ class LLMEngine:
         if not plan.decode:
             return plan
         info.bucket = bucket_for(len(scheduler.rows))
-        if self.controller is None or self.controller.choose(info.bucket):
+        if self.controller is None:
             return plan
-        return dataclasses.replace(plan, draft=False)
+        return dataclasses.replace(plan, draft=self.controller.choose(info.bucket))
 
     def _row_limit(self) -> int:
         """Sequences that may run: under static shapes, while rows are in use, the buffers'

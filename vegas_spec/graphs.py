@@ -9,7 +9,9 @@ to the next, the verify step, acceptance and the policy's selection for the next
 with copies, sampling and an eager selection between them. `spec` is the greedy round;
 `sampled` and `filtered` (some row uses top-k or top-p) draft and accept with each row's own
 sampling settings, greedy rows of the batch included, their draws counter-based so that a
-replay needs no generator state. Each reads only persistent
+replay needs no generator state. Adaptive speculation may draft fewer than γ tokens: each
+draft length of `shapes.lengths` has round graphs of its own (`kind@g`, `with_length`), whose
+verify step runs g+1 rows. Each reads only persistent
 buffers sized for the largest bucket: a batch of B rows runs as bucket(B) rows, the extra rows
 reading and writing a reserved scratch page, their outputs ignored. Before a step the
 engine's tensors are copied into the buffers (device to device, no host read); the step then
@@ -83,6 +85,12 @@ def round_kind_of(greedy: list[bool], filtered: list[bool], bounded: list[bool])
     return "topk" if all(bounded) else "filtered"
 
 
+def with_length(kind: str, gamma: int, longest: int) -> str:
+    """The graph kind of a round of `gamma` drafts: the round kind itself for the longest
+    (γ), `kind@gamma` for a shorter one."""
+    return kind if gamma == longest else f"{kind}@{gamma}"
+
+
 def bucket_for(rows: int) -> int:
     """The batch-size bucket of `rows` sequences: the next power of two (1, 2, 4, ... 128, ...)."""
     return 1 << max(rows - 1, 0).bit_length()
@@ -96,8 +104,11 @@ def buckets_upto(capacity: int) -> list[int]:
 class StaticShapes:
     """Everything that fixes the shapes of the decode-loop forwards of one method.
 
-    kinds:        the steps to capture: some of plain, draft, verify and spec.
+    kinds:        the steps to capture: some of plain, draft, verify and spec (spec@g: a
+                  round of g drafts, `with_length`).
     verify_rows:  γ+1 (0 for plain decoding).
+    lengths:      the draft lengths of the round graphs, ascending, γ the last (() : γ).
+    score_rows_of: for each of `lengths`, the verify rows whose scores its round asks for.
     pages:        page-table width P; kv_len_max = P * page_size.
     kmax:         host bound on every selection budget.
     rank_width:   host bound on the positions a selection ranks (0: the whole key width);
@@ -106,7 +117,7 @@ class StaticShapes:
     index_width:  K of the plan's indices [layers, B, G, K] (0: none).
     index_groups: G of those indices (1 or num_kv_heads).
     recent_max:   2γ+1, the widest recent range a draft step reads.
-    score_rows:   verify rows whose selection scores the policy wants (() = none).
+    score_rows:   verify rows (of γ+1) whose selection scores the policy wants (() = none).
     score_groups: G of the scores [layers, B, R, G, W].
     draft_kind:   the step a `spec` round drafts with ("draft", or "plain" for full drafts).
     plans:        a `spec` round ends with the selection of the next round's plan.
@@ -115,6 +126,8 @@ class StaticShapes:
     kinds: tuple[str, ...]
     verify_rows: int
     pages: int
+    lengths: tuple[int, ...] = ()
+    score_rows_of: tuple[tuple[int, ...], ...] = ()
     kmax: int = 0
     rank_width: int = 0
     index_width: int = 0
@@ -127,16 +140,29 @@ class StaticShapes:
     draft_kind: str = "draft"
     plans: bool = False
 
+    @property
+    def draft_lengths(self) -> tuple[int, ...]:
+        """The draft lengths a round may take (γ alone unless `lengths` says more)."""
+        return self.lengths or ((self.verify_rows - 1,) if self.verify_rows else ())
+
+    def scored(self, gamma: int) -> tuple[int, ...]:
+        """The verify rows whose scores a round of `gamma` drafts asks for."""
+        if not self.score_rows or gamma == self.verify_rows - 1:
+            return self.score_rows
+        return self.score_rows_of[self.lengths.index(gamma)]
+
 
 SAMPLING = ("temperature", "top_k", "top_p", "seeds")  # per-row settings, as BatchSampling
 
 
 class StaticBuffers:
     """The inputs of every decode-loop forward, `capacity` rows each; a bucket reads the first
-    rows. tokens, positions: {n: [C, n] int64} for n = 1 and γ+1; page_table [C, P] int32;
+    rows. tokens, positions: {n: [C, n] int64} for n = 1 and g+1 for each draft length g;
+    page_table [C, P] int32;
     indices [layers, C, G, K] int64; recent_start, budget, listed [C] int64 (listed: the most
-    positions a row lists, `SparsePlan.listed`); score_rows [R] int64;
-    scores [layers, C, R, G, W] float32 (W = P * page_size); state: the policy's in-step
+    positions a row lists, `SparsePlan.listed`); score_rows {n: [R_n] int64}, the rows a
+    verify step of n rows scores; scores [layers, C, R, G, W] float32 (W = P * page_size;
+    a verify step of n rows writes the first R_n); state: the policy's in-step
     selection state (`Policy.step_state`: quest's page bounds; None for the others);
     last, lengths [C] int64: a round's newest tokens and committed lengths; temperature,
     top_k, top_p, seeds [C]: each row's sampling settings (a sampled round's)."""
@@ -145,7 +171,7 @@ class StaticBuffers:
                  page_size: int, scratch_page: int, policy: Policy | None = None) -> None:
         device = kv_cache.device
         i64 = dict(dtype=torch.long, device=device)
-        widths = {1, shapes.verify_rows} - {0}
+        widths = {1} | {g + 1 for g in shapes.draft_lengths}
         self.scratch_page = scratch_page
         self.tokens = {n: torch.zeros(capacity, n, **i64) for n in widths}
         self.positions = {n: torch.zeros(capacity, n, **i64) for n in widths}
@@ -155,7 +181,8 @@ class StaticBuffers:
         self.recent_start = torch.zeros(capacity, **i64)
         self.budget = torch.zeros(capacity, **i64)
         self.listed = torch.zeros(capacity, **i64)
-        self.score_rows = torch.tensor(shapes.score_rows, **i64)
+        self.score_rows = {g + 1: torch.tensor(shapes.scored(g), **i64)
+                           for g in shapes.draft_lengths}
         self.scores = torch.zeros(layers, capacity, len(shapes.score_rows), shapes.score_groups,
                                   shapes.pages * page_size if shapes.score_rows else 0,
                                   dtype=torch.float32, device=device)
@@ -219,7 +246,7 @@ class GraphRunner:
     (after the rows in use), set_plan_rows for their first plan, condense when some leave
     (the survivors move down with their page tables and plans, so the bucket follows the
     live rows); then
-    run(kind, tokens, positions) per step, or run_spec(last, lengths) per greedy round
+    run(kind, tokens, positions) per step, or run_spec(last, lengths) per round
     (which makes the next selection itself when shapes.plans, with `policy`). With capture
     False every step runs eagerly on the buffers (the CPU path)."""
 
@@ -235,6 +262,7 @@ class GraphRunner:
         self.buf = StaticBuffers(shapes, capacity, kv_caches[0][0], len(kv_caches), page_size,
                                  scratch_page, policy)
         self.rows, self.bucket = capacity, capacity
+        self.scored = len(shapes.score_rows)  # score rows of the last verify step
         # The runner's own memory pool (made by its first capture): a pool shared with an
         # earlier runner could outlive that runner's graphs while its blocks are still held,
         # which the caching allocator refuses when the next capture joins it.
@@ -316,18 +344,22 @@ class GraphRunner:
         return self._replay(kind)[0][: self.rows]
 
     def run_spec(self, last: torch.Tensor, lengths: torch.Tensor,
-                 sampling: BatchSampling | None = None,
+                 sampling: BatchSampling | None = None, gamma: int | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One round: last, lengths [B] -> accepted [B] and emitted [B, γ+1] as `speculate`
-        returns them, and the budget [B] its drafts read (views the next round overwrites).
-        sampling None or all greedy: the `spec` graph; else the graph of its host flags
-        (`round_kind`), each row sampled with its own settings (set_rows). The verify step's
-        scores are in `scores()` after it; with shapes.plans the buffers then hold the next
-        round's plan."""
+        """One round of `gamma` drafts (None: γ; else one of shapes.draft_lengths): last,
+        lengths [B] -> accepted [B] and emitted [B, gamma+1] as `speculate` returns them, and
+        the budget [B] its drafts read (views the next round overwrites). sampling None or
+        all greedy: the `spec` graph; else the graph of its host flags (`round_kind`), each
+        row sampled with its own settings (set_rows). The verify step's scores are in
+        `scores()` after it; with shapes.plans the buffers then hold the next round's plan."""
+        longest = self.shapes.verify_rows - 1
+        gamma = longest if gamma is None else gamma
+        assert gamma in self.shapes.draft_lengths, f"no round graph drafts {gamma} tokens"
         self.buf.last[: self.rows].copy_(last)
         self.buf.lengths[: self.rows].copy_(lengths)
-        kind = round_kind(sampling)
-        accepted, emitted, budget = self._replay(kind)
+        self.scored = len(self.shapes.scored(gamma))
+        accepted, emitted, budget = self._replay(with_length(round_kind(sampling), gamma,
+                                                             longest))
         return accepted[: self.rows], emitted[: self.rows], budget[: self.rows]
 
     def _replay(self, kind: str) -> tuple[torch.Tensor, ...]:
@@ -344,20 +376,27 @@ class GraphRunner:
         """The last verify step's scores [layers, B, R, G, W], or None if none were asked."""
         return self.scores_of(self.rows)
 
-    def scores_of(self, rows: int) -> torch.Tensor | None:
-        return self.buf.scores[:, :rows] if self.shapes.score_rows else None
+    def scores_of(self, rows: int, scored: int | None = None) -> torch.Tensor | None:
+        """The scores of the first `rows` rows, of the verify step's first `scored` score
+        rows (None: the last verify step's)."""
+        if not self.shapes.score_rows:
+            return None
+        return self.buf.scores[:, :rows, : self.scored if scored is None else scored]
 
     def _body(self, kind: str, rows: int) -> tuple[torch.Tensor, ...]:
         """What a graph of `kind` captures, on the first `rows` buffer rows."""
-        if kind in ROUNDS:
-            return self._speculate(rows, kind)
+        base, _, gamma = kind.partition("@")
+        if base in ROUNDS:
+            return self._speculate(rows, base,
+                                   int(gamma) if gamma else self.shapes.verify_rows - 1)
         return (self._forward(kind, rows),)
 
-    def _speculate(self, rows: int, kind: str,
+    def _speculate(self, rows: int, kind: str, gamma: int,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A round (`speculate`) from buf.last at buf.lengths, greedy (`spec`) or with each
-        row's sampling settings, then (shapes.plans) the next round's selection: accepted
-        [rows], emitted [rows, γ+1], the budget [rows] the drafts read."""
+        """A round of `gamma` drafts (`speculate`) from buf.last at buf.lengths, greedy
+        (`spec`) or with each row's sampling settings, then (shapes.plans) the next round's
+        selection: accepted [rows], emitted [rows, gamma+1], the budget [rows] the drafts
+        read."""
         b = self.buf
         last, lengths = b.last[:rows], b.lengths[:rows]
         budget = b.budget[:rows].clone()
@@ -369,21 +408,24 @@ class GraphRunner:
             n = tokens.shape[1]
             b.tokens[n][:rows].copy_(tokens)
             b.positions[n][:rows].copy_(positions)
-            return self._forward(step_kind, rows, raw=True)
+            return self._forward(step_kind, rows, raw=True, n=n)
 
-        accepted, emitted = speculate(step, last, lengths, self.shapes.verify_rows - 1,
-                                      self.shapes.draft_kind, sampling)
+        accepted, emitted = speculate(step, last, lengths, gamma, self.shapes.draft_kind,
+                                      sampling)
         if self.shapes.plans:
-            self._plan_next(rows, lengths, accepted)
+            self._plan_next(rows, lengths, accepted, len(self.shapes.scored(gamma)))
         return accepted, emitted, budget
 
-    def _plan_next(self, rows: int, lengths: torch.Tensor, accepted: torch.Tensor) -> None:
-        """The policy's selection from this round's verify pass (row 0 at `lengths`) into the
-        plan buffers, with the host bounds of the static shapes."""
+    def _plan_next(self, rows: int, lengths: torch.Tensor, accepted: torch.Tensor,
+                   scored: int) -> None:
+        """The policy's selection from this round's verify pass (row 0 at `lengths`; its
+        first `scored` score rows) into the plan buffers, with the host bounds of the static
+        shapes (those of γ drafts, whatever the next round drafts)."""
         assert self.policy is not None
-        inp = selection_input(self.policy, self.ops, self.attn, self.scores_of(rows), lengths,
-                              accepted, lengths + accepted + 1, self.shapes.verify_rows - 1,
-                              self.kv_caches, self.buf.page_table[:rows], self.page_size)
+        inp = selection_input(self.policy, self.ops, self.attn, self.scores_of(rows, scored),
+                              lengths, accepted, lengths + accepted + 1,
+                              self.shapes.verify_rows - 1, self.kv_caches,
+                              self.buf.page_table[:rows], self.page_size)
         self._write_plan(self.policy.plan(self.bound(inp)), rows)
 
     def bound(self, inp: SelectionInput, start: int = 0) -> SelectionInput:
@@ -396,11 +438,14 @@ class GraphRunner:
         inp.quest_state = state if state is None or start == 0 else state.from_row(start)
         return inp
 
-    def _forward(self, kind: str, rows: int, raw: bool = False) -> torch.Tensor:
-        """One step of the first `rows` buffer rows: logits [rows, n, V] float32 (raw: in the
-        model's dtype, for a round's argmax, top-k and sampling, which the exact float32
-        cast would not change)."""
-        n = self.shapes.verify_rows if kind == "verify" else 1
+    def _forward(self, kind: str, rows: int, raw: bool = False,
+                 n: int | None = None) -> torch.Tensor:
+        """One step of the first `rows` buffer rows, n query rows each (None: γ+1 for a
+        verify step, else 1): logits [rows, n, V] float32 (raw: in the model's dtype, for a
+        round's argmax, top-k and sampling, which the exact float32 cast would not
+        change)."""
+        if n is None:
+            n = self.shapes.verify_rows if kind == "verify" else 1
         ctx = self._context(kind, rows, n)
         hidden = self.model(self.buf.tokens[n][:rows], ctx, self.kv_caches, self.ops, self.attn)
         return self.model.head(hidden, self.ops) if raw else self.model.logits(hidden, self.ops)
@@ -411,14 +456,16 @@ class GraphRunner:
             positions=positions,
             slot_mapping=step_slots(table, positions, self.page_size), page_table=table,
             page_size=self.page_size, kv_len_max=self.kv_len,
-            scores=self._score_request(rows) if kind == "verify" else None,
+            scores=self._score_request(rows, n) if kind == "verify" else None,
             sparse=self._plan(rows) if kind == "draft" else None, draft=kind == "draft")
 
-    def _score_request(self, rows: int) -> ScoreRequest | None:
+    def _score_request(self, rows: int, n: int) -> ScoreRequest | None:
+        """The scores a verify step of n rows writes: its scored rows' (`shapes.scored`)."""
         s = self.shapes
         if not s.score_rows:
             return None
-        return ScoreRequest(self.buf.score_rows, self.buf.scores[:, :rows], s.score_mode,
+        scored = self.buf.score_rows[n]
+        return ScoreRequest(scored, self.buf.scores[:, :rows, : scored.shape[0]], s.score_mode,
                             s.per_kv_head)
 
     def _plan(self, rows: int) -> SparsePlan:
@@ -447,8 +494,10 @@ class GraphRunner:
         a server may meet) captured for every bucket on the dummy buffers, so that no
         request waits for their capture."""
         if self.capturing and self.shapes.verify_rows:
-            self._capture_all(("sampled", "filtered", "topk", "plain") if kinds is None
-                              else kinds)
+            longest = self.shapes.verify_rows - 1
+            rounds = tuple(with_length(k, g, longest) for k in ("sampled", "filtered", "topk")
+                           for g in self.shapes.draft_lengths)
+            self._capture_all((*rounds, "plain") if kinds is None else kinds)
 
     def _capture(self, kind: str, bucket: int) -> _Graph:
         graph, out = capture(lambda: self._body(kind, bucket), self.pool)

@@ -245,10 +245,10 @@ class ModelRunner:
     # --- decode -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def decode(self, draft: bool = True) -> StepResult:
-        """One iteration over every row (the step's last part): a draft-verify-accept round,
-        or a plain step (plain decoding, or draft False: where a round would not pay, the
-        plan kept for the next)."""
+    def decode(self, draft: int | None = None) -> StepResult:
+        """One iteration over every row (the step's last part): a draft-verify-accept round
+        of `draft` drafts (None: the method's γ), or a plain step (plain decoding, or draft
+        0: where a round would not pay, the plan kept for the next)."""
         batch = self.batch
         assert batch is not None
         out = self._iteration(batch, draft)
@@ -256,8 +256,10 @@ class ModelRunner:
         self.timer.flush()
         return out
 
-    def _iteration(self, batch: Batch, draft: bool = True) -> StepResult:
-        if self.policy is None or not draft:  # one token a row: nothing to accept
+    def _iteration(self, batch: Batch, draft: int | None = None) -> StepResult:
+        gamma = self.spec.gamma if draft is None else draft
+        assert 0 <= gamma <= self.spec.gamma, f"a round drafts at most γ tokens, not {gamma}"
+        if self.policy is None or not gamma:  # one token a row: nothing to accept
             with self.timer.phase("decode"):
                 tokens = self._plain_step(batch)
             batch.lengths = batch.lengths + 1
@@ -266,15 +268,16 @@ class ModelRunner:
             return self._commit(batch, None, tokens, None)
         if self._stale:
             self._refresh_plan(batch)
-        accepted, emitted, scores, budget, planned = self._speculate(batch, self.policy)
+        accepted, emitted, scores, budget, planned = self._speculate(batch, self.policy,
+                                                                     gamma)
         row = batch.lengths  # verify row 0 sat at the old length
         batch.lengths = batch.lengths + accepted + 1
         batch.last = emitted.gather(1, accepted[:, None])[:, 0]
         self._round = Round(scores, row, accepted, planned)
-        return self._commit(batch, accepted, emitted, budget)
+        return self._commit(batch, accepted, emitted, budget, gamma)
 
     def _commit(self, batch: Batch, accepted: torch.Tensor | None, emitted: torch.Tensor,
-                budget: torch.Tensor | None) -> StepResult:
+                budget: torch.Tensor | None, drafted: int = 0) -> StepResult:
         """The iteration's one host read: accepted [B], emitted [B, n] and the budgets [B]
         the drafts read come back in one transfer (accepted None: plain decoding, emitted
         [B] one token a row)."""
@@ -286,7 +289,7 @@ class ModelRunner:
         rows = torch.cat(cols, 1).tolist()
         tokens = [row[1 : row[0] + 2] for row in rows]
         budgets = [None] * len(rows) if budget is None else [row[-1] for row in rows]
-        return StepResult(rows=ids, tokens=tokens, budgets=budgets, drafted=True)
+        return StepResult(rows=ids, tokens=tokens, budgets=budgets, drafted=drafted)
 
     def _plain_step(self, batch: Batch) -> torch.Tensor:
         """One token a row with full attention -> the next tokens [B]."""
@@ -297,19 +300,19 @@ class ModelRunner:
             logits = self.steps.plain(batch)
         return next_tokens(logits, batch.sampling, batch.lengths + 1)
 
-    def _speculate(self, batch: Batch, policy: Policy,
+    def _speculate(self, batch: Batch, policy: Policy, gamma: int,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                               torch.Tensor | None, bool]:
-        """One draft-verify-accept round: accepted [B], emitted [B, γ+1], the verify pass's
+        """One round of γ drafts: accepted [B], emitted [B, γ+1], the verify pass's
         scores, the budgets [B] the drafts read (None: full drafts), and whether the next
         plan is already made (a planning round graph)."""
         graphs, sparse, s = self.graphs, not policy.full_drafts, batch.sampling
         if graphs is not None:  # drafts, verify, acceptance (and the next selection): one graph
             with self.timer.phase("speculate"):
-                accepted, emitted, budget = graphs.run_spec(batch.last, batch.lengths, s)
+                accepted, emitted, budget = graphs.run_spec(batch.last, batch.lengths, s,
+                                                            gamma)
             return (accepted, emitted, graphs.scores(), budget if sparse else None,
                     graphs.shapes.plans)
         budget = batch.plan.budget if sparse and batch.plan is not None else None
-        accepted, emitted, scores = self.steps.round(batch, policy, self.spec.gamma,
-                                                     self.timer.phase)
+        accepted, emitted, scores = self.steps.round(batch, policy, gamma, self.timer.phase)
         return accepted, emitted, scores, budget, False

@@ -17,7 +17,7 @@ from vegas_spec.attention.backend import AttentionBackend, make_backend
 from vegas_spec.cache import PagedKVCache, available_bytes
 from vegas_spec.compute.base import Ops, make_ops
 from vegas_spec.config import MAX_GAMMA, ConfigError, EngineConfig, ModelConfig, SpecConfig
-from vegas_spec.graphs import GraphRunner, StaticShapes, bucket_for
+from vegas_spec.graphs import GraphRunner, StaticShapes, bucket_for, with_length
 from vegas_spec.input_batch import InputBatch
 from vegas_spec.models.decoder import Decoder, build_model
 from vegas_spec.models.loader import ModelSource, dummy_weights, load_config, load_weights
@@ -26,6 +26,7 @@ from vegas_spec.models.shared import ModelKey, file_stamps, shared_model
 from vegas_spec.prefill import Prefiller
 from vegas_spec.prefill_graphs import PrefillGraphs
 from vegas_spec.quant import fp8_supported
+from vegas_spec.speculative.adaptive import draft_lengths
 from vegas_spec.speculative.policies import Policy, max_budget
 
 CPU_KV_BYTES = 2 << 30
@@ -160,9 +161,14 @@ def static_shapes(parts: Loaded, spec: SpecConfig, policy: Policy | None) -> Sta
         return StaticShapes(("plain",), 0, cache.pages_for(max_len))
     gamma, hkv = spec.gamma, parts.local_config.num_kv_heads
     kmax = max_budget(spec, max_len)
-    # adaptive speculation runs plain steps where a round would not pay
+    # adaptive speculation drafts fewer tokens, or none (a plain step), where γ would not pay
+    lengths = draft_lengths(gamma) if spec.adaptive else (gamma,)
+    rounds = tuple(with_length("spec", g, gamma) for g in lengths)
     return StaticShapes(
-        kinds=("spec", "plain") if spec.adaptive else ("spec",), verify_rows=gamma + 1,
+        kinds=(*rounds, "plain") if spec.adaptive else rounds, verify_rows=gamma + 1,
+        lengths=lengths,
+        score_rows_of=tuple(tuple(policy.score_rows(g + 1, False)) for g in lengths)
+        if policy.wants_scores else (),
         draft_kind="plain" if policy.full_drafts else "draft",
         plans=not policy.full_drafts,
         pages=cache.pages_for(max_len + gamma + 1), kmax=kmax, rank_width=max_len,

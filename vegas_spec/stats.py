@@ -71,26 +71,31 @@ class DeviceSpan:
 
 @dataclass
 class SeqStats:
-    """A sequence's iterations: tokens emitted and budget read by each, with running counts
-    so that a summary after every step costs O(γ), not O(iterations)."""
+    """A sequence's iterations: tokens emitted, draft length and budget read by each, with
+    running counts so that a summary after every step costs O(γ²), not O(iterations)."""
 
     gamma: int = 0
     iterations: int = 0
     tokens_per_iteration: list[int] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)  # each round's draft length
     budget: list[int] = field(default_factory=list)
-    counts: Counter[int] = field(default_factory=Counter)  # iterations by tokens emitted
+    # rounds by (draft length, tokens emitted)
+    counts: Counter[tuple[int, int]] = field(default_factory=Counter)
     budget_total: int = 0
     plain_steps: int = 0  # iterations of a speculative method run as plain steps (adaptive)
 
-    def record(self, emitted: int, budget: int | None, drafted: bool = True) -> None:
-        """One iteration; a plain step of a speculative method (drafted False) is counted
-        apart, so that tokens per iteration and acceptance describe the rounds."""
+    def record(self, emitted: int, budget: int | None, drafted: int | None = None) -> None:
+        """One iteration of `drafted` drafts (None: the method's γ); a plain step of a
+        speculative method (drafted 0) is counted apart, so that tokens per iteration and
+        acceptance describe the rounds."""
+        drafted = self.gamma if drafted is None else drafted
         if not drafted and self.gamma:
             self.plain_steps += 1
             return
         self.iterations += 1
         self.tokens_per_iteration.append(emitted)
-        self.counts[emitted] += 1
+        self.drafts.append(drafted)
+        self.counts[(drafted, emitted)] += 1
         if budget is not None:
             self.budget.append(budget)
             self.budget_total += budget
@@ -103,7 +108,7 @@ class SeqStats:
         """The summary as it stood after the first `iterations` records, `budgets` of them
         with a budget (the lists only grow): O(iterations)."""
         return summarize(self.tokens_per_iteration[:iterations], self.gamma,
-                         self.budget[:budgets])
+                         self.budget[:budgets], self.drafts[:iterations])
 
 
 def with_plain_steps(out: dict[str, Any], gamma: int, plain: int) -> dict[str, Any]:
@@ -116,29 +121,40 @@ def with_plain_steps(out: dict[str, Any], gamma: int, plain: int) -> dict[str, A
     return out
 
 
-def summarize(tpi: list[int], gamma: int, budget: list[int]) -> dict[str, Any]:
-    """tokens per iteration (mean, histogram), acceptance rate per draft position, budget;
-    plain decoding (gamma 0) only counts its iterations, one per decoded token."""
-    return summarize_counts(Counter(tpi), gamma, sum(budget), len(budget))
+def summarize(tpi: list[int], gamma: int, budget: list[int],
+              drafts: list[int] | None = None) -> dict[str, Any]:
+    """tokens per iteration (mean, histogram), draft lengths, acceptance rate per draft
+    position, budget, from each round's tokens emitted and draft length (drafts None: γ
+    every round); plain decoding (gamma 0) only counts its iterations, one per decoded
+    token."""
+    lengths = [gamma] * len(tpi) if drafts is None else drafts
+    return summarize_counts(Counter(zip(lengths, tpi)), gamma, sum(budget), len(budget))
 
 
-def summarize_counts(counts: Counter[int], gamma: int, budget_total: int,
+def summarize_counts(counts: Counter[tuple[int, int]], gamma: int, budget_total: int,
                      budgets: int) -> dict[str, Any]:
-    """`summarize` from the number of iterations that emitted each count of tokens and the
+    """`summarize` from the number of rounds of each (draft length, tokens emitted) and the
     sum and number of the budgets."""
     n = sum(counts.values())
     if gamma == 0 or not n:
         return {"iterations": n}
-    hist = [counts[i] for i in range(1, gamma + 2)]
-    # draft position j (1-based) is accepted when the iteration emitted more than j tokens
-    # (every iteration emits at least one)
+    emitted: Counter[int] = Counter()
+    lengths: Counter[int] = Counter()
+    for (g, e), c in counts.items():
+        emitted[e] += c
+        lengths[g] += c
+    hist = [emitted[i] for i in range(1, gamma + 2)]
+    drafted = [lengths[g] for g in range(1, gamma + 1)]
+    # draft position j (1-based) is accepted when the round emitted more than j tokens
+    # (every round emits at least one), of the rounds that drafted it (draft length >= j)
     above = list(itertools.accumulate(hist[:gamma], operator.sub, initial=n))[1:]
-    acc = [a / n for a in above]
+    reached = list(itertools.accumulate(drafted[::-1]))[::-1]
     out: dict[str, Any] = {
         "iterations": n,
-        "tokens_per_iteration": sum(t * c for t, c in counts.items()) / n,
+        "tokens_per_iteration": sum(t * c for t, c in emitted.items()) / n,
         "tokens_per_iteration_histogram": hist,
-        "acceptance_rate_per_position": acc,
+        "draft_length_histogram": drafted,
+        "acceptance_rate_per_position": [a / r if r else 0.0 for a, r in zip(above, reached)],
     }
     if budgets:
         out["budget_mean"] = budget_total / budgets
@@ -163,6 +179,7 @@ class RunStats:
 
     def summary(self) -> dict[str, Any]:
         tpi = [t for s in self.seqs for t in s.tokens_per_iteration]
+        drafts = [g for s in self.seqs for g in s.drafts]
         budget = [b for s in self.seqs for b in s.budget]
         phases = {k: round(v, 6) for k, v in self.timer.totals.items()}
         spec_total = sum(phases.get(k, 0.0) for k in SPEC_PHASES)
@@ -182,6 +199,6 @@ class RunStats:
         if spec_total > 0:
             out["phase_fraction"] = {k: phases[k] / spec_total for k in SPEC_PHASES
                                      if k in phases}
-        out.update(with_plain_steps(summarize(tpi, self.gamma, budget), self.gamma,
+        out.update(with_plain_steps(summarize(tpi, self.gamma, budget, drafts), self.gamma,
                                     sum(s.plain_steps for s in self.seqs)))
         return out

@@ -55,15 +55,16 @@ class StepPlan:
     rows (only while no row is in use), the prompt pieces to `prefill` (their sequences in
     admission order; a completed prompt that joins takes a row after the rows in use), the
     rows whose page lists grew (`pages`: each one's whole list), then, if `decode`, one
-    iteration over every row: a draft-verify-accept round, or one plain step where `draft`
-    is False (plain decoding, or the adaptive controller's choice)."""
+    iteration over every row: a draft-verify-accept round of `draft` drafts (None: the
+    method's γ; the adaptive controller may choose fewer), or one plain step where `draft` is
+    0 (plain decoding, or the adaptive controller's choice)."""
 
     leave: tuple[str, ...] = ()
     reserve: int = 0
     prefill: tuple[Prefill, ...] = ()
     pages: tuple[tuple[str, tuple[int, ...]], ...] = ()
     decode: bool = False
-    draft: bool = True
+    draft: int | None = None
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class StepResult:
     """What a step gave, on the host: `first`, the first token of each prompt it completed
     (request id, token; in the plan's order); if it decoded, per row (`rows`: request ids in
     row order) the tokens it emitted (1..γ+1) and the selection budget its drafts read (None:
-    no sparse drafts), drafted: the iteration was a round (False: a plain step);
+    no sparse drafts), drafted: the round's draft length (0: a plain step);
     prefill_seconds: the part of the step's wall time its prefill took: up to its first
     tokens' read, or where the prefill read nothing back and the device ran it behind the
     host, its device time."""
@@ -80,7 +81,7 @@ class StepResult:
     rows: list[str] = field(default_factory=list)
     tokens: list[list[int]] = field(default_factory=list)
     budgets: list[int | None] = field(default_factory=list)
-    drafted: bool = False
+    drafted: int = 0
     prefill_seconds: float = 0.0
 
 

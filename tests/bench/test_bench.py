@@ -411,8 +411,10 @@ def test_report_has_acceptance_per_draft_position(bench_dir: Path) -> None:
     assert len(rows) == 1 + len(spec) == 11 and "| vanilla |" not in table
     for cell in spec:
         # draft j is accepted in the iterations that emitted more than j tokens
-        hist = cell["tokens_per_iteration_histogram"]
-        want = [sum(hist[j:]) / sum(hist) for j in range(1, cell["gamma"] + 1)]
+        # of the rounds that drafted it (adaptive speculation may draft fewer than γ)
+        hist, lengths = cell["tokens_per_iteration_histogram"], cell["draft_length_histogram"]
+        assert sum(lengths) == sum(hist)
+        want = [sum(hist[j:]) / sum(lengths[j - 1:]) for j in range(1, cell["gamma"] + 1)]
         assert cell["acceptance_rate_per_position"] == pytest.approx(want, abs=1e-12)
         line = (f"| {cell['workload']} | {cell['context'] or '-'} | {cell['batch']} | vegas | "
                 f"6 | 0.05 | " + " | ".join(f"{a:.2f}" for a in want) + " |")

@@ -332,3 +332,44 @@ def test_prefix_share_holds_the_prefix_once_with_the_cache_on(tmp_path: Path) ->
     assert on["peak_pages"] < off["peak_pages"]
     for row in (off, on):
         assert 0 < row["ttft_median_s"] <= row["ttft_max_s"] <= row["total_s"]
+
+
+def test_adaptive_sweep_sets_adaptive_beside_every_fixed_gamma_in_each_cell(
+        tmp_path: Path) -> None:
+    """§1.3's sweep (a tiny random model on CPU): a row per (workload, context, batch) cell,
+    generation once without a context; every run in each, positive rates, speedups and the
+    adaptive run's ratios equal to their parts, the best fixed γ the fastest of the fixed
+    runs, and the adaptive controller's summary kept."""
+    out = tmp_path / "sweep.json"
+    stdout = run("adaptive_sweep.py", "--tiny", "--workloads", "essays", "generation",
+                 "--contexts", "64", "--batches", "2", "--max-tokens", "8",
+                 "--generation-tokens", "8", "--fixed", "1", "2", "--gamma", "2",
+                 "--out", str(out))
+    data = json.loads(out.read_text())
+    assert data["meta"]["gpu"] == "cpu" and data["meta"]["args"]["fixed"] == [1, 2]
+    rows = data["rows"]
+    assert [json.loads(line) for line in stdout.splitlines() if line.startswith("{")] == rows
+    assert [(r["workload"], r["context"], r["batch"], r["max_tokens"]) for r in rows] == [
+        ("essays", 64, 2, 8), ("generation", None, 2, 8)]
+    fixed = ["fixed 1", "fixed 2"]
+    for r in rows:
+        runs = r["runs"]
+        assert list(runs) == ["vanilla", "adaptive", *fixed]
+        vanilla = runs["vanilla"]["decode_tokens_per_s"]
+        for label, figures in runs.items():
+            assert figures["decode_tokens_per_s"] > 0
+            assert figures["decode_tokens_per_s_runs"] == [figures["decode_tokens_per_s"]]
+            assert figures["vs_vanilla"] == pytest.approx(figures["decode_tokens_per_s"] / vanilla)
+            assert ("controller" in figures) == (label == "adaptive")
+        assert runs["vanilla"]["tokens_per_iteration"] == 1.0
+        for gamma, label in enumerate(fixed, 1):  # a round every iteration: 1 to γ + 1 tokens
+            assert 1 <= runs[label]["tokens_per_iteration"] <= gamma + 1
+        assert isinstance(runs["adaptive"]["controller"], dict)
+        best = max(fixed, key=lambda label: runs[label]["decode_tokens_per_s"])
+        assert r["best_fixed"] == {"label": best,
+                                   "decode_tokens_per_s": runs[best]["decode_tokens_per_s"]}
+        adaptive = runs["adaptive"]["decode_tokens_per_s"]
+        assert r["adaptive_vs_best_fixed"] == pytest.approx(
+            adaptive / runs[best]["decode_tokens_per_s"])
+        assert r["adaptive_vs_vanilla"] == pytest.approx(adaptive / vanilla)
+        assert r["adaptive_vs_vanilla"] == pytest.approx(runs["adaptive"]["vs_vanilla"])

@@ -1,10 +1,13 @@
-"""Adaptive speculation: the controller speculates where its measurements say a round beats
-a plain step, and only there, probes the other choice now and then, skips the iterations
-that captured graphs; plain steps between rounds leave the output plain decoding's."""
+"""Adaptive speculation: the controller drafts as many tokens as its measurements say pay
+best, none (a plain step) where no round beats a plain step, probes the other choices now and
+then, skips the iterations that captured graphs; plain steps and shorter rounds between
+rounds leave the output plain decoding's."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -24,36 +27,107 @@ from conftest import (
 
 from vegas_spec import SamplingParams, SpecConfig
 from vegas_spec.engine import LLM, LLMEngine
-from vegas_spec.speculative.adaptive import Ema, SpeculationController
+from vegas_spec.speculative.adaptive import (
+    Acceptance,
+    Ema,
+    SpeculationController,
+    draft_lengths,
+)
 from vegas_spec.speculative.policies import window_positions
 from vegas_spec.step import StepPlan
 
+ROWS = 1000
 
-def drive(controller: SpeculationController, iterations: int, plain_s: float, round_s: float,
-          tau: float, bucket: int = 8, switch_s: float = 0.0) -> list[bool]:
-    """Run the controller against fixed costs and tokens per round (a round right after a
-    plain step costing switch_s more) -> its choices."""
-    choices: list[bool] = []
+
+def emitted_at(alpha: float, gamma: int, rows: int = ROWS) -> list[int]:
+    """Tokens emitted by `rows` rows in a round of γ drafts whose every draft is accepted
+    with probability alpha (the expected counts, rounded)."""
+    reach = [round(rows * alpha ** j) for j in range(gamma + 1)] + [0]
+    return [j + 1 for j in range(gamma + 1) for _ in range(reach[j] - reach[j + 1])]
+
+
+def tau_of(alpha: float, gamma: int) -> float:
+    return sum(alpha ** j for j in range(gamma + 1))
+
+
+def drive(controller: SpeculationController, iterations: int, plain_s: float,
+          round_s: float | dict[int, float], alpha: float, bucket: int = 8,
+          switch_s: float = 0.0) -> list[int]:
+    """Run the controller against fixed costs (round_s: of γ, or by draft length) and a fixed
+    acceptance per draft position (a round right after a plain step costing switch_s more)
+    -> its choices (draft lengths, 0 a plain step)."""
+    choices: list[int] = []
+    longest = controller.lengths[-1]
     for _ in range(iterations):
-        draft = controller.choose(bucket)
-        extra = switch_s if draft and choices and not choices[-1] else 0.0
-        choices.append(draft)
-        controller.observe(bucket, draft, (round_s + extra) if draft else plain_s,
-                           tau if draft else 1.0)
+        g = controller.choose(bucket)
+        cost = plain_s if not g else \
+            round_s[g] if isinstance(round_s, dict) else round_s * (1 + g) / (1 + longest)
+        extra = switch_s if g and choices and not choices[-1] else 0.0
+        choices.append(g)
+        controller.observe(bucket, g, cost + extra, emitted_at(alpha, g) if g else [1] * ROWS)
     return choices
 
 
+def only_gamma(**kw: float) -> SpeculationController:
+    return SpeculationController(lengths=(6,), **kw)
+
+
+def test_draft_lengths_are_gamma_and_shorter_ones() -> None:
+    assert draft_lengths(6) == (2, 4, 6)
+    assert draft_lengths(8) == (3, 5, 8)
+    assert draft_lengths(2) == (1, 2)
+    assert draft_lengths(1) == (1,)
+
+
+def test_acceptance_per_position_gives_the_tokens_of_every_shorter_round() -> None:
+    acc = Acceptance()
+    acc.add(6, emitted_at(0.8, 6))
+    assert acc.rates(6) == pytest.approx([0.8] * 6, abs=2e-3)
+    for g in range(1, 7):
+        assert acc.tokens(g) == pytest.approx(tau_of(0.8, g), abs=1e-2)
+    acc.add(2, emitted_at(0.5, 2))  # shorter rounds move only the positions they drafted
+    assert acc.rates(6)[0] < 0.8 and acc.rates(6)[3:] == pytest.approx([0.8] * 3, abs=2e-3)
+
+
 def test_it_speculates_where_a_round_pays() -> None:
-    choices = drive(SpeculationController(probe=16), 400, plain_s=1.0, round_s=3.0, tau=5.0)
-    late = choices[100:]
+    choices = drive(only_gamma(probe=16), 400, plain_s=1.0, round_s=3.0, alpha=0.9)
+    late = [bool(g) for g in choices[100:]]
     assert 0.9 < sum(late) / len(late) < 1.0  # mostly rounds, a plain probe now and then
     assert not all(late)
 
 
 def test_it_decodes_plainly_where_a_round_does_not_pay() -> None:
-    choices = drive(SpeculationController(probe=16), 400, plain_s=1.0, round_s=3.0, tau=2.5)
-    late = choices[100:]
+    choices = drive(only_gamma(probe=16), 400, plain_s=1.0, round_s=3.0, alpha=0.55)
+    late = [bool(g) for g in choices[100:]]
     assert 0.0 < sum(late) / len(late) < 0.1  # plain steps, a probing round now and then
+
+
+@pytest.mark.parametrize("alpha,want", [(0.97, 6), (0.8, 4), (0.6, 2), (0.2, 0)])
+def test_it_drafts_the_length_that_pays_best(alpha: float, want: int) -> None:
+    """Cheap drafts (an 8B model's FP8 drafts: a round of g costs 1.2 + 0.3 g plain steps):
+    with high acceptance the longest round, with lower acceptance shorter ones, with none
+    plain steps; the choice is the best rate τ(g) / c(g) of the lengths, and the probes of
+    the three others lose at most about `cost` of the time each."""
+    costs = {0: 1.0, **{g: 1.2 + 0.3 * g for g in (2, 4, 6)}}
+    tau = {g: tau_of(alpha, g) for g in costs}
+    rates = {g: tau[g] / c for g, c in costs.items()}
+    assert max(rates, key=rates.__getitem__) == want
+    c = SpeculationController(lengths=(2, 4, 6), probe=16, cost=0.01)
+    late = drive(c, 3000, plain_s=1.0, round_s=costs, alpha=alpha)[500:]
+    assert c.best(c.buckets[8]) == want
+    assert late.count(want) / len(late) > 0.8
+    assert set(late) == {0, 2, 4, 6}  # every other choice probed now and then
+    achieved = sum(tau[g] for g in late) / sum(costs[g] for g in late)
+    assert achieved >= (1 - 3 * 0.012) * rates[want]
+
+
+def test_a_length_never_run_is_costed_between_the_measured_ones() -> None:
+    c = SpeculationController(lengths=(2, 4, 6))
+    c.observe(8, 6, 9.0, emitted_at(0.9, 6))
+    c.observe(8, 6, 7.0, emitted_at(0.9, 6))  # the first sample (a capture) is skipped
+    c.observe(8, 0, 5.0, [1])
+    c.observe(8, 0, 1.0, [1])
+    assert c.costs(c.buckets[8]) == pytest.approx({0: 1.0, 2: 3.0, 4: 5.0, 6: 7.0})
 
 
 def test_a_dear_first_round_after_plain_steps_does_not_keep_it_plain() -> None:
@@ -61,61 +135,71 @@ def test_a_dear_first_round_after_plain_steps_does_not_keep_it_plain() -> None:
     steps costs 4 ms more (planned again): after a stretch of plain steps (acceptance was
     low) the controller measures rounds by their second and speculates again; the time
     lost stays near the probes' share."""
-    c = SpeculationController(probe=32, cost=0.01)
-    drive(c, 300, plain_s=1.95, round_s=10.7, tau=2.0, switch_s=4.0)
+    c = only_gamma(probe=32, cost=0.01)
+    drive(c, 300, plain_s=1.95, round_s=10.7, alpha=0.3, switch_s=4.0)
     assert not c.pays(c.buckets[8])
-    late = drive(c, 3000, plain_s=1.95, round_s=10.7, tau=6.1, switch_s=4.0)[-1000:]
-    assert c.pays(c.buckets[8]) and sum(late) / len(late) > 0.95
+    late = drive(c, 3000, plain_s=1.95, round_s=10.7, alpha=0.985, switch_s=4.0)[-1000:]
+    assert c.pays(c.buckets[8]) and sum(map(bool, late)) / len(late) > 0.95
 
 
 def test_it_follows_a_change_in_acceptance() -> None:
-    c = SpeculationController(probe=8)
-    drive(c, 200, plain_s=1.0, round_s=3.0, tau=6.0)
+    c = only_gamma(probe=8)
+    drive(c, 200, plain_s=1.0, round_s=3.0, alpha=0.95)
     assert c.pays(c.buckets[8])
-    late = drive(c, 300, plain_s=1.0, round_s=3.0, tau=1.5)[-100:]
-    assert not c.pays(c.buckets[8]) and sum(late) < 20
+    late = drive(c, 300, plain_s=1.0, round_s=3.0, alpha=0.3)[-100:]
+    assert not c.pays(c.buckets[8]) and sum(map(bool, late)) < 20
 
 
-@pytest.mark.parametrize("round_s,tau", [(11.0, 3.0), (11.0, 6.0), (6.0, 6.5), (40.0, 2.0)])
-def test_probes_lose_at_most_their_share_of_the_time(round_s: float, tau: float) -> None:
+@pytest.mark.parametrize("round_s,alpha", [(11.0, 0.7), (11.0, 0.97), (6.0, 0.99),
+                                           (40.0, 0.5)])
+def test_probes_lose_at_most_their_share_of_the_time(round_s: float, alpha: float) -> None:
     """Against fixed costs, the time lost to probes (each iteration of the choice not taken,
     beyond what the preferred choice takes for the same tokens) stays within `cost` of the
     run's time (with the bound on the interval: `most`)."""
-    plain_s, n = 1.6, 5000
-    c = SpeculationController(cost=0.01)
-    choices = drive(c, n, plain_s=plain_s, round_s=round_s, tau=tau)[200:]
+    plain_s, n, tau = 1.6, 5000, tau_of(alpha, 6)
+    c = only_gamma(cost=0.01)
+    choices = [bool(g) for g in drive(c, n, plain_s=plain_s, round_s=round_s,
+                                      alpha=alpha)[200:]]
     speculate = tau * plain_s > round_s
     probes = sum(d != speculate for d in choices)
     assert probes >= len(choices) // c.most - 1  # it keeps measuring the other choice
     if speculate:
-        loss, total = probes * (plain_s - round_s / tau), sum(
-            round_s if d else plain_s for d in choices)
+        loss = probes * (plain_s - round_s / tau)
     else:
-        loss, total = probes * (round_s - tau * plain_s), sum(
-            round_s if d else plain_s for d in choices)
+        loss = probes * (round_s - tau * plain_s)
+    total = sum(round_s if d else plain_s for d in choices)
     assert loss <= 0.012 * total
 
 
 def test_the_probe_interval_grows_with_what_a_probe_loses() -> None:
-    c = SpeculationController(probe=32, most=1024, cost=0.01)
-    drive(c, 100, plain_s=1.6, round_s=11.0, tau=6.35)  # close to even: probes cost little
-    near = c.interval(c.buckets[8], c.pays(c.buckets[8]))
-    drive(c, 100, plain_s=1.6, round_s=11.0, tau=2.0, bucket=1)  # rounds lose 7.8 a probe
-    far = c.interval(c.buckets[1], c.pays(c.buckets[1]))
-    drive(c, 100, plain_s=1.6, round_s=40.0, tau=2.0, bucket=2)
-    farthest = c.interval(c.buckets[2], c.pays(c.buckets[2]))
+    c = only_gamma(probe=32, most=1024, cost=0.01)
+    drive(c, 100, plain_s=1.6, round_s=11.0, alpha=0.99)  # close to even: probes cost little
+    near = c.interval(c.buckets[8], 0 if c.pays(c.buckets[8]) else 6)
+    drive(c, 100, plain_s=1.6, round_s=11.0, alpha=0.5, bucket=1)  # rounds lose a lot
+    b1 = c.buckets[1]
+    far = c.interval(b1, 6)
+    drive(c, 100, plain_s=1.6, round_s=40.0, alpha=0.5, bucket=2)
+    farthest = c.interval(c.buckets[2], 6)
     # a probing round is two rounds: twice the loss, twice the spacing
-    assert 32 <= near < far == math.ceil(2 * (11.0 - 3.2) / 0.016) < farthest == 1024
+    tau = b1.acceptance.tokens(6)
+    assert 32 <= near < far == math.ceil(2 * (11.0 - tau * 1.6) / 0.016) < farthest == 1024
 
 
 def test_buckets_are_measured_apart() -> None:
-    c = SpeculationController(probe=1000)
-    drive(c, 50, plain_s=1.0, round_s=3.0, tau=6.0, bucket=1)
-    drive(c, 50, plain_s=1.0, round_s=9.0, tau=6.0, bucket=64)
+    c = only_gamma(probe=1000)
+    drive(c, 50, plain_s=1.0, round_s=3.0, alpha=0.95, bucket=1)
+    drive(c, 50, plain_s=1.0, round_s=9.0, alpha=0.95, bucket=64)
     assert c.pays(c.buckets[1]) and not c.pays(c.buckets[64])
     summary = c.summary()
     assert summary["rounds"] + summary["plain_steps"] == 100
     assert 0 < summary["speculative_share"] < 1
+    assert summary["draft_lengths"] == {0: summary["plain_steps"], 6: summary["rounds"]}
+
+
+def test_a_new_bucket_starts_from_the_acceptance_of_the_last() -> None:
+    c = only_gamma()
+    drive(c, 20, plain_s=1.0, round_s=3.0, alpha=0.6, bucket=8)
+    assert c.bucket(4).acceptance.rates(6) == c.buckets[8].acceptance.rates(6)
 
 
 def test_the_first_samples_are_skipped() -> None:
@@ -129,13 +213,15 @@ def test_the_first_samples_are_skipped() -> None:
 
 @dataclass
 class Alternate(SpeculationController):
-    """A round and a plain step in turn, whatever the timings."""
+    """Every choice in turn, whatever the timings: a round of γ, a plain step, then each
+    shorter round."""
 
     calls: int = 0
 
-    def choose(self, bucket: int) -> bool:
+    def choose(self, bucket: int) -> int:
+        order = (self.lengths[-1], 0, *self.lengths[:-1])
         self.calls += 1
-        return self.calls % 2 == 1
+        return order[(self.calls - 1) % len(order)]
 
 
 METHODS = [v for v in SPEC_VARIANTS if set(v) == {"method"}]
@@ -155,33 +241,67 @@ def plain(llm, prompts) -> list[list[int]]:
 
 @pytest.fixture
 def alternate(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(LLMEngine, "_controller", staticmethod(lambda spec: Alternate()))
+    monkeypatch.setattr(LLMEngine, "_controller",
+                        staticmethod(lambda spec: Alternate(draft_lengths(spec.gamma))))
 
 
 @pytest.mark.parametrize("variant", METHODS, ids=lambda v: v["method"])
 def test_plain_steps_between_rounds_give_plain_tokens(llm, prompts, plain, variant,
                                                       alternate: None) -> None:
-    """Every policy on the real model, rounds and plain steps in turn (the plan of a round
-    kept across the plain step after it), rows leaving at different times."""
+    """Every policy on the real model, rounds of γ, plain steps and shorter rounds in turn
+    (the plan of a round kept across the plain step after it), rows leaving at different
+    times."""
     spec = SpecConfig(gamma=4, ratio=0.03, min_tokens=64, **variant)
     outs = llm.generate(prompts, PARAMS, speculative=spec)
     assert [o.token_ids for o in outs] == plain
     stats = outs[0].stats
     assert stats["plain_steps"] > 0 and 0 < stats["speculative_share"] < 1
+    lengths = stats["draft_length_histogram"]  # rounds of 1, 3 and 4 drafts (γ 4)
+    assert lengths[0] > 0 and lengths[2] > 0 and lengths[3] > 0 and lengths[1] == 0
 
 
 @pytest.mark.parametrize("method", TINY_METHODS[1:], ids=TINY_IDS[1:])
 def test_plain_steps_on_the_static_shapes(tmp_path_factory: pytest.TempPathFactory,
                                           method: dict, alternate: None) -> None:
-    """The same on the fixed-shape buffers (a plain step between round graphs)."""
+    """The same on the fixed-shape buffers: plain steps and the round graphs of each draft
+    length in turn."""
     folder = config_folder(tmp_path_factory, "tiny-adaptive", TINY_LLAMA)
     prompts = random_prompts(1, (40, 23, 61), TINY_VOCAB)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (20, 7, 13)]
     llm = LLM(str(folder), static_shapes=True, **TINY_ENGINE)
     want = [o.token_ids for o in llm.generate(prompts, params)]
-    outs = llm.generate(prompts, params, speculative=tiny_spec(method))
+    spec = dataclasses.replace(tiny_spec(method), adaptive=True)
+    outs = llm.generate(prompts, params, speculative=spec)
     assert [o.token_ids for o in outs] == want
     assert outs[0].stats["plain_steps"] > 0
+    assert all(n > 0 for n in outs[0].stats["draft_length_histogram"])  # 1, 2 and 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", TINY_METHODS[1:], ids=TINY_IDS[1:])
+def test_every_draft_length_replays_as_its_own_graph(tmp_path_factory: pytest.TempPathFactory,
+                                                     method: dict, alternate: None) -> None:
+    """On a GPU, the captured round graph of each draft length (and the plain step) in turn:
+    greedy output is plain decoding's, and seeded sampled output is that of the same
+    buffers run eagerly with the same choices."""
+    folder = config_folder(tmp_path_factory, "tiny-adaptive-gpu", TINY_LLAMA)
+    prompts = random_prompts(1, (40, 23, 61), TINY_VOCAB)
+    greedy = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (20, 7, 13)]
+    sampled = [SamplingParams(max_tokens=n, ignore_eos=True, seed=i, temperature=0.8,
+                              top_p=0.95) for i, n in enumerate((20, 7, 13))]
+    cuda = dict(TINY_ENGINE, device="cuda")
+    graphs = LLM(str(folder), **cuda)
+    eager = LLM(str(folder), cuda_graphs=False, static_shapes=True, **cuda)
+    spec = dataclasses.replace(tiny_spec(method), adaptive=True)
+    want = [o.token_ids for o in graphs.generate(prompts, greedy)]
+    outs = graphs.generate(prompts, greedy, speculative=spec)
+    assert [o.token_ids for o in outs] == want
+    assert all(n > 0 for n in outs[0].stats["draft_length_histogram"])
+    got = [o.token_ids for o in graphs.generate(prompts, sampled, speculative=spec)]
+    assert got == [o.token_ids for o in eager.generate(prompts, sampled, speculative=spec)]
+    kinds = {k for k, _ in graphs.engine.runner.graphs.graphs}
+    assert {"spec", "spec@1", "spec@2", "plain", "filtered", "filtered@1"} <= kinds
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
@@ -201,7 +321,7 @@ def test_a_round_after_plain_steps_plans_from_the_newest_token(
     engine.step(prefill_first=True)
     runner = engine.runner
     for _ in range(3):
-        runner.execute(StepPlan(decode=True, draft=False))
+        runner.execute(StepPlan(decode=True, draft=0))
     assert runner._stale
     runner._refresh_plan(runner.batch)
     assert not runner._stale
@@ -218,14 +338,14 @@ def test_a_round_after_plain_steps_plans_from_the_newest_token(
 class Recorder(SpeculationController):
     """Rounds and plain steps in turn, each observation kept."""
 
-    seen: list[tuple[int, bool, float, float | None]] = field(default_factory=list)
+    seen: list[tuple[int, int, float, list[int]]] = field(default_factory=list)
 
-    def choose(self, bucket: int) -> bool:
-        return len(self.seen) % 2 == 0
+    def choose(self, bucket: int) -> int:
+        return 3 if len(self.seen) % 2 == 0 else 0
 
-    def observe(self, bucket: int, drafted: bool, seconds: float,
-                tokens_per_row: float | None = None) -> None:
-        self.seen.append((bucket, drafted, seconds, tokens_per_row))
+    def observe(self, bucket: int, drafted: int, seconds: float,
+                emitted: Sequence[int] = ()) -> None:
+        self.seen.append((bucket, drafted, seconds, list(emitted)))
 
 
 def test_an_iteration_costs_its_host_work_but_not_a_prefill(
@@ -258,8 +378,10 @@ def test_an_iteration_costs_its_host_work_but_not_a_prefill(
     engine.add_request(b, SamplingParams(max_tokens=30, ignore_eos=True))
     engine.step()  # prefills b while a decodes
     assert len(recorder.seen) == 6
-    assert [d for _, d, _, _ in recorder.seen] == [True, False] * 3
+    assert [d for _, d, _, _ in recorder.seen] == [3, 0] * 3
     assert [bucket for bucket, _, _, _ in recorder.seen] == [1] * 5 + [2]  # b joined
     assert all(slow_host <= s < slow_prefill for _, _, s, _ in recorder.seen)
-    assert all(t == 1.0 for _, d, _, t in recorder.seen if not d)
-    assert all(t is not None and t >= 1.0 for _, d, _, t in recorder.seen if d)
+    # each row's tokens: one from a plain step, 1..γ+1 from a round
+    assert all(t == [1] * (1 + (i == 5)) for i, (_, d, _, t) in enumerate(recorder.seen)
+               if not d)
+    assert all(t and all(1 <= n <= 4 for n in t) for _, d, _, t in recorder.seen if d)

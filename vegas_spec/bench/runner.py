@@ -30,7 +30,8 @@ RESULTS = "results.json"
 KEPT_STATS = ("decode_tokens_per_s", "decode_s", "prefill_s", "ttft_s", "total_s",
               "generated_tokens", "prompt_tokens", "tokens_per_iteration",
               "tokens_per_iteration_histogram", "acceptance_rate_per_position", "budget_mean",
-              "iterations", "phase_s")
+              "iterations", "phase_s", "draft_length_histogram", "plain_steps",
+              "speculative_share")
 # Figures kept for every timed run of a cell: their spread bounds its speedups.
 RUN_STATS = ("decode_tokens_per_s", "total_s")
 

@@ -27,6 +27,10 @@ class Metrics:
             "given back, their prompt and output prefilled again when they resume", registry=r)
         self.rounds = Counter("vegas_speculative_rounds", "Draft-verify rounds run",
                               registry=r)
+        self.draft_length = Histogram(
+            "vegas_draft_length", "Tokens drafted per decode iteration of a speculative "
+            "method (0: a plain step), as adaptive speculation chose them",
+            buckets=[0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32], registry=r)
         self.tokens_per_iteration = Histogram(
             "vegas_tokens_per_iteration", "Tokens a row emits per decode iteration",
             buckets=[1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 33], registry=r)
@@ -51,9 +55,10 @@ class Metrics:
         for n in info.emitted:
             self.tokens_per_iteration.observe(n)
         if info.gamma and info.emitted:
+            self.draft_length.observe(info.drafted)
             if info.drafted:
                 self.rounds.inc()
-                self.draft_tokens.inc(info.gamma * len(info.emitted))
+                self.draft_tokens.inc(info.drafted * len(info.emitted))
                 self.accepted_tokens.inc(sum(n - 1 for n in info.emitted))
             else:
                 self.plain_steps.inc()

@@ -1,30 +1,43 @@
-"""Adaptive speculation: per iteration, whether a round pays for itself or a plain step is
-faster, from the engine's own running measurements.
+"""Adaptive speculation: per iteration, how many tokens to draft (none: a plain step), from
+the engine's own running measurements.
 
-A round emits τ tokens a row in the time c_round of its batch bucket; a plain step emits one
-in c_plain. Speculating pays while τ · c_plain > c_round. The controller keeps, per bucket,
-exponential moving averages of both costs (the wall time of an engine step's iteration: the
-device's time and all the host's work of the step, which an iteration pays whatever its
-tokens, so a plain step is dearer than its forward; in a step that also prefilled, less the
-prefill's part, its device time where the device ran it behind the host) and of τ, speculates
-while the estimate says it pays and now and then runs the other choice once (a probe) so
-that both estimates follow the context as it grows. A probe loses time: a probing round
-costs c_round where plain steps would give its τ tokens in τ · c_plain, a probing plain step
-c_plain where rounds give a token in c_round / τ; probes are spaced so that this loss is at
-most `cost` of the time between them (and at least `probe`, at most `most` iterations
-apart).
+A round of g drafts emits τ(g) tokens a row in the time c(g) of its batch bucket; a plain
+step (g = 0) emits one in c(0). The controller chooses the g of the highest rate
+τ(g) / c(g) among 0 and its draft lengths (`draft_lengths`: γ and shorter ones, each a round
+graph of its own). It keeps, per bucket, exponential moving averages of each choice's cost
+(the wall time of an engine step's iteration: the device's time and all the host's work of
+the step, which an iteration pays whatever its tokens, so a plain step is dearer than its
+forward; in a step that also prefilled, less the prefill's part) and the acceptance rate of
+each draft position, from the tokens every row emitted. Drafts do not depend on how many
+follow them, so the rates measured in rounds of γ give τ(g) of every shorter g:
+τ(g) = 1 + Σ_{i ≤ g} Π_{j ≤ i} α_j. A cost not yet measured is interpolated between the
+measured ones (a round of g costs about its drafts and a verify of g + 1 rows).
 
-The first round after plain steps is dearer than the next ones (its rows are planned
-again on the host, their recent range having moved on), so its time is not a round's: a
-probing round is two rounds, the second measured. Were that first round measured, a
-probe would find rounds dearer than they are whenever plain steps ran before it, and the
-controller could stay on plain steps where rounds pay. Nothing here touches the device;
-the choice changes only how many tokens are drafted, never which tokens are emitted."""
+Now and then it runs a choice not taken (a probe) so that every estimate follows the context
+as it grows. A probe loses time: it costs c(g) where the best choice gives its τ(g) tokens
+in τ(g) · c(best) / τ(best); probes of each choice are spaced so that this loss is at most
+`cost` of the time between them (and at least `probe`, at most `most` iterations apart).
+
+The first round after plain steps is dearer than the next ones (its rows are planned again
+on the host, their recent range having moved on), so its time is not a round's: a round
+probed after plain steps is two rounds, the second measured. Were that first round
+measured, a probe would find rounds dearer than they are whenever plain steps ran before
+it, and the controller could stay on plain steps where rounds pay. Nothing here touches the
+device; the choice changes only how many tokens are drafted, never which tokens are
+emitted."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+def draft_lengths(gamma: int) -> tuple[int, ...]:
+    """The draft lengths adaptive speculation chooses among for a method's γ: γ, 2γ/3 and
+    γ/3, rounded (6 -> 2, 4, 6; 1 -> 1), each a round graph of its own."""
+    return tuple(sorted({max(1, round(gamma * k / 3)) for k in (1, 2, 3)}))
 
 
 @dataclass
@@ -46,77 +59,167 @@ class Ema:
 
 
 @dataclass
+class Acceptance:
+    """Per draft position j (1-based), decayed counts of the rows that reached it (every
+    draft before it accepted) and of those that accepted it: α_j = passed / reached."""
+
+    decay: float = 0.8
+    reached: list[float] = field(default_factory=list)
+    passed: list[float] = field(default_factory=list)
+
+    def add(self, drafted: int, emitted: Sequence[int]) -> None:
+        """A round of `drafted` drafts whose rows emitted `emitted` tokens each (1..g+1)."""
+        grow = drafted - len(self.reached)
+        if grow > 0:
+            self.reached += [0.0] * grow
+            self.passed += [0.0] * grow
+        counts = Counter(emitted)
+        at_least = len(emitted)  # rows that emitted at least j tokens, j = 1..
+        for j in range(1, drafted + 1):
+            passed = at_least - counts[j]  # emitted more than j: draft j accepted
+            self.reached[j - 1] = self.decay * self.reached[j - 1] + at_least
+            self.passed[j - 1] = self.decay * self.passed[j - 1] + passed
+            at_least = passed
+
+    def rates(self, n: int) -> list[float]:
+        """α_1..α_n (a position never reached takes the rate before it; 1 at first)."""
+        out, last = [], 1.0
+        for j in range(n):
+            if j < len(self.reached) and self.reached[j] > 0:
+                last = self.passed[j] / self.reached[j]
+            out.append(last)
+        return out
+
+    def tokens(self, drafted: int) -> float:
+        """τ(g): the tokens a row emits in a round of g drafts, 1 + Σ_i Π_{j ≤ i} α_j."""
+        total, run = 1.0, 1.0
+        for a in self.rates(drafted):
+            run *= a
+            total += run
+        return total
+
+    def copy(self) -> Acceptance:
+        return Acceptance(self.decay, list(self.reached), list(self.passed))
+
+    @property
+    def measured(self) -> bool:
+        return any(r > 0 for r in self.reached)
+
+
+@dataclass
 class Bucket:
-    plain: Ema = field(default_factory=Ema)
-    round: Ema = field(default_factory=Ema)
-    tokens: Ema = field(default_factory=lambda: Ema(skip=0))  # τ: tokens a row per round
-    streak: int = 0  # iterations since the other choice last ran
+    costs: dict[int, Ema]  # by draft length, 0 a plain step
+    acceptance: Acceptance
+    streak: dict[int, int]  # by draft length: iterations since it last ran
     settle: bool = False  # the last iteration was a round after plain steps: one more
 
 
 @dataclass
 class SpeculationController:
-    """choose(bucket) -> draft or not; observe(bucket, drafted, seconds, tokens) after the
-    iteration. probe, most: the fewest and the most iterations between two runs of the
-    choice not taken; cost: the share of the time that probes may lose."""
+    """choose(bucket) -> draft length (0: a plain step); observe(bucket, drafted, seconds,
+    emitted) after the iteration. lengths: the draft lengths it may choose; probe, most:
+    the fewest and the most iterations between two runs of a choice not taken; cost: the
+    share of the time that probes may lose."""
 
+    lengths: tuple[int, ...] = (6,)
     probe: int = 32
     most: int = 4096
     cost: float = 0.01
     buckets: dict[int, Bucket] = field(default_factory=dict)
-    plain_steps: int = 0
-    rounds: int = 0
-    drafted: bool | None = None  # the last iteration's choice
+    chosen: Counter[int] = field(default_factory=Counter)  # iterations by draft length
+    last: int | None = None  # the last iteration's draft length
+    last_bucket: int | None = None
 
-    def choose(self, bucket: int) -> bool:
-        b = self.buckets.setdefault(bucket, Bucket())
-        if b.round.value is None or b.settle:  # measure a round first, then a plain step
-            return True
-        if b.plain.value is None:
-            return False
-        speculate = self.pays(b)
-        if b.streak >= self.interval(b, speculate):
-            return not speculate
-        return speculate
+    @property
+    def choices(self) -> tuple[int, ...]:
+        return (0, *self.lengths)
+
+    def bucket(self, key: int) -> Bucket:
+        """A bucket's estimates; a new one starts from the acceptance of the bucket last
+        used (the same rows, fewer or more of them)."""
+        b = self.buckets.get(key)
+        if b is None:
+            prev = self.buckets.get(self.last_bucket) if self.last_bucket is not None else None
+            b = self.buckets[key] = Bucket(
+                {g: Ema() for g in self.choices},
+                prev.acceptance.copy() if prev is not None else Acceptance(),
+                dict.fromkeys(self.choices, 0))
+        return b
+
+    def choose(self, bucket: int) -> int:
+        b = self.bucket(bucket)
+        longest = self.lengths[-1]
+        if b.settle and self.last:  # a round after plain steps: measure the next one
+            return self.last
+        if b.costs[longest].value is None:  # measure the longest round first, then a plain step
+            return longest
+        if b.costs[0].value is None:
+            return 0
+        for g in self.lengths:  # a probe whose time was skipped (a capture): once more
+            if b.costs[g].value is None and b.costs[g].seen:
+                return g
+        best = self.best(b)
+        due = [(b.streak[g] / self.interval(b, g, best), g) for g in self.choices
+               if g != best]
+        ready = [d for d in due if d[0] >= 1.0]
+        return max(ready)[1] if ready else best
+
+    def tokens(self, b: Bucket, g: int) -> float:
+        return b.acceptance.tokens(g) if g else 1.0
+
+    def costs(self, b: Bucket) -> dict[int, float]:
+        """Each choice's cost: measured, or interpolated between the measured ones (the
+        longest round and the plain step are measured first)."""
+        known = {g: e.value for g, e in b.costs.items() if e.value is not None}
+        points = sorted(known)
+        out = {}
+        for g in self.choices:
+            if g in known:
+                out[g] = known[g]
+                continue
+            lo = max(p for p in points if p < g)
+            hi = min(p for p in points if p > g)
+            out[g] = known[lo] + (known[hi] - known[lo]) * (g - lo) / (hi - lo)
+        return out
+
+    def best(self, b: Bucket) -> int:
+        """The choice of the highest rate τ(g) / c(g) (ties: the shorter)."""
+        c = self.costs(b)
+        return max(self.choices, key=lambda g: (self.tokens(b, g) / c[g], -g))
 
     def pays(self, b: Bucket) -> bool:
-        assert b.round.value is not None and b.plain.value is not None
-        return _tau(b) * b.plain.value > b.round.value
+        """Whether some round beats a plain step in this bucket."""
+        return self.best(b) != 0
 
-    def interval(self, b: Bucket, speculate: bool) -> int:
-        """Iterations between two probes of the choice not taken: enough that a probe's loss
-        is at most `cost` of the time of the preferred iterations between them."""
-        assert b.round.value is not None and b.plain.value is not None
-        plain, round_, tau = b.plain.value, b.round.value, _tau(b)
-        if speculate:  # a plain step's token against a round's share of one
-            loss, each = plain - round_ / tau, round_
-        else:  # two rounds' τ tokens each against as many plain steps
-            loss, each = 2 * (round_ - tau * plain), plain
-        wanted = math.ceil(loss / (self.cost * each)) if loss > 0 else 0
+    def interval(self, b: Bucket, g: int, best: int | None = None) -> int:
+        """Iterations between two probes of choice g: enough that a probe's loss is at
+        most `cost` of the time of the preferred iterations between them."""
+        best = self.best(b) if best is None else best
+        c = self.costs(b)
+        loss = c[g] - self.tokens(b, g) * c[best] / self.tokens(b, best)
+        if g and not best:  # a round probed after plain steps is two rounds
+            loss *= 2
+        wanted = math.ceil(loss / (self.cost * c[best])) if loss > 0 else 0
         return min(max(self.probe, wanted), self.most)
 
-    def observe(self, bucket: int, drafted: bool, seconds: float,
-                tokens_per_row: float | None = None) -> None:
-        b = self.buckets.setdefault(bucket, Bucket())
-        preferred = None if b.round.value is None or b.plain.value is None else self.pays(b)
-        b.settle = drafted and self.drafted is False  # planned again: not a round's time
+    def observe(self, bucket: int, drafted: int, seconds: float,
+                emitted: Sequence[int] = ()) -> None:
+        """After an iteration of `drafted` drafts (0: a plain step) that took `seconds` and
+        in which each row emitted `emitted` tokens."""
+        b = self.bucket(bucket)
+        b.settle = bool(drafted) and self.last == 0  # planned again: not a round's time
         if not b.settle:
-            (b.round if drafted else b.plain).add(seconds)
-        self.drafted = drafted
-        if drafted:
-            self.rounds += 1
-            if tokens_per_row is not None:
-                b.tokens.add(tokens_per_row)
-        else:
-            self.plain_steps += 1
-        b.streak = 0 if preferred is not None and drafted != preferred else b.streak + 1
+            b.costs[drafted].add(seconds)
+        if drafted and emitted:
+            b.acceptance.add(drafted, emitted)
+        for g in b.streak:
+            b.streak[g] = 0 if g == drafted else b.streak[g] + 1
+        self.chosen[drafted] += 1
+        self.last, self.last_bucket = drafted, bucket
 
-    def summary(self) -> dict[str, float | int]:
-        total = self.rounds + self.plain_steps
-        return {"rounds": self.rounds, "plain_steps": self.plain_steps,
-                "speculative_share": self.rounds / total if total else 0.0}
-
-
-def _tau(b: Bucket) -> float:
-    """A bucket's tokens a row per round (1 before any round)."""
-    return b.tokens.value if b.tokens.value is not None else 1.0
+    def summary(self) -> dict[str, object]:
+        total = sum(self.chosen.values())
+        rounds = total - self.chosen[0]
+        return {"rounds": rounds, "plain_steps": self.chosen[0],
+                "speculative_share": rounds / total if total else 0.0,
+                "draft_lengths": {g: self.chosen[g] for g in self.choices}}
