@@ -30,7 +30,7 @@ test-gpu:
 		tests/models/test_gpt_oss.py tests/models/test_qwen3_moe.py tests/models/test_mxfp4.py
 	$(PYTHON) -m pytest -q -n 8 tests/test_graphs.py tests/test_engine_prefill.py \
 		tests/test_engine_steps.py tests/test_engine_generate.py tests/test_engine_exact.py \
-		-k "cuda or gpu or lossless or prefill or graph or exact"
+		tests/speculative/test_adaptive.py -k "cuda or gpu or lossless or prefill or graph or exact"
 	$(PYTHON) -m pytest -q tests/test_parallel.py -k nccl
 
 lint: setup

@@ -245,12 +245,15 @@ def pacer_estimates(engine: Any) -> dict[str, float | None]:
 
 def controller_estimates(engine: Any) -> dict[str, dict[str, float | None]]:
     """Adaptive speculation's estimates per batch bucket after the last step ({} when it
-    is off): the plain step's and the round's seconds and τ, as it weighs them."""
+    is off): the plain step's seconds, and each draft length's round seconds and τ, as it
+    weighs them."""
     controller = engine.controller
     if controller is None:
         return {}
-    return {str(bucket): {"plain_s": b.plain.value, "round_s": b.round.value,
-                          "tau": b.tokens.value} for bucket, b in controller.buckets.items()}
+    return {str(bucket): {"plain_s": b.costs[0].value,
+                          **{f"round_{g}_s": b.costs[g].value for g in controller.lengths},
+                          **{f"tau_{g}": b.acceptance.tokens(g) for g in controller.lengths}}
+            for bucket, b in controller.buckets.items()}
 
 
 def free_port() -> int:

@@ -91,16 +91,18 @@ def repeats_note(lines: list[dict[str, Any]]) -> str:
 
 def acceptance_section(lines: list[dict[str, Any]]) -> list[str]:
     """Per speculative cell, the share of its iterations (every sequence of the batch) that
-    accepted the draft at position j, for j = 1..γ: draft j is accepted when the iteration
-    emits more than j tokens, so the rates never rise with j."""
+    accepted the draft at position j, for j = 1..γ, of those that drafted it: draft j is
+    accepted when the iteration emits more than j tokens (adaptive speculation may draft
+    fewer than γ)."""
     rows = [r for r in lines if r["method"] != "vanilla" and r.get("acceptance_per_position")]
     if not rows:
         return []
     width = max(len(r["acceptance_per_position"]) for r in rows)
     out = ["## Acceptance per draft position", "",
-           "Share of each cell's decode iterations, over every sequence of the batch, in which "
-           "the draft at position j was accepted (position j is accepted when the iteration "
-           "emits more than j tokens).", "",
+           "Share of each cell's decode iterations that drafted position j, over every "
+           "sequence of the batch, in which that draft was accepted (position j is accepted "
+           "when the iteration emits more than j tokens; adaptive speculation drafts γ, 2γ/3 or "
+           "γ/3 tokens an iteration).", "",
            "| workload | context | batch | method | γ | ratio | "
            + " | ".join(f"@{j}" for j in range(1, width + 1)) + " |",
            "|---|---:|---:|---|---:|---:|" + "---:|" * width]
