@@ -365,7 +365,7 @@ class GraphRunner:
     def _replay(self, kind: str) -> tuple[torch.Tensor, ...]:
         graph = self.graphs.get((kind, self.bucket))
         if graph is None and self.capturing:
-            self._capture_now(kind)
+            self._capture_now(self.every_length(kind))
             graph = self.graphs[(kind, self.bucket)]
         if graph is None:
             return self._body(kind, self.bucket)
@@ -494,10 +494,17 @@ class GraphRunner:
         a server may meet) captured for every bucket on the dummy buffers, so that no
         request waits for their capture."""
         if self.capturing and self.shapes.verify_rows:
-            longest = self.shapes.verify_rows - 1
-            rounds = tuple(with_length(k, g, longest) for k in ("sampled", "filtered", "topk")
-                           for g in self.shapes.draft_lengths)
-            self._capture_all((*rounds, "plain") if kinds is None else kinds)
+            wanted = ("sampled", "filtered", "topk", "plain") if kinds is None else kinds
+            self._capture_all(tuple(k for kind in wanted for k in self.every_length(kind)))
+
+    def every_length(self, kind: str) -> tuple[str, ...]:
+        """A round kind's graphs of every draft length (adaptive speculation may run any of
+        them at any iteration); any other kind alone."""
+        base = kind.partition("@")[0]
+        if base not in ROUNDS:
+            return (kind,)
+        longest = self.shapes.verify_rows - 1
+        return tuple(with_length(base, g, longest) for g in self.shapes.draft_lengths)
 
     def _capture(self, kind: str, bucket: int) -> _Graph:
         graph, out = capture(lambda: self._body(kind, bucket), self.pool)
@@ -505,16 +512,17 @@ class GraphRunner:
             self.pool = graph.pool()
         return _Graph(graph, out)
 
-    def _capture_now(self, kind: str) -> None:
-        """A kind first met while rows decode (a sampled round, the adaptive plain step, a
-        profiled step): captured for every bucket at once, so that rows leaving later meet no
-        capture, on the live buffers. The warm-up runs write only KV past the committed
-        lengths (rewritten before it is read) and plans, which are put back as they were: the
-        replays draft from the plans the eager path would."""
+    def _capture_now(self, kinds: tuple[str, ...]) -> None:
+        """Kinds first met while rows decode (a sampled round's, of every draft length; the
+        adaptive plain step; a profiled step): captured for every bucket at once, so that rows
+        leaving later (or a round of another length) meet no capture, on the live buffers.
+        The warm-up runs write only KV past the committed lengths (rewritten before it is
+        read) and plans, which are put back as they were: the replays draft from the plans
+        the eager path would."""
         b = self.buf
         plan = (b.indices, b.recent_start, b.budget, b.listed) + \
             (() if b.state is None else b.state.tensors())
         saved = [t.clone() for t in plan]
-        self._capture_all((kind,))
+        self._capture_all(kinds)
         for dst, src in zip(plan, saved):
             dst.copy_(src)

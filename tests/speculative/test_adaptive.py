@@ -89,6 +89,22 @@ def test_acceptance_per_position_gives_the_tokens_of_every_shorter_round() -> No
     assert acc.rates(6)[0] < 0.8 and acc.rates(6)[3:] == pytest.approx([0.8] * 3, abs=2e-3)
 
 
+def test_one_rows_rejection_moves_the_estimate_as_one_row_of_a_batch_would() -> None:
+    """The counts decay per row-round: at batch 1 a single rejection after a long run of
+    full acceptance leaves α_1 near 1 (decayed per round it would drop to 0.8 and τ(γ)
+    with it), while at batch 64 a round of rejections moves it at once."""
+    one = Acceptance()
+    for _ in range(50):
+        one.add(6, [7])
+    one.add(6, [1])
+    assert one.rates(1)[0] > 0.95 and one.tokens(6) > 6.5
+    batch = Acceptance()
+    for _ in range(50):
+        batch.add(6, [7] * 64)
+    batch.add(6, [1] * 64)
+    assert batch.rates(1)[0] < 0.6
+
+
 def test_it_speculates_where_a_round_pays() -> None:
     choices = drive(only_gamma(probe=16), 400, plain_s=1.0, round_s=3.0, alpha=0.9)
     late = [bool(g) for g in choices[100:]]
@@ -298,8 +314,12 @@ def test_every_draft_length_replays_as_its_own_graph(tmp_path_factory: pytest.Te
     outs = graphs.generate(prompts, greedy, speculative=spec)
     assert [o.token_ids for o in outs] == want
     assert all(n > 0 for n in outs[0].stats["draft_length_histogram"])
-    got = [o.token_ids for o in graphs.generate(prompts, sampled, speculative=spec)]
-    assert got == [o.token_ids for o in eager.generate(prompts, sampled, speculative=spec)]
+    outs = []
+    for llm in (graphs, eager):  # the same choices in both: each from a fresh controller
+        llm.engine.set_spec(spec)
+        llm.engine.controller = Alternate(draft_lengths(spec.gamma))
+        outs.append([o.token_ids for o in llm.generate(prompts, sampled, speculative=spec)])
+    assert outs[0] == outs[1]
     kinds = {k for k, _ in graphs.engine.runner.graphs.graphs}
     assert {"spec", "spec@1", "spec@2", "plain", "filtered", "filtered@1"} <= kinds
 

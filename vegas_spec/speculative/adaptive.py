@@ -61,9 +61,13 @@ class Ema:
 @dataclass
 class Acceptance:
     """Per draft position j (1-based), decayed counts of the rows that reached it (every
-    draft before it accepted) and of those that accepted it: α_j = passed / reached."""
+    draft before it accepted) and of those that accepted it: α_j = passed / reached. The
+    counts decay by `decay` per `rows` rows of a round, so that the memory holds as many
+    row-rounds whatever the batch (one row's round alone says little: a single rejection
+    would swing the estimate)."""
 
     decay: float = 0.8
+    rows: int = 16
     reached: list[float] = field(default_factory=list)
     passed: list[float] = field(default_factory=list)
 
@@ -75,10 +79,11 @@ class Acceptance:
             self.passed += [0.0] * grow
         counts = Counter(emitted)
         at_least = len(emitted)  # rows that emitted at least j tokens, j = 1..
+        decay = self.decay ** (len(emitted) / self.rows)
         for j in range(1, drafted + 1):
             passed = at_least - counts[j]  # emitted more than j: draft j accepted
-            self.reached[j - 1] = self.decay * self.reached[j - 1] + at_least
-            self.passed[j - 1] = self.decay * self.passed[j - 1] + passed
+            self.reached[j - 1] = decay * self.reached[j - 1] + at_least
+            self.passed[j - 1] = decay * self.passed[j - 1] + passed
             at_least = passed
 
     def rates(self, n: int) -> list[float]:
@@ -99,7 +104,7 @@ class Acceptance:
         return total
 
     def copy(self) -> Acceptance:
-        return Acceptance(self.decay, list(self.reached), list(self.passed))
+        return Acceptance(self.decay, self.rows, list(self.reached), list(self.passed))
 
     @property
     def measured(self) -> bool:
