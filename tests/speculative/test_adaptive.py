@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -196,9 +197,51 @@ def test_the_probe_interval_grows_with_what_a_probe_loses() -> None:
     far = c.interval(b1, 6)
     drive(c, 100, plain_s=1.6, round_s=40.0, alpha=0.5, bucket=2)
     farthest = c.interval(c.buckets[2], 6)
-    # a probing round is two rounds: twice the loss, twice the spacing
-    tau = b1.acceptance.tokens(6)
+    # a probing round is two rounds: twice the loss, twice the spacing; its τ reckoned at
+    # the upper confidence bound of the rates
+    tau = b1.acceptance.tokens(6, optimistic=True)
+    assert b1.acceptance.tokens(6) < tau < b1.acceptance.tokens(6) + 0.2
     assert 32 <= near < far == math.ceil(2 * (11.0 - tau * 1.6) / 0.016) < farthest == 1024
+
+
+def unlucky_start(alpha: float, seed: int, iterations: int = 600) -> list[int]:
+    """Batch 1, rounds of γ 6 costing 5.7 plain steps (code at 7.5K on an H100), each draft
+    accepted with probability alpha, the first two rounds unlucky (1 and 0 drafts
+    accepted) -> the controller's choices."""
+    rng, c, bad, choices = random.Random(seed), only_gamma(), [2, 1], []
+    for _ in range(iterations):
+        g = c.choose(1)
+        if not g:
+            c.observe(1, 0, 1.0, [1])
+        else:
+            emitted = bad.pop(0) if bad else 1 + next(
+                (j for j in range(g) if rng.random() >= alpha), g)
+            c.observe(1, g, 5.7, [emitted])
+        choices.append(g)
+    return choices
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_couple_of_unlucky_rounds_do_not_stop_speculation_for_long(seed: int) -> None:
+    """At batch 1 two unlucky rounds put τ(6) near 1.5: by its point estimate a probing
+    round would lose 8 plain steps' time, and the next probe would wait 800 iterations.
+    Reckoned at the rates' upper confidence bound (two rows seen) it is probed again after
+    the least interval, and where rounds do pay (acceptance 0.98: τ 6.6 against a cost of
+    5.7) the controller speculates again."""
+    choices = unlucky_start(0.98, seed)
+    assert choices[4:6] == [0, 0]  # the unlucky rounds: plain steps now
+    first = next(i for i in range(6, len(choices)) if choices[i])
+    assert first <= 6 + 32 + 2
+    late = choices[-200:]
+    assert sum(map(bool, late)) / len(late) > 0.8
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_where_rounds_do_not_pay_the_probes_thin_out(seed: int) -> None:
+    """The upper bound tightens with every probe: at acceptance 0.5 (τ 2 against a cost of
+    5.7) rounds are a small share of the iterations once a few probes have measured them."""
+    late = unlucky_start(0.5, seed, 1500)[300:]
+    assert sum(map(bool, late)) / len(late) < 0.03
 
 
 def test_buckets_are_measured_apart() -> None:

@@ -86,19 +86,26 @@ class Acceptance:
             self.passed[j - 1] = decay * self.passed[j - 1] + passed
             at_least = passed
 
-    def rates(self, n: int) -> list[float]:
-        """α_1..α_n (a position never reached takes the rate before it; 1 at first)."""
+    def rates(self, n: int, optimistic: bool = False) -> list[float]:
+        """α_1..α_n (a position never reached takes the rate before it; 1 at first);
+        optimistic: each rate's upper confidence bound from its (decayed) count of rows,
+        α + sqrt(α(1 - α) / n) + 1 / n, at most 1."""
         out, last = [], 1.0
         for j in range(n):
             if j < len(self.reached) and self.reached[j] > 0:
-                last = self.passed[j] / self.reached[j]
+                count = self.reached[j]
+                last = self.passed[j] / count
+                if optimistic:
+                    last = min(1.0, last + math.sqrt(last * (1 - last) / count)
+                               + 1 / count)
             out.append(last)
         return out
 
-    def tokens(self, drafted: int) -> float:
-        """τ(g): the tokens a row emits in a round of g drafts, 1 + Σ_i Π_{j ≤ i} α_j."""
+    def tokens(self, drafted: int, optimistic: bool = False) -> float:
+        """τ(g): the tokens a row emits in a round of g drafts, 1 + Σ_i Π_{j ≤ i} α_j
+        (optimistic: of the rates' upper bounds)."""
         total, run = 1.0, 1.0
-        for a in self.rates(drafted):
+        for a in self.rates(drafted, optimistic):
             run *= a
             total += run
         return total
@@ -198,10 +205,14 @@ class SpeculationController:
 
     def interval(self, b: Bucket, g: int, best: int | None = None) -> int:
         """Iterations between two probes of choice g: enough that a probe's loss is at
-        most `cost` of the time of the preferred iterations between them."""
+        most `cost` of the time of the preferred iterations between them, the loss of a
+        round reckoned from its τ's upper confidence bound (few rows seen, as at batch 1
+        after a couple of unlucky rounds: probed again soon, not after hundreds of plain
+        steps)."""
         best = self.best(b) if best is None else best
         c = self.costs(b)
-        loss = c[g] - self.tokens(b, g) * c[best] / self.tokens(b, best)
+        tau = b.acceptance.tokens(g, optimistic=True) if g else 1.0
+        loss = c[g] - tau * c[best] / self.tokens(b, best)
         if g and not best:  # a round probed after plain steps is two rounds
             loss *= 2
         wanted = math.ceil(loss / (self.cost * c[best])) if loss > 0 else 0
