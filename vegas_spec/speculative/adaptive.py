@@ -22,7 +22,9 @@ The first round after plain steps is dearer than the next ones (its rows are pla
 on the host, their recent range having moved on), so its time is not a round's: a round
 probed after plain steps is two rounds, the second measured. Were that first round
 measured, a probe would find rounds dearer than they are whenever plain steps ran before
-it, and the controller could stay on plain steps where rounds pay. Nothing here touches the
+it, and the controller could stay on plain steps where rounds pay. What that first round
+costs beyond a round (`replan`) is charged to each probe that crosses between plain steps and
+rounds, and to a switch of the best choice. Nothing here touches the
 device; the choice changes only how many tokens are drafted, never which tokens are
 emitted."""
 
@@ -124,6 +126,9 @@ class Bucket:
     acceptance: Acceptance
     streak: dict[int, int]  # by draft length: iterations since it last ran
     settle: bool = False  # the last iteration was a round after plain steps: one more
+    # what a round after plain steps costs beyond a round (its rows planned again)
+    replan: Ema = field(default_factory=lambda: Ema(skip=0))
+    preferred: int | None = None  # the last best choice (a probe does not change it)
 
 
 @dataclass
@@ -170,7 +175,7 @@ class SpeculationController:
         for g in self.lengths:  # a probe whose time was skipped (a capture): once more
             if b.costs[g].value is None and b.costs[g].seen:
                 return g
-        best = self.best(b)
+        best = b.preferred = self.best(b)
         due = [(b.streak[g] / self.interval(b, g, best), g) for g in self.choices
                if g != best]
         ready = [d for d in due if d[0] >= 1.0]
@@ -195,9 +200,19 @@ class SpeculationController:
         return out
 
     def best(self, b: Bucket) -> int:
-        """The choice of the highest rate τ(g) / c(g) (ties: the shorter)."""
+        """The choice of the highest rate τ(g) / c(g) (ties: the shorter). Going from rounds
+        to plain steps, or back, costs a round's re-planning once: a choice on the other
+        side of the one preferred so far (probes aside) pays it spread over `probe`
+        iterations, so that near break-even the controller does not go back and forth."""
         c = self.costs(b)
-        return max(self.choices, key=lambda g: (self.tokens(b, g) / c[g], -g))
+        switch = (b.replan.value or 0.0) / self.probe
+        now = b.preferred
+
+        def rate(g: int) -> tuple[float, int]:
+            other = now is not None and bool(g) != bool(now)
+            return self.tokens(b, g) / (c[g] + (switch if other else 0.0)), -g
+
+        return max(self.choices, key=rate)
 
     def pays(self, b: Bucket) -> bool:
         """Whether some round beats a plain step in this bucket."""
@@ -215,6 +230,8 @@ class SpeculationController:
         loss = c[g] - tau * c[best] / self.tokens(b, best)
         if g and not best:  # a round probed after plain steps is two rounds
             loss *= 2
+        if bool(g) != bool(best):  # the round after a plain step is planned again
+            loss += b.replan.value or 0.0
         wanted = math.ceil(loss / (self.cost * c[best])) if loss > 0 else 0
         return min(max(self.probe, wanted), self.most)
 
@@ -226,6 +243,8 @@ class SpeculationController:
         b.settle = bool(drafted) and self.last == 0  # planned again: not a round's time
         if not b.settle:
             b.costs[drafted].add(seconds)
+        elif b.costs[drafted].value is not None:
+            b.replan.add(max(0.0, seconds - b.costs[drafted].value))
         if drafted and emitted:
             b.acceptance.add(drafted, emitted)
         for g in b.streak:
