@@ -404,8 +404,8 @@ def test_report_has_acceptance_per_draft_position(bench_dir: Path) -> None:
     data = _results(bench_dir)
     report = (bench_dir / "report.md").read_text()
     table = report.split("## Acceptance per draft position")[1].split("\n## ")[0]
-    assert "| workload | context | batch | method | γ | ratio | @1 | @2 | @3 | @4 | @5 | @6 |" \
-        in table
+    assert "| workload | context | batch | method | γ | ratio | @1 | @2 | @3 | @4 | @5 | @6 | " \
+        "plain steps; rounds × draft length |" in table
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
     spec = [c for c in data["cells"] if c["method"] != "vanilla"]
     assert len(rows) == 1 + len(spec) == 11 and "| vanilla |" not in table
@@ -416,8 +416,10 @@ def test_report_has_acceptance_per_draft_position(bench_dir: Path) -> None:
         assert sum(lengths) == sum(hist)
         want = [sum(hist[j:]) / sum(lengths[j - 1:]) for j in range(1, cell["gamma"] + 1)]
         assert cell["acceptance_rate_per_position"] == pytest.approx(want, abs=1e-12)
+        rounds = ", ".join(f"{n} × {g}" for g, n in reversed(list(enumerate(lengths, 1))) if n)
         line = (f"| {cell['workload']} | {cell['context'] or '-'} | {cell['batch']} | vegas | "
-                f"6 | 0.05 | " + " | ".join(f"{a:.2f}" for a in want) + " |")
+                f"6 | 0.05 | " + " | ".join(f"{a:.2f}" for a in want)
+                + f" | {cell['plain_steps']}; {rounds} |")
         assert line in rows, line
     summary = {line["key"]: line for line in data["summary"]}
     assert all(summary[c["key"]]["acceptance_per_position"] ==

@@ -118,11 +118,15 @@ def test_acceptance_table_lists_every_draft_position() -> None:
         return {"workload": "generation", "context": None, "batch": 2, "method": method,
                 "gamma": gamma, "ratio": 0.05, "acceptance_per_position": acc}
 
-    table = report.acceptance_section([line("vanilla", 6, []), line("vegas", 3, [0.9, 0.5, 0.25]),
+    adaptive = {**line("vegas", 3, [0.9, 0.5, 0.25]), "draft_lengths": [2, 0, 7],
+                "plain_steps": 4}
+    table = report.acceptance_section([line("vanilla", 6, []), adaptive,
                                        line("stream", 2, [0.75, 0.125])])
-    assert table[4] == "| workload | context | batch | method | γ | ratio | @1 | @2 | @3 |"
-    assert table[6:8] == ["| generation | - | 2 | vegas | 3 | 0.05 | 0.90 | 0.50 | 0.25 |",
-                          "| generation | - | 2 | stream | 2 | 0.05 | 0.75 | 0.12 | - |"]
+    assert table[4] == "| workload | context | batch | method | γ | ratio | @1 | @2 | @3 | " \
+        "plain steps; rounds × draft length |"
+    assert table[6:8] == [
+        "| generation | - | 2 | vegas | 3 | 0.05 | 0.90 | 0.50 | 0.25 | 4; 7 × 3, 2 × 1 |",
+        "| generation | - | 2 | stream | 2 | 0.05 | 0.75 | 0.12 | - | - |"]  # results before
     assert report.acceptance_section([line("vanilla", 6, [])]) == []
 
 

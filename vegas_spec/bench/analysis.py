@@ -149,6 +149,9 @@ def summary(rows: list[dict[str, Any]], dtype: str,
             "acceptance_first": acc[0] if acc else None,
             "acceptance_last": acc[-1] if acc else None,
             "acceptance_per_position": list(acc),  # draft positions 1..γ; [] for vanilla
+            # rounds by draft length 1..γ, and plain steps (adaptive speculation's choices)
+            "draft_lengths": list(row.get("draft_length_histogram") or []),
+            "plain_steps": row.get("plain_steps"),
             "budget_mean": row.get("budget_mean"), "prompts": len(row["token_ids"]),
             **lossless(row, base, dtype, exact), "needle": needle(row),
             "needle_same_as_vanilla": same_needles(row, base),

@@ -104,14 +104,26 @@ def acceptance_section(lines: list[dict[str, Any]]) -> list[str]:
            "when the iteration emits more than j tokens; adaptive speculation drafts γ, 2γ/3 or "
            "γ/3 tokens an iteration).", "",
            "| workload | context | batch | method | γ | ratio | "
-           + " | ".join(f"@{j}" for j in range(1, width + 1)) + " |",
-           "|---|---:|---:|---|---:|---:|" + "---:|" * width]
+           + " | ".join(f"@{j}" for j in range(1, width + 1))
+           + " | plain steps; rounds × draft length |",
+           "|---|---:|---:|---|---:|---:|" + "---:|" * width + "---|"]
     for r in rows:
         acc = r["acceptance_per_position"]
         rates = [_f(acc[j]) if j < len(acc) else "-" for j in range(width)]
         out.append(f"| {r['workload']} | {_ctx(r['context'])} | {r['batch']} | {r['method']} "
-                   f"| {r['gamma']} | {r['ratio']:g} | " + " | ".join(rates) + " |")
+                   f"| {r['gamma']} | {r['ratio']:g} | " + " | ".join(rates)
+                   + f" | {_choices(r)} |")
     return out + [""]
+
+
+def _choices(line: dict[str, Any]) -> str:
+    """A cell's plain steps and its rounds by draft length ("12; 30 × 6, 4 × 2"), "-" where
+    the results predate them."""
+    lengths = line.get("draft_lengths") or []
+    if not lengths:
+        return "-"
+    rounds = ", ".join(f"{n} × {g}" for g, n in reversed(list(enumerate(lengths, 1))) if n)
+    return f"{line.get('plain_steps') or 0}; {rounds or 'none'}"
 
 
 def lossless_section(lines: list[dict[str, Any]], dtype: str) -> list[str]:
