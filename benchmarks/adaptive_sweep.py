@@ -70,8 +70,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sampled", action="store_true",
                     help="temperature 0.6, top-p 0.95, top-k 20, seed 1 (default: greedy)")
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--table", nargs="+", type=Path, metavar="RESULTS",
+                    help="print the markdown table of these result files (BENCHMARKS.md "
+                         "§1.5's) and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        print("\n".join(table(args.table)))
+        return
+    if args.out is None:
+        ap.error("--out is required (or --table)")
     if min(args.max_tokens, args.generation_tokens) < 2 or args.repeats < 1:
         ap.error("--max-tokens and --generation-tokens must be >= 2 (a decode rate needs two "
                  "decoded tokens), --repeats >= 1")
@@ -155,6 +163,37 @@ def cell(llm: LLM, args: argparse.Namespace, workload: str, context: int | None,
             "best_fixed": {"label": best, "decode_tokens_per_s": out[best]["decode_tokens_per_s"]},
             "adaptive_vs_best_fixed": adaptive / out[best]["decode_tokens_per_s"],
             "adaptive_vs_vanilla": adaptive / vanilla}
+
+
+def table(paths: list[Path]) -> list[str]:
+    """The rows of result files as one markdown table: per cell vanilla's tok/s, adaptive
+    and each fixed γ over vanilla (the best fixed γ in bold), adaptive over the best fixed γ
+    (✗: below the goals, 0.98× vanilla and 0.95× the best fixed γ) and the adaptive run's
+    iterations by draft length (0: plain steps)."""
+    rows = [(json.loads(p.read_text()), r) for p in paths
+            for r in json.loads(p.read_text())["rows"]]
+    fixed = sorted({int(label.split()[1]) for _, r in rows for label in r["runs"]
+                    if label.startswith("fixed")})
+    lengths = sorted({0, *fixed})
+    out = ["| workload, decoding | context | batch | vanilla tok/s | adaptive × vanilla | "
+           "fixed γ " + " / ".join(map(str, fixed)) + " × vanilla | adaptive / best fixed | "
+           "iterations: plain / γ " + " / ".join(map(str, lengths[1:])) + " |",
+           "|---|---:|---:|---:|---:|---|---:|---|"]
+    for data, r in rows:
+        runs, best = r["runs"], r["best_fixed"]["label"]
+        mode = "sampled" if data["meta"]["args"].get("sampled") else "greedy"
+        name = r["workload"] if mode == "greedy" and r["workload"] != "generation" \
+            else f"{r['workload']}, {mode}"
+        each = " / ".join((f"**{runs[f'fixed {g}']['vs_vanilla']:.2f}**" if f"fixed {g}" == best
+                           else f"{runs[f'fixed {g}']['vs_vanilla']:.2f}") for g in fixed)
+        chosen = (runs["adaptive"].get("controller") or {}).get("draft_lengths") or {}
+        counts = " / ".join(str(chosen.get(str(g), chosen.get(g, 0))) for g in lengths)
+        adaptive, versus = runs["adaptive"]["vs_vanilla"], r["adaptive_vs_best_fixed"]
+        out.append(f"| {name} | {r['context'] or '-'} | {r['batch']} | "
+                   f"{runs['vanilla']['decode_tokens_per_s']:,.0f} | "
+                   f"{adaptive:.2f}{' ✗' if adaptive < 0.98 else ''} | {each} | "
+                   f"{versus:.2f}{' ✗' if versus < 0.95 else ''} | {counts} |")
+    return out
 
 
 if __name__ == "__main__":

@@ -373,3 +373,13 @@ def test_adaptive_sweep_sets_adaptive_beside_every_fixed_gamma_in_each_cell(
             adaptive / runs[best]["decode_tokens_per_s"])
         assert r["adaptive_vs_vanilla"] == pytest.approx(adaptive / vanilla)
         assert r["adaptive_vs_vanilla"] == pytest.approx(runs["adaptive"]["vs_vanilla"])
+    table = run("adaptive_sweep.py", "--table", str(out)).splitlines()  # BENCHMARKS.md's
+    assert table[0].startswith("| workload, decoding |") and "fixed γ 1 / 2 × vanilla" in table[0]
+    assert len(table) == 2 + len(rows)
+    for line, r in zip(table[2:], rows):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[0] == ("essays" if r["workload"] == "essays" else "generation, greedy")
+        assert cells[4].split()[0] == f"{r['adaptive_vs_vanilla']:.2f}"
+        assert f"**{r['runs'][r['best_fixed']['label']]['vs_vanilla']:.2f}**" in cells[5]
+        chosen = r["runs"]["adaptive"]["controller"]["draft_lengths"]
+        assert cells[7] == " / ".join(str(chosen[g]) for g in ("0", "1", "2"))
