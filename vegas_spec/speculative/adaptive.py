@@ -34,6 +34,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 def draft_lengths(gamma: int) -> tuple[int, ...]:
@@ -103,21 +104,30 @@ class Acceptance:
             out.append(last)
         return out
 
-    def tokens(self, drafted: int, optimistic: bool = False) -> float:
-        """τ(g): the tokens a row emits in a round of g drafts, 1 + Σ_i Π_{j ≤ i} α_j
-        (optimistic: of the rates' upper bounds)."""
-        total, run = 1.0, 1.0
-        for a in self.rates(drafted, optimistic):
+    def taus(self, n: int, optimistic: bool = False) -> list[float]:
+        """τ(0)..τ(n) in one pass: τ(g), the tokens a row emits in a round of g drafts, is
+        1 + Σ_{i ≤ g} Π_{j ≤ i} α_j (optimistic: of the rates' upper bounds)."""
+        out, run = [1.0], 1.0
+        for a in self.rates(n, optimistic):
             run *= a
-            total += run
-        return total
+            out.append(out[-1] + run)
+        return out
+
+    def tokens(self, drafted: int, optimistic: bool = False) -> float:
+        """τ(g) of one draft length (`taus`)."""
+        return self.taus(drafted, optimistic)[drafted]
 
     def copy(self) -> Acceptance:
         return Acceptance(self.decay, self.rows, list(self.reached), list(self.passed))
 
-    @property
-    def measured(self) -> bool:
-        return any(r > 0 for r in self.reached)
+
+class Estimates(NamedTuple):
+    """A bucket's figures by choice (draft length, 0 a plain step), made once per choice of
+    the controller: cost, τ, and τ at the rates' upper confidence bounds."""
+
+    cost: dict[int, float]
+    tau: list[float]
+    upper: list[float]
 
 
 @dataclass
@@ -175,14 +185,17 @@ class SpeculationController:
         for g in self.lengths:  # a probe whose time was skipped (a capture): once more
             if b.costs[g].value is None and b.costs[g].seen:
                 return g
-        best = b.preferred = self.best(b)
-        due = [(b.streak[g] / self.interval(b, g, best), g) for g in self.choices
+        est = self.estimates(b)
+        best = b.preferred = self.best(b, est)
+        due = [(b.streak[g] / self.interval(b, g, best, est), g) for g in self.choices
                if g != best]
         ready = [d for d in due if d[0] >= 1.0]
         return max(ready)[1] if ready else best
 
-    def tokens(self, b: Bucket, g: int) -> float:
-        return b.acceptance.tokens(g) if g else 1.0
+    def estimates(self, b: Bucket) -> Estimates:
+        longest = self.lengths[-1]
+        return Estimates(self.costs(b), b.acceptance.taus(longest),
+                         b.acceptance.taus(longest, optimistic=True))
 
     def costs(self, b: Bucket) -> dict[int, float]:
         """Each choice's cost: measured, or interpolated between the measured ones (the
@@ -199,18 +212,18 @@ class SpeculationController:
             out[g] = known[lo] + (known[hi] - known[lo]) * (g - lo) / (hi - lo)
         return out
 
-    def best(self, b: Bucket) -> int:
+    def best(self, b: Bucket, est: Estimates | None = None) -> int:
         """The choice of the highest rate τ(g) / c(g) (ties: the shorter). Going from rounds
         to plain steps, or back, costs a round's re-planning once: a choice on the other
         side of the one preferred so far (probes aside) pays it spread over `probe`
         iterations, so that near break-even the controller does not go back and forth."""
-        c = self.costs(b)
+        c, tau, _ = self.estimates(b) if est is None else est
         switch = (b.replan.value or 0.0) / self.probe
         now = b.preferred
 
         def rate(g: int) -> tuple[float, int]:
             other = now is not None and bool(g) != bool(now)
-            return self.tokens(b, g) / (c[g] + (switch if other else 0.0)), -g
+            return tau[g] / (c[g] + (switch if other else 0.0)), -g
 
         return max(self.choices, key=rate)
 
@@ -218,16 +231,17 @@ class SpeculationController:
         """Whether some round beats a plain step in this bucket."""
         return self.best(b) != 0
 
-    def interval(self, b: Bucket, g: int, best: int | None = None) -> int:
+    def interval(self, b: Bucket, g: int, best: int | None = None,
+                 est: Estimates | None = None) -> int:
         """Iterations between two probes of choice g: enough that a probe's loss is at
         most `cost` of the time of the preferred iterations between them, the loss of a
         round reckoned from its τ's upper confidence bound (few rows seen, as at batch 1
         after a couple of unlucky rounds: probed again soon, not after hundreds of plain
         steps)."""
-        best = self.best(b) if best is None else best
-        c = self.costs(b)
-        tau = b.acceptance.tokens(g, optimistic=True) if g else 1.0
-        loss = c[g] - tau * c[best] / self.tokens(b, best)
+        est = self.estimates(b) if est is None else est
+        best = self.best(b, est) if best is None else best
+        c, tau, upper = est
+        loss = c[g] - upper[g] * c[best] / tau[best]
         if g and not best:  # a round probed after plain steps is two rounds
             loss *= 2
         if bool(g) != bool(best):  # the round after a plain step is planned again
