@@ -170,8 +170,8 @@ def table(paths: list[Path]) -> list[str]:
     and each fixed γ over vanilla (the best fixed γ in bold), adaptive over the best fixed γ
     (✗: below the goals, 0.98× vanilla and 0.95× the best fixed γ) and the adaptive run's
     iterations by draft length (0: plain steps)."""
-    rows = [(json.loads(p.read_text()), r) for p in paths
-            for r in json.loads(p.read_text())["rows"]]
+    files = [json.loads(p.read_text()) for p in paths]
+    rows = [(data, r) for data in files for r in data["rows"]]
     fixed = sorted({int(label.split()[1]) for _, r in rows for label in r["runs"]
                     if label.startswith("fixed")})
     lengths = sorted({0, *fixed})
