@@ -42,7 +42,7 @@ bench)
         if [ "$mode" = sampled ]; then extra=("${SAMPLED[@]}"); fi
         $VEGAS bench "${MODEL_ARGS[@]}" --device cuda --dtype bfloat16 --workload generation \
             --batch "$batch" --generation-tokens "$tokens" --methods vanilla,stream,vegas \
-            --no-progress "${extra[@]}" --out "$OUT/gen_${mode}_b${batch}"
+            --no-progress "${extra[@]}" ${BENCH_ARGS:-} --out "$OUT/gen_${mode}_b${batch}"
         rm -f "$OUT/gen_${mode}_b${batch}"/*.png
     done
     ;;

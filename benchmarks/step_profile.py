@@ -434,7 +434,9 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
         # A greedy round as the engine runs it: γ drafts, verify, acceptance and the next
         # selection in one graph; and the same round without the selection.
         last = tokens[:, 0].contiguous()
-        shapes = runner_setup.static_shapes(llm.engine.runner.parts, spec, policy)
+        shapes = runner_setup.static_shapes(llm.engine.runner.parts, spec, policy,
+                                            args.narrowest_span)
+        longest = context if args.narrowest_span else None  # the width the engine would run
         if rank_width == "whole":
             shapes = dataclasses.replace(shapes, rank_width=0)
         for key, plans in (("round_ms", True), ("round_unplanned_ms", False)):
@@ -442,7 +444,7 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
                                        policy)
             greedy.set_rows(0, table)
             greedy.set_plan_rows(plan, 0)
-            round_ = functools.partial(greedy.run_spec, last, lengths)
+            round_ = functools.partial(greedy.run_spec, last, lengths, None, None, longest)
             out[key] = median_ms(round_, args.reps)
             if args.profile and plans:
                 profiles["round"] = kernel_table(round_)
@@ -451,7 +453,7 @@ def measure(llm: LLM, spec: SpecConfig, context: int, bsz: int, args: argparse.N
             llm.engine.runner.use_graphs(None)
         out["round_sampled_ms"] = sampled_round_ms(llm, shapes, policy, table, plan, last,
                                                    lengths, args.reps,
-                                                   counted if args.launches else None)
+                                                   counted if args.launches else None, longest)
         out["select_in_round_ms"] = out["round_ms"] - out["round_unplanned_ms"]
         out["budget"] = budget
         full_kv = kv_read_bytes(cfg, bsz, context, 1, kv_token)
@@ -522,10 +524,11 @@ def projection_bandwidth(llm: LLM, rows: int, bandwidth: float, reps: int) -> di
 
 def sampled_round_ms(llm: LLM, shapes: Any, policy: Any, table: torch.Tensor, plan: Any,
                      last: torch.Tensor, lengths: torch.Tensor, reps: int,
-                     counted: dict[str, dict[str, int]] | None = None) -> float:
+                     counted: dict[str, dict[str, int]] | None = None,
+                     longest: int | None = None) -> float:
     """A sampled round as the engine runs it, every row at the reference's setting:
-    temperature 0.6, top-k 20, top-p 0.95 (the `topk` graph); with `counted`, its launches
-    go there as "round_sampled"."""
+    temperature 0.6, top-k 20, top-p 0.95 (the `topk` graph), at the key width that holds
+    `longest` (None: the whole); with `counted`, its launches go there as "round_sampled"."""
     runner = held_graph_runner(llm, shapes, len(last), policy)
     runner.set_rows(0, table)
     runner.set_plan_rows(plan, 0)
@@ -535,7 +538,7 @@ def sampled_round_ms(llm: LLM, shapes: Any, policy: Any, table: torch.Tensor, pl
     runner.buf.seeds[:rows] = torch.arange(rows, device=last.device)
     setting = SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
     sampling = BatchSampling.build([setting] * rows, last.device)
-    round_ = functools.partial(runner.run_spec, last, lengths, sampling)
+    round_ = functools.partial(runner.run_spec, last, lengths, sampling, None, longest)
     ms = median_ms(round_, reps)
     if counted is not None:
         counted["round_sampled"] = launches(round_)
@@ -827,6 +830,11 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=0,
                     help="the engines' max_model_len, which sizes the static key width "
                          "(0: context + gamma + 64)")
+    ap.add_argument("--narrowest-span", type=int, default=0,
+                    help="the rounds' graphs also at key widths narrower than "
+                         "max_model_len's, halved down to this many tokens, each round at "
+                         "the narrowest that holds its context, as the engine runs them "
+                         "(EngineConfig.narrowest_span; 0: the whole width)")
     ap.add_argument("--rank-widths", nargs="+", default=["library"],
                     choices=["library", "whole"],
                     help="positions vegas's top-k ranks: up to max_model_len (library) or "
@@ -885,7 +893,8 @@ def main() -> None:
         llm = LLM(str(args.config), load_format="dummy", device="cuda" if cuda else "cpu",
                   dtype="bfloat16" if cuda else "float32", kv_cache_bytes=kv,
                   max_model_len=args.max_model_len or context + args.gamma + 64,
-                  exact=mode == "exact", draft_weights=drafts)
+                  exact=mode == "exact", draft_weights=drafts,
+                  narrowest_span=args.narrowest_span)
         for k, v in llm.engine.runner.cache.layers:
             k.normal_()
             v.normal_()
@@ -916,7 +925,8 @@ def main() -> None:
                        "topk_sum": sums, "split_fill": fill_name(device),
                        "score_tiles": f"{tiles.block_k}:{tiles.stages}:{tiles.store}",
                        "score_split_max": tiles.split_max, "score_maxnreg": tiles.maxnreg,
-                       "max_model_len": llm.max_model_len, "rank_width": width,
+                       "max_model_len": llm.max_model_len, "narrowest_span": args.narrowest_span,
+                       "rank_width": width,
                        **measure(llm, spec, context, bsz, args, bandwidth, width)}
                 row["host_gap_ms"] = host_gap_ms(llm, spec, bsz, args.host_gap_tokens,
                                                  min(256, context // 2))

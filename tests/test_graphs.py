@@ -25,6 +25,7 @@ from vegas_spec.engine import LLM
 from vegas_spec.graphs import GraphRunner, bucket_for, buckets_upto
 from vegas_spec.input_batch import Batch
 from vegas_spec.kernels.topk import topk_positions_triton
+from vegas_spec.runner_setup import span_lengths, static_shapes
 from vegas_spec.sampling import BatchSampling
 from vegas_spec.speculative.policies import QuestState, SelectionInput, make_policy, max_budget
 
@@ -130,6 +131,63 @@ def test_static_seeded_sampling_equals_eager(eager: LLM, static: LLM, prompts: l
     # each sampled round is one step too: top-p alone or a top-k past sampling.CANDIDATES
     # sorts the vocabulary (`filtered`), a small top-k ranks its candidates (`topk`)
     assert static.engine.runner.graphs is not None and set(STEPS) == {kind}
+
+
+@pytest.fixture(scope="module")
+def spanned(tiny: Path) -> LLM:
+    """Static shapes with graphs at key widths 32, 64 and 128 besides the whole (256 + γ+1)."""
+    return LLM(str(tiny), static_shapes=True, narrowest_span=32, **ENGINE)
+
+
+@pytest.fixture
+def spans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The key width (`GraphRunner.span`) of every static step run during the test."""
+    seen: list[int] = []
+    replay = GraphRunner._replay
+
+    def record(self: GraphRunner, kind: str) -> Any:
+        seen.append(self.span)
+        return replay(self, kind)
+
+    monkeypatch.setattr(GraphRunner, "_replay", record)
+    return seen
+
+
+@pytest.mark.parametrize("method", METHODS, ids=IDS)
+def test_narrower_key_widths_equal_eager(eager: LLM, spanned: LLM, prompts: list[list[int]],
+                                         method: dict[str, Any] | None,
+                                         spans: list[int]) -> None:
+    """The batch runs the narrowest key width that holds its longest row: 128 while the
+    70-token prompt decodes, narrower once it leaves, then wider again up to the whole, with
+    each step's plan made at another width than the one that reads it; the tokens, the
+    iterations and the budgets are the eager path's."""
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (120, 3, 11)]
+    same_tokens(eager, spanned, prompts, params, method)
+    graphs = spanned.engine.runner.graphs
+    assert graphs is not None
+    assert [s.length for s in graphs.shapes.spans] == [32, 64, 128]
+    assert spans[0] == 2 and spans[-1] == 3 and min(spans) < 2
+    assert any(b < a for a, b in zip(spans, spans[1:]))  # down when the longest row left
+
+
+def test_span_lengths_and_choice(tiny: Path) -> None:
+    assert span_lengths(8192, 2048) == (2048, 4096)
+    assert span_lengths(131072, 2048) == (16384, 32768, 65536)  # at most MAX_SPANS - 1
+    assert span_lengths(4000, 2048) == () and span_lengths(8192, 0) == ()
+    llm = LLM(str(tiny), static_shapes=True, narrowest_span=32, **ENGINE)
+    parts = llm.engine.runner.parts
+    shapes = static_shapes(parts, tiny_spec({"method": "vegas"}), make_policy(
+        tiny_spec({"method": "vegas"})), 32)
+    widths = shapes.widths
+    assert [w.length for w in widths] == [32, 64, 128, 256] and widths[-1].pages == shapes.pages
+    assert [w.pages for w in widths[:3]] == [2, 4, 8]
+    assert [w.kmax for w in widths] == sorted(w.kmax for w in widths)
+    # a round (γ+1 = 4 positions) must fit: 28 committed tokens run at 32, 29 at 64
+    assert [shapes.span_for(n) for n in (28, 29, 124, 125, None)] == [0, 1, 2, 3, 3]
+    plain = static_shapes(parts, tiny_spec(None), None, 32)
+    assert [plain.span_for(n) for n in (31, 32)] == [0, 1]
+    with pytest.raises(ConfigError, match="narrowest_span must be an integer >= 0"):
+        EngineConfig(narrowest_span=-1)
 
 
 def test_runner_is_reused_then_rebuilt_for_a_larger_batch(tiny: Path, eager: LLM,
@@ -426,11 +484,33 @@ def test_cuda_graphs_replay_equals_eager(tiny: Path, prompts: list[list[int]], b
             same_tokens(static, graphs, prompts, batch, method)
             same_tokens(plain, graphs, prompts, batch, method)
         runner = graphs.engine.runner.graphs
-        assert runner is not None and {b for _, b in runner.graphs} == {1, 2, 4}
+        assert runner is not None and {b for _, b, _ in runner.graphs} == {1, 2, 4}
         if method is not None:
-            assert {k for k, _ in runner.graphs} == {"spec", "filtered"}
+            assert {k for k, _, _ in runner.graphs} == {"spec", "filtered"}
         assert static.engine.runner.graphs is not None and not static.engine.runner.graphs.graphs
     assert plain.engine.runner.graphs is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_at_narrower_key_widths_equal_eager(tiny: Path, prompts: list[list[int]],
+                                                       spans: list[int]) -> None:
+    """Graphs captured at key widths 32, 64, 128 and the whole replay the tokens, iterations
+    and budgets of the same buffers run eagerly, greedy and seeded sampling, every method,
+    the batch moving between the widths as its longest row grows and leaves."""
+    cuda = dict(ENGINE, device="cuda", narrowest_span=32)
+    graphs = LLM(str(tiny), **cuda)
+    static = LLM(str(tiny), cuda_graphs=False, static_shapes=True, **cuda)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (120, 3, 11)]
+    sampled = [SamplingParams(max_tokens=n, ignore_eos=True, seed=i, temperature=t, top_p=p)
+               for i, (n, t, p) in enumerate(((120, 0.8, 0.95), (3, 0.0, 1.0), (11, 1.0, 1.0)))]
+    for method in METHODS:
+        for batch in (params, sampled):
+            spans.clear()
+            same_tokens(static, graphs, prompts, batch, method)
+            assert set(spans) >= {1, 2, 3}
+        runner = graphs.engine.runner.graphs
+        assert runner is not None and {s for _, _, s in runner.graphs} == {0, 1, 2, 3}
 
 
 @pytest.mark.gpu

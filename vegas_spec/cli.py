@@ -211,6 +211,11 @@ def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
                    help="no CUDA graphs: run the decode loop eagerly with dynamic shapes")
     g.add_argument("--max-model-len", type=int,
                    help="longest sequence (default: the model's); bounds the static buffers")
+    g.add_argument("--narrowest-span", type=int,
+                   help="CUDA graphs: the decode graphs are also captured at key widths "
+                        "narrower than --max-model-len's, halved down to this many tokens "
+                        "(at most three), and a batch runs the narrowest that holds its "
+                        "longest row (default 2048; 0: the whole width alone)")
     g.add_argument("--exact", action="store_true",
                    help="every kernel computes each row the same way whatever the batch and "
                         "the number of rows in a step: greedy output of every method is plain "
@@ -291,6 +296,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kwargs["max_model_len"] = args.max_model_len
     if args.exact:
         kwargs["exact"] = True
+    if args.narrowest_span is not None:
+        kwargs["narrowest_span"] = args.narrowest_span
     return kwargs
 
 

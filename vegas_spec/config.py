@@ -500,6 +500,12 @@ class EngineConfig:
     # the model's weights), "auto" (today "model": the FP8 kernel does not yet stream its
     # weights faster than cuBLAS streams bf16 ones, BENCHMARKS.md §1.2).
     draft_weights: str = "auto"
+    # Static shapes: the decode graphs are captured at max_model_len's key width and at
+    # narrower ones, max_model_len halved down to this many tokens (at most three), and a
+    # batch runs the narrowest that holds its longest row, so that short contexts (a long
+    # generation's first thousands of tokens) do not split, merge and rank keys sized for
+    # max_model_len; 0: the whole width alone.
+    narrowest_span: int = 2048
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
@@ -523,6 +529,9 @@ class EngineConfig:
         fraction = self.kv_cache_fraction
         if not _is_number(fraction) or not 0.0 < fraction <= 1.0:
             raise ConfigError(f"kv_cache_fraction must be in (0, 1], got {fraction!r}")
+        if not is_int(self.narrowest_span) or self.narrowest_span < 0:
+            raise ConfigError("narrowest_span must be an integer >= 0 (0: graphs at "
+                              f"max_model_len's key width alone), got {self.narrowest_span!r}")
         if not is_int(self.prefix_cache_bytes) or self.prefix_cache_bytes < 0:
             raise ConfigError("prefix_cache_bytes must be an integer >= 0 (0: no prefix cache), "
                               f"got {self.prefix_cache_bytes!r}")

@@ -101,6 +101,20 @@ def buckets_upto(capacity: int) -> list[int]:
 
 
 @dataclass(frozen=True)
+class Span:
+    """One key width of the decode graphs: a batch whose longest committed length plus one
+    round (γ+1 positions; 1 for plain decoding) stays within `length` runs the graphs of
+    this width, which read `pages` page-table columns (their attention splits and merges
+    sized for them), lists of at most `index_width` positions under budgets of at most
+    `kmax`, and rank the verify scores of positions below `length`."""
+
+    length: int
+    pages: int
+    kmax: int = 0
+    index_width: int = 0
+
+
+@dataclass(frozen=True)
 class StaticShapes:
     """Everything that fixes the shapes of the decode-loop forwards of one method.
 
@@ -121,6 +135,10 @@ class StaticShapes:
     score_groups: G of the scores [layers, B, R, G, W].
     draft_kind:   the step a `spec` round drafts with ("draft", or "plain" for full drafts).
     plans:        a `spec` round ends with the selection of the next round's plan.
+    spans:        narrower key widths than the whole (`pages`, `kmax`, `index_width`,
+                  `rank_width`), ascending, each with graphs of its own: a long
+                  generation's early rounds need not split, merge and rank keys sized for
+                  max_model_len (() : the whole width alone).
     """
 
     kinds: tuple[str, ...]
@@ -139,6 +157,23 @@ class StaticShapes:
     per_kv_head: bool = False
     draft_kind: str = "draft"
     plans: bool = False
+    spans: tuple[Span, ...] = ()
+
+    @property
+    def widths(self) -> tuple[Span, ...]:
+        """Every key width the graphs are captured at, ascending, the whole one last."""
+        whole = Span(self.rank_width or self.pages, self.pages, self.kmax, self.index_width)
+        return (*self.spans, whole)
+
+    def span_for(self, longest: int | None) -> int:
+        """The index in `widths` of the narrowest width whose graphs hold a batch whose
+        longest committed length is `longest` (None: the whole width)."""
+        if longest is not None:
+            need = longest + max(self.verify_rows, 1)
+            for i, span in enumerate(self.spans):
+                if need <= span.length:
+                    return i
+        return len(self.spans)
 
     @property
     def draft_lengths(self) -> tuple[int, ...]:
@@ -262,12 +297,13 @@ class GraphRunner:
         self.buf = StaticBuffers(shapes, capacity, kv_caches[0][0], len(kv_caches), page_size,
                                  scratch_page, policy)
         self.rows, self.bucket = capacity, capacity
+        self.span = len(shapes.spans)  # the index in shapes.widths of the steps' key width
         self.scored = len(shapes.score_rows)  # score rows of the last verify step
         # The runner's own memory pool (made by its first capture): a pool shared with an
         # earlier runner could outlive that runner's graphs while its blocks are still held,
         # which the caching allocator refuses when the next capture joins it.
         self.pool: tuple[int, int] | None = None
-        self.graphs: dict[tuple[str, int], _Graph] = {}
+        self.graphs: dict[tuple[str, int, int], _Graph] = {}
         self.capturing = capture  # kinds outside shapes.kinds are captured at first use
         if capture:
             self._capture_all()
@@ -306,6 +342,16 @@ class GraphRunner:
     def _resize(self, rows: int) -> None:
         self.rows, self.bucket = rows, bucket_for(rows)
 
+    @property
+    def width(self) -> Span:
+        """The key width the next steps run at (`use_span`)."""
+        return self.shapes.widths[self.span]
+
+    def use_span(self, longest: int | None) -> None:
+        """The steps from now on run the graphs of the narrowest key width that holds a batch
+        whose longest committed length is `longest` (host-known; None: the whole width)."""
+        self.span = self.shapes.span_for(longest)
+
     def set_plan_rows(self, plan: SparsePlan | None, start: int) -> None:
         """The first plan of the sequences that joined at rows start.. (from their prefill)."""
         if plan is not None:
@@ -335,9 +381,12 @@ class GraphRunner:
 
     # --- per step ---------------------------------------------------------------------------
 
-    def run(self, kind: str, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def run(self, kind: str, tokens: torch.Tensor, positions: torch.Tensor,
+            longest: int | None = None) -> torch.Tensor:
         """tokens, positions [B, n] -> logits [B, n, V] float32 (a view the next run of the
-        same kind overwrites)."""
+        same kind overwrites); longest: the rows' longest committed length, which picks the
+        key width (`use_span`; None: the whole)."""
+        self.use_span(longest)
         n = tokens.shape[1]
         self.buf.tokens[n][: self.rows].copy_(tokens)
         self.buf.positions[n][: self.rows].copy_(positions)
@@ -345,28 +394,33 @@ class GraphRunner:
 
     def run_spec(self, last: torch.Tensor, lengths: torch.Tensor,
                  sampling: BatchSampling | None = None, gamma: int | None = None,
+                 longest: int | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One round of `gamma` drafts (None: γ; else one of shapes.draft_lengths): last,
         lengths [B] -> accepted [B] and emitted [B, gamma+1] as `speculate` returns them, and
         the budget [B] its drafts read (views the next round overwrites). sampling None or
         all greedy: the `spec` graph; else the graph of its host flags (`round_kind`), each
         row sampled with its own settings (set_rows). The verify step's scores are in
-        `scores()` after it; with shapes.plans the buffers then hold the next round's plan."""
-        longest = self.shapes.verify_rows - 1
-        gamma = longest if gamma is None else gamma
+        `scores()` after it; with shapes.plans the buffers then hold the next round's plan.
+        longest: the rows' longest committed length, which picks the key width (`use_span`;
+        None: the whole)."""
+        self.use_span(longest)
+        most = self.shapes.verify_rows - 1
+        gamma = most if gamma is None else gamma
         assert gamma in self.shapes.draft_lengths, f"no round graph drafts {gamma} tokens"
         self.buf.last[: self.rows].copy_(last)
         self.buf.lengths[: self.rows].copy_(lengths)
         self.scored = len(self.shapes.scored(gamma))
         accepted, emitted, budget = self._replay(with_length(round_kind(sampling), gamma,
-                                                             longest))
+                                                             most))
         return accepted[: self.rows], emitted[: self.rows], budget[: self.rows]
 
     def _replay(self, kind: str) -> tuple[torch.Tensor, ...]:
-        graph = self.graphs.get((kind, self.bucket))
+        key = (kind, self.bucket, self.span)
+        graph = self.graphs.get(key)
         if graph is None and self.capturing:
             self._capture_now(self.every_length(kind))
-            graph = self.graphs[(kind, self.bucket)]
+            graph = self.graphs[key]
         if graph is None:
             return self._body(kind, self.bucket)
         graph.graph.replay()
@@ -381,7 +435,8 @@ class GraphRunner:
         rows (None: the last verify step's)."""
         if not self.shapes.score_rows:
             return None
-        return self.buf.scores[:, :rows, : self.scored if scored is None else scored]
+        width = self.width.pages * self.page_size
+        return self.buf.scores[:, :rows, : self.scored if scored is None else scored, :, :width]
 
     def _body(self, kind: str, rows: int) -> tuple[torch.Tensor, ...]:
         """What a graph of `kind` captures, on the first `rows` buffer rows."""
@@ -431,9 +486,13 @@ class GraphRunner:
     def bound(self, inp: SelectionInput, start: int = 0) -> SelectionInput:
         """`inp` with the host bounds of these static shapes, so that the selection reads
         nothing back from the device, and quest's fixed-shape state to fill (from row
-        `start`: the plan is for the rows that joined there)."""
-        inp.kmax, inp.recent_max = self.shapes.kmax, self.shapes.recent_max
-        inp.rank_width = self.shapes.rank_width or None
+        `start`: the plan is for the rows that joined there). The bounds are those of the
+        key width that holds inp.max_len (None: the steps' own, `width`)."""
+        s = self.shapes
+        i = self.span if inp.max_len is None else s.span_for(inp.max_len)
+        span = s.widths[i]
+        inp.kmax, inp.recent_max = span.kmax, s.recent_max
+        inp.rank_width = span.length if i < len(s.spans) else s.rank_width or None
         state = self.buf.state
         inp.quest_state = state if state is None or start == 0 else state.from_row(start)
         return inp
@@ -451,11 +510,12 @@ class GraphRunner:
         return self.model.head(hidden, self.ops) if raw else self.model.logits(hidden, self.ops)
 
     def _context(self, kind: str, rows: int, n: int) -> StepContext:
-        positions, table = self.buf.positions[n][:rows], self.buf.page_table[:rows]
+        pages = self.width.pages
+        positions, table = self.buf.positions[n][:rows], self.buf.page_table[:rows, :pages]
         return StepContext(
             positions=positions,
             slot_mapping=step_slots(table, positions, self.page_size), page_table=table,
-            page_size=self.page_size, kv_len_max=self.kv_len,
+            page_size=self.page_size, kv_len_max=pages * self.page_size,
             scores=self._score_request(rows, n) if kind == "verify" else None,
             sparse=self._plan(rows) if kind == "draft" else None, draft=kind == "draft")
 
@@ -465,29 +525,34 @@ class GraphRunner:
         if not s.score_rows:
             return None
         scored = self.buf.score_rows[n]
-        return ScoreRequest(scored, self.buf.scores[:, :rows, : scored.shape[0]], s.score_mode,
-                            s.per_kv_head)
+        width = self.width.pages * self.page_size
+        return ScoreRequest(scored, self.buf.scores[:, :rows, : scored.shape[0], :, :width],
+                            s.score_mode, s.per_kv_head)
 
     def _plan(self, rows: int) -> SparsePlan:
-        b, s = self.buf, self.shapes
+        b, s, span = self.buf, self.shapes, self.width
         if b.state is None:
-            return SparsePlan(b.indices[:, :rows], b.recent_start[:rows], s.recent_max,
-                              b.budget[:rows], listed=b.listed[:rows])
+            return SparsePlan(b.indices[:, :rows, :, : span.index_width], b.recent_start[:rows],
+                              s.recent_max, b.budget[:rows], listed=b.listed[:rows])
         assert self.policy is not None
-        selector = self.policy.step_selector(b.state, rows, s.kmax)
+        selector = self.policy.step_selector(b.state, rows, span.kmax)
         return SparsePlan(None, b.recent_start[:rows], s.recent_max, b.budget[:rows], selector)
 
     # --- capture ----------------------------------------------------------------------------
 
     def _capture_all(self, kinds: tuple[str, ...] | None = None) -> None:
-        """Every (bucket, kind) not yet captured, largest bucket first so the smaller ones
-        reuse its pool (kinds None: shapes.kinds)."""
+        """Every (kind, bucket, key width) not yet captured, largest bucket and width first
+        so the smaller ones reuse its pool (kinds None: shapes.kinds)."""
         device = self.buf.page_table.device
+        current = self.span
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             for bucket in reversed(buckets_upto(self.capacity)):
-                for kind in self.shapes.kinds if kinds is None else kinds:
-                    if (kind, bucket) not in self.graphs:
-                        self.graphs[(kind, bucket)] = self._capture(kind, bucket)
+                for span in reversed(range(len(self.shapes.widths))):
+                    self.span = span
+                    for kind in self.shapes.kinds if kinds is None else kinds:
+                        if (kind, bucket, span) not in self.graphs:
+                            self.graphs[(kind, bucket, span)] = self._capture(kind, bucket)
+        self.span = current
 
     def warm(self, kinds: tuple[str, ...] | None = None) -> None:
         """Before any row joins: `kinds` (None: the sampled rounds and the plain step, what

@@ -295,7 +295,7 @@ class ModelRunner:
         """One token a row with full attention -> the next tokens [B]."""
         tokens, positions = batch.last[:, None], batch.lengths[:, None]
         if self.graphs is not None:
-            logits = self.graphs.run("plain", tokens, positions)[:, -1]
+            logits = self.graphs.run("plain", tokens, positions, batch.longest)[:, -1]
         else:
             logits = self.steps.plain(batch)
         return next_tokens(logits, batch.sampling, batch.lengths + 1)
@@ -310,7 +310,7 @@ class ModelRunner:
         if graphs is not None:  # drafts, verify, acceptance (and the next selection): one graph
             with self.timer.phase("speculate"):
                 accepted, emitted, budget = graphs.run_spec(batch.last, batch.lengths, s,
-                                                            gamma)
+                                                            gamma, batch.longest)
             return (accepted, emitted, graphs.scores(), budget if sparse else None,
                     graphs.shapes.plans)
         budget = batch.plan.budget if sparse and batch.plan is not None else None

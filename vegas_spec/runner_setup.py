@@ -17,7 +17,7 @@ from vegas_spec.attention.backend import AttentionBackend, make_backend
 from vegas_spec.cache import PagedKVCache, available_bytes
 from vegas_spec.compute.base import Ops, make_ops
 from vegas_spec.config import MAX_GAMMA, ConfigError, EngineConfig, ModelConfig, SpecConfig
-from vegas_spec.graphs import GraphRunner, StaticShapes, bucket_for, with_length
+from vegas_spec.graphs import GraphRunner, Span, StaticShapes, bucket_for, with_length
 from vegas_spec.input_batch import InputBatch
 from vegas_spec.models.decoder import Decoder, build_model
 from vegas_spec.models.loader import ModelSource, dummy_weights, load_config, load_weights
@@ -30,6 +30,8 @@ from vegas_spec.speculative.adaptive import draft_lengths
 from vegas_spec.speculative.policies import Policy, max_budget
 
 CPU_KV_BYTES = 2 << 30
+# Key widths the decode graphs are captured at, the whole one included (`span_lengths`)
+MAX_SPANS = 4
 
 # "auto" draft weights are FP8 on GPUs that have FP8 conversions, for dense models whose
 # layers hold at least FP8_AUTO_LAYER_BYTES of projections in the model's dtype, where the
@@ -153,14 +155,32 @@ def kv_budget(config: EngineConfig, device: torch.device) -> int:
         min(CPU_KV_BYTES, int(avail * config.kv_cache_fraction))
 
 
-def static_shapes(parts: Loaded, spec: SpecConfig, policy: Policy | None) -> StaticShapes:
-    """The shapes of the method's decode loop. The greedy round (`spec`) is captured with
+def span_lengths(max_len: int, narrowest: int) -> tuple[int, ...]:
+    """The lengths of the key widths narrower than max_len's that the decode graphs are
+    also captured at: max_len halved while at least `narrowest` (0: none), at most
+    MAX_SPANS - 1 of them, ascending."""
+    lengths: list[int] = []
+    length = max_len // 2
+    while narrowest and length >= narrowest and len(lengths) < MAX_SPANS - 1:
+        lengths.append(length)
+        length //= 2
+    return tuple(reversed(lengths))
+
+
+def static_shapes(parts: Loaded, spec: SpecConfig, policy: Policy | None,
+                  narrowest: int = 0) -> StaticShapes:
+    """The shapes of the method's decode loop, with the narrower key widths of
+    `span_lengths(max_model_len, narrowest)`. The greedy round (`spec`) is captured with
     the buffers; the sampled rounds at their first use (one engine serves both)."""
     cache, max_len = parts.cache, parts.max_model_len
+    narrower = span_lengths(max_len, narrowest)
     if policy is None:
-        return StaticShapes(("plain",), 0, cache.pages_for(max_len))
+        return StaticShapes(("plain",), 0, cache.pages_for(max_len),
+                            spans=tuple(Span(n, cache.pages_for(n)) for n in narrower))
     gamma, hkv = spec.gamma, parts.local_config.num_kv_heads
     kmax = max_budget(spec, max_len)
+    spans = tuple(Span(n, cache.pages_for(n), max_budget(spec, n),
+                       policy.index_width(max_budget(spec, n))) for n in narrower)
     # adaptive speculation drafts fewer tokens, or none (a plain step), where γ would not pay
     lengths = draft_lengths(gamma) if spec.adaptive else (gamma,)
     rounds = tuple(with_length("spec", g, gamma) for g in lengths)
@@ -176,7 +196,7 @@ def static_shapes(parts: Loaded, spec: SpecConfig, policy: Policy | None) -> Sta
         recent_max=policy.recent_max(gamma),
         score_rows=tuple(policy.score_rows(gamma + 1, False)) if policy.wants_scores else (),
         score_groups=hkv if policy.per_kv_head else 1, score_mode=policy.score_mode,
-        per_kv_head=policy.per_kv_head)
+        per_kv_head=policy.per_kv_head, spans=spans)
 
 
 def reserve(rows: InputBatch, parts: Loaded, config: EngineConfig, spec: SpecConfig,
@@ -184,7 +204,7 @@ def reserve(rows: InputBatch, parts: Loaded, config: EngineConfig, spec: SpecCon
     """The rows' static buffers (and graphs) for the method's shapes and bsz rows, rounded
     up to a bucket: rebuilt only when the shapes change or the batch outgrows them, and
     always with the policy that the round graphs make the next selection with."""
-    shapes, old = static_shapes(parts, spec, policy), rows.graphs
+    shapes, old = static_shapes(parts, spec, policy, config.narrowest_span), rows.graphs
     same = (old.policy.cfg if old and old.policy else None) == (policy.cfg if policy else None)
     if old is not None and old.shapes == shapes and old.capacity >= bsz and same:
         return

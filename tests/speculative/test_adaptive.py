@@ -385,7 +385,7 @@ def test_every_draft_length_replays_as_its_own_graph(tmp_path_factory: pytest.Te
         llm.engine.controller = Alternate(draft_lengths(spec.gamma))
         outs.append([o.token_ids for o in llm.generate(prompts, sampled, speculative=spec)])
     assert outs[0] == outs[1]
-    kinds = {k for k, _ in graphs.engine.runner.graphs.graphs}
+    kinds = {k for k, _, _ in graphs.engine.runner.graphs.graphs}
     assert {"spec", "spec@1", "spec@2", "plain", "filtered", "filtered@1"} <= kinds
 
 

@@ -237,6 +237,7 @@ def plan(args: argparse.Namespace, spec: SpecConfig, argv: list[str], kind: str)
                         "load_format": args.load_format, "eager": args.eager,
                         "exact": getattr(args, "exact", False),
                         "draft_weights": getattr(args, "draft_weights", "auto"),
+                        "narrowest_span": engine_span(args),
                         "temperature": settings.temperature, "top_p": settings.top_p,
                         "top_k": settings.top_k, "seed": settings.seed,
                         "tokenizer": "the model's" if own else "the embedded default's",
@@ -246,6 +247,14 @@ def plan(args: argparse.Namespace, spec: SpecConfig, argv: list[str], kind: str)
                                                             max_len)
     del out
     return Plan(cells, depths, texts, settings, meta, kv, own, tokenizer)
+
+
+def engine_span(args: argparse.Namespace) -> int:
+    """The engine's narrowest key width of the decode graphs (`EngineConfig.narrowest_span`)."""
+    from vegas_spec.config import EngineConfig
+
+    given = getattr(args, "narrowest_span", None)
+    return EngineConfig.narrowest_span if given is None else given
 
 
 def _device_name(device: str) -> str:
