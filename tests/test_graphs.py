@@ -188,6 +188,12 @@ def test_span_lengths_and_choice(tiny: Path) -> None:
     assert [plain.span_for(n) for n in (31, 32)] == [0, 1]
     with pytest.raises(ConfigError, match="narrowest_span must be an integer >= 0"):
         EngineConfig(narrowest_span=-1)
+    # exact mode keeps one width, whatever the batch's longest row
+    exact = LLM(str(tiny), static_shapes=True, narrowest_span=32, exact=True, **ENGINE)
+    exact.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True),
+                   speculative=tiny_spec({"method": "vegas"}))
+    assert exact.engine.runner.graphs is not None
+    assert exact.engine.runner.graphs.shapes.spans == ()
 
 
 def test_runner_is_reused_then_rebuilt_for_a_larger_batch(tiny: Path, eager: LLM,

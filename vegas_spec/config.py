@@ -504,7 +504,8 @@ class EngineConfig:
     # narrower ones, max_model_len halved down to this many tokens (at most three), and a
     # batch runs the narrowest that holds its longest row, so that short contexts (a long
     # generation's first thousands of tokens) do not split, merge and rank keys sized for
-    # max_model_len; 0: the whole width alone.
+    # max_model_len; 0: the whole width alone (and always in exact mode, where a row's
+    # attention must not depend on its batch's longest row).
     narrowest_span: int = 2048
 
     def __post_init__(self) -> None:

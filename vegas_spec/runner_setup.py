@@ -204,7 +204,9 @@ def reserve(rows: InputBatch, parts: Loaded, config: EngineConfig, spec: SpecCon
     """The rows' static buffers (and graphs) for the method's shapes and bsz rows, rounded
     up to a bucket: rebuilt only when the shapes change or the batch outgrows them, and
     always with the policy that the round graphs make the next selection with."""
-    shapes, old = static_shapes(parts, spec, policy, config.narrowest_span), rows.graphs
+    # exact mode keeps one width: a row's attention must not depend on its batch's longest row
+    narrowest = 0 if config.exact else config.narrowest_span
+    shapes, old = static_shapes(parts, spec, policy, narrowest), rows.graphs
     same = (old.policy.cfg if old and old.policy else None) == (policy.cfg if policy else None)
     if old is not None and old.shapes == shapes and old.capacity >= bsz and same:
         return
