@@ -19,10 +19,12 @@ replays its graph (CUDA) or runs eagerly on the same buffers (CPU), so both path
 line of the buffer logic. quest selects inside every draft step: its page bounds and counts
 live in the state its policy makes (`Policy.step_state`, a `QuestState` of fixed shape: all
 pages of the static key width), which each plan fills and the captured draft step's selector
-(`Policy.step_selector`) reads; the buffers only keep it with its rows.
+(`Policy.step_selector`) reads, the pages of its key width only; the buffers only keep it
+with its rows.
 
-The key axis is the page table's full width, so `kv_len_max` never changes; the kernels stop
-at each row's position, and the reference masks the rest. The kinds of `shapes.kinds` are
+A graph's key axis is its key width (`Span`): the page table's full width, or one of the
+narrower widths a batch runs while its longest row fits (`use_span`), so `kv_len_max` is
+fixed per graph; the kernels stop at each row's position, and the reference masks the rest. The kinds of `shapes.kinds` are
 captured for every bucket up to the capacity when the runner is built (largest first, one
 shared memory pool), each after a warm-up run, on dummy buffers that only touch the scratch
 page; any other kind (the sampled rounds, the adaptive plain step) at its first use, for
@@ -535,7 +537,8 @@ class GraphRunner:
             return SparsePlan(b.indices[:, :rows, :, : span.index_width], b.recent_start[:rows],
                               s.recent_max, b.budget[:rows], listed=b.listed[:rows])
         assert self.policy is not None
-        selector = self.policy.step_selector(b.state, rows, span.kmax)
+        selector = self.policy.step_selector(b.state, rows, span.kmax,
+                                             span.pages * self.page_size)
         return SparsePlan(None, b.recent_start[:rows], s.recent_max, b.budget[:rows], selector)
 
     # --- capture ----------------------------------------------------------------------------

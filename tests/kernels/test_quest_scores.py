@@ -49,6 +49,27 @@ def test_matches_reference(case: tuple, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got[~hidden.expand_as(got)], want[~hidden.expand_as(want)], **tol)
 
 
+def test_a_narrower_key_width_reads_a_view_of_the_bounds() -> None:
+    """A graph at a narrower key width scores the first pages of the state's bounds, a view
+    whose rows keep the whole width's stride: the kernel's scores are those of a contiguous
+    copy of the same pages, bit for bit, and the reference's."""
+    gen = generator(17)
+    bsz, heads, hkv, dim, whole, narrow = 3, 8, 2, 64, 40, 13
+    lo, hi = bounds(bsz, whole, hkv, dim, torch.float32, gen)
+    q = torch.randn(bsz, 1, heads, dim, generator=gen).to(DEVICE)
+    ranked = torch.tensor([13, 6, 9], device=DEVICE)
+    view_lo, view_hi = lo[:, :narrow], hi[:, :narrow]
+    assert not view_lo.is_contiguous()
+    got = quest_page_scores(q, view_lo, view_hi, ranked)
+    assert got.shape == (bsz, hkv, narrow)
+    assert torch.equal(got, quest_page_scores(q, view_lo.contiguous(), view_hi.contiguous(),
+                                              ranked))
+    want = quest_page_scores_ref(q, view_lo, view_hi, ranked)
+    shown = torch.arange(narrow, device=DEVICE) < ranked[:, None, None]
+    torch.testing.assert_close(got[shown.expand_as(got)], want[shown.expand_as(want)],
+                               atol=1e-4, rtol=1e-5)
+
+
 def test_selector_through_the_backend_picks_the_reference_pages() -> None:
     """The selector with the Triton backend (kernel scores, the kernel top-k) keeps the same
     positions as with the references, for continuous scores (no ties)."""

@@ -92,9 +92,12 @@ class QuestState:
         return QuestState(self.lo[:, start:], self.hi[:, start:], self.rankable[start:],
                           self.pages[start:], self.n_pages[start:])
 
-    def selector(self, rows: int, page: int, max_pages: int) -> QuestSelector:
-        """The selector of the first `rows` rows, reading this state."""
-        bounds = [(self.lo[i, :rows], self.hi[i, :rows]) for i in range(self.lo.shape[0])]
+    def selector(self, rows: int, page: int, max_pages: int,
+                 width: int | None = None) -> QuestSelector:
+        """The selector of the first `rows` rows, reading this state's first `width` pages
+        (None: all; a narrower key width scores the pages its rows can reach only)."""
+        bounds = [(self.lo[i, :rows, :width], self.hi[i, :rows, :width])
+                  for i in range(self.lo.shape[0])]
         return QuestSelector(bounds, self.rankable[:rows], self.n_pages[:rows], page, max_pages,
                              self.pages[:rows])
 
@@ -223,8 +226,10 @@ class Policy:
         rows of up to `tokens` positions (None: the policy selects outside its steps)."""
         return None
 
-    def step_selector(self, state: QuestState, rows: int, kmax: int) -> Any:
-        """The per-layer selector of the first `rows` rows over that state."""
+    def step_selector(self, state: QuestState, rows: int, kmax: int,
+                      tokens: int | None = None) -> Any:
+        """The per-layer selector of the first `rows` rows over that state, budgets at most
+        kmax, positions below `tokens` (None: the state's whole width)."""
         raise NotImplementedError
 
 
@@ -467,8 +472,11 @@ class Quest(Policy):
         return QuestState.empty(layers, rows, math.ceil(tokens / self.options.page),
                                 *kv_cache.shape[1:], kv_cache.device, kv_cache.dtype)
 
-    def step_selector(self, state: QuestState, rows: int, kmax: int) -> QuestSelector:
-        return state.selector(rows, self.options.page, math.ceil(kmax / self.options.page))
+    def step_selector(self, state: QuestState, rows: int, kmax: int,
+                      tokens: int | None = None) -> QuestSelector:
+        page = self.options.page
+        width = None if tokens is None else math.ceil(tokens / page)
+        return state.selector(rows, page, math.ceil(kmax / page), width)
 
     def selector(self, inp: SelectionInput, rankable: torch.Tensor,
                  k: torch.Tensor) -> QuestSelector:
