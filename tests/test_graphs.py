@@ -461,6 +461,9 @@ def test_cli_eager_flag() -> None:
     args = _parser().parse_args([*base, "--eager", "--max-model-len", "128"])
     assert _engine_kwargs(args)["cuda_graphs"] is False
     assert _engine_kwargs(args)["max_model_len"] == 128
+    assert "narrowest_span" not in _engine_kwargs(args)
+    spans = _parser().parse_args([*base, "--narrowest-span", "0"])
+    assert _engine_kwargs(spans)["narrowest_span"] == 0
 
 
 # --- CUDA graphs --------------------------------------------------------------------------------
