@@ -388,6 +388,7 @@ def test_setting_records_the_sampling_and_resume_refuses_another_top_p(
     setting = _results(bench_dir)["meta"]["setting"]
     assert (setting["temperature"], setting["top_p"], setting["top_k"], setting["seed"]) == \
         (0.0, 1.0, 0, 0)
+    assert setting["narrowest_span"] == 2048  # the engine's default key widths
     assert "Decoding: greedy," in (bench_dir / "report.md").read_text()
     out = _resumable_copy(bench_dir, tmp_path, monkeypatch)
     assert cli.main([*BENCH, "--model", model, "--out", str(out), "--resume", "--top-p",
