@@ -186,6 +186,7 @@ def test_span_lengths_and_choice(tiny: Path) -> None:
     assert [shapes.span_for(n) for n in (28, 29, 124, 125, None)] == [0, 1, 2, 3, 3]
     plain = static_shapes(parts, tiny_spec(None), None, 32)
     assert [plain.span_for(n) for n in (31, 32)] == [0, 1]
+    assert [w.length for w in plain.widths] == [32, 64, 128, 256]
     with pytest.raises(ConfigError, match="narrowest_span must be an integer >= 0"):
         EngineConfig(narrowest_span=-1)
     # exact mode keeps one width, whatever the batch's longest row

@@ -24,11 +24,12 @@ with its rows.
 
 A graph's key axis is its key width (`Span`): the page table's full width, or one of the
 narrower widths a batch runs while its longest row fits (`use_span`), so `kv_len_max` is
-fixed per graph; the kernels stop at each row's position, and the reference masks the rest. The kinds of `shapes.kinds` are
-captured for every bucket up to the capacity when the runner is built (largest first, one
-shared memory pool), each after a warm-up run, on dummy buffers that only touch the scratch
-page; any other kind (the sampled rounds, the adaptive plain step) at its first use, for
-every bucket at once, on the live buffers, the plans put back after the warm-up runs."""
+fixed per graph; the kernels stop at each row's position, and the reference masks the rest.
+The kinds of `shapes.kinds` are captured for every bucket up to the capacity and every key
+width when the runner is built (largest first, one shared memory pool), each after a
+warm-up run, on dummy buffers that only touch the scratch page; any other kind (the sampled
+rounds, the adaptive plain step) at its first use, for every bucket and width at once, on
+the live buffers, the plans put back after the warm-up runs."""
 
 from __future__ import annotations
 
@@ -163,8 +164,9 @@ class StaticShapes:
 
     @property
     def widths(self) -> tuple[Span, ...]:
-        """Every key width the graphs are captured at, ascending, the whole one last."""
-        whole = Span(self.rank_width or self.pages, self.pages, self.kmax, self.index_width)
+        """Every key width the graphs are captured at, ascending, the whole one last (its
+        length: max_model_len, `rank_width`)."""
+        whole = Span(self.rank_width, self.pages, self.kmax, self.index_width)
         return (*self.spans, whole)
 
     def span_for(self, longest: int | None) -> int:

@@ -175,7 +175,7 @@ def static_shapes(parts: Loaded, spec: SpecConfig, policy: Policy | None,
     cache, max_len = parts.cache, parts.max_model_len
     narrower = span_lengths(max_len, narrowest)
     if policy is None:
-        return StaticShapes(("plain",), 0, cache.pages_for(max_len),
+        return StaticShapes(("plain",), 0, cache.pages_for(max_len), rank_width=max_len,
                             spans=tuple(Span(n, cache.pages_for(n)) for n in narrower))
     gamma, hkv = spec.gamma, parts.local_config.num_kv_heads
     kmax = max_budget(spec, max_len)
