@@ -301,7 +301,8 @@ class GraphRunner:
         self.buf = StaticBuffers(shapes, capacity, kv_caches[0][0], len(kv_caches), page_size,
                                  scratch_page, policy)
         self.rows, self.bucket = capacity, capacity
-        self.span = len(shapes.spans)  # the index in shapes.widths of the steps' key width
+        self.widths = shapes.widths
+        self.span = len(shapes.spans)  # the index in widths of the steps' key width
         self.scored = len(shapes.score_rows)  # score rows of the last verify step
         # The runner's own memory pool (made by its first capture): a pool shared with an
         # earlier runner could outlive that runner's graphs while its blocks are still held,
@@ -349,7 +350,7 @@ class GraphRunner:
     @property
     def width(self) -> Span:
         """The key width the next steps run at (`use_span`)."""
-        return self.shapes.widths[self.span]
+        return self.widths[self.span]
 
     def use_span(self, longest: int | None) -> None:
         """The steps from now on run the graphs of the narrowest key width that holds a batch
@@ -494,7 +495,7 @@ class GraphRunner:
         key width that holds inp.max_len (None: the steps' own, `width`)."""
         s = self.shapes
         i = self.span if inp.max_len is None else s.span_for(inp.max_len)
-        span = s.widths[i]
+        span = self.widths[i]
         inp.kmax, inp.recent_max = span.kmax, s.recent_max
         inp.rank_width = span.length if i < len(s.spans) else s.rank_width or None
         state = self.buf.state
@@ -552,7 +553,7 @@ class GraphRunner:
         current = self.span
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             for bucket in reversed(buckets_upto(self.capacity)):
-                for span in reversed(range(len(self.shapes.widths))):
+                for span in reversed(range(len(self.widths))):
                     self.span = span
                     for kind in self.shapes.kinds if kinds is None else kinds:
                         if (kind, bucket, span) not in self.graphs:

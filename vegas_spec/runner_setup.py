@@ -179,8 +179,12 @@ def static_shapes(parts: Loaded, spec: SpecConfig, policy: Policy | None,
                             spans=tuple(Span(n, cache.pages_for(n)) for n in narrower))
     gamma, hkv = spec.gamma, parts.local_config.num_kv_heads
     kmax = max_budget(spec, max_len)
-    spans = tuple(Span(n, cache.pages_for(n), max_budget(spec, n),
-                       policy.index_width(max_budget(spec, n))) for n in narrower)
+
+    def span(length: int) -> Span:
+        most = max_budget(spec, length)
+        return Span(length, cache.pages_for(length), most, policy.index_width(most))
+
+    spans = tuple(span(n) for n in narrower)
     # adaptive speculation drafts fewer tokens, or none (a plain step), where γ would not pay
     lengths = draft_lengths(gamma) if spec.adaptive else (gamma,)
     rounds = tuple(with_length("spec", g, gamma) for g in lengths)
