@@ -735,7 +735,7 @@ def cell_settings(stack: contextlib.ExitStack, device: torch.device, dim: int,
     library = sa.tuning(device)
     stack.enter_context(tuned(sa, programs_per_sm=sparse_programs(
         library.programs_per_sm, sparse, dim), by_head_dim=sparse_key_tiles(
-        library.by_head_dim, keys, dim)))
+        library.by_head_dim, keys, dim), one_wave=sparse_key_tiles(library.one_wave, keys, dim)))
     stack.enter_context(tuned(tk, min_warps=least or tk.tuning(device).min_warps))
     split = {} if fill == "library" else dict(
         zip(("split_programs_per_sm", "split_min_blocks"), map(int, fill.split(":")),
@@ -771,7 +771,8 @@ def sparse_tiles_arg(text: str) -> str:
 
 def sparse_key_tiles(library: Mapping[int, sa.KeyTiles], setting: str,
                      dim: int) -> Mapping[int, sa.KeyTiles]:
-    """sparse_attention's by_head_dim for a --sparse-tiles setting."""
+    """sparse_attention's by_head_dim (or one_wave) for a --sparse-tiles setting: a
+    setting given holds for both."""
     if setting == "library":
         return library
     block_k, stages, warps = (int(p) for p in setting.split(":"))
@@ -846,8 +847,9 @@ def main() -> None:
                       "many programs per SM at the model's head dim")
     side_by_side(ap, "--sparse-tiles", default=["library"], type=sparse_tiles_arg,
                  text="the draft steps' sparse kernel at the model's head dim: the library's "
-                      "tiles (sparse_attention.SparseTuning.by_head_dim) or "
-                      "BLOCK_K:STAGES:WARPS")
+                      "tiles (sparse_attention.SparseTuning.by_head_dim, and one_wave where "
+                      "a step's programs fit on the SMs) or BLOCK_K:STAGES:WARPS for every "
+                      "step")
     side_by_side(ap, "--draft-copy-rows", type=int, default=[0],
                  text="rows up to which a draft step reads the FP8 copies "
                       "(quant.DRAFT_COPY_ROWS, 0: the library's)")

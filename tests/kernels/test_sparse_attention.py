@@ -70,6 +70,8 @@ CASES = [
          block_k=16, split_size=32, cut=True),
     Case((300, 90), 7, 8, 2, 64, budget=0.5, block_k=16, split_size=64, cut=True),
     Case((150,), 1, 4, 4, 64, budget="dense", recent_extra=2, cut=True),
+    # the one-wave tiles' wide block (SmolLM2's heads): list and recent range in one block
+    Case((600, 90), 1, 9, 3, 64, budget=0.4, recent_extra=5, block_k=512, cut=True),
 ]
 
 
@@ -274,3 +276,29 @@ def test_sparse_splits_fill_one_wave_of_program_slots(
         assert splits * programs <= per_sm * 132  # one wave
         assert size == 128 or size >= 256  # one block, or at least two
     assert sa.sparse_split_size(length, programs, 128, torch.device("cpu"), head_dim) == 512
+
+
+@pytest.mark.parametrize("batch,hkv,n,want", [
+    (32, 3, 1, (512, 1, 8)),  # SmolLM2 32 x 2K draft steps: 96 programs on 132 SMs
+    (1, 3, 1, (512, 1, 8)),
+    (44, 3, 1, (512, 1, 8)),  # 132 programs: one apiece still
+    (45, 3, 1, (256, 1, None)),  # 135 programs share SMs: by_head_dim's
+    (64, 3, 1, (256, 1, None)),
+    (8, 3, 7, (256, 1, None)),  # several query rows: by_head_dim's
+])
+def test_one_wave_tiles_where_the_programs_fit_on_the_sms(
+        batch: int, hkv: int, n: int, want: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft step whose (sequence, kv head) programs fit on the SMs one apiece takes the
+    wide one-wave tiles; more programs, or several query rows, take by_head_dim's; the
+    interpreter lists neither, and a launch's own block_k overrides both."""
+    import vegas_spec.kernels as kernels
+    import vegas_spec.kernels.sparse_attention as sa
+    as_sm90(monkeypatch)
+    monkeypatch.setattr(kernels, "sm_count", lambda index: 132)  # an H100 SXM or H200
+    keys = sa.key_tiles(torch.device("cuda", 0), 64, n, batch * hkv)
+    assert keys is not None and (keys.block_k, keys.stages, keys.warps) == want
+    assert sa.key_tiles(torch.device("cuda", 0), 80, n, batch * hkv) is None  # not listed
+    assert sa.key_tiles(torch.device("cpu"), 64, n, batch * hkv) is None
+    q = torch.zeros(batch, n, 3 * hkv, 64)
+    assert sa._tiles(q, hkv, None).block_k == 32  # the interpreter's
+    assert sa._tiles(q, hkv, 16).block_k == 16

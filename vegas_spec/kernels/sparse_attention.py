@@ -75,16 +75,24 @@ class SparseTuning:
     as many splits as fill those slots in one wave, at least min_split_blocks key blocks
     each, or one block each where those programs fit on the SMs one apiece (few sequences:
     the chains then run side by side and the merge is cheap) (`sparse_split_size`). Head
-    dims not listed keep the paged kernel's split (`split_size_for`)."""
+    dims not listed keep the paged kernel's split (`split_size_for`).
+
+    one_wave: the tiles at the listed head dims of a launch whose programs fit on the SMs
+    one apiece (a draft step of few sequences, `_tiles`): each SM then runs one program and
+    its memory pipes idle between that program's dependent loads, so a wider block walked
+    by more warps keeps more gathered rows in flight per SM. Where the programs outnumber
+    the SMs, several share an SM and hide each other's latency: by_head_dim's tiles."""
 
     block_k: int
     programs_per_sm: Mapping[int, int] | None
     min_split_blocks: int
     by_head_dim: Mapping[int, KeyTiles]
+    one_wave: Mapping[int, KeyTiles] = dataclasses.field(default_factory=dict)
 
 
 _SM90 = SparseTuning(block_k=128, programs_per_sm={64: 3}, min_split_blocks=2,
-                     by_head_dim={64: KeyTiles(block_k=256, stages=1)})
+                     by_head_dim={64: KeyTiles(block_k=256, stages=1)},
+                     one_wave={64: KeyTiles(block_k=512, stages=1, warps=8)})
 # By device class (`kernels.device_class`). The interpreter: the decode tiles' small key
 # blocks and their split (`split_merge.TUNING`).
 TUNING: dict[str, SparseTuning] = {
@@ -187,13 +195,25 @@ def _sparse_split_kernel(
                         HEAD_DIM)
 
 
+def key_tiles(device: torch.device, dim: int, n: int, programs: int) -> KeyTiles | None:
+    """The device's keys per loop step, stages and warps (`SparseTuning`) for a launch of
+    `programs` (sequence, kv head) programs of n query rows at head dim `dim`: the one-wave
+    tiles where a one-row step's programs fit on the SMs one apiece, else by_head_dim's
+    (None: neither lists `dim`)."""
+    tiles = tuning(device)
+    if (dim in tiles.one_wave and n == 1 and device.type == "cuda"
+            and programs <= device_sms(device)):
+        return tiles.one_wave[dim]
+    return tiles.by_head_dim.get(dim)
+
+
 def _tiles(q: torch.Tensor, hkv: int, block_k: int | None) -> TileConfig:
     """The launch's tiles: `block_k` keys a loop step where given (stages then
-    `split_merge`'s), else the device's for q's head dim (`SparseTuning`)."""
-    tiles = tuning(q.device)
-    keys = tiles.by_head_dim.get(q.shape[3])
-    if block_k is not None or keys is None:
-        return tile_config(q, hkv, block_k or tiles.block_k)
+    `split_merge`'s), else the device's (`key_tiles`) for q's head dim, else its block_k."""
+    bsz, n, _, dim = q.shape
+    keys = None if block_k is not None else key_tiles(q.device, dim, n, bsz * hkv)
+    if keys is None:
+        return tile_config(q, hkv, block_k or tuning(q.device).block_k)
     cfg = tile_config(q, hkv, keys.block_k)
     return dataclasses.replace(cfg, num_stages=keys.stages, num_warps=keys.warps or cfg.num_warps)
 
