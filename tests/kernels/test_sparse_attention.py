@@ -70,8 +70,6 @@ CASES = [
          block_k=16, split_size=32, cut=True),
     Case((300, 90), 7, 8, 2, 64, budget=0.5, block_k=16, split_size=64, cut=True),
     Case((150,), 1, 4, 4, 64, budget="dense", recent_extra=2, cut=True),
-    # the one-wave tiles' wide block (SmolLM2's heads): list and recent range in one block
-    Case((600, 90), 1, 9, 3, 64, budget=0.4, recent_extra=5, block_k=512, cut=True),
 ]
 
 
@@ -276,6 +274,17 @@ def test_sparse_splits_fill_one_wave_of_program_slots(
         assert splits * programs <= per_sm * 132  # one wave
         assert size == 128 or size >= 256  # one block, or at least two
     assert sa.sparse_split_size(length, programs, 128, torch.device("cpu"), head_dim) == 512
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_wave_tiles_match_reference(dtype: torch.dtype,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library's one-wave tiles (512 keys a step, one stage, 8 warps at head dim 64), as
+    every launch's: SmolLM2's heads, the list and the recent range in one block, in every
+    dtype (float32's tile fits in shared memory at one stage)."""
+    import vegas_spec.kernels.sparse_attention as sa
+    retune(monkeypatch, sa, by_head_dim=dict(sa.TUNING["sm90"].one_wave), one_wave={})
+    run(Case((600, 90), 1, 9, 3, 64, budget=0.4, recent_extra=5, cut=True), dtype, seed=3)
 
 
 @pytest.mark.parametrize("batch,hkv,n,want", [
