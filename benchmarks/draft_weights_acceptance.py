@@ -3,11 +3,15 @@ weights, for every sparse policy, greedy and sampled (temperature 0.6, top-p 0.9
 on the workloads of `vegas bench`: essays and source code (prompts of about --tokens tokens,
 each from another text onwards) and long generation (chat questions, --generation-tokens new
 tokens), on the embedded model (or --model), each kind of draft weights in an engine of its
-own.
+own. With --keep, each setting in turn reads some of the copy's projections from the model's
+weights instead (a projection kind in every layer, or every projection of the first and last
+N layers): where a copy's acceptance goes.
 
     python benchmarks/draft_weights_acceptance.py --device cpu --out acceptance.json
     python benchmarks/draft_weights_acceptance.py --device cuda --dtype bfloat16 \\
         --prompts 16 --max-tokens 256 --out acceptance.json
+    python benchmarks/draft_weights_acceptance.py --draft-weights model fp8 --methods vegas \\
+        --keep none qkv o_proj down edges:2 --out keep.json
 """
 
 from __future__ import annotations
@@ -36,6 +40,35 @@ def prompt_ids(llm: LLM, texts: list[str], count: int, tokens: int) -> list[list
     return out
 
 
+def keep_arg(text: str) -> str:
+    """--keep: none, a projection's name (every layer's read from the model's weights), or
+    edges:N (every projection of the first and last N layers)."""
+    if text == "none" or (text.startswith("edges:") and text[6:].isdigit()) or \
+            text.replace("_", "").isalpha():
+        return text
+    raise argparse.ArgumentTypeError(f"none, a projection's name or edges:N, not {text!r}")
+
+
+def keep_model_weights(llm: LLM, copies: list[dict], setting: str) -> float:
+    """The copies (`copies`: each layer's own, as made) with those of `setting` replaced by
+    the model's weights (a projection of the model read as a draft step's weight) -> the
+    share of the projections' parameters kept in the model's dtype."""
+    layers = llm.engine.runner.model.layers
+    edges = int(setting[6:]) if setting.startswith("edges:") else None
+    kept = total = 0
+    for i, (layer, own) in enumerate(zip(layers, copies, strict=True)):
+        if setting not in ("none", *own) and edges is None:
+            raise SystemExit(f"--keep {setting}: the copies hold {', '.join(own)}")
+        layer.drafts = dict(own)
+        for name in own:
+            size = getattr(layer, name).weight.numel()
+            total += size
+            if name == setting or (edges is not None and (i < edges or i >= len(layers) - edges)):
+                layer.drafts[name] = getattr(layer, name).weight
+                kept += size
+    return kept / total
+
+
 def run(llm: LLM, prompts: list[list[int]], tokens: int, method: str,
         sampled: bool) -> dict[str, object]:
     """One cell: every prompt decoded at γ 6 (fixed), each with its own seed."""
@@ -61,6 +94,10 @@ def main() -> None:
     ap.add_argument("--draft-weights", nargs="+", default=["model", "fp8", "int4"],
                     choices=["model", "fp8", "int4"])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--keep", nargs="+", type=keep_arg, default=["none"],
+                    help="the copy's projections read from the model's weights instead, each "
+                         "setting in turn: none, a projection's name (qkv, o_proj, gate_up, "
+                         "down) or edges:N (the first and last N layers)")
     ap.add_argument("--kv-cache-gb", type=float, default=0.25)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -68,20 +105,23 @@ def main() -> None:
     for drafts in args.draft_weights:
         llm = LLM(args.model, device=args.device, dtype=args.dtype, draft_weights=drafts,
                   kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)))
-        for workload in args.workloads:
-            if workload == "generation":
-                prompts = [p.ids for p in generation_prompts(llm.tokenizer, args.prompts)]
-                tokens = args.generation_tokens
-            else:
-                prompts = prompt_ids(llm, TEXTS[workload](), args.prompts, args.tokens)
-                tokens = args.max_tokens
-            for method in args.methods:
-                for sampling in ("greedy", "sampled"):
-                    cell = {"draft_weights": drafts, "workload": workload, "method": method,
-                            "sampling": sampling,
-                            **run(llm, prompts, tokens, method, sampling == "sampled")}
-                    cells.append(cell)
-                    print(json.dumps(cell), flush=True)
+        copies = [dict(layer.drafts or {}) for layer in llm.engine.runner.model.layers]
+        for keep in args.keep if drafts != "model" else ["none"]:
+            kept = keep_model_weights(llm, copies, keep) if drafts != "model" else 1.0
+            for workload in args.workloads:
+                if workload == "generation":
+                    prompts = [p.ids for p in generation_prompts(llm.tokenizer, args.prompts)]
+                    tokens = args.generation_tokens
+                else:
+                    prompts = prompt_ids(llm, TEXTS[workload](), args.prompts, args.tokens)
+                    tokens = args.max_tokens
+                for method in args.methods:
+                    for sampling in ("greedy", "sampled"):
+                        cell = {"draft_weights": drafts, "keep": keep, "kept_share": kept,
+                                "workload": workload, "method": method, "sampling": sampling,
+                                **run(llm, prompts, tokens, method, sampling == "sampled")}
+                        cells.append(cell)
+                        print(json.dumps(cell), flush=True)
         del llm
     meta = {"date": time.strftime("%Y-%m-%d"), "args": {k: str(v) for k, v in vars(args).items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -383,3 +383,26 @@ def test_adaptive_sweep_sets_adaptive_beside_every_fixed_gamma_in_each_cell(
         assert f"**{r['runs'][r['best_fixed']['label']]['vs_vanilla']:.2f}**" in cells[5]
         chosen = r["runs"]["adaptive"]["controller"]["draft_lengths"]
         assert cells[7] == " / ".join(str(chosen[g]) for g in ("0", "1", "2"))
+
+
+def test_draft_weights_acceptance_keeps_the_projections_asked_for(tmp_path: Path) -> None:
+    """§1.2's acceptance cells: tokens per iteration of every --keep setting, with the share
+    of the projections' parameters it reads from the model's weights (SmolLM2: down is a
+    quarter of a layer's, edges:1 two of thirty layers)."""
+    out = tmp_path / "keep.json"
+    run("draft_weights_acceptance.py", "--draft-weights", "model", "fp8", "--methods", "vegas",
+        "--workloads", "generation", "--prompts", "1", "--generation-tokens", "8",
+        "--keep", "none", "down", "edges:1", "--out", str(out))
+    cells = json.loads(out.read_text())["cells"]
+    assert [(c["draft_weights"], c["keep"], c["sampling"]) for c in cells] == [
+        ("model", "none", "greedy"), ("model", "none", "sampled")] + [
+        ("fp8", keep, sampling) for keep in ("none", "down", "edges:1")
+        for sampling in ("greedy", "sampled")]
+    shares = {c["keep"]: c["kept_share"] for c in cells if c["draft_weights"] == "fp8"}
+    assert shares["none"] == 0.0 and shares["edges:1"] == pytest.approx(2 / 30)
+    assert shares["down"] == pytest.approx(576 * 1536 / (960 * 576 + 576 * 576 + 3072 * 576
+                                                         + 576 * 1536))
+    assert all(1.0 <= c["tokens_per_iteration"] <= 7.0 for c in cells)
+    with pytest.raises(AssertionError, match="the copies hold"):
+        run("draft_weights_acceptance.py", "--draft-weights", "fp8", "--workloads", "code",
+            "--keep", "lm_head", "--out", str(tmp_path / "bad.json"))
