@@ -17,6 +17,7 @@ N layers): where a copy's acceptance goes.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -52,13 +53,16 @@ def keep_arg(text: str) -> str:
 def keep_model_weights(llm: LLM, copies: list[dict], setting: str) -> float:
     """The copies (`copies`: each layer's own, as made) with those of `setting` replaced by
     the model's weights (a projection of the model read as a draft step's weight) -> the
-    share of the projections' parameters kept in the model's dtype."""
+    share of the projections' parameters kept in the model's dtype (1.0: no copies, the
+    drafts read the model's weights already)."""
+    if not any(copies):
+        return 1.0
     layers = llm.engine.runner.model.layers
     edges = int(setting[6:]) if setting.startswith("edges:") else None
+    if edges is None and setting != "none" and any(setting not in own for own in copies):
+        raise SystemExit(f"--keep {setting}: the copies hold {', '.join(copies[0])}")
     kept = total = 0
     for i, (layer, own) in enumerate(zip(layers, copies, strict=True)):
-        if setting not in ("none", *own) and edges is None:
-            raise SystemExit(f"--keep {setting}: the copies hold {', '.join(own)}")
         layer.drafts = dict(own)
         for name in own:
             size = getattr(layer, name).weight.numel()
@@ -67,6 +71,15 @@ def keep_model_weights(llm: LLM, copies: list[dict], setting: str) -> float:
                 layer.drafts[name] = getattr(layer, name).weight
                 kept += size
     return kept / total
+
+
+def workload_prompts(llm: LLM, workload: str, args: argparse.Namespace,
+                     ) -> tuple[list[list[int]], int]:
+    """A workload's prompts and the new tokens each decodes."""
+    if workload == "generation":
+        return ([p.ids for p in generation_prompts(llm.tokenizer, args.prompts)],
+                args.generation_tokens)
+    return prompt_ids(llm, TEXTS[workload](), args.prompts, args.tokens), args.max_tokens
 
 
 def run(llm: LLM, prompts: list[list[int]], tokens: int, method: str,
@@ -106,22 +119,16 @@ def main() -> None:
         llm = LLM(args.model, device=args.device, dtype=args.dtype, draft_weights=drafts,
                   kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)))
         copies = [dict(layer.drafts or {}) for layer in llm.engine.runner.model.layers]
+        work = {workload: workload_prompts(llm, workload, args) for workload in args.workloads}
         for keep in args.keep if drafts != "model" else ["none"]:
-            kept = keep_model_weights(llm, copies, keep) if drafts != "model" else 1.0
-            for workload in args.workloads:
-                if workload == "generation":
-                    prompts = [p.ids for p in generation_prompts(llm.tokenizer, args.prompts)]
-                    tokens = args.generation_tokens
-                else:
-                    prompts = prompt_ids(llm, TEXTS[workload](), args.prompts, args.tokens)
-                    tokens = args.max_tokens
-                for method in args.methods:
-                    for sampling in ("greedy", "sampled"):
-                        cell = {"draft_weights": drafts, "keep": keep, "kept_share": kept,
-                                "workload": workload, "method": method, "sampling": sampling,
-                                **run(llm, prompts, tokens, method, sampling == "sampled")}
-                        cells.append(cell)
-                        print(json.dumps(cell), flush=True)
+            kept = keep_model_weights(llm, copies, keep)
+            for (workload, (prompts, tokens)), method, sampling in itertools.product(
+                    work.items(), args.methods, ("greedy", "sampled")):
+                cell = {"draft_weights": drafts, "keep": keep, "kept_share": kept,
+                        "workload": workload, "method": method, "sampling": sampling,
+                        **run(llm, prompts, tokens, method, sampling == "sampled")}
+                cells.append(cell)
+                print(json.dumps(cell), flush=True)
         del llm
     meta = {"date": time.strftime("%Y-%m-%d"), "args": {k: str(v) for k, v in vars(args).items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
