@@ -497,7 +497,7 @@ class GraphRunner:
         i = self.span if inp.max_len is None else s.span_for(inp.max_len)
         span = self.widths[i]
         inp.kmax, inp.recent_max = span.kmax, s.recent_max
-        inp.rank_width = span.length if i < len(s.spans) else s.rank_width or None
+        inp.rank_width = span.length or None  # the whole width's: rank_width (0: none)
         state = self.buf.state
         inp.quest_state = state if state is None or start == 0 else state.from_row(start)
         return inp
