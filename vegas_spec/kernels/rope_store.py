@@ -57,6 +57,25 @@ def _rotate(x_ptrs, mask, cos, sin, HALF: tl.constexpr):
 
 
 @triton.jit
+def tile_operands(x_ptrs, partner_ptrs, cos_ptrs, mask, HALF: tl.constexpr):
+    """`rotate_tile`'s loads alone (elements, partners, cos, sin as stored), so that a
+    kernel can issue other loads before the rotation waits for these."""
+    xa = tl.load(x_ptrs, mask=mask, other=0.0)
+    xb = tl.load(partner_ptrs, mask=mask, other=0.0)
+    c = tl.load(cos_ptrs, mask=mask, other=0.0)
+    s = tl.load(cos_ptrs + HALF, mask=mask, other=0.0)
+    return xa, xb, c, s
+
+
+@triton.jit
+def rotate_loaded(xa, xb, c, s, first_half, MUL_RN: tl.constexpr):
+    """`rotate_tile`'s rotation of the values `tile_operands` loaded."""
+    c = c.to(xa.dtype).to(tl.float32)
+    s = s.to(xa.dtype).to(tl.float32)
+    return _rope_sum(xa, xb, c, tl.where(first_half, -s, s), MUL_RN)
+
+
+@triton.jit
 def rotate_tile(x_ptrs, partner_ptrs, cos_ptrs, first_half, mask, HALF: tl.constexpr,
                 MUL_RN: tl.constexpr):
     """Rotated elements of whole heads at once, with `_rotate`'s roundings (the same bits):
@@ -64,11 +83,8 @@ def rotate_tile(x_ptrs, partner_ptrs, cos_ptrs, first_half, mask, HALF: tl.const
     at the table's cos entries of (position, d mod HALF), sin HALF further; first_half
     marks d < HALF (x1 * cos - x2 * sin there, x2 * cos + x1 * sin beyond). MUL_RN: as
     `_rope_sum`'s."""
-    xa = tl.load(x_ptrs, mask=mask, other=0.0)
-    xb = tl.load(partner_ptrs, mask=mask, other=0.0)
-    c = tl.load(cos_ptrs, mask=mask, other=0.0).to(xa.dtype).to(tl.float32)
-    s = tl.load(cos_ptrs + HALF, mask=mask, other=0.0).to(xa.dtype).to(tl.float32)
-    return _rope_sum(xa, xb, c, tl.where(first_half, -s, s), MUL_RN)
+    xa, xb, c, s = tile_operands(x_ptrs, partner_ptrs, cos_ptrs, mask, HALF)
+    return rotate_loaded(xa, xb, c, s, first_half, MUL_RN)
 
 
 @triton.jit

@@ -21,7 +21,14 @@ launches one kernel fewer per layer: q arrives before RoPE and is rotated as it 
 (`rope_store.rotate_tile`, the same bits), and the program whose split holds the step's own
 position, the only one that reads it, first writes that token's rotated k and its v into
 their cache slot, then waits for its threads (a CTA barrier) before walking its keys. Oracle:
-`ops.apply_rope` and `store_kv_ref`, then the plain path."""
+`ops.apply_rope` and `store_kv_ref`, then the plain path.
+
+A program is a chain of dependent loads (positions; list entries; pages; K/V rows), each a
+trip to memory, and a one-row step's programs are few, so the chain is what it costs: the
+first block's list entries and pages are loaded before the step's own k and v are stored
+(they never hold that position's row), every split loads those (the owner alone stores
+them, with no branch between the loads), V's rows load beside K's, and each loop step
+loads the next block's list entries while its rows arrive."""
 
 from __future__ import annotations
 
@@ -34,7 +41,7 @@ import triton
 import triton.language as tl
 
 from vegas_spec.kernels import device_sms, for_device, interpreting, split_counters
-from vegas_spec.kernels.rope_store import rotate_tile
+from vegas_spec.kernels.rope_store import rotate_loaded, tile_operands
 from vegas_spec.kernels.split_merge import (
     Partials,
     TileConfig,
@@ -109,6 +116,24 @@ def tuning(device: torch.device) -> SparseTuning:
 
 
 @triton.jit
+def _list_entries(idx_row, j, hi, num_listed, recent0, max_pos):
+    """Positions and validity of keys j of a row's virtual list (its listed indices, then
+    the recent range from recent0), visible up to max_pos and before hi; one load."""
+    listed = j < num_listed
+    chosen = tl.load(idx_row + j, mask=listed & (j < hi), other=-1).to(tl.int32)
+    kpos = tl.where(listed, chosen, recent0 + j - num_listed)
+    k_ok = (j < hi) & (kpos >= 0) & (kpos <= max_pos)
+    return tl.where(k_ok, kpos, 0), k_ok
+
+
+@triton.jit
+def _cache_slots(table_row, kpos, k_ok, page_size):
+    """Cache slots of positions kpos through the row's page table (0 where not k_ok)."""
+    page = tl.load(table_row + kpos // page_size, mask=k_ok, other=0)
+    return page.to(tl.int64) * page_size + kpos % page_size
+
+
+@triton.jit
 def _sparse_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, idx_ptr, start_ptr, listed_ptr,
         out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, kn_ptr, vn_ptr, rope_ptr, slot_ptr, sinks_ptr,
@@ -140,52 +165,59 @@ def _sparse_split_kernel(
     num_listed = width  # the row's list: its first listed[b] indices, or the whole width
     if LISTED:
         num_listed = tl.minimum(tl.load(listed_ptr + b).to(tl.int32), width)
-    if ROPE:  # n = 1: q rotated as it is loaded; the step's own k and v stored first
-        half = HEAD_DIM // 2
-        first = d < half
-        partner = tl.where(first, d + half, d - half)
-        q = rotate_tile(q_rows + d[None, :], q_rows + partner[None, :],
-                        rope_ptr + pos.to(tl.int64)[:, None] * stride_rope
-                        + (d % half)[None, :], first[None, :], q_mask, half, MUL_RN)
-        own = num_listed + max_pos - recent0  # the step's position in the virtual list
-        owner = tl.where((own >= 0) & (own < num_listed + recent_max), own // split_size, 0)
-        if split == owner:
-            slot = tl.load(slot_ptr + b * stride_sb).to(tl.int64)
-            kv_ok = d_ok & (slot >= 0)
-            k_row = kn_ptr + b * stride_kb + kvh * stride_kh
-            k_new = rotate_tile(k_row + d, k_row + partner,
-                                rope_ptr + max_pos.to(tl.int64) * stride_rope + d % half,
-                                first, kv_ok, half, MUL_RN)
-            v_new = tl.load(vn_ptr + b * stride_vb + kvh * stride_vh + d, mask=kv_ok)
-            cache_row = slot * stride_cs + kvh * stride_ch + d
-            tl.store(k_ptr + cache_row, k_new.to(k_ptr.dtype.element_ty), mask=kv_ok)
-            tl.store(v_ptr + cache_row, v_new.to(v_ptr.dtype.element_ty), mask=kv_ok)
-        tl.debug_barrier()  # the stores above are seen by every thread's loads below
-    else:
-        q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)
     recent = tl.minimum(recent_max, tl.maximum(max_pos - recent0 + 1, 0))  # visible ones only
     lo = split * split_size
     hi = tl.minimum(lo + split_size, num_listed + recent)
     idx_row = idx_ptr + b * stride_ib + kvh * stride_ig  # stride_ig = 0: shared list
+    table_row = table_ptr + b * stride_tb
+    # The first block's list entries: their loads do not wait for the step's own k and v.
+    kpos, k_ok = _list_entries(idx_row, lo + tl.arange(0, BLOCK_K), hi, num_listed, recent0,
+                               max_pos)
+    if ROPE:  # n = 1: q rotated as it is loaded; the step's own k and v stored first
+        half = HEAD_DIM // 2
+        first = d < half
+        partner = tl.where(first, d + half, d - half)
+        own = num_listed + max_pos - recent0  # the step's position in the virtual list
+        owner = tl.where((own >= 0) & (own < num_listed + recent_max), own // split_size, 0)
+        # Every split loads the step's own k and v, the owner's stores them: no branch, so
+        # these loads, q's and the first block's pages are in flight together.
+        slot = tl.load(slot_ptr + b * stride_sb).to(tl.int64)
+        k_row = kn_ptr + b * stride_kb + kvh * stride_kh
+        new_ok = d_ok & (max_pos >= 0)
+        k_ops = tile_operands(k_row + d, k_row + partner,
+                              rope_ptr + max_pos.to(tl.int64) * stride_rope + d % half,
+                              new_ok, half)
+        v_new = tl.load(vn_ptr + b * stride_vb + kvh * stride_vh + d, mask=new_ok)
+        q_ops = tile_operands(q_rows + d[None, :], q_rows + partner[None, :],
+                              rope_ptr + pos.to(tl.int64)[:, None] * stride_rope
+                              + (d % half)[None, :], q_mask, half)
+        cache_slots = _cache_slots(table_row, kpos, k_ok, page_size)
+        k_new = rotate_loaded(k_ops[0], k_ops[1], k_ops[2], k_ops[3], first, MUL_RN)
+        q = rotate_loaded(q_ops[0], q_ops[1], q_ops[2], q_ops[3], first[None, :], MUL_RN)
+        kv_ok = new_ok & (slot >= 0) & (split == owner)
+        cache_row = slot * stride_cs + kvh * stride_ch + d
+        tl.store(k_ptr + cache_row, k_new.to(k_ptr.dtype.element_ty), mask=kv_ok)
+        tl.store(v_ptr + cache_row, v_new.to(v_ptr.dtype.element_ty), mask=kv_ok)
+        tl.debug_barrier()  # the stores above are seen by every thread's loads below
+    else:
+        q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)
+        cache_slots = _cache_slots(table_row, kpos, k_ok, page_size)
     m_i, l_i, acc = initial_state(sinks_ptr, head, lane_ok, split, BLOCK_N * GROUP_PAD,
                                   BLOCK_D, SINKS)
     for start in range(lo, hi, BLOCK_K):
-        j = start + tl.arange(0, BLOCK_K)  # index into the virtual key list
-        listed = j < num_listed
-        chosen = tl.load(idx_row + j, mask=listed & (j < hi), other=-1).to(tl.int32)
-        kpos = tl.where(listed, chosen, recent0 + j - num_listed)
-        k_ok = (j < hi) & (kpos >= 0) & (kpos <= max_pos)
-        kpos = tl.where(k_ok, kpos, 0)
-        page = tl.load(table_ptr + b * stride_tb + kpos // page_size, mask=k_ok, other=0)
-        slot = page.to(tl.int64) * page_size + kpos % page_size
-        kv_off = slot[:, None] * stride_cs + kvh * stride_ch + d[None, :]
+        kv_off = cache_slots[:, None] * stride_cs + kvh * stride_ch + d[None, :]
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        # The next block's list entries while this one's rows arrive (masked past hi).
+        kpos_next, k_ok_next = _list_entries(idx_row, start + BLOCK_K + tl.arange(0, BLOCK_K),
+                                             hi, num_listed, recent0, max_pos)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, K] float32
         visible = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
         x = tl.where(visible, s * scale, float("-inf"))
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
+        kpos, k_ok = kpos_next, k_ok_next
+        cache_slots = _cache_slots(table_row, kpos, k_ok, page_size)
     finish_split(m_i, l_i, acc, b * n + row, head, lane_ok, d, d_ok, split, rows_total, H,
                  out_ptr, lse_ptr, acc_ptr, m_ptr, l_ptr, HEAD_DIM, SINGLE, False)
     if not SINGLE:  # the group's last split program merges: no second launch
