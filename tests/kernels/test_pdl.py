@@ -1,6 +1,6 @@
-"""Programmatic dependent launch: off for CPU tensors and where VEGAS_SPEC_PDL=0, so that the
-interpreter never meets griddepcontrol and a run can be compared with plain stream order.
-(On a GPU every kernel test runs its kernels with it where the card has it.)"""
+"""Programmatic dependent launch: off for CPU tensors, so that the interpreter never meets
+griddepcontrol, and on a GPU only with VEGAS_SPEC_PDL=1, so that a run can be compared
+with plain stream order."""
 
 from __future__ import annotations
 
@@ -16,10 +16,16 @@ def test_off_for_cpu_tensors() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_for_hopper_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_for_hopper_when_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
     device = torch.device("cuda")
     hopper = torch.cuda.get_device_capability()[0] >= 9
+    monkeypatch.setenv("VEGAS_SPEC_PDL", "1")
     assert pdl.enabled(device) == hopper
     assert pdl.launch_options(device) == ({"launch_pdl": True} if hopper else {})
     monkeypatch.setenv("VEGAS_SPEC_PDL", "0")
     assert not pdl.enabled(device) and pdl.launch_options(device) == {}
+
+
+def test_off_for_cpu_tensors_even_when_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VEGAS_SPEC_PDL", "1")
+    assert not pdl.enabled(torch.device("cpu"))

@@ -6,8 +6,8 @@ tail), which at a step's few rows is much of a small kernel's time; captured gra
 as a programmatic edge. Each kernel that takes it waits before its first load, so it reads
 what it would have read launched in order, and signals its own dependents as it starts.
 
-On by default where supported; `VEGAS_SPEC_PDL=0` (read once per process) launches every
-kernel in plain stream order, which is what the interpreter always does."""
+Off unless `VEGAS_SPEC_PDL=1` (not yet measured against plain stream order on a GPU);
+the interpreter always launches in stream order."""
 
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ def _supported(index: int) -> bool:
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch as programmatic dependents: a CUDA device of
-    compute capability 9.0 or more, compiled (not interpreted), unless VEGAS_SPEC_PDL=0."""
-    if device.type != "cuda" or interpreting() or os.environ.get("VEGAS_SPEC_PDL") == "0":
+    """Whether kernels on `device` launch as programmatic dependents: VEGAS_SPEC_PDL=1 and a
+    CUDA device of compute capability 9.0 or more, compiled (not interpreted)."""
+    if device.type != "cuda" or interpreting() or os.environ.get("VEGAS_SPEC_PDL") != "1":
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
