@@ -3,8 +3,10 @@ started by the GPU before the kernel ahead of it on the stream has finished, and
 top (`await_prior`, griddepcontrol.wait) until that kernel's writes are visible. What it
 saves is the gap between two kernels of a decode step (their launch and the ahead kernel's
 tail), which at a step's few rows is much of a small kernel's time; captured graphs keep it
-as a programmatic edge. Each kernel that takes it waits before its first load, so it reads
-what it would have read launched in order, and signals its own dependents as it starts.
+as a programmatic edge. Each kernel that takes it (RMSNorm, SiLU * up, rope_store, the
+paged and sparse attention kernels and the split merge) waits before its first load, so it
+reads what it would have read launched in order, and signals its own dependents as it
+starts.
 
 Off unless `VEGAS_SPEC_PDL=1` (not yet measured against plain stream order on a GPU);
 the interpreter always launches in stream order."""
