@@ -27,7 +27,8 @@ A program is a chain of dependent loads (positions; list entries; pages; K/V row
 trip to memory, and a one-row step's programs are few, so the chain is what it costs: the
 first block's list entries and pages are loaded before the step's own k and v are stored
 (they never hold that position's row), every split loads those (the owner alone stores
-them, with no branch between the loads), V's rows load beside K's, and each loop step
+them, with no branch between the loads), V's rows load beside K's in 16-bit dtypes (in
+float32 the two tiles of a 512-key block overflow shared memory), and each loop step
 loads the next block's list entries while its rows arrive."""
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ def _sparse_split_kernel(
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
         SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
-        MUL_RN: tl.constexpr, SINKS: tl.constexpr, LISTED: tl.constexpr, PDL: tl.constexpr):
+        MUL_RN: tl.constexpr, SINKS: tl.constexpr, LISTED: tl.constexpr, PDL: tl.constexpr,
+        V_WITH_K: tl.constexpr):
     await_prior(PDL)
     b = tl.program_id(0) // Hkv
     kvh = tl.program_id(0) % Hkv
@@ -210,11 +212,14 @@ def _sparse_split_kernel(
         kv_off = cache_slots[:, None] * stride_cs + kvh * stride_ch + d[None, :]
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        if V_WITH_K:  # V's rows in flight beside K's (both tiles then live at the dot)
+            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         # The next block's list entries while this one's rows arrive (masked past hi).
         kpos_next, k_ok_next = _list_entries(idx_row, start + BLOCK_K + tl.arange(0, BLOCK_K),
                                              hi, num_listed, recent0, max_pos)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, K] float32
+        if not V_WITH_K:
+            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         visible = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
         x = tl.where(visible, s * scale, float("-inf"))
         m_i, l_i, acc = softmax_block(x, v, m_i, l_i, acc, DOT_PRECISION)
@@ -370,5 +375,6 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, SINGLE=parts is None,
         DOT_PRECISION=cfg.dot_precision, ROPE=new is not None, MUL_RN=not interpreting(),
         SINKS=sinks is not None, LISTED=listed is not None, PDL=pdl.enabled(q.device),
+        V_WITH_K=q.element_size() <= 2,
         **cfg.launch_options(), **pdl.launch_options(q.device))
     return out
