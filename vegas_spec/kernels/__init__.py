@@ -22,8 +22,6 @@
                     that stream each hit expert's weights once a block of its tokens
   skinny_matmul     a projection of few rows that streams its weights once (the draft
                     steps' FP8 weights)
-  pdl               programmatic dependent launch: a decode kernel started before the kernel
-                    ahead of it has finished, waiting at its top for that kernel's writes
   sample            a token per row by argmax(p / E) with counter-based Exp(1) noise, in one
                     read of p; the draws' keys and uniforms; the candidates' probabilities
                     after temperature, top-k and top-p (sampled decoding, drafting and

@@ -51,8 +51,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from vegas_spec.kernels import for_device, pdl, split_merge
-from vegas_spec.kernels.pdl import await_prior
+from vegas_spec.kernels import for_device, split_merge
 from vegas_spec.kernels.split_merge import (
     MIN_DOT,
     Partials,
@@ -280,8 +279,7 @@ def _paged_split_kernel(
         MODE: tl.constexpr, R_PAD: tl.constexpr, USE_DESC: tl.constexpr,
         WHOLE_BLOCKS: tl.constexpr, SINGLE: tl.constexpr,
         WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, SINKS: tl.constexpr,
-        WINDOW: tl.constexpr, PDL: tl.constexpr):
-    await_prior(PDL)
+        WINDOW: tl.constexpr):
     # the row blocks of one (sequence, kv head) are launched side by side, so that they
     # walk the same keys at about the same time (the later ones may find them in L2)
     row_blocks = tl.cdiv(n, BLOCK_N)
@@ -605,8 +603,7 @@ def _plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         R_PAD=1 if job is None else job.r_pad, USE_DESC=use_desc,
         WHOLE_BLOCKS=store.whole_blocks and job is not None and not use_desc,
         WRITE_LSE=lse is not None, DOT_PRECISION=cfg.dot_precision, SINKS=sinks is not None,
-        WINDOW=window, PDL=pdl.enabled(q.device), **cfg.launch_options(),
-        **pdl.launch_options(q.device))
+        WINDOW=window, **cfg.launch_options())
     # decode steps only (plain, verify): a prompt's rows keep the occupancy split, a
     # sliding-window call its one split
     waves = not (exact or split_size is not None or n > tuning(q.device).decode_rows

@@ -19,9 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels import pdl
-from vegas_spec.kernels.pdl import await_prior
-
 
 @triton.jit
 def _rstd(squares, inv_n, n, eps, MEAN_BY_RECIPROCAL: tl.constexpr):
@@ -45,8 +42,7 @@ def _scaled_norm(x, rstd_x, w, dtype: tl.constexpr):
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, inner, N, inv_n, eps,
                      stride_xo, stride_xi, stride_ro, stride_ri,
                      HAS_RESIDUAL: tl.constexpr, MEAN_BY_RECIPROCAL: tl.constexpr,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr):
-    await_prior(PDL)
+                     BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     outer, i = row // inner, row % inner
     cols = tl.arange(0, BLOCK)
@@ -98,6 +94,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         rows, res, weight, out, out if h is None else h, rows.shape[1], n, 1.0 / n, eps,
         rows.stride(0), rows.stride(1), res.stride(0), res.stride(1),
         HAS_RESIDUAL=residual is not None, MEAN_BY_RECIPROCAL=x.is_cuda, BLOCK=block,
-        PDL=pdl.enabled(x.device), num_warps=min(max(block // 256, 1), 16),
-        enable_fp_fusion=False, **pdl.launch_options(x.device))
+        num_warps=min(max(block // 256, 1), 16), enable_fp_fusion=False)
     return out if h is None else (out, h)

@@ -17,9 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels import pdl
-from vegas_spec.kernels.pdl import await_prior
-
 
 @triton.jit
 def _f32_rn(op: tl.constexpr, a, b):
@@ -97,8 +94,7 @@ def _rope_store_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                        stride_vb, stride_vn, stride_vh, stride_pb, stride_pn,
                        stride_sb, stride_sn, stride_t, stride_cs, stride_ch,
                        HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                       BLOCK_T: tl.constexpr, PDL: tl.constexpr):
-    await_prior(PDL)
+                       BLOCK_T: tl.constexpr):
     j = tl.program_id(1)
     d = tl.arange(0, BLOCK_HALF)
     d_ok = d < HALF
@@ -174,6 +170,6 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch
         v.stride(0), v.stride(1), v.stride(2), positions.stride(0), positions.stride(1),
         slot_mapping.stride(0), slot_mapping.stride(1), table.stride(0), k_cache.stride(0),
         k_cache.stride(1), HALF=dim // 2, BLOCK_H=block_h,
-        BLOCK_HALF=triton.next_power_of_2(dim // 2), BLOCK_T=block_t, PDL=pdl.enabled(q.device),
-        num_warps=4, enable_fp_fusion=False, **pdl.launch_options(q.device))
+        BLOCK_HALF=triton.next_power_of_2(dim // 2), BLOCK_T=block_t, num_warps=4,
+        enable_fp_fusion=False)
     return q_out

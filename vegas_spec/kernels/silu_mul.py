@@ -19,8 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from vegas_spec.kernels import interpreting, pdl
-from vegas_spec.kernels.pdl import await_prior
+from vegas_spec.kernels import interpreting
 
 # gpt-oss's sigmoid slope (`vegas_spec.ops.SWIGLU_ALPHA`).
 SWIGLU_ALPHA = 1.702
@@ -66,8 +65,7 @@ def _clamped_swiglu(gate, up, limit, alpha, dtype: tl.constexpr, LIBDEVICE_EXP: 
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, limit, alpha, LIBDEVICE_EXP: tl.constexpr,
-                     CLAMP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    await_prior(PDL)
+                     CLAMP: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -95,8 +93,7 @@ def _launch(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     block = min(triton.next_power_of_2(inter), BLOCK_COLUMNS)
     _silu_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
         rows, out, inter, rows.stride(0), float(limit), SWIGLU_ALPHA,
-        LIBDEVICE_EXP=not interpreting(), CLAMP=limit > 0, BLOCK=block,
-        PDL=pdl.enabled(gate_up.device), num_warps=4, **pdl.launch_options(gate_up.device))
+        LIBDEVICE_EXP=not interpreting(), CLAMP=limit > 0, BLOCK=block, num_warps=4)
     return out
 
 

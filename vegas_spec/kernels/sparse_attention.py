@@ -41,8 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels import device_sms, for_device, interpreting, pdl, split_counters
-from vegas_spec.kernels.pdl import await_prior
+from vegas_spec.kernels import device_sms, for_device, interpreting, split_counters
 from vegas_spec.kernels.rope_store import rotate_loaded, tile_operands
 from vegas_spec.kernels.split_merge import (
     Partials,
@@ -147,9 +146,8 @@ def _sparse_split_kernel(
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
         SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
-        MUL_RN: tl.constexpr, SINKS: tl.constexpr, LISTED: tl.constexpr, PDL: tl.constexpr,
+        MUL_RN: tl.constexpr, SINKS: tl.constexpr, LISTED: tl.constexpr,
         V_WITH_K: tl.constexpr):
-    await_prior(PDL)
     b = tl.program_id(0) // Hkv
     kvh = tl.program_id(0) % Hkv
     rb = tl.program_id(1)
@@ -374,7 +372,6 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=cfg.group, GROUP_PAD=cfg.group_pad, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_D=cfg.block_d, HEAD_DIM=dim, SINGLE=parts is None,
         DOT_PRECISION=cfg.dot_precision, ROPE=new is not None, MUL_RN=not interpreting(),
-        SINKS=sinks is not None, LISTED=listed is not None, PDL=pdl.enabled(q.device),
-        V_WITH_K=q.element_size() <= 2,
-        **cfg.launch_options(), **pdl.launch_options(q.device))
+        SINKS=sinks is not None, LISTED=listed is not None, V_WITH_K=q.element_size() <= 2,
+        **cfg.launch_options())
     return out

@@ -30,8 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels import device_sms, for_device, pdl
-from vegas_spec.kernels.pdl import await_prior
+from vegas_spec.kernels import device_sms, for_device
 
 MIN_DOT = 16  # tl.dot's smallest tile side on GPUs (more lanes would make warpgroup MMAs)
 
@@ -340,10 +339,9 @@ def merge_when_last(counter, num_splits, flat_row, head, lane_ok, d, d_ok, rows_
 @triton.jit
 def _merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, num_splits, rows_total, H,
                   HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr):
     """Program (row, block of BLOCK_H heads): the row's splits, BLOCK_S at a time, folded
     into a running max, sum and output (BLOCK_S = 1: one split at a time)."""
-    await_prior(PDL)
     flat_row = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -421,5 +419,4 @@ def merge_tiled(parts: Partials, out: torch.Tensor, lse: torch.Tensor | None,
     _merge_kernel[grid](parts.acc, parts.m, parts.l, out, out if lse is None else lse,
                         splits, rows, heads, HEAD_DIM=dim, BLOCK_H=block_h,
                         BLOCK_D=triton.next_power_of_2(dim),
-                        BLOCK_S=block_s, WRITE_LSE=lse is not None, PDL=pdl.enabled(out.device),
-                        num_warps=warps, **pdl.launch_options(out.device))
+                        BLOCK_S=block_s, WRITE_LSE=lse is not None, num_warps=warps)
