@@ -18,10 +18,11 @@ kernel (the window is the draft's), so this kernel takes no window.
 
 With `new` (a one-row draft step), the kernel also does `rope_store`'s work, so the step
 launches one kernel fewer per layer: q arrives before RoPE and is rotated as it is loaded
-(`rope_store.rotate_tile`, the same bits), and the program whose split holds the step's own
-position, the only one that reads it, first writes that token's rotated k and its v into
-their cache slot, then waits for its threads (a CTA barrier) before walking its keys. Oracle:
-`ops.apply_rope` and `store_kv_ref`, then the plain path.
+(`rope_store.rotate_tile`'s bits, through `tile_operands` and `rotate_loaded`), and the
+program whose split holds the step's own position, the only one that reads it, first
+writes that token's rotated k and its v into their cache slot, then waits for its threads
+(a CTA barrier) before walking its keys. Oracle: `ops.apply_rope` and `store_kv_ref`, then
+the plain path.
 
 A program is a chain of dependent loads (positions; list entries; pages; K/V rows), each a
 trip to memory, and a one-row step's programs are few, so the chain is what it costs: the
