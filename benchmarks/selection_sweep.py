@@ -111,6 +111,8 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["vegas"], choices=["vegas", "lastq"])
     ap.add_argument("--windows", nargs="+", type=int, default=[0, 32, 64, 128])
     ap.add_argument("--pools", nargs="+", type=int, default=[1, 3, 7])
+    ap.add_argument("--collects", nargs="+", default=["2"], choices=["2", "all"],
+                    help="vegas's verify rows scored: the first and last, or all")
     ap.add_argument("--gamma", type=int, default=6)
     ap.add_argument("--ratio", type=float, default=0.05)
     ap.add_argument("--min-tokens", type=int, default=256)
@@ -128,8 +130,10 @@ def main() -> None:
         kwargs["cuda_graphs"] = False
     base = SpecConfig(gamma=args.gamma, ratio=args.ratio, min_tokens=args.min_tokens,
                       adaptive=False)  # a round every iteration: tau of every cell
-    specs = [dataclasses.replace(base, method=m, window=w, pool=p)  # checked before loading
-             for m in args.methods for w in args.windows for p in args.pools]
+    specs = [dataclasses.replace(base, method=m, window=w, pool=p,  # checked before loading
+                                 **({"collect": c} if m == "vegas" else {}))
+             for m in args.methods for c in (args.collects if m == "vegas" else ["2"])
+             for w in args.windows for p in args.pools]
     llm = LLM(args.model, **kwargs)
     meta = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "dtype": dtype, "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
@@ -154,13 +158,16 @@ def main() -> None:
             for spec in todo + specs:
                 window = getattr(spec.options, "window", 0)  # stream: the pure top-k's
                 pool = getattr(spec.options, "pool", 1)
+                collect = getattr(spec.options, "collect", None)
+                method = (spec.method if collect in (None, "2")
+                          else f"{spec.method}, collect {collect}")
                 row = run(llm, prompts, params, spec)
                 if plain is not None:
                     row["same_as_vanilla"] = sum(a == b for a, b in
                                                  zip(row["token_ids"], plain))
                 cells.append({"workload": workload, "sampling": sampling,
-                              "method": spec.method, "window": window, "pool": pool, **row})
-                print(f"{workload} {sampling} {spec.method} window {window} pool "
+                              "method": method, "window": window, "pool": pool, **row})
+                print(f"{workload} {sampling} {method} window {window} pool "
                       f"{pool}: {_f(row['tokens_per_iteration'])} tokens/iteration"
                       + ("" if plain is None else
                          f", {row['same_as_vanilla']}/{len(plain)} = vanilla"), flush=True)

@@ -308,10 +308,11 @@ def test_selection_sweep_runs_each_cell_with_stream_and_vanilla(tmp_path: Path) 
     run("selection_sweep.py", "--device", "cpu", "--batch", "2", "--context", "64",
         "--max-tokens", "5", "--workloads", "generation", "--methods", "vegas",
         "--windows", "8", "--pools", "3", "--min-tokens", "16", "--ratio", "0.1",
-        "--kv-cache-gb", "0.0625", "--out", str(out))
+        "--collects", "2", "all", "--kv-cache-gb", "0.0625", "--out", str(out))
     cells = json.loads(out.read_text())["cells"]
     assert [(c["sampling"], c["method"]) for c in cells] == [
-        (s, m) for s in ("greedy", "sampled") for m in ("stream", "vegas")]
+        (s, m) for s in ("greedy", "sampled")
+        for m in ("stream", "vegas", "vegas, collect all")]
     for c in cells:
         assert 1.0 <= c["tokens_per_iteration"] <= 7.0 and len(c["per_prompt"]) == 2
         assert (c["window"], c["pool"]) == ((0, 1) if c["method"] == "stream" else (8, 3))
