@@ -104,8 +104,8 @@ def main() -> None:
     ap.add_argument("--generation-tokens", type=int, default=128)
     ap.add_argument("--workloads", nargs="+", default=["essays", "code", "generation"],
                     choices=["essays", "code", "generation"])
-    ap.add_argument("--draft-weights", nargs="+", default=["model", "fp8", "int4"],
-                    choices=["model", "fp8", "int4"])
+    ap.add_argument("--draft-weights", nargs="+", default=["model", "fp8", "int8", "int4"],
+                    choices=["model", "fp8", "int8", "int4"])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--keep", nargs="+", type=keep_arg, default=["none"],
                     help="the copy's projections read from the model's weights instead, each "

@@ -1,11 +1,12 @@
-"""The projections of a draft step with FP8 weights against the model's bf16 weights, per
+"""The projections of a draft step with FP8 or INT8 weights against the model's bf16 weights, per
 8B projection shape and row count: µs per call and the weight bytes' share of the card's
 copy bandwidth.
 
 Each cell cycles through `--layers` weights of its own (as a model's layers do, so that no
 call finds its weight in L2), in a CUDA graph of one call per weight, median over replays.
-Rows: `skinny_linear` on the FP8 copy (`quant.Fp8Weight`) and on the INT4 copy
-(`quant.Int4Weight`), each with the default tiles and, for the kinds `--tile-kinds` names
+Rows: `skinny_linear` on the copies `--kinds` names, FP8 (`quant.Fp8Weight`), INT8
+(`quant.Int8Weight`) and INT4 (`quant.Int4Weight`), each with the default tiles and, for the
+kinds `--tile-kinds` names
 (FP8 alone by default), every `--tiles` setting, and cuBLAS (`F.linear`) on the bf16 weight
 beside them.
 
@@ -26,7 +27,7 @@ import triton
 from common import copy_bandwidth, graph_us
 
 from vegas_spec.kernels.skinny_matmul import SkinnyTiles, skinny_linear, skinny_tiles
-from vegas_spec.quant import quantize_fp8, quantize_int4
+from vegas_spec.quant import QUANTIZERS
 
 # (name, N, K) of Llama-3.1-8B's fused projections (Qwen3-8B: the same but gate_up 24576 and
 # down K 12288).
@@ -49,7 +50,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32, 64, 128])
     ap.add_argument("--tiles", type=tiles_arg, nargs="*", default=[],
                     help="BLOCK_N:BLOCK_K:WARPS:STAGES:SPLIT_K settings beside the default")
-    ap.add_argument("--tile-kinds", nargs="+", default=["fp8"], choices=["fp8", "int4"],
+    ap.add_argument("--kinds", nargs="+", default=list(QUANTIZERS), choices=list(QUANTIZERS),
+                    help="the draft copies timed")
+    ap.add_argument("--tile-kinds", nargs="+", default=["fp8"], choices=list(QUANTIZERS),
                     help="the copies the --tiles settings run on")
     ap.add_argument("--layers", type=int, default=8, help="weights a cell cycles through")
     ap.add_argument("--out", type=Path, required=True)
@@ -60,14 +63,13 @@ def main() -> None:
         gen = torch.Generator(device="cuda").manual_seed(n + k)
         weights = [(torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5)
                    .to(torch.bfloat16) for _ in range(args.layers)]
-        copies = [quantize_fp8(w) for w in weights]
-        int4s = [quantize_int4(w) for w in weights]
+        copies = {kind: [QUANTIZERS[kind](w) for w in weights] for kind in args.kinds}
         for m in args.rows:
             x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
             calls = [("cublas bf16", None, lambda i, x=x, ws=weights: F.linear(x, ws[i]),
                       2 * n * k)]
-            for kind, held, nbytes in (("fp8", copies, n * k + 4 * n),
-                                       ("int4", int4s, int4s[0].nbytes)):
+            for kind, held in copies.items():
+                nbytes = held[0].nbytes
                 settings = [None, *(args.tiles if kind in args.tile_kinds else [])]
                 for t in settings:
                     if kind == "int4" and t is not None and t.swap:
@@ -93,14 +95,14 @@ def main() -> None:
                                       "skipped": str(err)[:80]}), flush=True)
                     continue
                 chosen = t or (skinny_tiles(m, n, k, torch.device("cuda"))
-                               if label.startswith(("fp8", "int4")) else None)
+                               if label.split()[0] in copies else None)
                 row = {"shape": name, "n": n, "k": k, "rows": m, "kernel": label, "us": us,
                        "share_of_copy_bandwidth": nbytes / (us * 1e-6) / bandwidth,
                        "tiles": None if chosen is None else chosen.__dict__}
                 rows.append(row)
                 print(json.dumps({k2: round(v, 3) if isinstance(v, float) else v
                                   for k2, v in row.items()}), flush=True)
-        del weights, copies, int4s
+        del weights, copies
         torch.cuda.empty_cache()
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "copy_bandwidth_bytes_per_s": bandwidth}

@@ -825,9 +825,10 @@ def main() -> None:
                          "BLOCK_K:STAGES[:STORE[:SPLIT_MAX[:MAXNREG]]] (STORE one of "
                          f"{', '.join(pa.SCORE_STORES)}; 0: no split cap, ptxas's registers; "
                          "omitted parts: the library's), each in graphs of its own")
-    ap.add_argument("--draft-weights", nargs="+", default=["model"], choices=["model", "fp8"],
+    ap.add_argument("--draft-weights", nargs="+", default=["model"],
+                    choices=["model", "fp8", "int8"],
                     help="the draft steps' weights, each in an engine of its own: the "
-                         "model's, or FP8 copies (`quant`)")
+                         "model's, or FP8 or INT8 copies (`quant`)")
     ap.add_argument("--max-model-len", type=int, default=0,
                     help="the engines' max_model_len, which sizes the static key width "
                          "(0: context + gamma + 64)")

@@ -66,3 +66,4 @@ def test_explicit_choices_stand_and_fp8_without_conversions_is_refused(
     on_gpu(monkeypatch, fp8=False)
     with pytest.raises(ConfigError, match="FP8 conversions"):
         kind(smol, "fp8")
+    assert kind(smol, "int8") == "int8"  # integers convert on any GPU

@@ -221,10 +221,13 @@ def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
                         "the number of rows in a step: greedy output of every method is plain "
                         "decoding's token for token in bfloat16 too, and a prompt gives the "
                         "same tokens alone or in a batch (slower)")
-    g.add_argument("--draft-weights", default="auto", choices=["auto", "fp8", "int4", "model"],
+    g.add_argument("--draft-weights", default="auto",
+                   choices=["auto", "fp8", "int8", "int4", "model"],
                    help="the draft steps' copy of the projection weights: fp8 (e4m3, one "
                         "scale per output row: half the bytes a draft step streams; a GPU of "
-                        "compute capability 8.9+, or the CPU's reference path), int4 (4-bit "
+                        "compute capability 8.9+, or the CPU's reference path), int8 (8-bit "
+                        "integers, one scale per output row: the same bytes, any GPU, drafts "
+                        "closer to the model's), int4 (4-bit "
                         "integers, one scale per row and group of 128 (or 64, 32) input "
                         "channels: about a quarter of the bytes), model (none); lossless, "
                         "drafts are verified by the model's own weights; auto: fp8 for dense "

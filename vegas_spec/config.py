@@ -495,10 +495,10 @@ class EngineConfig:
     # that greedy speculative output is plain output token for token in bf16 too, and a prompt
     # gives the same tokens alone or in a batch (slower; see docs/method.md).
     exact: bool = False
-    # The draft steps' copy of the projection weights: "fp8" (e4m3, a scale per output row;
-    # lossless: drafts are verified by the model's own weights), "model" (none: drafts read
-    # the model's weights), "auto" (today "model": the FP8 kernel does not yet stream its
-    # weights faster than cuBLAS streams bf16 ones, BENCHMARKS.md §1.2).
+    # The draft steps' copy of the projection weights: "fp8" (e4m3) or "int8", a scale per
+    # output row; "int4", a scale per row and group of input channels (lossless: drafts are
+    # verified by the model's own weights); "model" (none: drafts read the model's weights);
+    # "auto": `runner_setup.draft_kind`.
     draft_weights: str = "auto"
     # Static shapes: the decode graphs are captured at max_model_len's key width and at
     # narrower ones, max_model_len halved down to this many tokens (at most three), and a
@@ -538,8 +538,8 @@ class EngineConfig:
                               f"got {self.prefix_cache_bytes!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be auto or dummy, got {self.load_format!r}")
-        if self.draft_weights not in ("auto", "fp8", "int4", "model"):
-            raise ConfigError(f"draft_weights must be auto, fp8, int4 or model, got "
+        if self.draft_weights not in ("auto", "fp8", "int8", "int4", "model"):
+            raise ConfigError(f"draft_weights must be auto, fp8, int8, int4 or model, got "
                               f"{self.draft_weights!r}")
         if self.backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"backend must be auto, torch or triton, got {self.backend!r}")

@@ -195,7 +195,7 @@ class LLMEngine:
 
     @property
     def draft_weight_kind(self) -> str:
-        """What the draft steps' projections read: fp8, int4 or model."""
+        """What the draft steps' projections read: fp8, int8, int4 or model."""
         return self.runner.draft_weight_kind
 
     def has_tokenizer(self) -> bool:

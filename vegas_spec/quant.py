@@ -1,22 +1,27 @@
-"""Weights in fewer bits: the draft copies (FP8, INT4) and MXFP4 expert stacks.
+"""Weights in fewer bits: the draft copies (FP8, INT8, INT4) and MXFP4 expert stacks.
 
-Draft weights in FP8 or INT4: a copy of each projection's weight in float8 e4m3 with one
+Draft weights: a copy of each projection's weight in float8 e4m3 or in 8-bit integers with one
 float32 scale per output channel, or in 4-bit integers with one float32 scale per group of
 consecutive input channels of each output channel, read by draft steps only.
 
 A draft never reaches the output (every drafted token is verified by the model's own weights
 in full precision), so drafting with a lower-precision copy is lossless by construction:
 greedy output stays plain decoding's token for token, and sampled output keeps its
-distribution because rejection sampling reads the distribution the FP8 drafts were drawn
+distribution because rejection sampling reads the distribution the drafts were drawn
 from. Only how many drafts are accepted can move. At few rows a draft step streams every
 weight once, so one byte a weight instead of two halves what the projections read.
 
 Scales are computed at load from the model's own weights: per output row, its largest
-magnitude over 448 (e4m3's largest finite value), so each row uses the format's whole range.
+magnitude over the format's largest value (448 for e4m3, 127 for INT8), so each row uses the
+format's whole range. The two one-byte formats differ in where their error lies: e4m3 keeps
+3 mantissa bits whatever a weight's size (a relative error up to 1/16), INT8 a uniform step of
+the row's largest magnitude over 127, finer for all but a row's smallest weights; on SmolLM2
+INT8 copies draft nearly as well as the model's weights where e4m3 ones lose 8-10% of the
+accepted tokens (BENCHMARKS.md §1.2).
 
-Oracle of the kernel (`kernels.skinny_matmul` with an `Fp8Weight`): `fp8_linear_ref`, the
-product of x with the e4m3 values (exact in any wider float) accumulated in float32, then
-scaled per column."""
+Oracle of the kernel (`kernels.skinny_matmul` with a `RowScaledWeight`): `row_scaled_linear_ref`,
+the product of x with the stored values (exact in any wider float) accumulated in float32,
+then scaled per column."""
 
 from __future__ import annotations
 
@@ -27,14 +32,14 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
+INT8_MAX = 127.0  # INT8 copies store -127..127
 INT4_GROUPS = (128, 64, 32)  # group sizes, the first that divides K
-DRAFT_WEIGHTS = ("auto", "fp8", "int4", "model")
 
 
 @dataclass
-class Fp8Weight:
-    """data [N, K] float8_e4m3fn (nn.Linear's layout), scale [N] float32: the weight is
-    data * scale[:, None]."""
+class RowScaledWeight:
+    """data [N, K], one byte a weight (nn.Linear's layout), scale [N] float32: the weight is
+    data * scale[:, None]. `Fp8Weight` and `Int8Weight` say what the bytes are."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -45,7 +50,7 @@ class Fp8Weight:
         return self.data.shape
 
     def values(self) -> torch.Tensor:
-        """The e4m3 values [N, K] in float32 (exact)."""
+        """The stored values [N, K] in float32 (exact)."""
         return on_cpu_once(self.kept, self.data, "values", lambda: self.data.float())
 
     @property
@@ -56,7 +61,17 @@ class Fp8Weight:
         return (self.data.float() * self.scale[:, None]).to(dtype)
 
     def ref(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return fp8_linear_ref(x, self, bias)
+        return row_scaled_linear_ref(x, self, bias)
+
+
+@dataclass
+class Fp8Weight(RowScaledWeight):
+    """data [N, K] float8_e4m3fn, scale [N] float32 (`RowScaledWeight`)."""
+
+
+@dataclass
+class Int8Weight(RowScaledWeight):
+    """data [N, K] int8 in -127..127, scale [N] float32 (`RowScaledWeight`)."""
 
 
 def on_cpu_once(kept: dict, data: torch.Tensor, key: object,
@@ -71,19 +86,33 @@ def on_cpu_once(kept: dict, data: torch.Tensor, key: object,
     return kept[key]
 
 
+def _row_scales(w: torch.Tensor, largest: float) -> torch.Tensor:
+    """w [N, K] float32 -> one scale per row: its largest magnitude over `largest`."""
+    amax = w.abs().amax(dim=1)
+    return torch.where(amax > 0, amax / largest, torch.ones_like(amax))
+
+
 def quantize_fp8(weight: torch.Tensor) -> Fp8Weight:
     """weight [N, K] (any float dtype) -> its FP8 copy, one scale per output row."""
     w = weight.float()
-    amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = _row_scales(w, FP8_MAX)
     data = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return Fp8Weight(data.contiguous(), scale.contiguous())
 
 
-def fp8_linear_ref(x: torch.Tensor, weight: Fp8Weight,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ (data * scale)^T (+ bias) -> [..., N] in x's dtype: the e4m3 values times
-    x in float32, scaled per column after the sum (the kernel's order)."""
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """weight [N, K] (any float dtype) -> its INT8 copy, one scale per output row, the
+    values rounded to the nearest step (-127..127: symmetric, so -x is stored as -v)."""
+    w = weight.float()
+    scale = _row_scales(w, INT8_MAX)
+    data = torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return Int8Weight(data.contiguous(), scale.contiguous())
+
+
+def row_scaled_linear_ref(x: torch.Tensor, weight: RowScaledWeight,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ (data * scale)^T (+ bias) -> [..., N] in x's dtype: the stored values
+    times x in float32, scaled per column after the sum (the kernel's order)."""
     out = torch.matmul(x.float(), weight.values().t()) * weight.scale
     if bias is not None:
         out = out + bias.float()
@@ -156,14 +185,14 @@ def quantize_int4(weight: torch.Tensor, group: int | None = None) -> Int4Weight:
     return Int4Weight(data.contiguous(), scale.contiguous(), group)
 
 
-DraftWeight = Fp8Weight | Int4Weight
-DRAFT_TYPES = (Fp8Weight, Int4Weight)
+DraftWeight = RowScaledWeight | Int4Weight
+DRAFT_TYPES = (RowScaledWeight, Int4Weight)
 # Rows up to which a draft step reads the copy; a wider one reads the model's weights. At the
 # 8B shape (H100) the draft step on FP8 copies took 0.76x / 0.78x the model-weight step's time
 # at 32 rows (2K / 8K) and 0.69x at 8 and 16; 64 rows: not timed (docs/kernel-notes.md, draft
 # weights).
 DRAFT_COPY_ROWS = 32
-QUANTIZERS = {"fp8": quantize_fp8, "int4": quantize_int4}
+QUANTIZERS = {"fp8": quantize_fp8, "int8": quantize_int8, "int4": quantize_int4}
 
 
 def fp8_supported(device: torch.device) -> bool:

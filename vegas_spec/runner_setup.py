@@ -59,7 +59,7 @@ class Loaded:
     scratch_page: int
     draft_weight_bytes: int
     max_model_len: int
-    draft_weight_kind: str = "model"  # what draft steps read: fp8, int4 or model
+    draft_weight_kind: str = "model"  # what draft steps read: fp8, int8, int4 or model
 
 
 def load(config: EngineConfig, source: ModelSource) -> Loaded:
@@ -131,7 +131,7 @@ def fp8_pays(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> bool
 
 
 def draft_kind(config: EngineConfig, device: torch.device, cfg: ModelConfig) -> str:
-    """What `draft_weights` asks the draft steps to read: fp8, int4 or model; "auto" is fp8
+    """What `draft_weights` asks the draft steps to read: fp8, int8, int4 or model; "auto" is fp8
     where it pays for this rank's `cfg` (`fp8_pays`), else model."""
     mode = config.draft_weights
     if mode == "auto":

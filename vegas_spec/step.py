@@ -121,7 +121,7 @@ class Runner(Protocol):
 
     @property
     def draft_weight_kind(self) -> str:
-        """What the draft steps' projections read: fp8, int4 or model."""
+        """What the draft steps' projections read: fp8, int8, int4 or model."""
 
     @property
     def capacity(self) -> int | None:

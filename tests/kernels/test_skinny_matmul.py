@@ -19,7 +19,13 @@ from vegas_spec.kernels.skinny_matmul import (
     skinny_tiles,
     split_counters,
 )
-from vegas_spec.quant import fp8_linear_ref, int4_group, quantize_fp8, quantize_int4
+from vegas_spec.quant import (
+    int4_group,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int8,
+    row_scaled_linear_ref,
+)
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 # Relative error bounds (Frobenius norms): an fp32 sum of products rounded once to the dtype.
@@ -92,8 +98,8 @@ def test_default_tiles_split_k_only_within_one_wave(sms: int,
                 assert t.split_k == (2 if fits else 1), (device, m, n, k, t)
 
 
-@pytest.mark.parametrize("quantize", [None, quantize_fp8, quantize_int4],
-                         ids=["float32", "fp8", "int4"])
+@pytest.mark.parametrize("quantize", [None, quantize_fp8, quantize_int8, quantize_int4],
+                         ids=["float32", "fp8", "int8", "int4"])
 @pytest.mark.parametrize("swap", [False, True], ids=["xw", "wx"])
 def test_split_k_sums_the_splits_in_order_in_one_launch(quantize, swap: bool) -> None:  # noqa: ANN001
     """Three splits of K (64 channels each, the last column block partial): the column
@@ -111,13 +117,13 @@ def test_split_k_sums_the_splits_in_order_in_one_launch(quantize, swap: bool) ->
     with nan_empty():
         got = skinny_linear(x, weight, b, tiles=SkinnyTiles(32, 64, 4, 2, 3, swap))
     dense = w if quantize is None else weight.dequantize(torch.float32)
-    ref = quantize_fp8 if quantize is quantize_fp8 else None
+    ref = quantize if quantize in (quantize_fp8, quantize_int8) else None
     parts = []
     for s in range(3):
         cut = slice(64 * s, 64 * (s + 1))
         if ref is None:
             one = dense[:, cut]
-        else:  # the FP8 kernel scales each split's sum: the same values, scale after
+        else:  # the FP8 / INT8 kernel scales each split's sum: the same values, scale after
             one = weight.values()[:, cut]
         with nan_empty():
             part = skinny_linear(x[:, cut].contiguous(), one.contiguous(),
@@ -157,7 +163,10 @@ def test_8b_shapes_in_bfloat16_match_cublas(n: int, k: int) -> None:
             assert err < 1e-2, (m, tiles, err)
 
 
-# --- FP8 weights (a draft step's copy) ---------------------------------------------------
+# --- FP8 and INT8 weights (a draft step's copy) ------------------------------------------
+
+ROW_SCALED = pytest.mark.parametrize("quantize", [quantize_fp8, quantize_int8],
+                                     ids=["fp8", "int8"])
 
 # (rows, N, K, bias, split_k): 1..128 rows, a partial column block (N = 96 in blocks of 64),
 # a partial K step (K = 200 in steps of 64), K split with an empty split.
@@ -165,56 +174,62 @@ FP8_CASES = [(1, 96, 256, False, 1), (7, 96, 200, True, 2), (16, 80, 256, True, 
              (64, 96, 200, False, 1), (128, 96, 128, True, 1), (37, 33, 72, False, 1)]
 
 
+@ROW_SCALED
 @pytest.mark.parametrize("swap", [False, True], ids=["xw", "wx"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m,n,k,bias,split_k", FP8_CASES)
-def test_fp8_weights_match_their_reference(m: int, n: int, k: int, bias: bool, split_k: int,
-                                           dtype: torch.dtype, swap: bool) -> None:
-    """e4m3 values times x summed in float32 and scaled per column: the reference's product
-    to the dtype's rounding (how close the copy is to the weight: the next test)."""
+def test_row_scaled_weights_match_their_reference(m: int, n: int, k: int, bias: bool,
+                                                  split_k: int, dtype: torch.dtype, swap: bool,
+                                                  quantize) -> None:  # noqa: ANN001
+    """e4m3 or INT8 values times x summed in float32 and scaled per column: the reference's
+    product to the dtype's rounding (how close the copy is to the weight: the quantizers'
+    tests)."""
     gen = generator(m * n + k)
     x = randn(m, k, gen=gen, dtype=dtype)
     w = randn(n, k, gen=gen) / k ** 0.5
     w[3] *= 50.0  # rows of different magnitudes get scales of their own
-    q = quantize_fp8(w.to(DEVICE))
+    q = quantize(w.to(DEVICE))
     b = randn(n, gen=gen, dtype=dtype) if bias else None
     with nan_empty():
         got = skinny_linear(x, q, b, tiles=SkinnyTiles(64, 64, 4, 2, split_k, swap))
     assert got.shape == (m, n) and got.dtype == dtype
-    want = fp8_linear_ref(x.double(), q, None if b is None else b.double())
+    want = row_scaled_linear_ref(x.double(), q, None if b is None else b.double())
     assert float((got.double() - want).norm() / want.norm()) < REL_TOL[dtype]
 
 
+@ROW_SCALED
 @pytest.mark.parametrize("swap", [False, True], ids=["xw", "wx"])
 @pytest.mark.parametrize("m,n,k,bias,split_k", FP8_CASES)
-def test_fp8_weights_in_a_float16_dot(m: int, n: int, k: int, bias: bool, split_k: int,
-                                      swap: bool) -> None:
-    """`SkinnyTiles.half`: bfloat16 rows against FP8 weights dotted in float16 give the
-    reference's product to bfloat16's rounding; rows past float16's range stay finite (x is
-    clamped to it) and their products follow the clamped rows."""
+def test_row_scaled_weights_in_a_float16_dot(m: int, n: int, k: int, bias: bool, split_k: int,
+                                             swap: bool, quantize) -> None:  # noqa: ANN001
+    """`SkinnyTiles.half`: bfloat16 rows against FP8 or INT8 weights dotted in float16 give
+    the reference's product to bfloat16's rounding (both formats' values are float16 values);
+    rows past float16's range stay finite (x is clamped to it) and their products follow the
+    clamped rows."""
     gen = generator(m * n + k + 1)
     dtype = torch.bfloat16
     x = randn(m, k, gen=gen, dtype=dtype)
-    q = quantize_fp8((randn(n, k, gen=gen) / k ** 0.5).to(DEVICE))
+    q = quantize((randn(n, k, gen=gen) / k ** 0.5).to(DEVICE))
     b = randn(n, gen=gen, dtype=dtype) if bias else None
     tiles = SkinnyTiles(64, 64, 4, 2, split_k, swap, half=True)
     with nan_empty():
         got = skinny_linear(x, q, b, tiles=tiles)
-    want = fp8_linear_ref(x.double(), q, None if b is None else b.double())
+    want = row_scaled_linear_ref(x.double(), q, None if b is None else b.double())
     assert float((got.double() - want).norm() / want.norm()) < REL_TOL[dtype]
     big = x.clone()
     big[0, 0] = 1e6
     with nan_empty():
         got = skinny_linear(big, q, b, tiles=tiles)
     clamped = big.double().clamp(-65504, 65504)
-    want = fp8_linear_ref(clamped, q, None if b is None else b.double())
+    want = row_scaled_linear_ref(clamped, q, None if b is None else b.double())
     assert bool(got.isfinite().all())
     assert float((got.double() - want).norm() / want.norm()) < REL_TOL[dtype]
 
 
-@pytest.mark.parametrize("quantize", [quantize_fp8, quantize_int4], ids=["fp8", "int4"])
+@pytest.mark.parametrize("quantize", [quantize_fp8, quantize_int8, quantize_int4],
+                         ids=["fp8", "int8", "int4"])
 def test_draft_rows_past_a_block_run_in_chunks(quantize) -> None:  # noqa: ANN001
-    """300 rows of an FP8 or INT4 weight: three launches of at most MAX_DRAFT_ROWS, the
+    """300 rows of an FP8, INT8 or INT4 weight: three launches of at most MAX_DRAFT_ROWS, the
     leading dims kept; default tiles."""
     gen = generator(300)
     x = randn(3, 100, 64, gen=gen)
@@ -238,6 +253,24 @@ def test_quantize_fp8_per_output_row() -> None:
     assert q.scale[4] == 1.0 and bool((q.data[4].float() == 0).all())
     back = q.dequantize(torch.float32)
     assert bool(((back - w).abs() <= w.abs() * 2 ** -3 + q.scale[:, None] * 2 ** -9).all())
+    assert q.nbytes == 6 * 40 + 6 * 4
+
+
+def test_quantize_int8_per_output_row() -> None:
+    """Each row's largest magnitude maps to 127 (its sign kept); a zero row keeps scale 1;
+    dequantised values are within half a step (scale / 2) of the weight, and -w is stored as
+    the negated values."""
+    w = torch.randn(6, 40, generator=generator(3))
+    w[1] *= 1e3
+    w[4] = 0.0
+    q = quantize_int8(w)
+    assert q.data.dtype == torch.int8 and q.scale.dtype == torch.float32
+    assert torch.equal(q.data.float().abs().amax(1)[[0, 1, 2, 3, 5]], torch.full((5,), 127.0))
+    assert int(q.data.min()) >= -127
+    assert q.scale[4] == 1.0 and bool((q.data[4] == 0).all())
+    back = q.dequantize(torch.float32)
+    assert bool(((back - w).abs() <= q.scale[:, None] * (0.5 + 1e-6)).all())
+    assert torch.equal(quantize_int8(-w).data, -q.data)
     assert q.nbytes == 6 * 40 + 6 * 4
 
 

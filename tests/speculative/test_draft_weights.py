@@ -1,5 +1,5 @@
-"""FP8 and INT4 draft weights (`draft_weights="fp8"`, `"int4"`) end to end on the real
-SmolLM2 model: the draft steps, and only they, read the copy; greedy output of the policies
+"""FP8, INT8 and INT4 draft weights (`draft_weights="fp8"`, `"int8"`, `"int4"`) end to end on
+the real SmolLM2 model: the draft steps, and only they, read the copy; greedy output of the policies
 that differ in what their projections see stays plain decoding's token for token, in float32
 and, in exact mode, in bfloat16, on the dynamic path and the static shapes' buffers; drafts
 stay useful (tokens per iteration)."""
@@ -11,9 +11,9 @@ from conftest import essay_prompt, kv_bytes
 
 from vegas_spec import LLM, SamplingParams, SpecConfig
 from vegas_spec.config import ConfigError
-from vegas_spec.quant import Fp8Weight, Int4Weight
+from vegas_spec.quant import Fp8Weight, Int4Weight, Int8Weight
 
-KINDS = {"fp8": Fp8Weight, "int4": Int4Weight}
+KINDS = {"fp8": Fp8Weight, "int8": Int8Weight, "int4": Int4Weight}
 
 MAX_TOKENS = 16
 LENGTHS = ((500, 0), (650, 7), (800, 19))  # the prompts' tokens and first essays
@@ -33,7 +33,7 @@ def prompts(essays) -> list[list[int]]:
 
 @pytest.fixture(scope="module", params=list(KINDS))
 def draft_llm(request: pytest.FixtureRequest):
-    """The embedded model with FP8 or INT4 draft copies, on the static shapes' buffers
+    """The embedded model with FP8, INT8 or INT4 draft copies, on the static shapes' buffers
     (eager); one kind alive at a time."""
     return LLM(kv_cache_bytes=POOL, draft_weights=request.param, static_shapes=True,
                max_model_len=2048)
@@ -60,7 +60,7 @@ def test_the_copy_is_of_its_kind_per_projection(draft_llm) -> None:
     # the weights, each float32 here
     model = sum(getattr(lay, name).weight.numel() for lay in layers for name in layer.drafts)
     assert draft_llm.engine.draft_weight_bytes == total > 0
-    # a byte (FP8) or half a byte (INT4) a weight, and their scales, against four
+    # a byte (FP8, INT8) or half a byte (INT4) a weight, and their scales, against four
     assert total < (0.15 if kind == "int4" else 0.26) * 4 * model
 
 
@@ -113,10 +113,10 @@ def test_draft_steps_wider_than_the_copys_rows_read_the_models_weights(
 # A draft weight is read by the projections alone, the same for every policy: a scored
 # selection (vegas), a per-step selector with its own scores (quest) and full drafts stand
 # for the rest with FP8 copies (a static selection, stream's, reads nothing of the
-# projections' outputs); vegas alone for INT4, whose copy sits behind the same seam.
+# projections' outputs); vegas alone for INT8 and INT4, whose copies sit behind the same seam.
 # (`tests/speculative/test_lossless.py` holds every policy to plain output on the model's
 # weights.)
-QUANTISED_METHODS = {"fp8": ("vegas", "quest", "full"), "int4": ("vegas",)}
+QUANTISED_METHODS = {"fp8": ("vegas", "quest", "full"), "int8": ("vegas",), "int4": ("vegas",)}
 
 
 @pytest.mark.parametrize("method", QUANTISED_METHODS["fp8"])
@@ -144,7 +144,7 @@ def test_dynamic_path_quantised_drafts(prompts, kind: str) -> None:
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
 
 
-@pytest.mark.parametrize("kind,method", [("fp8", "vegas"), ("int4", "vegas")])
+@pytest.mark.parametrize("kind,method", [("fp8", "vegas"), ("int8", "vegas"), ("int4", "vegas")])
 def test_bfloat16_exact_mode_quantised_drafts(prompts, kind: str, method: str) -> None:
     """In bfloat16 the verify step and a plain step may round a near-tie apart unless exact
     mode makes every row batch-independent: then quantised drafts change nothing either."""

@@ -36,7 +36,7 @@ part of one), unpacks a piece's low and high nibbles into two integer tiles in x
 high half of the group's channels: the layout is made for this) and scales the float32 sum
 once per column and group (`_int4_kernel`): no per-weight multiply, no strided loads of x,
 one scale load per column and piece, wide K steps for bytes in flight. Draft weights take up
-to MAX_DRAFT_ROWS rows a launch. Oracles: `quant.Fp8Weight.ref`, `quant.Int4Weight.ref`."""
+to MAX_DRAFT_ROWS rows a launch. Oracles: `quant.RowScaledWeight.ref`, `quant.Int4Weight.ref`."""
 
 from __future__ import annotations
 

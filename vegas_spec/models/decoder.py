@@ -53,7 +53,7 @@ class Decoder(nn.Module):
         return ops.add_norm(x, residual, self.norm, self.cfg.rms_norm_eps)[0]
 
     def make_draft_weights(self, kind: str = "fp8") -> int:
-        """`kind` (fp8 or int4, `quant.QUANTIZERS`) copies of every layer's projections for
+        """`kind` (fp8, int8 or int4, `quant.QUANTIZERS`) copies of every layer's projections for
         the draft steps (embeddings, norms and the LM head stay the model's) -> their bytes."""
         return sum(layer.make_drafts(kind) for layer in self.layers)
 

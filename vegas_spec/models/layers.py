@@ -69,7 +69,7 @@ class LayerBase(nn.Module):
         return getattr(self, name).weight
 
     def make_drafts(self, kind: str = "fp8") -> int:
-        """`kind` (fp8 or int4) copies of the layer's projections -> their bytes."""
+        """`kind` (fp8, int8 or int4) copies of the layer's projections -> their bytes."""
         quantize = QUANTIZERS[kind]
         self.drafts = {name: quantize(getattr(self, name).weight) for name in self.projections}
         return sum(w.nbytes for w in self.drafts.values())

@@ -35,7 +35,7 @@ class ModelKey:
     device: torch.device
     rank: int  # tensor parallelism: the rank's slices
     world_size: int
-    drafts: str  # the copies of its projections draft steps read: fp8, int4 or model (none)
+    drafts: str  # the copies of its projections draft steps read: fp8, int8, int4 or model (none)
     mxfp4_experts: bool = False  # experts whose values are MXFP4 kept so (`keep_mxfp4_experts`)
 
 
