@@ -144,7 +144,8 @@ def test_dynamic_path_quantised_drafts(prompts, kind: str) -> None:
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
 
 
-@pytest.mark.parametrize("kind,method", [("fp8", "vegas"), ("int8", "vegas"), ("int4", "vegas")])
+# the copies' kinds with a product of their own (INT8 runs FP8's: a scale a row)
+@pytest.mark.parametrize("kind,method", [("fp8", "vegas"), ("int4", "vegas")])
 def test_bfloat16_exact_mode_quantised_drafts(prompts, kind: str, method: str) -> None:
     """In bfloat16 the verify step and a plain step may round a near-tie apart unless exact
     mode makes every row batch-independent: then quantised drafts change nothing either."""
