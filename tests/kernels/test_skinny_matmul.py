@@ -5,6 +5,7 @@ projection shapes in bfloat16."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from kernel_cases import CUDA, DEVICE, as_sm90, generator, nan_empty, randn
@@ -345,3 +346,31 @@ def test_quantize_int4_per_row_and_group() -> None:
     assert [int4_group(k) for k in (4096, 576, 1536, 96)] == [128, 64, 128, 32]
     with pytest.raises(ValueError, match="divisible by 32"):
         int4_group(100)
+
+
+def _prmt(a: np.ndarray, b: int, selector: int) -> np.ndarray:
+    """PTX `prmt.b32 d, a, b, selector` (default mode): byte i of d is byte n_i of the
+    eight bytes {b, a} (a's bytes 0-3, b's 4-7), n_i the selector's nibble i."""
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [np.full_like(a, (b >> (8 * i)) & 0xFF)
+                                                        for i in range(4)]
+    return sum(pool[(selector >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+
+def test_int8_to_f16_bit_steps_give_every_value() -> None:
+    """`_int8_to_f16`'s PTX (run on GPUs only; the interpreter converts plainly), its steps
+    emulated on every int8 value in each of the four byte lanes: xor 0x80 a byte, the bytes
+    under 0x64 by the two selectors, minus 1152 in float16, give the values exactly and in
+    order (lane i of the register is element i)."""
+    values = np.arange(-128, 128, dtype=np.int64)
+    for lane in range(4):
+        others = (lane + 1) % 4
+        packed = ((values & 0xFF) << (8 * lane)) | (0x7F << (8 * others))
+        u = packed ^ 0x80808080
+        halves = []
+        for selector in (0x4140, 0x4342):
+            word = _prmt(u, 0x64646464, selector).astype("<u4")
+            pair = word.view("<f2").reshape(-1, 2)  # the low half first: elements 2i, 2i + 1
+            halves.append(pair.astype(np.float32) - np.float32(1152.0))
+        got = np.concatenate(halves, axis=1)  # [256, 4]: elements 0..3
+        assert np.array_equal(got[:, lane], values.astype(np.float32))
+        assert np.array_equal(got[:, others], np.full(256, 127.0, dtype=np.float32))

@@ -28,10 +28,13 @@ row) stream one byte a weight: each W tile is converted to x's dtype in register
 e4m3 values are bf16, fp16 and fp32 values), or with bfloat16 rows and `SkinnyTiles.half`
 (the GPU's default tiles) to float16 with the x tile rounded to float16 within its range,
 one conversion a pair (a draft's numbers only: verification keeps the output exact); the
-products accumulate in float32, and the column's scale multiplies the sum. INT4 weights
-(`quant.Int4Weight`: two 4-bit values a byte, one scale per row and group of input channels)
-stream half a byte a weight: each BLOCK_K step of a program takes its pieces (a group or a
-part of one), unpacks a piece's low and high nibbles into two integer tiles in x's dtype
+products accumulate in float32, and the column's scale multiplies the sum. INT8 weights
+(`quant.Int8Weight`, a scale a row too) take the same path: their values are float16 and
+bfloat16 values as well, and with `half` tiles a GPU converts them four a register in five
+integer and half-precision instructions (`_int8_to_f16`) instead of one slow conversion
+each. INT4 weights (`quant.Int4Weight`: two 4-bit values a byte, one scale per row and group
+of input channels) stream half a byte a weight: each BLOCK_K step of a program takes its
+pieces (a group or a part of one), unpacks a piece's low and high nibbles into two integer tiles in x's dtype
 (exact), dots them with the two contiguous runs of x's channels they hold (the low and the
 high half of the group's channels: the layout is made for this) and scales the float32 sum
 once per column and group (`_int4_kernel`): no per-weight multiply, no strided loads of x,
@@ -49,7 +52,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from vegas_spec.kernels import device_sms, for_device, split_counters
+from vegas_spec.kernels import device_sms, for_device, interpreting, split_counters
 from vegas_spec.quant import DRAFT_TYPES, DraftWeight, Int4Weight
 
 # Rows the kernel takes at most (one row block); callers fall back to F.linear beyond.
@@ -187,12 +190,30 @@ def _finish(acc, y_ptr, p_ptr, cnt_ptr, b_ptr, rm, rn, M, N, stride_ym,
             tl.atomic_xchg(counter, 0)
 
 
+@triton.jit
+def _int8_to_f16(w):
+    """int8 values -> float16, exact, four a 32-bit register in five fast instructions (PTX
+    `cvt.rn.f16.s8` takes one slow conversion a value): v + 128 as a byte, placed under the
+    exponent byte 0x64 of a float16 gives 1024 + (v + 128); subtracting 1152 leaves v."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 u, m;
+        xor.b32 u, $2, 0x80808080;
+        prmt.b32 $0, u, 0x64646464, 0x4140;
+        prmt.b32 $1, u, 0x64646464, 0x4342;
+        mov.b32 m, 0x64806480;
+        sub.f16x2 $0, $0, m;
+        sub.f16x2 $1, $1, m;
+        }""", "=r,=r,r", [w], dtype=tl.float16, is_pure=True, pack=4)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, k_split,
                    stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   SCALED: tl.constexpr, SWAP: tl.constexpr, HALF_DOT: tl.constexpr):
+                   SCALED: tl.constexpr, SWAP: tl.constexpr, HALF_DOT: tl.constexpr,
+                   INT8_PTX: tl.constexpr):
     """Program (j, s): rows 0..M-1 x columns j*BLOCK_N.. over K range s*k_split.. (all of K
     when SPLIT_K is 1), finished by `_finish`. SCALED: W holds FP8 values, converted to x's
     dtype as loaded, and s_ptr the per-column scales that multiply the sums. SWAP: the
@@ -201,7 +222,8 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, k
     as its narrow side. HALF_DOT (SCALED, bfloat16 x): the dot in float16, the FP8 tile
     converted to float16 (one instruction a pair, where bfloat16 takes several) and the x
     tile rounded to float16 within its range (a draft's numbers only: verification keeps the
-    output exact)."""
+    output exact); INT8 tiles (HALF_DOT) convert through `_int8_to_f16` where INT8_PTX (a GPU,
+    not the interpreter)."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -224,7 +246,10 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, k
             x = tl.load(x_row + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if HALF_DOT:
-            w = w.to(tl.float16)
+            if INT8_PTX:
+                w = _int8_to_f16(w)
+            else:
+                w = w.to(tl.float16)
             x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         elif SCALED:
             w = w.to(x_ptr.dtype.element_ty)
@@ -337,13 +362,14 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         w, scale = (weight.data, weight.scale) if draft else (weight, None)
+        half = draft and cfg.half and rows.dtype == torch.bfloat16
         _skinny_kernel[grid](
             rows, w, w if scale is None else scale, b, out, partials, counters, m, n, k,
             k_split, rows.stride(0), w.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, EVEN_K=k % cfg.block_k == 0,
             DOT_PRECISION=precision, SCALED=draft, SWAP=cfg.swap,
-            HALF_DOT=draft and cfg.half and rows.dtype == torch.bfloat16,
+            HALF_DOT=half, INT8_PTX=half and w.dtype == torch.int8 and not interpreting(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
