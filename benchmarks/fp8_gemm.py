@@ -1,14 +1,13 @@
-"""The projections of a draft step with FP8 or INT8 weights against the model's bf16 weights, per
-8B projection shape and row count: µs per call and the weight bytes' share of the card's
-copy bandwidth.
+"""The projections of a draft step with FP8, INT8 or INT4 weights against the model's bf16
+weights, per 8B projection shape and row count: µs per call and the weight bytes' share of the
+card's copy bandwidth.
 
 Each cell cycles through `--layers` weights of its own (as a model's layers do, so that no
 call finds its weight in L2), in a CUDA graph of one call per weight, median over replays.
 Rows: `skinny_linear` on the copies `--kinds` names, FP8 (`quant.Fp8Weight`), INT8
 (`quant.Int8Weight`) and INT4 (`quant.Int4Weight`), each with the default tiles and, for the
-kinds `--tile-kinds` names
-(FP8 alone by default), every `--tiles` setting, and cuBLAS (`F.linear`) on the bf16 weight
-beside them.
+kinds `--tile-kinds` names (FP8 alone by default), every `--tiles` setting, and cuBLAS
+(`F.linear`) on the bf16 weight beside them.
 
     python benchmarks/fp8_gemm.py --out fp8_gemm.json
     python benchmarks/fp8_gemm.py --rows 16 32 --tiles 64:256:4:4:1 32:512:4:3:2 --out t.json

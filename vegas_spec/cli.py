@@ -180,7 +180,13 @@ def _common(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001 - SpecCon
 
 def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
     """Options of every command: model, engine and speculative settings."""
-    from vegas_spec.config import DEFAULT_WINDOW, DTYPES, VEGAS_WINDOW, SpecConfig
+    from vegas_spec.config import (
+        DEFAULT_WINDOW,
+        DRAFT_WEIGHTS,
+        DTYPES,
+        VEGAS_WINDOW,
+        SpecConfig,
+    )
 
     DEFAULT_SPEC = settings or SpecConfig()  # noqa: N806
     g = argparse.ArgumentParser(add_help=False)
@@ -221,8 +227,7 @@ def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
                         "the number of rows in a step: greedy output of every method is plain "
                         "decoding's token for token in bfloat16 too, and a prompt gives the "
                         "same tokens alone or in a batch (slower)")
-    g.add_argument("--draft-weights", default="auto",
-                   choices=["auto", "fp8", "int8", "int4", "model"],
+    g.add_argument("--draft-weights", default="auto", choices=DRAFT_WEIGHTS,
                    help="the draft steps' copy of the projection weights: fp8 (e4m3, one "
                         "scale per output row: half the bytes a draft step streams; a GPU of "
                         "compute capability 8.9+, or the CPU's reference path), int8 (8-bit "

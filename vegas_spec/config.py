@@ -40,6 +40,8 @@ class _Dtypes(Mapping):
 
 
 DTYPES: Mapping[str, torch.dtype] = _Dtypes()
+# What the draft steps' projections may read (`EngineConfig.draft_weights`).
+DRAFT_WEIGHTS = ("auto", "fp8", "int8", "int4", "model")
 
 
 class ConfigError(ValueError):
@@ -538,8 +540,8 @@ class EngineConfig:
                               f"got {self.prefix_cache_bytes!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be auto or dummy, got {self.load_format!r}")
-        if self.draft_weights not in ("auto", "fp8", "int8", "int4", "model"):
-            raise ConfigError(f"draft_weights must be auto, fp8, int8, int4 or model, got "
+        if self.draft_weights not in DRAFT_WEIGHTS:
+            raise ConfigError(f"draft_weights must be one of {', '.join(DRAFT_WEIGHTS)}, got "
                               f"{self.draft_weights!r}")
         if self.backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"backend must be auto, torch or triton, got {self.backend!r}")

@@ -21,7 +21,7 @@
   fused_moe         a mixture of experts: the tokens grouped by expert, two grouped matmuls
                     that stream each hit expert's weights once a block of its tokens
   skinny_matmul     a projection of few rows that streams its weights once (the draft
-                    steps' FP8 weights)
+                    steps' FP8, INT8 and INT4 weights)
   sample            a token per row by argmax(p / E) with counter-based Exp(1) noise, in one
                     read of p; the draws' keys and uniforms; the candidates' probabilities
                     after temperature, top-k and top-p (sampled decoding, drafting and

@@ -34,7 +34,8 @@ bfloat16 values as well, and with `half` tiles a GPU converts them four a regist
 integer and half-precision instructions (`_int8_to_f16`) instead of one slow conversion
 each. INT4 weights (`quant.Int4Weight`: two 4-bit values a byte, one scale per row and group
 of input channels) stream half a byte a weight: each BLOCK_K step of a program takes its
-pieces (a group or a part of one), unpacks a piece's low and high nibbles into two integer tiles in x's dtype
+pieces (a group or a part of one), unpacks a piece's low and high nibbles into two integer
+tiles in x's dtype
 (exact), dots them with the two contiguous runs of x's channels they hold (the low and the
 high half of the group's channels: the layout is made for this) and scales the float32 sum
 once per column and group (`_int4_kernel`): no per-weight multiply, no strided loads of x,
@@ -215,7 +216,7 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, k
                    SCALED: tl.constexpr, SWAP: tl.constexpr, HALF_DOT: tl.constexpr,
                    INT8_PTX: tl.constexpr):
     """Program (j, s): rows 0..M-1 x columns j*BLOCK_N.. over K range s*k_split.. (all of K
-    when SPLIT_K is 1), finished by `_finish`. SCALED: W holds FP8 values, converted to x's
+    when SPLIT_K is 1), finished by `_finish`. SCALED: W holds FP8 or INT8 values, converted to x's
     dtype as loaded, and s_ptr the per-column scales that multiply the sums. SWAP: the
     product is computed transposed, y^T = W x^T, the W tile as the dot's first operand (the
     one that may come from registers, where the converted FP8 tile already is) and the rows
