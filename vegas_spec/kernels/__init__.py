@@ -36,7 +36,7 @@ Every kernel has a plain-PyTorch reference that is its test oracle:
 `candidate_probs_ref`: sample) and `torch.nn.functional.linear`
 (exact_matmul, skinny_matmul). On a machine without CUDA the kernels run on CPU tensors under
 Triton's interpreter (`TRITON_INTERPRET=1`, set before triton is first imported), patched below
-where it departs from compiled Triton.
+where it departs from compiled Triton and where it redoes work at every device-function call.
 
 Tuning: each kernel module keeps every tuned number of its launches (tiles, warps, stages,
 split rules) in one table, `TUNING`, keyed by device class (`device_class`: "sm90" for a
@@ -238,7 +238,75 @@ def _fix_interpreter_dot() -> None:
     builder.create_dot = create_dot
 
 
+def _patch_once_per_launch() -> None:
+    """Triton <= 3.6's interpreter patches `triton.language` at every launch and anew at every
+    call of a device function inside it (`_patch_lang`), listing each module's members with
+    `inspect.getmembers` each time; the nested patches are never restored and change nothing,
+    the launch around them having patched the same modules. That was a sixth of an
+    interpreted launch's time in our kernels. Now a device function whose modules the launch
+    in progress patched runs without patching them again, and each module's builtins are
+    listed and wrapped once (outside any launch, where its members are the originals; the
+    wrappers, as `_patch_attr` makes them, hold a stateless `TritonSemantic` of the builder):
+    what is patched, and when it is restored, is as before."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang
+    if getattr(original, "_once_per_launch", False):
+        return
+    active: list[set[int]] = []  # the modules patched in the launch in progress
+    # a module's builtins wrapped for a builder, by (module, builder)
+    wrapped: dict[tuple[int, int], list[tuple[str, object]]] = {}
+
+    def languages(fn) -> frozenset[int]:  # noqa: ANN001
+        return frozenset(id(v) for v in fn.__globals__.values()
+                         if inspect.ismodule(v) and v in (tl, tl.core))
+
+    def wrap(member, semantic):  # noqa: ANN001, ANN202 (as interpreter._patch_attr wraps)
+        return lambda *args, **kwargs: member(
+            *args, **{k: v for k, v in kwargs.items() if k != "_semantic"}, _semantic=semantic)
+
+    def patch_builtin(pkg, builder, scope) -> None:  # noqa: ANN001
+        key = (id(pkg), id(builder))
+        members = wrapped.get(key)
+        if members is None:
+            semantic = interpreter.TritonSemantic(builder)
+            members = [(n, wrap(m, semantic)) for n, m in inspect.getmembers(pkg)
+                       if tl.core.is_builtin(m)]
+            if not active:  # outside a launch the members are the originals: keep the list
+                wrapped[key] = members
+        for name, member in members:
+            scope.set_attr(pkg, name, member)
+
+    def patch_lang(fn):  # noqa: ANN001, ANN202
+        if active:  # a device function inside a launch
+            if languages(fn) <= active[0]:
+                return interpreter._LangPatchScope()
+            # a module the launch did not patch (triton.language.core, in `tl.sum`'s
+            # module): patched as before, never restored, so patched for the rest of the launch
+            scope = original(fn)
+            active[0] |= languages(fn)
+            return scope
+        scope = original(fn)  # a launch: restored when its grid has run
+        active.append(set(languages(fn)))
+        restore = scope.restore
+
+        def restore_and_end() -> None:
+            active.clear()
+            restore()
+
+        scope.restore = restore_and_end
+        return scope
+
+    patch_lang._once_per_launch = True  # type: ignore[attr-defined]
+    interpreter._patch_lang = patch_lang
+    interpreter._patch_builtin = patch_builtin
+
+
 if interpreting():
     _fix_interpreter_index()
     _fix_interpreter_bf16()
     _fix_interpreter_dot()
+    _patch_once_per_launch()
