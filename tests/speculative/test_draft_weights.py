@@ -33,12 +33,22 @@ def prompts(essays) -> list[list[int]]:
     return [essay_prompt(tokenizer, essays, n, offset) for n, offset in LENGTHS]
 
 
+def cached_engine(prompts: list[list[int]], pool: int = POOL, **kwargs: object) -> LLM:
+    """The embedded model with a prefix cache that holds `prompts`, filled before any output
+    is compared: every generate then prefills only a prompt's last partial page, plain
+    decoding's reference and the methods' runs alike (the same prefill, so the same first
+    token and KV)."""
+    llm = LLM(kv_cache_bytes=pool, prefix_cache_bytes=pool, **kwargs)
+    llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
+    return llm
+
+
 @pytest.fixture(scope="module", params=list(KINDS))
-def draft_llm(request: pytest.FixtureRequest):
+def draft_llm(request: pytest.FixtureRequest, prompts):
     """The embedded model with FP8 or INT4 draft copies, on the static shapes' buffers
-    (eager); one kind alive at a time."""
-    return LLM(kv_cache_bytes=POOL, draft_weights=request.param, static_shapes=True,
-               max_model_len=2048)
+    (eager), the prompts in its prefix cache; one kind alive at a time."""
+    return cached_engine(prompts, draft_weights=request.param, static_shapes=True,
+                         max_model_len=2048)
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +149,8 @@ def test_int8_copies_draft_for_plain_output(prompts) -> None:
     """INT8 copies, read by FP8's product (a byte a weight, a scale a row, other values): every
     projection's copy is an `Int8Weight` of int8 values and a quarter of the float32 bytes;
     greedy vegas output with them is plain decoding's, and drafts are accepted."""
-    llm = LLM(kv_cache_bytes=POOL, draft_weights="int8", static_shapes=True,
-              max_model_len=2048)
+    llm = cached_engine(prompts[:1], draft_weights="int8", static_shapes=True,
+                        max_model_len=2048)
     assert llm.engine.draft_weight_kind == "int8"
     layer = llm.engine.runner.model.layers[0]
     for name, w in layer.drafts.items():
@@ -156,8 +166,8 @@ def test_int8_copies_draft_for_plain_output(prompts) -> None:
 
 @pytest.mark.parametrize("kind", ["fp8"])  # the path's, not the kind's: INT4 runs the same
 def test_dynamic_path_quantised_drafts(prompts, kind: str) -> None:
-    llm = LLM(kv_cache_bytes=POOL, draft_weights=kind)
     two = prompts[:2]
+    llm = cached_engine(two, draft_weights=kind)
     plain = llm.generate(two, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     outs = llm.generate(two, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
                         speculative=spec("vegas"))
@@ -169,8 +179,8 @@ def test_dynamic_path_quantised_drafts(prompts, kind: str) -> None:
 def test_bfloat16_exact_mode_quantised_drafts(prompts, kind: str, method: str) -> None:
     """In bfloat16 the verify step and a plain step may round a near-tie apart unless exact
     mode makes every row batch-independent: then quantised drafts change nothing either."""
-    llm = LLM(kv_cache_bytes=POOL // 2, dtype="bfloat16", exact=True, draft_weights=kind)
     short = [p[-200:] for p in prompts[:2]]  # budgets of 32 of 200-208 positions
+    llm = cached_engine(short, POOL // 2, dtype="bfloat16", exact=True, draft_weights=kind)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     want = llm.generate(short, params)
     outs = llm.generate(short, params, speculative=SpecConfig(
