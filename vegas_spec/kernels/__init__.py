@@ -281,16 +281,17 @@ def _patch_once_per_launch() -> None:
             scope.set_attr(pkg, name, member)
 
     def patch_lang(fn):  # noqa: ANN001, ANN202
+        langs = languages(fn)
         if active:  # a device function inside a launch
-            if languages(fn) <= active[0]:
+            if langs <= active[0]:
                 return interpreter._LangPatchScope()
             # a module the launch did not patch (triton.language.core, in `tl.sum`'s
             # module): patched as before, never restored, so patched for the rest of the launch
             scope = original(fn)
-            active[0] |= languages(fn)
+            active[0] |= langs
             return scope
         scope = original(fn)  # a launch: restored when its grid has run
-        active.append(set(languages(fn)))
+        active.append(set(langs))
         restore = scope.restore
 
         def restore_and_end() -> None:
