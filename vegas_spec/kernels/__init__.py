@@ -256,7 +256,7 @@ def _patch_once_per_launch() -> None:
     original = interpreter._patch_lang
     if getattr(original, "_once_per_launch", False):
         return
-    active: list[set[int]] = []  # the modules patched in the launch in progress
+    launch: set[int] | None = None  # the modules patched in the launch in progress
     # a module's builtins wrapped for a builder, by (module, builder)
     wrapped: dict[tuple[int, int], list[tuple[str, object]]] = {}
 
@@ -275,27 +275,29 @@ def _patch_once_per_launch() -> None:
             semantic = interpreter.TritonSemantic(builder)
             members = [(n, wrap(m, semantic)) for n, m in inspect.getmembers(pkg)
                        if tl.core.is_builtin(m)]
-            if not active:  # outside a launch the members are the originals: keep the list
+            if launch is None:  # outside a launch the members are the originals: keep them
                 wrapped[key] = members
         for name, member in members:
             scope.set_attr(pkg, name, member)
 
     def patch_lang(fn):  # noqa: ANN001, ANN202
+        nonlocal launch
         langs = languages(fn)
-        if active:  # a device function inside a launch
-            if langs <= active[0]:
+        if launch is not None:  # a device function inside a launch
+            if langs <= launch:
                 return interpreter._LangPatchScope()
             # a module the launch did not patch (triton.language.core, in `tl.sum`'s
             # module): patched as before, never restored, so patched for the rest of the launch
             scope = original(fn)
-            active[0] |= langs
+            launch |= langs
             return scope
         scope = original(fn)  # a launch: restored when its grid has run
-        active.append(set(langs))
+        launch = set(langs)
         restore = scope.restore
 
         def restore_and_end() -> None:
-            active.clear()
+            nonlocal launch
+            launch = None
             restore()
 
         scope.restore = restore_and_end
