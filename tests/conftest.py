@@ -115,10 +115,10 @@ def kv_bytes(lengths: list[int], token_bytes: int = SMOLLM_TOKEN_BYTES,
     return pages * page_size * token_bytes
 
 
-# The largest batch the shared `llm` engine runs (test_lossless's three essays of 2,000 to
-# 2,700 tokens, 16 new tokens and a round of γ 6 each): its pool and its prefix cache, which
-# then holds one such batch's prompts.
-SHARED_BATCH = [2700 + 32, 2300 + 32, 2000 + 32]
+# The largest batch the shared `llm` engine runs (test_lossless's three essays of 1,000 to
+# 1,350 tokens, 16 new tokens and a round of γ 6 each; test_engine_generate's 2,600 tokens in
+# three prompts): its pool and its prefix cache, which then holds one such batch's prompts.
+SHARED_BATCH = [1350 + 32, 1150 + 32, 1000 + 32]
 
 
 def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
@@ -342,14 +342,40 @@ def plain_llm(request: pytest.FixtureRequest) -> Iterator[None]:
         shared.engine.set_spec(SpecConfig(method="vanilla"))
 
 
-@pytest.fixture(scope="module")
-def hf_model(smollm_gguf: Path) -> Any:
-    """transformers' own model from the same GGUF: the oracle for logits and greedy tokens.
-    One per test file that asks for it, freed at its end."""
+@pytest.fixture(scope="session")
+def hf_checkpoint(smollm_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """transformers' own reading of the GGUF, saved as a float32 safetensors folder once a
+    run and shared by the run's workers: transformers dequantises a GGUF in Python (~25 s a
+    read), a safetensors folder loads in about a second."""
+    from filelock import FileLock
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(smollm_gguf.parent), gguf_file=smollm_gguf.name, dtype=torch.float32)
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the run's own
+    folder, done = root / "hf-smollm2", root / "hf-smollm2.done"
+    with FileLock(str(root / "hf-smollm2.lock")):
+        if not done.exists():
+            model = AutoModelForCausalLM.from_pretrained(
+                str(smollm_gguf.parent), gguf_file=smollm_gguf.name, dtype=torch.float32)
+            # save_pretrained refuses a model read from a GGUF: its config and weights alone
+            from safetensors.torch import save_model
+
+            folder.mkdir()
+            config = model.config.to_dict()
+            config.pop("quantization_config", None)
+            (folder / "config.json").write_text(json.dumps(config))
+            save_model(model, str(folder / "model.safetensors"))
+            done.touch()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf_model(hf_checkpoint: Path) -> Any:
+    """transformers' own model from the same GGUF (`hf_checkpoint`): the oracle for logits
+    and greedy tokens. One per test file that asks for it, freed at its end."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_checkpoint), dtype=torch.float32)
     return model.eval()
 
 

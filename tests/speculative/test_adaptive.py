@@ -311,7 +311,7 @@ PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (17, 9)]
 
 @pytest.fixture(scope="module")
 def prompts(llm, essays) -> list[list[int]]:
-    return [essay_prompt(llm.tokenizer, essays, n, off) for n, off in ((2000, 3), (2200, 9))]
+    return [essay_prompt(llm.tokenizer, essays, n, off) for n, off in ((1000, 3), (1100, 9))]
 
 
 @pytest.fixture(scope="module")

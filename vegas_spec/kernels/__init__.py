@@ -308,8 +308,36 @@ def _patch_once_per_launch() -> None:
     interpreter._patch_builtin = patch_builtin
 
 
+def _cache_interpreter_dtypes() -> None:
+    """Triton <= 3.6's interpreter maps a Triton dtype to NumPy's (`_get_np_dtype`) by
+    building a dictionary of 19 NumPy dtypes at every call, several times an operation (a
+    fifteenth of an interpreted launch's time in our kernels): the answer is kept per element
+    type, which is all it depends on (a block's dtype is its element type's, any pointer's is
+    uint64)."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._get_np_dtype
+    if getattr(original, "_cached", False):
+        return
+    known: dict[object, object] = {}
+
+    def get_np_dtype(tt_dtype):  # noqa: ANN001, ANN202
+        key = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(key, tl.pointer_type):  # unhashable
+            return original(key)
+        found = known.get(key)
+        if found is None:
+            found = known[key] = original(key)
+        return found
+
+    get_np_dtype._cached = True  # type: ignore[attr-defined]
+    interpreter._get_np_dtype = get_np_dtype
+
+
 if interpreting():
     _fix_interpreter_index()
+    _cache_interpreter_dtypes()
     _fix_interpreter_bf16()
     _fix_interpreter_dot()
     _patch_once_per_launch()
