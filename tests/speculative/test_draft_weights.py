@@ -48,7 +48,7 @@ def draft_llm(request: pytest.FixtureRequest, prompts):
     """The embedded model with FP8 or INT4 draft copies, on the static shapes' buffers
     (eager), the prompts in its prefix cache; one kind alive at a time."""
     return cached_engine(prompts, draft_weights=request.param, static_shapes=True,
-                         max_model_len=2048)
+                         max_model_len=1024)
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +150,7 @@ def test_int8_copies_draft_for_plain_output(prompts) -> None:
     projection's copy is an `Int8Weight` of int8 values and a quarter of the float32 bytes;
     greedy vegas output with them is plain decoding's, and drafts are accepted."""
     llm = cached_engine(prompts[:1], draft_weights="int8", static_shapes=True,
-                        max_model_len=2048)
+                        max_model_len=1024)
     assert llm.engine.draft_weight_kind == "int8"
     layer = llm.engine.runner.model.layers[0]
     for name, w in layer.drafts.items():

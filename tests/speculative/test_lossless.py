@@ -56,7 +56,7 @@ def static_llm():
     """The embedded model on the static shapes' fixed buffers (eager on CPU)."""
     from vegas_spec.engine import LLM
 
-    return LLM(kv_cache_bytes=kv_bytes(SHARED_BATCH), static_shapes=True, max_model_len=2048)
+    return LLM(kv_cache_bytes=kv_bytes(SHARED_BATCH), static_shapes=True, max_model_len=1536)
 
 
 @pytest.mark.parametrize("variant,static", LOCAL,
