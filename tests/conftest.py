@@ -348,6 +348,7 @@ def hf_checkpoint(smollm_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -
     run and shared by the run's workers: transformers dequantises a GGUF in Python (~25 s a
     read), a safetensors folder loads in about a second."""
     from filelock import FileLock
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
     base = tmp_path_factory.getbasetemp()
@@ -358,9 +359,8 @@ def hf_checkpoint(smollm_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -
             model = AutoModelForCausalLM.from_pretrained(
                 str(smollm_gguf.parent), gguf_file=smollm_gguf.name, dtype=torch.float32)
             # save_pretrained refuses a model read from a GGUF: its config and weights alone
-            from safetensors.torch import save_model
-
-            folder.mkdir()
+            # (a worker that failed before `done` may have left the folder)
+            folder.mkdir(exist_ok=True)
             config = model.config.to_dict()
             config.pop("quantization_config", None)
             (folder / "config.json").write_text(json.dumps(config))
