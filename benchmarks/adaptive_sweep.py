@@ -9,7 +9,11 @@ method with adaptive speculation at γ `--gamma`, then the method with each fixe
 `--fixed` (`adaptive: False`: a round every iteration). Each run follows a `--warmup`-token
 warm-up of the same batch with the same settings (graphs captured there; the adaptive
 controller is made anew when the method's settings change, so its counts run from the
-warm-up on). `--repeats N` runs the cell's whole list N times, interleaved.
+warm-up on). `--repeats N` runs the cell's whole list N times, interleaved, every second
+time in reverse order (`order`), so that no run always comes first or last: in one process
+the runs of a cell are not alike in where they fall (the first after a cell's prompts
+change ran slower in the generation cells), and over an even number of repeats every run
+takes every place on average.
 
 Per cell, a row (printed as a JSON line as it ends; `--out` rewritten after each cell): per
 run, decode tokens/s (the median over the repeats, every repeat kept), tokens per iteration
@@ -114,6 +118,12 @@ def runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
             *((f"fixed {g}", {**spec, "gamma": g, "adaptive": False}) for g in args.fixed)]
 
 
+def order(cell_runs: list[tuple[str, dict[str, Any]]],
+          repeat: int) -> list[tuple[str, dict[str, Any]]]:
+    """The runs of a cell's `repeat`-th pass: in order, every second pass reversed."""
+    return cell_runs[::-1] if repeat % 2 else cell_runs
+
+
 def measure(llm: LLM, ids: list[list[int]], params: SamplingParams, warmup: int,
             spec: dict[str, Any]) -> dict[str, Any]:
     """One warm-up, then one timed run of the batch -> its figures."""
@@ -139,8 +149,8 @@ def cell(llm: LLM, args: argparse.Namespace, workload: str, context: int | None,
                             **(SAMPLED if args.sampled else {}))
     ids = [p.ids for p in build(workload, llm.tokenizer, context, batch, DEPTHS, [])]
     measured: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in runs(args)}
-    for _ in range(args.repeats):
-        for label, spec in runs(args):
+    for repeat in range(args.repeats):
+        for label, spec in order(runs(args), repeat):
             measured[label].append(measure(llm, ids, params, args.warmup, spec))
     out: dict[str, dict[str, Any]] = {}
     for label, reps in measured.items():
