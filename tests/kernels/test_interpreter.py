@@ -78,3 +78,22 @@ def test_a_launch_patches_once_whatever_its_device_functions_call() -> None:
     assert calls[0] is tl
     assert calls.count(tl.core) == 1
     assert len(calls) <= 3, calls
+
+
+def test_block_types_are_shared_and_tensors_take_their_shapes() -> None:
+    core = tl.core
+    a = core.block_type(tl.float32, [4, tl.constexpr(8)])
+    assert a is core.block_type(tl.float32, [tl.constexpr(4), 8])
+    assert a.shape == (4, 8) and a.numel == 32 and a.element_ty == tl.float32
+    assert core.block_type(tl.float32, [8, 4]) is not a
+    assert core.block_type(tl.bfloat16, [4, 8]) is not a
+    pointers = core.block_type(core.pointer_type(tl.float32), [16])
+    assert pointers is core.block_type(core.pointer_type(tl.float32), [16])
+    assert pointers is not core.block_type(core.pointer_type(tl.float16), [16])
+    assert pointers is not core.block_type(core.pointer_type(tl.float32, const=True), [16])
+    first, second = core.tensor(None, a), core.tensor(None, a)
+    for t in (first, second):
+        assert [s.value for s in t.shape] == [4, 8] and t.numel.value == 32
+        assert t.dtype == tl.float32 and t.type is a
+    scalar = core.tensor(None, tl.int32)
+    assert len(scalar.shape) == 0 and scalar.numel.value == 1 and scalar.dtype == tl.int32

@@ -190,7 +190,7 @@ def test_triton_backend_on_fixed_shapes_gives_plain_tokens(folder: Path,
     captures: the methods' tokens are plain decoding's, past the window, and in the default
     mode the torch backend's."""
     kwargs, methods = TRITON_MODES[mode]
-    llm = family_engine(folder, backend="triton", static_shapes=True, **kwargs)
+    llm = family_engine(folder, backend="triton", static_shapes=True, max_model_len=48, **kwargs)
     short, params = [family_prompts[0][:18]], SamplingParams(max_tokens=4, ignore_eos=True)
     plain = [o.token_ids for o in llm.generate(short, params, speculative=PLAIN)]
     for method in methods:

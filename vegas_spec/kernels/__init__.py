@@ -335,9 +335,67 @@ def _cache_interpreter_dtypes() -> None:
     interpreter._get_np_dtype = get_np_dtype
 
 
+def _share_interpreter_block_types() -> None:
+    """Triton <= 3.6's front end builds a new `block_type` for every value an interpreted
+    operation makes (its shape a `tl.tuple` with a type and a name string of its own), and a
+    tensor's shape anew from it as a tuple of constexprs: a tenth of an interpreted launch's
+    time in our kernels. A block type is never changed once made, so one instance serves
+    every (element type, shape), and a tensor takes its shape, size and scalar type from
+    those its type computed the first time."""
+    import triton.language as tl
+
+    core = tl.core
+    block, tensor = core.block_type, core.tensor
+    if getattr(block, "_shared", False):
+        return
+    block_init, tensor_init = block.__init__, tensor.__init__
+    known: dict[object, object] = {}
+
+    def key_of(ty):  # noqa: ANN001, ANN202 (pointer types are unhashable)
+        if isinstance(ty, core.pointer_type):
+            return ("pointer", key_of(ty.element_ty), ty.address_space, ty.const)
+        return ty
+
+    def new(cls, element_ty, shape):  # noqa: ANN001, ANN202
+        if cls is not block:
+            return object.__new__(cls)
+        try:
+            key = (key_of(element_ty),
+                   tuple(s.value if isinstance(s, core.constexpr) else s for s in shape))
+            found = known.get(key)
+        except TypeError:  # a shape or type that does not hash: made as before
+            return object.__new__(cls)
+        if found is None:
+            found = known[key] = object.__new__(cls)
+            block_init(found, element_ty, shape)
+            found._made = True
+        return found
+
+    def init(self, element_ty, shape) -> None:  # noqa: ANN001
+        if not self.__dict__.get("_made"):
+            block_init(self, element_ty, shape)
+
+    def init_tensor(self, handle, type) -> None:  # noqa: A002, ANN001
+        own = getattr(type, "__dict__", None)
+        made = None if own is None else own.get("_tensor")
+        if made is None:
+            tensor_init(self, handle, type)
+            if own is not None:
+                type._tensor = (self.shape, self.numel, self.dtype)
+            return
+        self.handle, self.type = handle, type
+        self.shape, self.numel, self.dtype = made
+
+    block.__new__ = staticmethod(new)
+    block.__init__ = init
+    tensor.__init__ = init_tensor
+    block._shared = True
+
+
 if interpreting():
     _fix_interpreter_index()
     _cache_interpreter_dtypes()
+    _share_interpreter_block_types()
     _fix_interpreter_bf16()
     _fix_interpreter_dot()
     _patch_once_per_launch()
