@@ -247,7 +247,8 @@ def _patch_once_per_launch() -> None:
     in progress patched runs without patching them again, and each module's builtins are
     listed and wrapped once (outside any launch, where its members are the originals; the
     wrappers, as `_patch_attr` makes them, hold a stateless `TritonSemantic` of the builder):
-    what is patched, and when it is restored, is as before."""
+    what is patched, and when it is restored, is as before. Which language modules a device
+    function's globals hold is kept per module while its globals keep their size."""
     import inspect
 
     import triton.language as tl
@@ -260,9 +261,16 @@ def _patch_once_per_launch() -> None:
     # a module's builtins wrapped for a builder, by (module, builder)
     wrapped: dict[tuple[int, int], list[tuple[str, object]]] = {}
 
+    # the language modules of each module's globals, while they hold as many names
+    seen: dict[int, tuple[int, frozenset[int]]] = {}
+
     def languages(fn) -> frozenset[int]:  # noqa: ANN001
-        return frozenset(id(v) for v in fn.__globals__.values()
-                         if inspect.ismodule(v) and v in (tl, tl.core))
+        names = fn.__globals__
+        known = seen.get(id(names))
+        if known is None or known[0] != len(names):
+            known = seen[id(names)] = (len(names), frozenset(
+                id(v) for v in names.values() if inspect.ismodule(v) and v in (tl, tl.core)))
+        return known[1]
 
     def wrap(member, semantic):  # noqa: ANN001, ANN202 (as interpreter._patch_attr wraps)
         return lambda *args, **kwargs: member(
@@ -341,7 +349,8 @@ def _share_interpreter_block_types() -> None:
     tensor's shape anew from it as a tuple of constexprs: a tenth of an interpreted launch's
     time in our kernels. A block type is never changed once made, so one instance serves
     every (element type, shape), and a tensor takes its shape, size and scalar type from
-    those its type computed the first time."""
+    those its type computed the first time. Two types, compared at every operation, are
+    first compared by identity (most often they are one object)."""
     import triton.language as tl
 
     core = tl.core
@@ -390,6 +399,8 @@ def _share_interpreter_block_types() -> None:
     block.__init__ = init
     tensor.__init__ = init_tensor
     block._shared = True
+    equal = core.dtype.__eq__  # types are compared at every operation, mostly with themselves
+    core.dtype.__eq__ = lambda self, other: self is other or equal(self, other)
 
 
 if interpreting():
