@@ -393,14 +393,15 @@ def test_draft_weights_acceptance_keeps_the_projections_asked_for(tmp_path: Path
     out = tmp_path / "keep.json"
     run("draft_weights_acceptance.py", "--draft-weights", "model", "fp8", "--methods", "vegas",
         "--workloads", "generation", "--prompts", "1", "--generation-tokens", "8",
-        "--keep", "none", "down", "edges:1", "--out", str(out))
+        "--keep", "down", "edges:1", "--out", str(out))
     cells = json.loads(out.read_text())["cells"]
     assert [(c["draft_weights"], c["keep"], c["sampling"]) for c in cells] == [
         ("model", "none", "greedy"), ("model", "none", "sampled")] + [
-        ("fp8", keep, sampling) for keep in ("none", "down", "edges:1")
+        ("fp8", keep, sampling) for keep in ("down", "edges:1")
         for sampling in ("greedy", "sampled")]
     shares = {c["keep"]: c["kept_share"] for c in cells if c["draft_weights"] == "fp8"}
-    assert shares["none"] == 0.0 and shares["edges:1"] == pytest.approx(2 / 30)
+    assert [c["kept_share"] for c in cells[:2]] == [1.0, 1.0]  # drafts on the model's weights
+    assert shares["edges:1"] == pytest.approx(2 / 30)
     assert shares["down"] == pytest.approx(576 * 1536 / (960 * 576 + 576 * 576 + 3072 * 576
                                                          + 576 * 1536))
     assert all(1.0 <= c["tokens_per_iteration"] <= 7.0 for c in cells)
