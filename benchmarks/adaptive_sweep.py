@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sampled", action="store_true",
                     help="temperature 0.6, top-p 0.95, top-k 20, seed 1 (default: greedy)")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--trace", action="store_true",
+                    help="keep the adaptive runs' iterations (`traced`) in --out")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--table", nargs="+", type=Path, metavar="RESULTS",
                     help="print the markdown table of these result files (BENCHMARKS.md "
@@ -125,12 +127,14 @@ def order(cell_runs: list[tuple[str, dict[str, Any]]],
 
 
 def measure(llm: LLM, ids: list[list[int]], params: SamplingParams, warmup: int,
-            spec: dict[str, Any]) -> dict[str, Any]:
-    """One warm-up, then one timed run of the batch -> its figures."""
+            spec: dict[str, Any], trace: bool = False) -> dict[str, Any]:
+    """One warm-up, then one timed run of the batch -> its figures (trace: with the adaptive
+    controller's iterations of the timed run, `traced`)."""
     llm.generate(ids, dataclasses.replace(params, max_tokens=min(warmup, params.max_tokens)),
                  speculative=spec)
     if llm.device.type == "cuda":
         torch.cuda.synchronize()
+    iterations = traced(llm.engine.controller) if trace and spec.get("adaptive") else None
     stats = llm.generate(ids, params, speculative=spec)[0].stats
     out = {"decode_tokens_per_s": stats["decode_tokens_per_s"],
            "tokens_per_iteration": stats.get("tokens_per_iteration",
@@ -138,7 +142,30 @@ def measure(llm: LLM, ids: list[list[int]], params: SamplingParams, warmup: int,
     if spec.get("adaptive"):
         controller = llm.engine.controller
         out["controller"] = controller.summary() if controller is not None else None
+    if iterations is not None:
+        out["trace"] = iterations
     return out
+
+
+def traced(controller: Any) -> list[list[Any]] | None:
+    """The controller's iterations from now on, as they are observed: [bucket, draft length
+    (0: a plain step), ms, mean tokens a row emitted, its cost estimate in ms of each choice
+    after the iteration (None: not measured yet)] (None: no controller)."""
+    if controller is None:
+        return None
+    iterations: list[list[Any]] = []
+    observe = controller.observe
+
+    def record(bucket: int, drafted: int, seconds: float, emitted: Any = ()) -> None:
+        observe(bucket, drafted, seconds, emitted)
+        costs = controller.buckets[bucket].costs
+        iterations.append([bucket, drafted, round(seconds * 1e3, 3),
+                           round(statistics.fmean(emitted), 2) if emitted else None,
+                           {g: None if e.value is None else round(e.value * 1e3, 3)
+                            for g, e in costs.items()}])
+
+    controller.observe = record
+    return iterations
 
 
 def cell(llm: LLM, args: argparse.Namespace, workload: str, context: int | None,
@@ -151,7 +178,7 @@ def cell(llm: LLM, args: argparse.Namespace, workload: str, context: int | None,
     measured: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in runs(args)}
     for repeat in range(args.repeats):
         for label, spec in order(runs(args), repeat):
-            measured[label].append(measure(llm, ids, params, args.warmup, spec))
+            measured[label].append(measure(llm, ids, params, args.warmup, spec, args.trace))
     out: dict[str, dict[str, Any]] = {}
     for label, reps in measured.items():
         speeds = [r["decode_tokens_per_s"] for r in reps]
@@ -162,6 +189,8 @@ def cell(llm: LLM, args: argparse.Namespace, workload: str, context: int | None,
         if "controller" in reps[0]:  # the repeat of median throughput (the slower middle one)
             middle = sorted(reps, key=lambda r: r["decode_tokens_per_s"])[(len(reps) - 1) // 2]
             out[label]["controller"] = middle["controller"]
+        if any("trace" in r for r in reps):  # --trace: every repeat's, in run order
+            out[label]["traces"] = [r.get("trace") for r in reps]
     vanilla = out["vanilla"]["decode_tokens_per_s"]
     for figures in out.values():
         figures["vs_vanilla"] = figures["decode_tokens_per_s"] / vanilla

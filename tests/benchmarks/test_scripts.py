@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -345,7 +346,7 @@ def test_adaptive_sweep_sets_adaptive_beside_every_fixed_gamma_in_each_cell(
     stdout = run("adaptive_sweep.py", "--tiny", "--workloads", "essays", "generation",
                  "--contexts", "64", "--batches", "2", "--max-tokens", "8",
                  "--generation-tokens", "8", "--fixed", "1", "2", "--gamma", "2",
-                 "--out", str(out))
+                 "--trace", "--out", str(out))
     data = json.loads(out.read_text())
     assert data["meta"]["gpu"] == "cpu" and data["meta"]["args"]["fixed"] == [1, 2]
     rows = data["rows"]
@@ -366,6 +367,15 @@ def test_adaptive_sweep_sets_adaptive_beside_every_fixed_gamma_in_each_cell(
         for gamma, label in enumerate(fixed, 1):  # a round every iteration: 1 to γ + 1 tokens
             assert 1 <= runs[label]["tokens_per_iteration"] <= gamma + 1
         assert isinstance(runs["adaptive"]["controller"], dict)
+        # --trace: the timed run's iterations (the warm-up's are in the summary only)
+        assert [label for label in runs if "traces" in runs[label]] == ["adaptive"]
+        (trace,) = runs["adaptive"]["traces"]
+        chosen = runs["adaptive"]["controller"]["draft_lengths"]
+        assert trace and all(n <= chosen[str(g)] for g, n in
+                             Counter(drafted for _, drafted, _, _, _ in trace).items())
+        for bucket, drafted, ms, emitted, costs in trace:
+            assert bucket in (1, 2) and drafted in (0, 1, 2) and ms > 0
+            assert 1 <= emitted <= drafted + 1 and set(costs) == {"0", "1", "2"}
         best = max(fixed, key=lambda label: runs[label]["decode_tokens_per_s"])
         assert r["best_fixed"] == {"label": best,
                                    "decode_tokens_per_s": runs[best]["decode_tokens_per_s"]}
