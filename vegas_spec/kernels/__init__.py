@@ -261,16 +261,17 @@ def _patch_once_per_launch() -> None:
     # a module's builtins wrapped for a builder, by (module, builder)
     wrapped: dict[tuple[int, int], list[tuple[str, object]]] = {}
 
-    # the language modules of each module's globals, while they hold as many names
-    seen: dict[int, tuple[int, frozenset[int]]] = {}
+    # the language modules of each module's globals (held, so that their id stays theirs),
+    # while they hold as many names
+    seen: dict[int, tuple[dict, int, frozenset[int]]] = {}
 
     def languages(fn) -> frozenset[int]:  # noqa: ANN001
         names = fn.__globals__
         known = seen.get(id(names))
-        if known is None or known[0] != len(names):
-            known = seen[id(names)] = (len(names), frozenset(
+        if known is None or known[0] is not names or known[1] != len(names):
+            known = seen[id(names)] = (names, len(names), frozenset(
                 id(v) for v in names.values() if inspect.ismodule(v) and v in (tl, tl.core)))
-        return known[1]
+        return known[2]
 
     def wrap(member, semantic):  # noqa: ANN001, ANN202 (as interpreter._patch_attr wraps)
         return lambda *args, **kwargs: member(
