@@ -17,7 +17,9 @@ takes every place on average.
 
 Per cell, a row (printed as a JSON line as it ends; `--out` rewritten after each cell): per
 run, decode tokens/s (the median over the repeats, every repeat kept), tokens per iteration
-(of a round, per row; 1 for vanilla), the speedup over vanilla, and for the adaptive run the
+(of a round, per row; 1 for vanilla), the batch's decode iterations of each repeat (until
+its last row was done: with rows of unlike acceptance, more than the tokens over tokens per
+iteration), the speedup over vanilla, and for the adaptive run the
 controller's summary (`controller.summary()`, whole, of the repeat of median throughput); the
 fastest fixed γ (`best_fixed`), `adaptive_vs_best_fixed` (adaptive tok/s over the best fixed
 γ's) and `adaptive_vs_vanilla`. The goal it checks: adaptive never below 0.98× vanilla, and
@@ -135,8 +137,10 @@ def measure(llm: LLM, ids: list[list[int]], params: SamplingParams, warmup: int,
     if llm.device.type == "cuda":
         torch.cuda.synchronize()
     iterations = traced(llm.engine.controller) if trace and spec.get("adaptive") else None
+    start = llm.engine.iterations
     stats = llm.generate(ids, params, speculative=spec)[0].stats
     out = {"decode_tokens_per_s": stats["decode_tokens_per_s"],
+           "batch_iterations": llm.engine.iterations - start,
            "tokens_per_iteration": stats.get("tokens_per_iteration",
                                              1.0 if spec["method"] == "vanilla" else None)}
     if spec.get("adaptive"):
@@ -156,8 +160,9 @@ def traced(controller: Any) -> list[list[Any]] | None:
     iterations: list[list[Any]] = []
     observe = controller.observe
 
-    def record(bucket: int, drafted: int, seconds: float, emitted: Any = ()) -> None:
-        observe(bucket, drafted, seconds, emitted)
+    def record(bucket: int, drafted: int, seconds: float, emitted: Any = (),
+               rows: Any = ()) -> None:
+        observe(bucket, drafted, seconds, emitted, rows)
         costs = controller.buckets[bucket].costs
         iterations.append([bucket, drafted, round(seconds * 1e3, 3),
                            round(statistics.fmean(emitted), 2) if emitted else None,
@@ -185,7 +190,8 @@ def cell(llm: LLM, args: argparse.Namespace, workload: str, context: int | None,
         tpi = [r["tokens_per_iteration"] for r in reps if r["tokens_per_iteration"] is not None]
         out[label] = {"decode_tokens_per_s": statistics.median(speeds),
                       "tokens_per_iteration": statistics.median(tpi) if tpi else None,
-                      "decode_tokens_per_s_runs": speeds}
+                      "decode_tokens_per_s_runs": speeds,
+                      "batch_iterations_runs": [r["batch_iterations"] for r in reps]}
         if "controller" in reps[0]:  # the repeat of median throughput (the slower middle one)
             middle = sorted(reps, key=lambda r: r["decode_tokens_per_s"])[(len(reps) - 1) // 2]
             out[label]["controller"] = middle["controller"]

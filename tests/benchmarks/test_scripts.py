@@ -364,6 +364,11 @@ def test_adaptive_sweep_sets_adaptive_beside_every_fixed_gamma_in_each_cell(
             assert figures["vs_vanilla"] == pytest.approx(figures["decode_tokens_per_s"] / vanilla)
             assert ("controller" in figures) == (label == "adaptive")
         assert runs["vanilla"]["tokens_per_iteration"] == 1.0
+        # the batch's decode iterations: vanilla's one per token after the prefill's
+        assert runs["vanilla"]["batch_iterations_runs"] == [r["max_tokens"] - 1]
+        for label in ["adaptive", *fixed]:
+            (n,) = runs[label]["batch_iterations_runs"]
+            assert 1 <= n <= r["max_tokens"] - 1
         for gamma, label in enumerate(fixed, 1):  # a round every iteration: 1 to γ + 1 tokens
             assert 1 <= runs[label]["tokens_per_iteration"] <= gamma + 1
         assert isinstance(runs["adaptive"]["controller"], dict)
