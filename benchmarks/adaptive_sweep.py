@@ -6,9 +6,7 @@ temperature 0.6, top-p 0.95, top-k 20).
 
 A cell (workload, context, batch) decodes the same prompts in every run: vanilla, then the
 method with adaptive speculation at γ `--gamma`, then the method with each fixed γ of
-`--fixed` (`adaptive: False`: a round every iteration), and with `--rate` the adaptive
-controller once more, told no row's remaining tokens (`adaptive, rate`: it serves the batch's
-mean rate, as while requests wait, never the rows that finish last). Each run follows a
+`--fixed` (`adaptive: False`: a round every iteration). Each run follows a
 `--warmup`-token warm-up of the same batch with the same settings (graphs captured there; an
 adaptive run's controller is made anew for it, so its counts run from the warm-up on).
 `--repeats N` runs the cell's whole list N times, interleaved, every second
@@ -54,7 +52,6 @@ from vegas_spec import LLM, SamplingParams, SpecConfig
 from vegas_spec.bench.workloads import build
 
 SAMPLED = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
-RATE = "serve the rate"  # a run's mark (not a setting of the engine): see measure
 DEPTHS = [0.1, 0.5, 0.9]  # needle depths, `vegas bench`'s default
 
 
@@ -78,10 +75,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ratio", type=float, default=0.05)
     ap.add_argument("--sampled", action="store_true",
                     help="temperature 0.6, top-p 0.95, top-k 20, seed 1 (default: greedy)")
-    ap.add_argument("--rate", action="store_true",
-                    help="also run the adaptive controller as if requests always waited "
-                         "(`adaptive, rate`: it serves the batch's mean rate, never the rows "
-                         "that finish last)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--trace", action="store_true",
                     help="keep the adaptive runs' iterations (`traced`) in --out")
@@ -124,10 +117,8 @@ def main(argv: list[str] | None = None) -> None:
 def runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     """(label, speculative settings) of a cell's runs, in order."""
     spec = {"method": args.method, "ratio": args.ratio}
-    adaptive = {**spec, "gamma": args.gamma, "adaptive": True}
     return [("vanilla", {"method": "vanilla"}),
-            ("adaptive", adaptive),
-            *([("adaptive, rate", {**adaptive, RATE: True})] if args.rate else []),
+            ("adaptive", {**spec, "gamma": args.gamma, "adaptive": True}),
             *((f"fixed {g}", {**spec, "gamma": g, "adaptive": False}) for g in args.fixed)]
 
 
@@ -140,16 +131,7 @@ def order(cell_runs: list[tuple[str, dict[str, Any]]],
 def measure(llm: LLM, ids: list[list[int]], params: SamplingParams, warmup: int,
             spec: dict[str, Any], trace: bool = False) -> dict[str, Any]:
     """One warm-up, then one timed run of the batch -> its figures (trace: with the adaptive
-    controller's iterations of the timed run, `traced`). A spec marked RATE runs with the
-    engine telling the controller no row's remaining tokens (as while requests wait)."""
-    if spec.get(RATE):
-        spec = {k: v for k, v in spec.items() if k != RATE}
-        engine = llm.engine
-        engine._remaining = lambda: None  # the instance's, for this run only
-        try:
-            return measure(llm, ids, params, warmup, spec, trace)
-        finally:
-            del engine._remaining
+    controller's iterations of the timed run, `traced`)."""
     if spec.get("adaptive"):  # a controller of its own, made anew at the warm-up
         llm.engine.set_spec(SpecConfig(method="vanilla"))
     llm.generate(ids, dataclasses.replace(params, max_tokens=min(warmup, params.max_tokens)),
@@ -180,9 +162,8 @@ def traced(controller: Any) -> list[list[Any]] | None:
     iterations: list[list[Any]] = []
     observe = controller.observe
 
-    def record(bucket: int, drafted: int, seconds: float, emitted: Any = (),
-               rows: Any = ()) -> None:
-        observe(bucket, drafted, seconds, emitted, rows)
+    def record(bucket: int, drafted: int, seconds: float, emitted: Any = ()) -> None:
+        observe(bucket, drafted, seconds, emitted)
         costs = controller.buckets[bucket].costs
         iterations.append([bucket, drafted, round(seconds * 1e3, 3),
                            round(statistics.fmean(emitted), 2) if emitted else None,
@@ -223,15 +204,11 @@ def cell(llm: LLM, args: argparse.Namespace, workload: str, context: int | None,
     best = max((label for label in out if label.startswith("fixed")),
                key=lambda label: out[label]["decode_tokens_per_s"])
     adaptive = out["adaptive"]["decode_tokens_per_s"]
-    row = {"workload": workload, "context": context, "batch": batch, "max_tokens": tokens,
-           "prompt_tokens": sum(map(len, ids)), "runs": out,
-           "best_fixed": {"label": best, "decode_tokens_per_s": out[best]["decode_tokens_per_s"]},
-           "adaptive_vs_best_fixed": adaptive / out[best]["decode_tokens_per_s"],
-           "adaptive_vs_vanilla": adaptive / vanilla}
-    if "adaptive, rate" in out:
-        row["adaptive_rate_vs_best_fixed"] = (out["adaptive, rate"]["decode_tokens_per_s"]
-                                              / out[best]["decode_tokens_per_s"])
-    return row
+    return {"workload": workload, "context": context, "batch": batch, "max_tokens": tokens,
+            "prompt_tokens": sum(map(len, ids)), "runs": out,
+            "best_fixed": {"label": best, "decode_tokens_per_s": out[best]["decode_tokens_per_s"]},
+            "adaptive_vs_best_fixed": adaptive / out[best]["decode_tokens_per_s"],
+            "adaptive_vs_vanilla": adaptive / vanilla}
 
 
 def table(paths: list[Path]) -> list[str]:

@@ -74,7 +74,6 @@ class StepInfo:
     prefill_tokens: int = 0
     first_tokens: int = 0  # prompts that completed and gave their first token
     emitted: list[int] = field(default_factory=list)
-    rows: list[str] = field(default_factory=list)  # the request ids of `emitted`, in order
     gamma: int = 0
     drafted: int = 0  # the decode iteration's draft length (0: a plain step)
     bucket: int = 0  # the batch bucket of the decode iteration (its rows, rounded up)
@@ -406,7 +405,7 @@ class LLMEngine:
         if info.emitted and self.controller is not None:  # a prefill's part is not its own
             self.controller.observe(info.bucket, info.drafted,
                                     spent - (prefill_s if info.prefill_tokens else 0.0),
-                                    info.emitted, info.rows)
+                                    info.emitted)
         return outs
 
     def _plan(self, info: StepInfo, budget: int | None, prefill_first: bool) -> StepPlan:
@@ -422,17 +421,7 @@ class LLMEngine:
         info.bucket = bucket_for(len(scheduler.rows))
         if self.controller is None:
             return plan
-        return dataclasses.replace(plan, draft=self.controller.choose(info.bucket,
-                                                                      self._remaining()))
-
-    def _remaining(self) -> dict[str, int] | None:
-        """With no request waiting to join and every running one decoding, the tokens each
-        row may still emit (the batch is done when its last row is); else None (a row that
-        finishes makes room for another: the batch's rate is what counts)."""
-        scheduler = self.scheduler
-        if scheduler.waiting or len(scheduler.running) != len(scheduler.rows):
-            return None
-        return {s.request_id: s.limit - s.num_tokens for s in scheduler.rows}
+        return dataclasses.replace(plan, draft=self.controller.choose(info.bucket))
 
     def _row_limit(self) -> int:
         """Sequences that may run: under static shapes, while rows are in use, the buffers'
@@ -465,7 +454,6 @@ class LLMEngine:
             if seq.finished:
                 continue
             info.emitted.append(len(tokens))
-            info.rows.append(rid)
             seq.stats.record(len(tokens), budget, result.drafted)
             seq.append(tokens)
             touched[rid] = seq

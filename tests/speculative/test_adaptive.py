@@ -11,7 +11,6 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import pytest
 import torch
 from conftest import (
@@ -32,7 +31,6 @@ from vegas_spec.engine import LLM, LLMEngine
 from vegas_spec.speculative.adaptive import (
     Acceptance,
     Ema,
-    RowAcceptance,
     SpeculationController,
     draft_lengths,
 )
@@ -296,113 +294,17 @@ def test_the_first_samples_are_skipped() -> None:
 
 
 def test_a_new_bucket_borrows_the_costs_of_the_last_until_it_measures_its_own() -> None:
+    """Rows finishing one by one move the batch through smaller buckets: each starts from
+    the last one's costs (no measuring of every choice first, as in the first bucket), and
+    its own first kept sample replaces a borrowed cost."""
     c = SpeculationController(lengths=(2, 4, 6))
     drive(c, 40, plain_s=1.0, round_s={2: 2.0, 4: 3.0, 6: 4.0}, alpha=0.9, bucket=16)
     before = dict(c.costs(c.buckets[16]))
-    assert c.choose(8) == c.buckets[16].preferred  # no measuring of every choice first
+    assert c.choose(8) == c.buckets[16].preferred
     assert c.costs(c.buckets[8]) == before
     for _ in range(2):  # the first sample skipped (a capture), the second replaces
         c.observe(8, 6, 3.0, emitted_at(0.9, 6))
     assert c.buckets[8].costs[6].value == 3.0 and c.buckets[16].costs[6].value == before[6]
-
-
-def batch_run(alphas: Sequence[float], tokens: int, seed: int, fixed: int | None = None,
-              serve_last: bool = True) -> float:
-    """A batch of rows (row r accepts each draft with probability alphas[r]) decoding
-    `tokens` each, nothing waiting to join, against costs in ms of SmolLM2's essays at 2K ×
-    16 on an H100 (plain 1.76, γ 2 / 4 / 6: 4.1 / 6.4 / 8.3, a fifth cheaper as the rows
-    leave) -> the time until the last row is done. fixed: that draft length every
-    iteration; else the controller's, told the rows' remaining tokens (serve_last) or not."""
-    from vegas_spec.engine import bucket_for
-
-    rng, c = random.Random(seed), SpeculationController(lengths=(2, 4, 6))
-    left = {f"r{i}": tokens for i in range(len(alphas))}
-    accept = dict(zip(left, alphas))
-    full = {0: 1.76, 2: 4.1, 4: 6.4, 6: 8.3}
-    total = 0.0
-    while left:
-        bucket = bucket_for(len(left))
-        g = fixed if fixed is not None else c.choose(bucket, dict(left) if serve_last else None)
-        keys = list(left)
-        emitted = [min(left[k], 1 + next((j for j in range(g) if rng.random() >= accept[k]),
-                                         g)) for k in keys]
-        cost = full[g] * (0.8 + 0.2 * bucket / 16) * rng.uniform(0.97, 1.03)
-        total += cost
-        c.observe(bucket, g, cost, emitted, keys)
-        for k, n in zip(keys, emitted):
-            left[k] -= n
-        left = {k: n for k, n in left.items() if n > 0}
-    return total
-
-
-def test_with_nothing_waiting_it_serves_the_rows_that_finish_last() -> None:
-    """Two hard rows among easy ones: the mean row's best is γ 6, the hard rows' (which the
-    batch waits for) γ 2. Told what each row has left, the controller finishes within 5% of
-    the best fixed length and well before it would serving the batch's mean rate."""
-    alphas = [0.85, 0.87] + [0.97] * 14
-    seeds = range(4)
-    fixed = {g: sum(batch_run(alphas, 256, s, fixed=g) for s in seeds) for g in (0, 2, 4, 6)}
-    last = sum(batch_run(alphas, 256, s) for s in seeds)
-    mean = sum(batch_run(alphas, 256, s, serve_last=False) for s in seeds)
-    assert min(fixed.values()) == fixed[2] < fixed[6] / 1.05  # what the test is about
-    assert last <= 1.05 * fixed[2]  # the issue's aim: within 5% of the best fixed γ
-    assert last < mean / 1.05
-
-
-@pytest.mark.parametrize("alpha", [0.8, 0.9, 0.96])
-def test_rows_alike_are_not_told_apart_by_their_luck(alpha: float) -> None:
-    """Rows of one acceptance: none is taken for a harder one because it was unlucky so far
-    (the empirical-Bayes spread is nil), so serving the last row costs nothing against
-    serving the mean."""
-    seeds = range(4)
-    last = sum(batch_run([alpha] * 16, 256, s) for s in seeds)
-    mean = sum(batch_run([alpha] * 16, 256, s, serve_last=False) for s in seeds)
-    assert last <= 1.02 * mean
-    rows, rng = RowAcceptance(), random.Random(0)
-    keys = [f"r{i}" for i in range(16)]
-    for _ in range(60):
-        rows.add(keys, [1 + next((j for j in range(6) if rng.random() >= alpha), 6)
-                        for _ in keys], [alpha] * 6)
-    q = np.array(rows.rejection())
-    assert np.ptp(q) < 0.05 * q.mean()
-
-
-def test_each_rows_rejection_follows_its_own_acceptance() -> None:
-    rows, rng = RowAcceptance(), random.Random(0)
-    alphas = [0.6, 0.8, 0.9, 0.95, 0.99]
-    keys = [f"r{i}" for i in range(len(alphas))]
-    for _ in range(60):
-        rows.add(keys, [1 + next((j for j in range(6) if rng.random() >= a), 6)
-                        for a in alphas], [0.85] * 6)
-    q = np.array(rows.rejection())  # against the bucket's rate 0.85: 1 - q (1 - 0.85) is the row's
-    assert list(np.argsort(-q)) == list(range(len(alphas)))  # the hardest rejects the most
-    assert 1 - q[0] * 0.15 == pytest.approx(0.6, abs=0.08)
-    assert 1 - q[-1] * 0.15 == pytest.approx(0.99, abs=0.02)
-    rows.align(keys[2:] + ["new"])  # rows that left are dropped, a new one has no counts
-    assert rows.keys == keys[2:] + ["new"]
-    assert rows.expected[-1] == 0 and rows.expected[0] > 0
-
-
-def test_the_engine_tells_the_rows_left_only_when_nothing_waits(
-        tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    from vegas_spec.engine import LLMEngine as Engine
-
-    recorder = Recorder()
-    monkeypatch.setattr(Engine, "_controller", staticmethod(lambda spec: recorder))
-    folder = config_folder(tmp_path_factory, "tiny-left", TINY_LLAMA)
-    engine = Engine(str(folder), speculative=tiny_spec({"method": "stream"}),
-                    max_num_seqs=2, **TINY_ENGINE)
-    for n, ids in enumerate(random_prompts(3, (30, 40, 35), TINY_VOCAB)):
-        engine.add_request(ids, SamplingParams(max_tokens=8 + 4 * n, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-    told = recorder.remaining
-    assert told[0] is None  # the third request waits for a row
-    tail = [r for r in told if r is not None]
-    assert tail and all(1 <= len(r) <= 2 for r in tail)
-    assert all(0 < n <= 16 for r in tail for n in r.values())
-    # the rows' keys reach observe with their tokens
-    assert all(len(rows) == len(t) for _, _, _, t, rows in recorder.rows_seen)
 
 
 @dataclass
@@ -412,7 +314,7 @@ class Alternate(SpeculationController):
 
     calls: int = 0
 
-    def choose(self, bucket: int, remaining: object = None) -> int:
+    def choose(self, bucket: int) -> int:
         order = (self.lengths[-1], 0, *self.lengths[:-1])
         self.calls += 1
         return order[(self.calls - 1) % len(order)]
@@ -537,18 +439,13 @@ class Recorder(SpeculationController):
     """Rounds and plain steps in turn, each observation kept."""
 
     seen: list[tuple[int, int, float, list[int]]] = field(default_factory=list)
-    rows_seen: list[tuple[int, int, float, list[int], list[str]]] = field(
-        default_factory=list)
-    remaining: list[dict[str, int] | None] = field(default_factory=list)
 
-    def choose(self, bucket: int, remaining: dict[str, int] | None = None) -> int:
-        self.remaining.append(None if remaining is None else dict(remaining))
+    def choose(self, bucket: int) -> int:
         return 3 if len(self.seen) % 2 == 0 else 0
 
     def observe(self, bucket: int, drafted: int, seconds: float,
-                emitted: Sequence[int] = (), rows: Sequence[str] = ()) -> None:
+                emitted: Sequence[int] = ()) -> None:
         self.seen.append((bucket, drafted, seconds, list(emitted)))
-        self.rows_seen.append((bucket, drafted, seconds, list(emitted), list(rows)))
 
 
 def test_an_iteration_costs_its_host_work_but_not_a_prefill(

@@ -13,21 +13,9 @@ follow them, so the rates measured in rounds of γ give τ(g) of every shorter g
 τ(g) = 1 + Σ_{i ≤ g} Π_{j ≤ i} α_j. A cost not yet measured is interpolated between the
 measured ones (a round of g costs about its drafts and a verify of g + 1 rows).
 
-What a choice pays depends on what the batch is waiting for. While requests wait to join,
-a row that finishes makes room for one: the batch's tokens per second is what counts, and the
-rate above is the batch's mean. Once none waits, the batch is done when its last row is:
-rows emit at different rates (one row's text is easy to draft, another's is not), and the
-rows that finish last are the ones whose drafts are rejected most, for which the best length
-is a shorter one. So with nothing waiting (`choose(bucket, remaining)`) the controller keeps
-each row's own acceptance (`RowAcceptance`: how much more or less often than the bucket's
-rates say it rejects a draft, drawn towards the batch's mean by as much as the rows' counts
-leave in doubt) and chooses the g of the least
-time to finish every row, c(g) · max over rows of max(1, n_r / τ_r(g)) for n_r the tokens
-row r may still emit.
-
 A new bucket (rows left or joined) starts from the estimates of the bucket last used: its
-costs until each is measured there, its acceptance. So a batch whose rows finish one by one
-does not pay a measurement of every choice in every bucket it passes through.
+costs until each is measured there, and its acceptance. So a batch whose rows finish one by
+one does not pay a measurement of every choice in every bucket it passes through.
 
 Now and then it runs a choice not taken (a probe) so that every estimate follows the context
 as it grows. A probe loses time: it costs c(g) where the best choice gives its τ(g) tokens
@@ -48,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -146,100 +134,13 @@ class Acceptance:
         return Acceptance(self.decay, self.rows, list(self.reached), list(self.passed))
 
 
-@dataclass
-class RowAcceptance:
-    """Each row's own acceptance. A row is taken to reject each draft position q_r times
-    as often as the bucket does (its rates α_rj = 1 - q_r (1 - α_j)): its text is easier or
-    harder to draft. Per row (by key), decayed counts (by `decay` a round) of the drafts it
-    rejected, X_r, and of the rejections the bucket's rates expected at the positions it
-    reached, E_r. q_r is estimated empirical-Bayes: its spread over the rows (v) is what
-    the spread of X_r / E_r shows beyond the counting noise (a Poisson count's, q / E, times
-    (1 + decay)⁻¹ for decayed counts; a spread within two standard errors of what alike
-    rows would show is taken as none), and each row's q_r is drawn towards the mean m by a
-    gamma prior of mean m and variance v: q_r = (X_r + m² / v) / (E_r + m / v). Rows alike
-    in truth (v ≈ 0) all get the bucket's rates, so that the one unluckiest so far is not
-    taken for a harder one. Two numbers a row, in lists: the host's work is a few passes
-    over the rows per iteration (tens of microseconds at 64 rows)."""
-
-    decay: float = 0.95
-    keys: list[Hashable] = field(default_factory=list)
-    rejected: list[float] = field(default_factory=list)
-    expected: list[float] = field(default_factory=list)
-
-    def add(self, keys: list[Hashable], emitted: Sequence[int],
-            rates: Sequence[float]) -> None:
-        """A round of len(rates) drafts whose rows `keys` emitted `emitted` tokens each,
-        rates: the bucket's α_1..α_g with it."""
-        self.align(keys)
-        g, d = len(rates), self.decay
-        misses = [0.0]  # expected rejections up to position j: Σ_{i ≤ j} (1 - α_i)
-        for a in rates:
-            misses.append(misses[-1] + 1.0 - a)
-        self.expected = [d * e + misses[min(n, g)] for e, n in zip(self.expected, emitted)]
-        self.rejected = [d * x + (n <= g) for x, n in zip(self.rejected, emitted)]
-
-    def align(self, keys: list[Hashable]) -> None:
-        """Rows in the order of keys (a new one with no counts; those not in keys dropped)."""
-        if keys == self.keys:
-            return
-        index = {k: i for i, k in enumerate(self.keys)}
-        old = [index.get(k) for k in keys]
-        self.rejected = [0.0 if i is None else self.rejected[i] for i in old]
-        self.expected = [0.0 if i is None else self.expected[i] for i in old]
-        self.keys = list(keys)
-
-    def rejection(self) -> list[float]:
-        """q_r of every row (see the class)."""
-        seen, expected = self.rejected, self.expected
-        total = sum(expected)
-        mean = sum(seen) / total if total > 0 else 1.0
-        ratios = [x / e for x, e in zip(seen, expected) if e >= 1.0]  # a rejection's worth
-        count = len(ratios)
-        if count < 2 or mean <= 0:
-            return [max(mean, 0.0)] * len(expected)
-        middle = sum(ratios) / count
-        var = sum((r - middle) ** 2 for r in ratios) / count
-        noise = mean * sum(1.0 / e for e in expected if e >= 1.0) / count / (1.0 + self.decay)
-        spread = var - noise * (1.0 + 2.0 * math.sqrt(2.0 / (count - 1)))
-        if spread <= 1e-9:
-            return [mean] * len(expected)
-        a, b = mean * mean / spread, mean / spread
-        return [(x + a) / (e + b) for x, e in zip(seen, expected)]
-
-    def finishing(self, remaining: Mapping[Hashable, int], rates: Sequence[float],
-                  choices: Sequence[int]) -> dict[int, float]:
-        """Per choice g, the iterations until every row of `remaining` (its tokens still to
-        emit) is done if every iteration drafts g: max over rows of max(1, n_r / τ_r(g)),
-        τ_r from the row's rates (`rates`: the bucket's, α_1..α_n). A row harder and with
-        more left than another finishes after it whatever g: only the rows that no other
-        row outlasts so are reckoned (a handful of the batch)."""
-        self.align(list(remaining))
-        out = dict.fromkeys(choices, 1.0)
-        hardest = -1.0
-        for q, n in sorted(zip(self.rejection(), remaining.values()),
-                           key=lambda r: (-r[1], -r[0])):
-            if q <= hardest:  # another row has as much left and is harder
-                continue
-            hardest, tau, run = q, [1.0], 1.0
-            for a in rates:
-                run *= min(1.0, max(0.0, 1.0 - q * (1.0 - a)))
-                tau.append(tau[-1] + run)
-            for g in choices:
-                out[g] = max(out[g], n / tau[g])
-        return out
-
-
 class Estimates(NamedTuple):
     """A bucket's figures by choice (draft length, 0 a plain step), made once per choice of
-    the controller: cost, τ, τ at the rates' upper confidence bounds, and the tokens a row
-    emits per iteration by the goal the choice serves (`target`: τ while requests wait;
-    with none waiting, the rate at which the last rows to finish advance, scaled to the
-    longest remaining row: n_max / the iterations `RowAcceptance.finishing` gives)."""
+    the controller: cost, τ, and τ at the rates' upper confidence bounds."""
 
     cost: dict[int, float]
     tau: list[float]
     upper: list[float]
-    target: Sequence[float]
 
 
 @dataclass
@@ -268,7 +169,6 @@ class SpeculationController:
     chosen: Counter[int] = field(default_factory=Counter)  # iterations by draft length
     last: int | None = None  # the last iteration's draft length
     last_bucket: int | None = None
-    rows: RowAcceptance = field(default_factory=RowAcceptance)
 
     @property
     def choices(self) -> tuple[int, ...]:
@@ -291,10 +191,7 @@ class SpeculationController:
             self.buckets[key] = b
         return b
 
-    def choose(self, bucket: int, remaining: Mapping[Hashable, int] | None = None) -> int:
-        """The draft length of the next iteration in `bucket` (0: a plain step). remaining:
-        when no request waits to join, the tokens each row (by the key `observe` is given)
-        may still emit; the choice then serves the time until the last row is done."""
+    def choose(self, bucket: int) -> int:
         b = self.bucket(bucket)
         longest = self.lengths[-1]
         if b.settle and self.last:  # a round after plain steps: measure the next one
@@ -306,23 +203,17 @@ class SpeculationController:
         for g in self.lengths:  # a probe whose time was skipped (a capture): once more
             if b.costs[g].value is None and b.costs[g].seen:
                 return g
-        est = self.estimates(b, remaining)
+        est = self.estimates(b)
         best = b.preferred = self.best(b, est)
         due = [(b.streak[g] / self.interval(b, g, best, est), g) for g in self.choices
                if g != best]
         ready = [d for d in due if d[0] >= 1.0]
         return max(ready)[1] if ready else best
 
-    def estimates(self, b: Bucket, remaining: Mapping[Hashable, int] | None = None) -> Estimates:
+    def estimates(self, b: Bucket) -> Estimates:
         longest = self.lengths[-1]
-        tau = b.acceptance.taus(longest)
-        target: Sequence[float] = tau
-        if remaining:
-            rounds = self.rows.finishing(remaining, b.acceptance.rates(longest), self.choices)
-            most = max(max(remaining.values()), 1)
-            target = [most / rounds[g] if g in rounds else 0.0 for g in range(longest + 1)]
-        return Estimates(self.costs(b), tau, b.acceptance.taus(longest, optimistic=True),
-                         target)
+        return Estimates(self.costs(b), b.acceptance.taus(longest),
+                         b.acceptance.taus(longest, optimistic=True))
 
     def costs(self, b: Bucket) -> dict[int, float]:
         """Each choice's cost: measured, or interpolated between the measured ones (the
@@ -344,13 +235,13 @@ class SpeculationController:
         to plain steps, or back, costs a round's re-planning once: a choice on the other
         side of the one preferred so far (probes aside) pays it spread over `probe`
         iterations, so that near break-even the controller does not go back and forth."""
-        c, _, _, target = self.estimates(b) if est is None else est
+        c, tau, _ = self.estimates(b) if est is None else est
         switch = (b.replan.value or 0.0) / self.probe
         now = b.preferred
 
         def rate(g: int) -> tuple[float, int]:
             other = now is not None and bool(g) != bool(now)
-            return target[g] / (c[g] + (switch if other else 0.0)), -g
+            return tau[g] / (c[g] + (switch if other else 0.0)), -g
 
         return max(self.choices, key=rate)
 
@@ -367,7 +258,7 @@ class SpeculationController:
         steps)."""
         est = self.estimates(b) if est is None else est
         best = self.best(b, est) if best is None else best
-        c, tau, upper, _ = est
+        c, tau, upper = est
         loss = c[g] - upper[g] * c[best] / tau[best]
         if g and not best:  # a round probed after plain steps is two rounds
             loss *= 2
@@ -377,10 +268,9 @@ class SpeculationController:
         return min(max(self.probe, wanted), self.most)
 
     def observe(self, bucket: int, drafted: int, seconds: float,
-                emitted: Sequence[int] = (), rows: Sequence[Hashable] = ()) -> None:
+                emitted: Sequence[int] = ()) -> None:
         """After an iteration of `drafted` drafts (0: a plain step) that took `seconds` and
-        in which each row emitted `emitted` tokens (rows: their keys, in the same order,
-        for each row's own acceptance)."""
+        in which each row emitted `emitted` tokens."""
         b = self.bucket(bucket)
         b.settle = bool(drafted) and self.last == 0  # planned again: not a round's time
         if not b.settle:
@@ -389,8 +279,6 @@ class SpeculationController:
             b.replan.add(max(0.0, seconds - b.costs[drafted].value))
         if drafted and emitted:
             b.acceptance.add(drafted, emitted)
-            if len(rows) == len(emitted):
-                self.rows.add(list(rows), emitted, b.acceptance.rates(drafted))
         for g in b.streak:
             b.streak[g] = 0 if g == drafted else b.streak[g] + 1
         self.chosen[drafted] += 1
