@@ -57,10 +57,10 @@ def keep_model_weights(llm: LLM, copies: list[dict], setting: str) -> float:
     drafts read the model's weights already)."""
     if not any(copies):
         return 1.0
-    layers = llm.engine.runner.model.layers
     edges = int(setting[6:]) if setting.startswith("edges:") else None
     if edges is None and setting != "none" and any(setting not in own for own in copies):
         raise SystemExit(f"--keep {setting}: the copies hold {', '.join(copies[0])}")
+    layers = llm.engine.runner.model.layers
     kept = total = 0
     for i, (layer, own) in enumerate(zip(layers, copies, strict=True)):
         layer.drafts = dict(own)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import benchmark_script
 
 from vegas_spec import quant
 
@@ -420,6 +421,8 @@ def test_draft_weights_acceptance_keeps_the_projections_asked_for(tmp_path: Path
     assert shares["down"] == pytest.approx(576 * 1536 / (960 * 576 + 576 * 576 + 3072 * 576
                                                          + 576 * 1536))
     assert all(1.0 <= c["tokens_per_iteration"] <= 7.0 for c in cells)
-    with pytest.raises(AssertionError, match="the copies hold"):
-        run("draft_weights_acceptance.py", "--draft-weights", "fp8", "--workloads", "code",
-            "--keep", "lm_head", "--out", str(tmp_path / "bad.json"))
+    # a projection the copies do not hold is refused before any weight moves
+    script = benchmark_script("draft_weights_acceptance")
+    copies = [{"q_proj": object(), "down_proj": object()}] * 2
+    with pytest.raises(SystemExit, match="--keep lm_head: the copies hold q_proj, down_proj"):
+        script.keep_model_weights(None, copies, "lm_head")
