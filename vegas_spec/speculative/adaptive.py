@@ -69,9 +69,10 @@ class Ema:
         else:
             self.value = self.decay * self.value + (1 - self.decay) * sample
 
-    def borrow(self, other: Ema) -> Ema:
-        """A new average with other's value until its own first sample kept."""
-        return Ema(self.decay, self.skip, other.value, 0, other.value is not None)
+    def lent(self) -> Ema:
+        """A new average of the same settings that holds this one's value until its own
+        first sample kept."""
+        return Ema(self.decay, self.skip, self.value, 0, self.value is not None)
 
 
 @dataclass
@@ -185,9 +186,9 @@ class SpeculationController:
                 b = Bucket({g: Ema() for g in self.choices}, Acceptance(),
                            dict.fromkeys(self.choices, 0))
             else:
-                b = Bucket({g: Ema().borrow(e) for g, e in prev.costs.items()},
+                b = Bucket({g: e.lent() for g, e in prev.costs.items()},
                            prev.acceptance.copy(), dict.fromkeys(self.choices, 0),
-                           replan=Ema(skip=0).borrow(prev.replan), preferred=prev.preferred)
+                           replan=prev.replan.lent(), preferred=prev.preferred)
             self.buckets[key] = b
         return b
 
