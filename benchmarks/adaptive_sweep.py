@@ -6,10 +6,11 @@ temperature 0.6, top-p 0.95, top-k 20).
 
 A cell (workload, context, batch) decodes the same prompts in every run: vanilla, then the
 method with adaptive speculation at γ `--gamma`, then the method with each fixed γ of
-`--fixed` (`adaptive: False`: a round every iteration). Each run follows a
-`--warmup`-token warm-up of the same batch with the same settings (graphs captured there; an
-adaptive run's controller is made anew for it, so its counts run from the warm-up on).
-`--repeats N` runs the cell's whole list N times, interleaved, every second
+`--fixed` (`adaptive: False`: a round every iteration). Each run follows a `--warmup`-token
+warm-up of the same batch with the same settings (graphs captured there; the adaptive
+controller is made anew when the method's settings change, which they do before every
+adaptive run, so its counts run from the warm-up on). `--repeats N` runs the cell's whole
+list N times, interleaved, every second
 time in reverse order (`order`), so that no run always comes first or last: in one process
 the runs of a cell are not alike in where they fall (the first after a cell's prompts
 change ran slower in the generation cells), and over an even number of repeats every run
@@ -48,7 +49,7 @@ from typing import Any
 import torch
 from common import tiny_model
 
-from vegas_spec import LLM, SamplingParams, SpecConfig
+from vegas_spec import LLM, SamplingParams
 from vegas_spec.bench.workloads import build
 
 SAMPLED = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
@@ -132,8 +133,6 @@ def measure(llm: LLM, ids: list[list[int]], params: SamplingParams, warmup: int,
             spec: dict[str, Any], trace: bool = False) -> dict[str, Any]:
     """One warm-up, then one timed run of the batch -> its figures (trace: with the adaptive
     controller's iterations of the timed run, `traced`)."""
-    if spec.get("adaptive"):  # a controller of its own, made anew at the warm-up
-        llm.engine.set_spec(SpecConfig(method="vanilla"))
     llm.generate(ids, dataclasses.replace(params, max_tokens=min(warmup, params.max_tokens)),
                  speculative=spec)
     if llm.device.type == "cuda":
