@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from vegas_spec.cache import cgroup_room
 
@@ -52,3 +53,13 @@ def test_v1_memory_controller_of_the_process(tmp_path: Path) -> None:
 def test_an_unreadable_limit_is_no_limit(tmp_path: Path, limit: str) -> None:
     write(tmp_path / "root", memory_max=limit, memory_current="1")
     assert cgroup_room(str(tmp_path / "root"), own(tmp_path, "0::/\n")) is None
+
+
+def test_gather_slots_is_advanced_indexing() -> None:
+    """`gather_slots` (index_select) gives `cache[slots]` for slots of any shape."""
+    from vegas_spec.cache import gather_slots
+
+    cache = torch.randn(40, 3, 8)
+    for shape in [(5,), (2, 7), (2, 1, 6)]:
+        slots = torch.randint(0, 40, shape)
+        assert torch.equal(gather_slots(cache, slots), cache[slots])

@@ -26,6 +26,13 @@ def slots_of(page_table: torch.Tensor, pos: torch.Tensor, page_size: int) -> tor
     return (pages * page_size + flat % page_size).reshape(pos.shape)
 
 
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache [S, ...] at slots [...] -> [..., *cache.shape[1:]]: `cache[slots]` through
+    `index_select`, which copies whole rows (on CPU 4-10x faster than advanced indexing)."""
+    rows = cache.index_select(0, slots.reshape(-1))
+    return rows.view(*slots.shape, *cache.shape[1:])
+
+
 def step_slots(page_table: torch.Tensor, positions: torch.Tensor,
                page_size: int) -> torch.Tensor:
     """`slots_of` of a step's positions [B, n]: one kernel on CUDA (`kernels.slots`)."""

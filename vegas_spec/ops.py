@@ -94,6 +94,26 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) ->
 EXACT_ROWS = 16
 
 
+# Rows of a float32 product on CPU that `dense_linear` computes as weight @ x^T: there MKL's
+# GEMV reads the weight once per row, the transposed product (a GEMM of 2-4 columns) once in
+# all, 1.5-3x faster for this project's shapes (SmolLM2's gate/up and LM head on one core).
+CPU_FEW_ROWS = (2, 4)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, except for 2-4 float32 rows on CPU (`CPU_FEW_ROWS`): weight @ x^T."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    low, high = CPU_FEW_ROWS
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or not low <= rows <= high):
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.reshape(rows, -1).t()).t().contiguous()
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 def exact_linear(x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N], each row's bits independent of

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import ScoreRequest, StepContext
-from vegas_spec.cache import slots_of
+from vegas_spec.cache import gather_slots, slots_of
 from vegas_spec.ops import quest_page_scores_ref
 
 
@@ -104,8 +104,8 @@ def _visible_keys(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torc
     bsz = page_table.shape[0]
     key_pos = torch.arange(kv_len, device=positions.device).expand(bsz, kv_len)
     slots = slots_of(page_table, key_pos, page_size)
-    keys = k_cache[slots].transpose(1, 2)
-    values = v_cache[slots].transpose(1, 2)
+    keys = gather_slots(k_cache, slots).transpose(1, 2)
+    values = gather_slots(v_cache, slots).transpose(1, 2)
     valid = key_pos[:, None, :] <= positions[:, :, None]
     if window:
         valid &= key_pos[:, None, :] > positions[:, :, None] - window
@@ -200,8 +200,8 @@ def prefill_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     for s, (n, start) in enumerate(zip(lengths, starts)):
         key_pos = torch.arange(start + n, device=q.device)[None]
         slots = slots_of(page_table[s : s + 1], key_pos, page_size)[0]
-        keys = k_cache[slots].transpose(0, 1)[None]  # [1, Hkv, L, D]
-        values = v_cache[slots].transpose(0, 1)[None]
+        keys = gather_slots(k_cache, slots).transpose(0, 1)[None]  # [1, Hkv, L, D]
+        values = gather_slots(v_cache, slots).transpose(0, 1)[None]
         query = q[offset : offset + n].transpose(0, 1)[None]  # [1, H, n, D]
         mask = None
         if start > 0:  # the cached context is visible to every query of the piece
@@ -252,8 +252,8 @@ def sparse_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     slots = slots_of(page_table, pos.clamp(0, top), page_size)  # [B, G, K+R]
     head = torch.arange(hkv, device=q.device)
     if groups == 1:
-        keys = k_cache[slots[:, 0]].transpose(1, 2)  # [B, Hkv, K+R, D]
-        values = v_cache[slots[:, 0]].transpose(1, 2)
+        keys = gather_slots(k_cache, slots[:, 0]).transpose(1, 2)  # [B, Hkv, K+R, D]
+        values = gather_slots(v_cache, slots[:, 0]).transpose(1, 2)
     else:
         keys = k_cache[slots, head[None, :, None]]  # [B, Hkv, K+R, D]
         values = v_cache[slots, head[None, :, None]]

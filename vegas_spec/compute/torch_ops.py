@@ -4,11 +4,11 @@ forms), the CPU path and the oracle of the Triton ops."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from vegas_spec.compute.base import Ops
 from vegas_spec.ops import (
     add_rms_norm,
+    dense_linear,
     exact_linear,
     exact_silu_mul,
     moe_experts,
@@ -30,7 +30,7 @@ class TorchOps(Ops):
             return weight.ref(x, bias)
         if self.exact:
             return exact_linear(x, weight, bias)
-        return F.linear(x, weight, bias)
+        return dense_linear(x, weight, bias)
 
     def experts(self, x: torch.Tensor, gate_up: torch.Tensor | Mxfp4,
                 down: torch.Tensor | Mxfp4, weights: torch.Tensor, ids: torch.Tensor,

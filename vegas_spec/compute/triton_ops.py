@@ -6,7 +6,6 @@ Runs on CUDA, or on CPU under Triton's interpreter (slow: tests only)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from vegas_spec.compute.base import Ops
 from vegas_spec.kernels.exact_matmul import exact_linear
@@ -15,6 +14,7 @@ from vegas_spec.kernels.rms_norm import rms_norm
 from vegas_spec.kernels.route import route as route_kernel
 from vegas_spec.kernels.silu_mul import silu_mul
 from vegas_spec.kernels.skinny_matmul import skinny_linear
+from vegas_spec.ops import dense_linear
 from vegas_spec.quant import DRAFT_TYPES, DraftWeight, Mxfp4
 
 
@@ -33,7 +33,7 @@ class TritonOps(Ops):
             return skinny_linear(x, weight, bias) if x.is_cuda else weight.ref(x, bias)
         if self.exact:
             return exact_linear(x, weight, bias)
-        return F.linear(x, weight, bias)
+        return dense_linear(x, weight, bias)
 
     def experts(self, x: torch.Tensor, gate_up: torch.Tensor | Mxfp4,
                 down: torch.Tensor | Mxfp4, weights: torch.Tensor, ids: torch.Tensor,

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from vegas_spec import config
 from vegas_spec.attention.context import DynamicSelector, SparsePlan, StepContext
-from vegas_spec.cache import slots_of
+from vegas_spec.cache import gather_slots, slots_of
 from vegas_spec.config import ConfigError, PolicyOptions, SpecConfig
 from vegas_spec.ops import cat_padded, quest_page_scores_ref, sorted_positions, topk_positions
 
@@ -514,7 +514,8 @@ def page_bounds(inp: SelectionInput, rankable: torch.Tensor, page: int,
     slots = slots_of(inp.page_table, pos.clamp(max=top), inp.page_size)
     bounds = []
     for k_cache, _ in inp.kv_caches:
-        keys = k_cache[slots]  # [B, NP*page, Hkv, D], min and max exact in the cache dtype
+        # [B, NP*page, Hkv, D]: min and max exact in the cache dtype
+        keys = gather_slots(k_cache, slots)
         lo = keys.masked_fill(~valid, float("inf")).unflatten(1, (n_pages, page)).amin(2)
         hi = keys.masked_fill(~valid, float("-inf")).unflatten(1, (n_pages, page)).amax(2)
         bounds.append((lo, hi))
