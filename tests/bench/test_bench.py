@@ -427,6 +427,22 @@ def test_report_has_acceptance_per_draft_position(bench_dir: Path) -> None:
                c["acceptance_rate_per_position"] for c in spec)
 
 
+def test_report_shows_each_cells_slowest_row(bench_dir: Path) -> None:
+    """The least tokens an iteration of any sequence: at most the cell's own, in the table."""
+    data = _results(bench_dir)
+    summary = {line["key"]: line for line in data["summary"]}
+    report = (bench_dir / "report.md").read_text()
+    assert "| tokens/iter | slowest row | accept@1 |" in report and "`slowest row`" in report
+    for cell in data["cells"]:
+        slowest = summary[cell["key"]]["slowest_row_tokens_per_iteration"]
+        if cell["method"] == "vanilla":
+            assert slowest is None
+            continue
+        assert slowest == min(cell["per_prompt_tokens_per_iteration"])
+        assert 1.0 <= slowest <= cell["tokens_per_iteration"] + 1e-9
+        assert f"| {cell['tokens_per_iteration']:.2f} | {slowest:.2f} |" in report
+
+
 @pytest.mark.slow
 def test_sampled_generation_bench_on_the_embedded_model(
         tmp_path: Path, smollm2_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:

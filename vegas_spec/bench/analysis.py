@@ -129,6 +129,14 @@ def same_needles(row: dict[str, Any], base: dict[str, Any] | None) -> bool | Non
     return [n["found"] for n in row["needle"]] == [n["found"] for n in base["needle"]]
 
 
+def slowest_row(row: dict[str, Any]) -> float | None:
+    """The least tokens an iteration of any one sequence of a speculative cell (None for
+    vanilla): a batch decodes until its last sequence is done, so with more than one
+    sequence this row, not the mean, sets how long the tail of the batch runs alone."""
+    per_row = [t for t in row.get("per_prompt_tokens_per_iteration") or [] if t is not None]
+    return min(per_row) if per_row and row.get("method") != "vanilla" else None
+
+
 def summary(rows: list[dict[str, Any]], dtype: str,
             exact: bool = False) -> list[dict[str, Any]]:
     """One line per cell: what the report's tables show (exact: no parting is a near-tie)."""
@@ -146,6 +154,7 @@ def summary(rows: list[dict[str, Any]], dtype: str,
             "request_speedup_range": whole, "request_noise": noise(whole),
             "repeats": row.get("repeats", 1),
             "tokens_per_iteration": row.get("tokens_per_iteration"),
+            "slowest_row_tokens_per_iteration": slowest_row(row),
             "acceptance_first": acc[0] if acc else None,
             "acceptance_last": acc[-1] if acc else None,
             "acceptance_per_position": list(acc),  # draft positions 1..γ; [] for vanilla

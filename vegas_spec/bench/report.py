@@ -59,9 +59,9 @@ def _ratio(x: float | None, spread: list[float] | None) -> str:
 
 def cell_table(lines: list[dict[str, Any]]) -> list[str]:
     out = ["| workload | context | batch | method | γ | ratio | decode tok/s | speedup | "
-           "request s | request speedup | tokens/iter | accept@1 | accept@γ | budget | "
-           "= vanilla |",
-           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "request s | request speedup | tokens/iter | slowest row | accept@1 | accept@γ | "
+           "budget | = vanilla |",
+           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in lines:
         spec = r["method"] != "vanilla"
         same = f"{r['identical']}/{r['prompts']}" if r["identical"] is not None else "-"
@@ -72,10 +72,17 @@ def cell_table(lines: list[dict[str, Any]]) -> list[str]:
             f"{_f(r['decode_tokens_per_s'], 1)} | "
             f"{_ratio(r['speedup'], r.get('speedup_range'))} | {_f(r.get('total_s'), 3)} | "
             f"{_ratio(r.get('request_speedup'), r.get('request_speedup_range'))} | "
-            f"{_f(r['tokens_per_iteration'])} | {_f(r['acceptance_first'])} | "
+            f"{_f(r['tokens_per_iteration'])} | "
+            f"{_f(r.get('slowest_row_tokens_per_iteration'))} | {_f(r['acceptance_first'])} | "
             f"{_f(r['acceptance_last'])} | {_f(r['budget_mean'], 0)} | {same} "
             f"({r['verdict']}) |")
     return out
+
+
+SLOWEST_NOTE = ("`slowest row`: the least tokens an iteration of any one sequence of the run "
+                "shown; a batch decodes until its last sequence is done, so where this row "
+                "lies well under the cell's tokens/iter, the batch's end ran with few rows "
+                "and its throughput tells of that sequence more than of the mean.")
 
 
 def repeats_note(lines: list[dict[str, Any]]) -> str:
@@ -196,7 +203,7 @@ def split_section(lines: list[dict[str, Any]]) -> list[str]:
 
 def bench_report(meta: dict[str, Any], lines: list[dict[str, Any]], plots: list[str]) -> str:
     parts = [*header(meta, "vegas bench"), "## Every cell", "", *cell_table(lines), "",
-             repeats_note(lines), "", *acceptance_section(lines),
+             repeats_note(lines), "", SLOWEST_NOTE, "", *acceptance_section(lines),
              *lossless_section(lines, meta["setting"]["dtype"]), *needle_section(lines),
              *split_section(lines)]
     if plots:
