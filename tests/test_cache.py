@@ -61,5 +61,5 @@ def test_gather_slots_is_advanced_indexing() -> None:
 
     cache = torch.randn(40, 3, 8)
     for shape in [(5,), (2, 7), (2, 1, 6)]:
-        slots = torch.randint(0, 40, shape)
+        slots = torch.randint(-40, 40, shape)  # negative: from the end, as indexing
         assert torch.equal(gather_slots(cache, slots), cache[slots])

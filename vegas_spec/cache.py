@@ -28,8 +28,11 @@ def slots_of(page_table: torch.Tensor, pos: torch.Tensor, page_size: int) -> tor
 
 def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """cache [S, ...] at slots [...] -> [..., *cache.shape[1:]]: `cache[slots]` through
-    `index_select`, which copies whole rows (on CPU 4-10x faster than advanced indexing)."""
-    rows = cache.index_select(0, slots.reshape(-1))
+    `index_select`, which copies whole rows (on CPU 4-10x faster than advanced indexing).
+    A negative slot counts from the end, as in indexing (the unused entries of a fixed-shape
+    page table, masked by their readers)."""
+    flat = slots.reshape(-1)
+    rows = cache.index_select(0, torch.where(flat < 0, flat + cache.shape[0], flat))
     return rows.view(*slots.shape, *cache.shape[1:])
 
 
