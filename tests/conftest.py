@@ -35,20 +35,24 @@ TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6")
+    _LIBC.malloc_trim  # noqa: B018 (glibc only)
+except (OSError, AttributeError):
+    _LIBC = None  # not glibc: its allocator is its own
+
+
 def _return_freed_memory() -> None:
-    """Keep every block of 128 KiB or more of this process mmapped, so that it goes back to
-    the system when freed. glibc otherwise raises that threshold to the largest block freed
-    (up to 32 MiB): a model's weights then land on the heap, where a freed engine's memory
-    stays with the process, and tests that build one engine after another hold them all."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return  # not glibc: its allocator is its own
-    m_mmap_threshold = -3
-    libc.mallopt(m_mmap_threshold, 128 << 10)
+    """Give the memory freed so far back to the system (glibc's `malloc_trim`): glibc raises
+    its mmap threshold to the largest block freed (up to 32 MiB), so a model's weights and a
+    KV pool may land on the heap, where a freed engine's pages would otherwise stay with the
+    process. Called between test files; the allocator keeps its own thresholds, so that the
+    decode loop's large temporaries reuse the heap instead of mapping (and faulting in) fresh
+    pages every step."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
 
 
-_return_freed_memory()
 # Resident memory a worker may peak at (a file holding the real model beside transformers'
 # oracle), and the most workers `-n auto` starts: one a core, as many as the memory
 # available at the start holds at that peak (at least one), so a machine whose other
@@ -325,8 +329,10 @@ def llm() -> Any:
 @pytest.fixture(autouse=True, scope="module")
 def collect_garbage() -> None:
     """The engines and models of the file before, freed with its module fixtures, are gone
-    (reference cycles too) before this file builds its own."""
+    (reference cycles too) before this file builds its own, and their memory is back with
+    the system."""
     gc.collect()
+    _return_freed_memory()
 
 
 @pytest.fixture(autouse=True)
