@@ -94,9 +94,11 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) ->
 EXACT_ROWS = 16
 
 
-# Rows of a float32 product on CPU that `dense_linear` computes as weight @ x^T: there MKL's
-# GEMV reads the weight once per row, the transposed product (a GEMM of 2-4 columns) once in
-# all, 1.5-3x faster for this project's shapes (SmolLM2's gate/up and LM head on one core).
+# Rows of a float32 product on CPU that `dense_linear` computes as weight @ x^T: for them
+# MKL's F.linear runs a GEMV a row, which streams the weight once per row, where the
+# transposed product (a GEMM of 2-4 columns) streams it once (on an AVX2 core, SmolLM2's
+# gate/up and LM head at 3 rows took about half the time; one row and bfloat16 gained
+# nothing, so they stay with F.linear).
 CPU_FEW_ROWS = (2, 4)
 
 
