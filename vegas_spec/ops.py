@@ -100,6 +100,11 @@ EXACT_ROWS = 16
 # gate/up and LM head at 3 rows took about half the time; one row and bfloat16 gained
 # nothing, so they stay with F.linear).
 CPU_FEW_ROWS = (2, 4)
+# Weights smaller than this stay with F.linear whatever the rows: they sit in the cache, where
+# streaming them once or per row costs about the same and the transposed product's extra
+# calls cost more. So do weights with fewer outputs than inputs (a down projection), where
+# the transposed product measured slower (benchmarks/cpu_products.py).
+CPU_STREAMED_BYTES = 1 << 20
 
 
 # Rows from which a bfloat16 product on CPU runs in float32: a core without bfloat16
@@ -117,15 +122,17 @@ def _upcast_on_cpu(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, except on CPU: 2-4 float32 rows (`CPU_FEW_ROWS`) take weight @ x^T, and
-    bfloat16 from CPU_UPCAST_ROWS rows on runs in float32, rounded back once."""
+    """`F.linear`, except on CPU: 2-4 float32 rows (`CPU_FEW_ROWS`) of a weight of at least
+    CPU_STREAMED_BYTES and no fewer outputs than inputs take weight @ x^T, and bfloat16
+    from CPU_UPCAST_ROWS rows on runs in float32, rounded back once."""
     rows = x.numel() // max(x.shape[-1], 1)
     if _upcast_on_cpu(x, weight, rows):
         return F.linear(x.float(), weight.float(),
                         None if bias is None else bias.float()).to(x.dtype)
     low, high = CPU_FEW_ROWS
     if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or not low <= rows <= high):
+            or not low <= rows <= high or weight.numel() * 4 < CPU_STREAMED_BYTES
+            or weight.shape[0] < weight.shape[1]):
         return F.linear(x, weight, bias)
     out = torch.mm(weight, x.reshape(rows, -1).t()).t().contiguous()
     if bias is not None:

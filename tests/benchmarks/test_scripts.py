@@ -303,6 +303,25 @@ def test_kernel_bench_checks_and_times_every_kernel(tmp_path: Path) -> None:
         assert row["status"] == "ok" and row["time_us"] > 0 and row["total_bytes"] > 0
 
 
+def test_cpu_products_times_ours_beside_torchs_for_each_shape_and_row_count(
+        tmp_path: Path) -> None:
+    """§6: dense_linear against F.linear per dtype, shape and row count, and the KV gather,
+    each with both times and their ratio."""
+    out = tmp_path / "products.json"
+    stdout = run("cpu_products.py", "--shapes", "tiny", "--rows", "1", "3", "16", "--reps", "1",
+                 "--stream-mb", "1", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert data["threads"] == 1
+    linear = [r for r in data["rows"] if r["what"] == "linear"]
+    assert Counter((r["dtype"], r["rows"]) for r in linear) == {
+        (d, m): 2 for d in ("float32", "bfloat16") for m in (1, 3, 16)}
+    assert [r["what"] for r in data["rows"]].count("gather") == 1
+    for r in data["rows"]:
+        assert r["torch_ms"] > 0 and r["ours_ms"] > 0
+        assert r["speedup"] == pytest.approx(r["torch_ms"] / r["ours_ms"])
+    assert len(stdout.strip().splitlines()) == len(data["rows"])
+
+
 def test_selection_sweep_runs_each_cell_with_stream_and_vanilla(tmp_path: Path) -> None:
     """§1.4: tokens per iteration of vegas at a (window, pool) and of stream beside it, greedy
     and sampled; greedy outputs equal to vanilla's."""
