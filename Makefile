@@ -7,7 +7,7 @@ setup:
 
 # Its prompt, about 900 tokens of essays and a sentence for the model to finish
 # (scripts/essay.py), is longer than --min-tokens (256), the budget's floor: its drafts read a
-# selection of the context, not all of it. About 12 s on a 2-core CPU.
+# selection of the context, not all of it. About 25 s on a 2-core CPU.
 run: setup
 	.venv/bin/python scripts/essay.py --words 700 | .venv/bin/vegas generate --method vegas \
 		--max-tokens 64 --stats --prompt-file -
