@@ -120,19 +120,25 @@ def _upcast_on_cpu(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
             and weight.dtype == torch.bfloat16 and rows >= CPU_UPCAST_ROWS)
 
 
+def _transposed_on_cpu(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
+    low, high = CPU_FEW_ROWS
+    return (x.dtype == torch.float32 and weight.dtype == torch.float32
+            and low <= rows <= high and weight.numel() * 4 >= CPU_STREAMED_BYTES
+            and weight.shape[0] >= weight.shape[1])
+
+
 def dense_linear(x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, except on CPU: 2-4 float32 rows (`CPU_FEW_ROWS`) of a weight of at least
     CPU_STREAMED_BYTES and no fewer outputs than inputs take weight @ x^T, and bfloat16
     from CPU_UPCAST_ROWS rows on runs in float32, rounded back once."""
+    if x.device.type != "cpu":  # a GPU's path: cuBLAS as it is
+        return F.linear(x, weight, bias)
     rows = x.numel() // max(x.shape[-1], 1)
     if _upcast_on_cpu(x, weight, rows):
         return F.linear(x.float(), weight.float(),
                         None if bias is None else bias.float()).to(x.dtype)
-    low, high = CPU_FEW_ROWS
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or not low <= rows <= high or weight.numel() * 4 < CPU_STREAMED_BYTES
-            or weight.shape[0] < weight.shape[1]):
+    if not _transposed_on_cpu(x, weight, rows):
         return F.linear(x, weight, bias)
     out = torch.mm(weight, x.reshape(rows, -1).t()).t().contiguous()
     if bias is not None:
