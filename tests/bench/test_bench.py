@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from test_errors import tiny_checkpoint
 
-from vegas_spec import cli
+from vegas_spec import SamplingParams, SpecConfig, cli
 from vegas_spec.bench import runner
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -455,11 +455,19 @@ def test_sampled_generation_bench_on_the_embedded_model(
         return params
 
     monkeypatch.setattr(runner, "SamplingParams", recorded)
+    seeds: list[int] = []
+    real_timed = runner._timed
+
+    def timed_run(llm: Any, ids: Any, params: SamplingParams, spec: SpecConfig) -> Any:
+        seeds.append(params.seed)
+        return real_timed(llm, ids, params, spec)
+
+    monkeypatch.setattr(runner, "_timed", timed_run)
     out = tmp_path / "sampled"
     assert cli.main(["bench", "--workload", "generation", "--batch", "2", "--methods", "vegas",
                      "--generation-tokens", "6", "--min-tokens", "16", "--temperature", "0.6",
-                     "--top-p", "0.95", "--top-k", "20", "--seed", "3", "--no-progress",
-                     "--out", str(out)]) == 0
+                     "--top-p", "0.95", "--top-k", "20", "--seed", "3", "--repeats", "2",
+                     "--no-progress", "--out", str(out)]) == 0
     data = _results(out)
     setting = data["meta"]["setting"]
     assert (setting["temperature"], setting["top_p"], setting["top_k"], setting["seed"]) == \
@@ -473,7 +481,12 @@ def test_sampled_generation_bench_on_the_embedded_model(
     # the timed run of each cell samples as asked (its warm-up is a copy, 2 tokens long)
     assert [(p.temperature, p.top_p, p.top_k, p.seed, p.max_tokens, p.ignore_eos)
             for p in timed] == [(0.6, 0.95, 20, 3, 6, True)] * 2
+    # each method's repeats draw with seed + i: two sampled texts a cell, the same two seeds
+    assert seeds == [3, 4, 3, 4]
+    vanilla, vegas = data["cells"]
+    assert vanilla["repeats"] == vegas["repeats"] == 2
     report = (out / "report.md").read_text()
+    assert "Sampled run i draws with seed + i" in report
     assert "Decoding: sampled at temperature 0.6, top-p 0.95, top-k 20, seed 3," in report
     assert "- **vegas**: sampled, not compared token for token" in report
 
@@ -565,8 +578,6 @@ def test_warm_up_runs_the_whole_batch_on_cuda(device: str, rows: int, tokens: in
     two rounds (the timed run captures no graphs), on CPU one prompt for two tokens; with the
     run's sampling and method."""
     import torch
-
-    from vegas_spec import SamplingParams, SpecConfig
 
     calls: list[tuple[list[Any], SamplingParams, SpecConfig, bool]] = []
 

@@ -85,15 +85,17 @@ SLOWEST_NOTE = ("`slowest row`: the least tokens an iteration of any one sequenc
                 "and its throughput tells of that sequence more than of the mean.")
 
 
-def repeats_note(lines: list[dict[str, Any]]) -> str:
+def repeats_note(lines: list[dict[str, Any]], sampled: bool = False) -> str:
     runs = max((r.get("repeats", 1) for r in lines), default=1)
     if runs == 1:
         return ("Each cell was timed once (`--repeats 1`): a speedup has no range to tell it "
                 "from noise.")
+    seeds = (" Sampled run i draws with seed + i (the same seeds for every method), so the "
+             "runs are as many sampled texts." if sampled else "")
     return (f"Each cell was timed {runs} times (`--repeats`): its figures are the run of median "
             "decode throughput; a speedup's range, (least-most), is the cell's slowest run "
             "against vanilla's fastest and its fastest against vanilla's slowest, and `~` "
-            "marks a range that holds 1.00: noise, not a speedup.")
+            "marks a range that holds 1.00: noise, not a speedup." + seeds)
 
 
 def acceptance_section(lines: list[dict[str, Any]]) -> list[str]:
@@ -203,7 +205,8 @@ def split_section(lines: list[dict[str, Any]]) -> list[str]:
 
 def bench_report(meta: dict[str, Any], lines: list[dict[str, Any]], plots: list[str]) -> str:
     parts = [*header(meta, "vegas bench"), "## Every cell", "", *cell_table(lines), "",
-             repeats_note(lines), "", SLOWEST_NOTE, "", *acceptance_section(lines),
+             repeats_note(lines, meta["setting"]["temperature"] != 0), "", SLOWEST_NOTE, "",
+             *acceptance_section(lines),
              *lossless_section(lines, meta["setting"]["dtype"]), *needle_section(lines),
              *split_section(lines)]
     if plots:

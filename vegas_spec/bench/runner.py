@@ -219,7 +219,7 @@ def run_cell(llm: Any, cell: Cell, batch: list[Prompt], settings: RunSettings,
                             top_k=settings.top_k, seed=settings.seed,
                             max_tokens=cell.max_tokens, ignore_eos=True)
     warm_up(llm, ids, params, spec)
-    runs = [_timed(llm, ids, params, spec) for _ in range(settings.repeats)]
+    runs = [_timed(llm, ids, repeat_params(params, i), spec) for i in range(settings.repeats)]
     wall, outs = _median(runs)
     stats = outs[0].stats
     row: dict[str, Any] = {"key": cell.key, "group": cell.group,
@@ -239,6 +239,16 @@ def run_cell(llm: Any, cell: Cell, batch: list[Prompt], settings: RunSettings,
     if cell.method != "vanilla" and settings.greedy and base is not None:
         row["partings"] = partings(llm, batch, base["token_ids"], row["token_ids"])
     return row
+
+
+def repeat_params(params: SamplingParams, repeat: int) -> SamplingParams:
+    """The sampling of a cell's `repeat`-th timed run (0-based): greedy runs repeat the same
+    text; sampled run i draws with seed + i, the same seeds for every method, so a cell's
+    repeats span as many sampled texts (and slowest rows) as runs instead of timing one text
+    again."""
+    if params.temperature == 0.0 or repeat == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed or 0) + repeat)
 
 
 def warm_up(llm: Any, prompts: list[Any], params: SamplingParams, spec: SpecConfig,
