@@ -51,8 +51,9 @@ def add_shared(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="keep the cells of an existing DIR/results.json and run only the rest")
     p.add_argument("--repeats", type=int,
-                   help="timed runs of each cell; a cell reports its median run, and a speedup "
-                        "the range its runs allow, marked ~ (noise) where that range holds 1.0 "
+                   help="timed runs of each cell (sampled run i draws with seed + i); a "
+                        "cell reports its median run, and a speedup the range its runs allow, "
+                        "marked ~ (noise) where that range holds 1.0 "
                         "(default: 3 on cuda, 1 on cpu, where a run takes long)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (it shows only where stderr is a terminal)")
