@@ -445,3 +445,49 @@ def test_draft_weights_acceptance_keeps_the_projections_asked_for(tmp_path: Path
     copies = [{"q_proj": object(), "down_proj": object()}] * 2
     with pytest.raises(SystemExit, match="--keep lm_head: the copies hold q_proj, down_proj"):
         script.keep_model_weights(None, copies, "lm_head")
+
+
+def test_draft_weights_agreement_compares_each_copy_with_the_model_on_the_same_texts(
+        tmp_path: Path) -> None:
+    """§1.2's paired figures: per workload and mode, each copy's share of greedy positions
+    whose argmax parts from the model's, and its sampled distributions' distance to the
+    model's, with the bound they put on tokens per iteration where --rates gives the model's
+    drafts' acceptance."""
+    rates = tmp_path / "rates.json"
+    model_cell = {"draft_weights": "model", "method": "vegas", "keep": "none",
+                  "workload": "generation", "acceptance_rate_per_position": [0.9, 0.81]}
+    rates.write_text(json.dumps({"cells": [{**model_cell, "sampling": "greedy"},
+                                           {**model_cell, "sampling": "sampled"}]}))
+    out = tmp_path / "agree.json"
+    run("draft_weights_agreement.py", "--kinds", "fp8", "int8", "--workloads", "generation",
+        "--prompts", "2", "--new-tokens", "6", "--rates", str(rates), "--out", str(out))
+    cells = json.loads(out.read_text())["cells"]
+    assert [(c["sampling"], c["kind"]) for c in cells] == [
+        ("greedy", "fp8"), ("greedy", "int8"), ("sampled", "fp8"), ("sampled", "int8")]
+    for c in cells:
+        figure = c["disagree" if c["sampling"] == "greedy" else "loss"]
+        assert c["positions"] == 12 and 0.0 <= figure <= 1.0
+        assert c["tokens_per_iteration_model"] == pytest.approx(2.71)
+        assert c["tokens_per_iteration_bound"] <= 2.71 + 1e-12
+    sampled = {c["kind"]: c["loss"] for c in cells if c["sampling"] == "sampled"}
+    assert 0.0 < sampled["int8"] < sampled["fp8"]  # e4m3's 3 mantissa bits move q more
+
+
+def test_draft_weights_agreement_figures_and_bound() -> None:
+    script = benchmark_script("draft_weights_agreement")
+    from vegas_spec import SamplingParams
+    from vegas_spec.sampling import BatchSampling
+
+    logits = [torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]])]
+    assert script.figures(logits, logits, None) == 0.0
+    swapped = [torch.tensor([[1.0, 2.0, 0.0], [0.0, 3.0, 1.0]])]
+    assert script.figures(logits, swapped, None) == 0.5  # one argmax of two parts
+    plain = BatchSampling.build([SamplingParams(temperature=1.0)], torch.device("cpu"))
+    assert script.figures(logits, logits, plain) == pytest.approx(0.0, abs=1e-7)
+    p, q = logits[0].softmax(-1), swapped[0].softmax(-1)
+    total_variation = float((p - q).abs().sum(-1).mean() / 2)
+    assert script.figures(logits, swapped, plain) == pytest.approx(total_variation, rel=1e-5)
+    # shares of rounds accepting draft j: 0.9 and 0.81, each draft 0.9 given the one before
+    assert script.tokens_per_iteration([0.9, 0.81]) == pytest.approx(2.71)
+    assert script.tokens_per_iteration([0.9, 0.81], 0.1) == pytest.approx(1 + 0.8 + 0.64)
+    assert script.tokens_per_iteration([0.9, 0.81], 1.0) == 1.0
