@@ -83,14 +83,21 @@ def workload_prompts(llm: LLM, workload: str, args: argparse.Namespace,
 
 
 def run(llm: LLM, prompts: list[list[int]], tokens: int, method: str,
-        sampled: bool) -> dict[str, object]:
-    """One cell: every prompt decoded at γ 6 (fixed), each with its own seed."""
-    params = [SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i,
-                             **(SAMPLED if sampled else {})) for i in range(len(prompts))]
+        sampled: bool, draws: int = 1) -> dict[str, object]:
+    """One cell: every prompt decoded at γ 6 (fixed), each with its own seed; sampled,
+    `draws` times, draw r with seeds r·len(prompts) + i (as many sampled texts a prompt), the
+    figures averaged over the draws (each decodes the same prompts and tokens)."""
     spec = SpecConfig(method=method, gamma=6, ratio=0.05, min_tokens=128, adaptive=False)
-    stats = llm.generate(prompts, params, speculative=spec)[0].stats
-    return {"tokens_per_iteration": stats["tokens_per_iteration"],
-            "acceptance_rate_per_position": stats["acceptance_rate_per_position"]}
+    taus, rates = [], []
+    for r in range(draws if sampled else 1):
+        params = [SamplingParams(max_tokens=tokens, ignore_eos=True, seed=r * len(prompts) + i,
+                                 **(SAMPLED if sampled else {})) for i in range(len(prompts))]
+        stats = llm.generate(prompts, params, speculative=spec)[0].stats
+        taus.append(stats["tokens_per_iteration"])
+        rates.append(stats["acceptance_rate_per_position"])
+    return {"tokens_per_iteration": sum(taus) / len(taus),
+            "acceptance_rate_per_position": [sum(col) / len(col) for col in zip(*rates)],
+            **({"tokens_per_iteration_draws": taus} if len(taus) > 1 else {})}
 
 
 def main() -> None:
@@ -112,8 +119,12 @@ def main() -> None:
                          "setting in turn: none, a projection's name (qkv, o_proj, gate_up, "
                          "down) or edges:N (the first and last N layers)")
     ap.add_argument("--kv-cache-gb", type=float, default=0.25)
+    ap.add_argument("--draws", type=int, default=1,
+                    help="sampled cells: texts drawn per prompt (other seeds), averaged")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    if args.draws < 1:
+        raise SystemExit(f"--draws must be at least 1, got {args.draws}")
     cells = []
     for drafts in args.draft_weights:
         llm = LLM(args.model, device=args.device, dtype=args.dtype, draft_weights=drafts,
@@ -126,7 +137,8 @@ def main() -> None:
                     work.items(), args.methods, ("greedy", "sampled")):
                 cell = {"draft_weights": drafts, "keep": keep, "kept_share": kept,
                         "workload": workload, "method": method, "sampling": sampling,
-                        **run(llm, prompts, tokens, method, sampling == "sampled")}
+                        **run(llm, prompts, tokens, method, sampling == "sampled",
+                              args.draws)}
                 cells.append(cell)
                 print(json.dumps(cell), flush=True)
         del llm

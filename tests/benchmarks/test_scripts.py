@@ -424,12 +424,19 @@ def test_adaptive_sweep_sets_adaptive_beside_every_fixed_gamma_in_each_cell(
 def test_draft_weights_acceptance_keeps_the_projections_asked_for(tmp_path: Path) -> None:
     """§1.2's acceptance cells: tokens per iteration of every --keep setting, with the share
     of the projections' parameters it reads from the model's weights (SmolLM2: down is a
-    quarter of a layer's, edges:1 two of thirty layers)."""
+    quarter of a layer's, edges:1 two of thirty layers); --draws: sampled cells average as
+    many texts a prompt."""
     out = tmp_path / "keep.json"
     run("draft_weights_acceptance.py", "--draft-weights", "model", "fp8", "--methods", "vegas",
         "--workloads", "generation", "--prompts", "1", "--generation-tokens", "8",
-        "--keep", "down", "edges:1", "--out", str(out))
+        "--keep", "down", "edges:1", "--draws", "2", "--out", str(out))
     cells = json.loads(out.read_text())["cells"]
+    for c in cells:  # sampled cells average two texts a prompt; greedy ones decode once
+        draws = c.get("tokens_per_iteration_draws")
+        if c["sampling"] == "greedy":
+            assert draws is None
+        else:
+            assert len(draws) == 2 and c["tokens_per_iteration"] == pytest.approx(sum(draws) / 2)
     assert [(c["draft_weights"], c["keep"], c["sampling"]) for c in cells] == [
         ("model", "none", "greedy"), ("model", "none", "sampled")] + [
         ("fp8", keep, sampling) for keep in ("down", "edges:1")
