@@ -63,3 +63,14 @@ def test_gather_slots_is_advanced_indexing() -> None:
     for shape in [(5,), (2, 7), (2, 1, 6)]:
         slots = torch.randint(-40, 40, shape)  # negative: from the end, as indexing
         assert torch.equal(gather_slots(cache, slots), cache[slots])
+
+
+def test_gather_head_slots_is_advanced_indexing_per_head() -> None:
+    """`gather_head_slots` gives `cache[slots, head]`: each kv head at its own slots."""
+    from vegas_spec.cache import gather_head_slots
+
+    cache = torch.randn(40, 3, 8)
+    head = torch.arange(3)[:, None]  # broadcast along each slot list
+    for shape in [(3, 5), (2, 3, 7), (2, 1, 3, 4)]:
+        slots = torch.randint(-40, 40, shape)  # negative: from the end, as indexing
+        assert torch.equal(gather_head_slots(cache, slots), cache[slots, head])

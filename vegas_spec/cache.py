@@ -36,6 +36,16 @@ def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return rows.view(*slots.shape, *cache.shape[1:])
 
 
+def gather_head_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache [S, Hkv, D] at slots [..., Hkv, L], each kv head at its own slots -> [..., Hkv,
+    L, D]: `cache[slots, head]` (head broadcast along L) as one `index_select` of the
+    (slot, head) rows; a negative slot counts from the end, as in indexing."""
+    hkv = cache.shape[1]
+    head = torch.arange(hkv, device=slots.device)[:, None]
+    flat = torch.where(slots < 0, slots + cache.shape[0], slots) * hkv + head
+    return gather_slots(cache.flatten(0, 1), flat)
+
+
 def step_slots(page_table: torch.Tensor, positions: torch.Tensor,
                page_size: int) -> torch.Tensor:
     """`slots_of` of a step's positions [B, n]: one kernel on CUDA (`kernels.slots`)."""

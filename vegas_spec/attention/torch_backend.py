@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from vegas_spec.attention.backend import AttentionBackend
 from vegas_spec.attention.context import ScoreRequest, StepContext
-from vegas_spec.cache import gather_slots, slots_of
+from vegas_spec.cache import gather_head_slots, gather_slots, slots_of
 from vegas_spec.ops import quest_page_scores_ref
 
 
@@ -250,13 +250,12 @@ def sparse_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     pos = torch.cat([indices.long(), recent.expand(bsz, groups, recent_max)], dim=-1)
     top = page_table.shape[1] * page_size - 1  # recent slots past the end are masked below
     slots = slots_of(page_table, pos.clamp(0, top), page_size)  # [B, G, K+R]
-    head = torch.arange(hkv, device=q.device)
     if groups == 1:
         keys = gather_slots(k_cache, slots[:, 0]).transpose(1, 2)  # [B, Hkv, K+R, D]
         values = gather_slots(v_cache, slots[:, 0]).transpose(1, 2)
-    else:
-        keys = k_cache[slots, head[None, :, None]]  # [B, Hkv, K+R, D]
-        values = v_cache[slots, head[None, :, None]]
+    else:  # each kv head at its own positions
+        keys = gather_head_slots(k_cache, slots)  # [B, Hkv, K+R, D]
+        values = gather_head_slots(v_cache, slots)
     valid = (pos[:, :, None, :] >= 0) & (pos[:, :, None, :] <= positions[:, None, :, None])
     out, _, _ = _softmax_attend(q.view(bsz, n, hkv, heads // hkv, dim), keys, values, valid,
                                 scale, sinks)
