@@ -596,3 +596,15 @@ def test_warm_up_runs_the_whole_batch_on_cuda(device: str, rows: int, tokens: in
     (prompts, warm, used, chat), = calls
     assert prompts == ["a", "b", "c"][:rows] and used == spec and chat
     assert warm.max_tokens == tokens and (warm.temperature, warm.top_k, warm.seed) == (0.6, 20, 3)
+
+
+def test_each_sampled_repeat_draws_with_its_own_seed() -> None:
+    """Greedy runs repeat the same text; sampled run i draws with seed + i; an unseeded run
+    stays unseeded."""
+    greedy = SamplingParams(max_tokens=4, seed=5)
+    sampled = SamplingParams(temperature=0.6, max_tokens=4, seed=5)
+    unseeded = SamplingParams(temperature=0.6, max_tokens=4)
+    assert [runner.repeat_params(greedy, i).seed for i in range(3)] == [5, 5, 5]
+    assert [runner.repeat_params(sampled, i).seed for i in range(3)] == [5, 6, 7]
+    assert [runner.repeat_params(unseeded, i).seed for i in range(3)] == [None] * 3
+    assert runner.repeat_params(sampled, 2).temperature == 0.6

@@ -245,10 +245,10 @@ def repeat_params(params: SamplingParams, repeat: int) -> SamplingParams:
     """The sampling of a cell's `repeat`-th timed run (0-based): greedy runs repeat the same
     text; sampled run i draws with seed + i, the same seeds for every method, so a cell's
     repeats span as many sampled texts (and slowest rows) as runs instead of timing one text
-    again."""
-    if params.temperature == 0.0 or repeat == 0:
+    again (an unseeded run draws afresh anyway)."""
+    if params.temperature == 0.0 or repeat == 0 or params.seed is None:
         return params
-    return dataclasses.replace(params, seed=(params.seed or 0) + repeat)
+    return dataclasses.replace(params, seed=params.seed + repeat)
 
 
 def warm_up(llm: Any, prompts: list[Any], params: SamplingParams, spec: SpecConfig,
