@@ -1,8 +1,8 @@
 """What several benchmarks share: long text (the Paul Graham essays and, as a second kind
 that is not prose, the Python standard library's own source code; the same texts `vegas
-bench` reads, its essays and code workloads, loaded from there on first use), a tiny random
-model that speaks SmolLM2's tokenizer, the per-step watch of `LLM.generate`'s `on_step`, and
-the timer of calls captured in one CUDA graph."""
+bench` reads, its essays and code workloads, loaded from there on first use, and prompts cut
+from them), a tiny random model that speaks SmolLM2's tokenizer, the per-step watch of
+`LLM.generate`'s `on_step`, and the timer of calls captured in one CUDA graph."""
 
 from __future__ import annotations
 
@@ -26,6 +26,18 @@ def source_code() -> list[str]:
 
 
 TEXTS = {"essays": essays, "code": source_code}
+
+
+def rotated_prompts(tokenizer: Any, texts: list[str], count: int, tokens: int,
+                    grow: int = 0) -> list[list[int]]:
+    """`count` prompts of `tokens` tokens (prompt i: up to `grow` · i more, of the first
+    8 · `tokens` characters), prompt i the texts from the i-th onwards."""
+    out = []
+    for i in range(count):
+        text = "\n\n".join(texts[i:] + texts[:i])
+        ids = tokenizer(text[: 8 * tokens], add_special_tokens=False)["input_ids"]
+        out.append(ids[: tokens + grow * i])
+    return out
 
 
 def tiny_model(folder: Path) -> Path:

@@ -22,23 +22,13 @@ import json
 import time
 from pathlib import Path
 
-from common import TEXTS
+from common import TEXTS, rotated_prompts
 
 from vegas_spec import LLM, SamplingParams, SpecConfig
 from vegas_spec.bench.workloads import generation_prompts
 
 METHODS = ("vegas", "lastq", "stream", "quest", "specextend")
 SAMPLED = dict(temperature=0.6, top_p=0.95, top_k=20)
-
-
-def prompt_ids(llm: LLM, texts: list[str], count: int, tokens: int) -> list[list[int]]:
-    """`count` prompts of about `tokens` tokens, each from another text onwards."""
-    out = []
-    for i in range(count):
-        text = "\n\n".join(texts[i:] + texts[:i])
-        ids = llm.tokenizer(text[: 8 * tokens], add_special_tokens=False)["input_ids"]
-        out.append(ids[: tokens + 100 * i])
-    return out
 
 
 def keep_arg(text: str) -> str:
@@ -79,7 +69,8 @@ def workload_prompts(llm: LLM, workload: str, args: argparse.Namespace,
     if workload == "generation":
         return ([p.ids for p in generation_prompts(llm.tokenizer, args.prompts)],
                 args.generation_tokens)
-    return prompt_ids(llm, TEXTS[workload](), args.prompts, args.tokens), args.max_tokens
+    return (rotated_prompts(llm.tokenizer, TEXTS[workload](), args.prompts, args.tokens, 100),
+            args.max_tokens)
 
 
 def run(llm: LLM, prompts: list[list[int]], tokens: int, method: str,

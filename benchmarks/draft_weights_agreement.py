@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from common import TEXTS
+from common import TEXTS, rotated_prompts
 
 from vegas_spec import LLM, SamplingParams
 from vegas_spec.bench.workloads import generation_prompts
@@ -57,13 +57,7 @@ def prompts_of(llm: LLM, workload: str, count: int, tokens: int) -> list[list[in
     each from another text onwards."""
     if workload == "generation":
         return [p.ids for p in generation_prompts(llm.tokenizer, count)]
-    texts = TEXTS[workload]()
-    out = []
-    for i in range(count):
-        text = "\n\n".join(texts[i:] + texts[:i])
-        ids = llm.tokenizer(text[: 8 * tokens], add_special_tokens=False)["input_ids"]
-        out.append(ids[:tokens])
-    return out
+    return rotated_prompts(llm.tokenizer, TEXTS[workload](), count, tokens)
 
 
 @contextmanager

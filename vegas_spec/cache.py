@@ -38,12 +38,12 @@ def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 def gather_head_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """cache [S, Hkv, D] at slots [..., Hkv, L], each kv head at its own slots -> [..., Hkv,
-    L, D]: `cache[slots, head]` (head broadcast along L) as one `index_select` of the
-    (slot, head) rows; a negative slot counts from the end, as in indexing."""
+    L, D]: `cache[slots, head]` (head broadcast along L) as `gather_slots` of the (slot, head)
+    rows. A negative slot counts from the end, as in indexing: slot · Hkv + head is then the
+    negative index of the same row among the flattened rows."""
     hkv = cache.shape[1]
     head = torch.arange(hkv, device=slots.device)[:, None]
-    flat = torch.where(slots < 0, slots + cache.shape[0], slots) * hkv + head
-    return gather_slots(cache.flatten(0, 1), flat)
+    return gather_slots(cache.flatten(0, 1), slots * hkv + head)
 
 
 def step_slots(page_table: torch.Tensor, positions: torch.Tensor,
