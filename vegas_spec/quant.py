@@ -1,8 +1,9 @@
 """Weights in fewer bits: the draft copies (FP8, INT8, INT4) and MXFP4 expert stacks.
 
-Draft weights: a copy of each projection's weight in float8 e4m3 or in 8-bit integers with one
-float32 scale per output channel, or in 4-bit integers with one float32 scale per group of
-consecutive input channels of each output channel, read by draft steps only.
+Draft weights: a copy of each projection's weight read by draft steps only: float8 e4m3 with
+one float32 scale per output channel, or 8-bit or 4-bit integers with one float32 scale per
+group of consecutive input channels of each output channel (128, or the first of 64 and 32
+that divides K).
 
 A draft never reaches the output (every drafted token is verified by the model's own weights
 in full precision), so drafting with a lower-precision copy is lossless by construction:
@@ -11,17 +12,19 @@ distribution because rejection sampling reads the distribution the drafts were d
 from. Only how many drafts are accepted can move. At few rows a draft step streams every
 weight once, so one byte a weight instead of two halves what the projections read.
 
-Scales are computed at load from the model's own weights: per output row, its largest
-magnitude over the format's largest value (448 for e4m3, 127 for INT8), so each row uses the
-format's whole range. The two one-byte formats differ in where their error lies: e4m3 keeps
-3 mantissa bits whatever a weight's size (a relative error up to 1/16), INT8 a uniform step of
-the row's largest magnitude over 127, finer for all but a row's smallest weights; on SmolLM2
-INT8 copies draft nearly as well as the model's weights where e4m3 ones lose 8-10% of the
-accepted tokens (BENCHMARKS.md §1.2).
+Scales are computed at load from the model's own weights: the largest magnitude of a row (FP8)
+or of a row's group (INT8, INT4) over the format's largest value (448 for e4m3, 127 for INT8,
+7 for INT4), so each uses the format's whole range. The one-byte formats differ in where their
+error lies: e4m3 keeps 3 mantissa bits whatever a weight's size (a relative error up to 1/16),
+INT8 a uniform step of its group's largest magnitude over 127, finer for all but a group's
+smallest weights. On SmolLM2, INT8 copies with a scale a group keep every policy's accepted
+tokens within 2% of the model's weights, where a scale a row lost up to 4.7% and e4m3 copies
+lose 7-10% (BENCHMARKS.md §1.2); the group scales add 4 bytes per 128 weights (3%).
 
-Oracle of the kernel (`kernels.skinny_matmul` with a `RowScaledWeight`): `row_scaled_linear_ref`,
-the product of x with the stored values (exact in any wider float) accumulated in float32,
-then scaled per column."""
+Oracles of the kernel (`kernels.skinny_matmul`): `row_scaled_linear_ref` (a `RowScaledWeight`:
+the product of x with the stored values, exact in any wider float, accumulated in float32,
+then scaled per column) and `GroupScaledWeight.ref` (the product with the dequantised
+weight)."""
 
 from __future__ import annotations
 
@@ -33,13 +36,13 @@ import torch
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 INT8_MAX = 127.0  # INT8 copies store -127..127
-INT4_GROUPS = (128, 64, 32)  # group sizes, the first that divides K
+SCALE_GROUPS = (128, 64, 32)  # INT8 and INT4 group sizes: the first that divides K
 
 
 @dataclass
 class RowScaledWeight:
     """data [N, K], one byte a weight (nn.Linear's layout), scale [N] float32: the weight is
-    data * scale[:, None]. `Fp8Weight` and `Int8Weight` say what the bytes are."""
+    data * scale[:, None]. `Fp8Weight` says what the bytes are."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -69,11 +72,6 @@ class Fp8Weight(RowScaledWeight):
     """data [N, K] float8_e4m3fn, scale [N] float32 (`RowScaledWeight`)."""
 
 
-@dataclass
-class Int8Weight(RowScaledWeight):
-    """data [N, K] int8 in -127..127, scale [N] float32 (`RowScaledWeight`)."""
-
-
 def on_cpu_once(kept: dict, data: torch.Tensor, key: object,
                 make: Callable[[], torch.Tensor]) -> torch.Tensor:
     """make() -> a float copy of a draft weight for the references: on CPU made once and
@@ -100,15 +98,6 @@ def quantize_fp8(weight: torch.Tensor) -> Fp8Weight:
     return Fp8Weight(data.contiguous(), scale.contiguous())
 
 
-def quantize_int8(weight: torch.Tensor) -> Int8Weight:
-    """weight [N, K] (any float dtype) -> its INT8 copy, one scale per output row, the
-    values rounded to the nearest step (-127..127: symmetric, so -x is stored as -v)."""
-    w = weight.float()
-    scale = _row_scales(w, INT8_MAX)
-    data = torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return Int8Weight(data.contiguous(), scale.contiguous())
-
-
 def row_scaled_linear_ref(x: torch.Tensor, weight: RowScaledWeight,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ (data * scale)^T (+ bias) -> [..., N] in x's dtype: the stored values
@@ -119,13 +108,30 @@ def row_scaled_linear_ref(x: torch.Tensor, weight: RowScaledWeight,
     return out.to(x.dtype)
 
 
+def scale_group(k: int) -> int:
+    """The INT8 and INT4 group size for K input channels: the first of SCALE_GROUPS that
+    divides K."""
+    for group in SCALE_GROUPS:
+        if k % group == 0:
+            return group
+    raise ValueError(f"INT8 and INT4 draft weights need K divisible by {SCALE_GROUPS[-1]}, "
+                     f"not {k}")
+
+
+def _group_scales(w: torch.Tensor, group: int, largest: float) -> torch.Tensor:
+    """w [N, K] float32 -> [N, K / group]: each group's largest magnitude over `largest`."""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"groups of {group} do not divide K = {k}")
+    amax = w.view(n, k // group, group).abs().amax(dim=-1)
+    return torch.where(amax > 0, amax / largest, torch.ones_like(amax))
+
+
 @dataclass
-class Int4Weight:
-    """data [N, K/2] uint8: two 4-bit values a byte, each value u in 0..15 standing for
-    u - 8; a group's G = `group` consecutive input channels fill its G/2 bytes, byte i
-    holding channel i of the group in the low nibble and channel i + G/2 in the high (so a
-    kernel dots each nibble with a contiguous run of x); scale [N, K/group] float32: the
-    weight is (u - 8) * scale of its row and group."""
+class GroupScaledWeight:
+    """Integers with scale [N, K/group] float32, one per row and group of `group` consecutive
+    input channels: the weight is value * scale of its row and group. `values` gives the
+    integers [N, K] as float32; `Int8Weight` and `Int4Weight` say how they are stored."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -134,11 +140,66 @@ class Int4Weight:
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.data.shape[0], 2 * self.data.shape[1]))
+        return torch.Size((self.data.shape[0], self.scale.shape[1] * self.group))
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() + self.scale.numel() * 4
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * 4
+
+    def values(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.values() * self.scale.repeat_interleave(self.group, dim=1)).to(dtype)
+
+    def ref_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype `ref` dequantises to for rows x."""
+        raise NotImplementedError
+
+    def ref(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] @ weight^T (+ bias) -> [..., N] in x's dtype: the weight dequantised to
+        `ref_dtype`, the products summed in float32. The kernel scales each group's float32
+        sum instead: both are the float64 product to x's rounding."""
+        dtype = self.ref_dtype(x)
+        w = on_cpu_once(self.kept, self.data, dtype, lambda: self.dequantize(dtype).float())
+        out = torch.matmul(x.float(), w.t())
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(x.dtype)
+
+
+@dataclass
+class Int8Weight(GroupScaledWeight):
+    """data [N, K] int8 in -127..127 (nn.Linear's layout), scale [N, K/group] float32."""
+
+    def values(self) -> torch.Tensor:
+        return self.data.float()
+
+    def ref_dtype(self, x: torch.Tensor) -> torch.dtype:
+        return torch.float32  # value * scale rounded to bfloat16 would lose INT8's precision
+
+
+def quantize_int8(weight: torch.Tensor, group: int | None = None) -> Int8Weight:
+    """weight [N, K] (any float dtype) -> its INT8 copy, one scale per row and group (by
+    default `scale_group`'s, or one a row where no group of 32 divides K), the values rounded
+    to the nearest step (-127..127: symmetric, so -x is stored as -v)."""
+    w = weight.float()
+    k = w.shape[1]
+    group = group or (scale_group(k) if k % SCALE_GROUPS[-1] == 0 else k)
+    if group != k and group not in SCALE_GROUPS:
+        raise ValueError(f"INT8 groups of {group}: one of {SCALE_GROUPS}, or K = {k}")
+    scale = _group_scales(w, group, INT8_MAX)
+    steps = scale.repeat_interleave(group, dim=1)
+    data = torch.round(w / steps).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return Int8Weight(data.contiguous(), scale.contiguous(), group)
+
+
+@dataclass
+class Int4Weight(GroupScaledWeight):
+    """data [N, K/2] uint8: two 4-bit values a byte, each value u in 0..15 standing for
+    u - 8; a group's G = `group` consecutive input channels fill its G/2 bytes, byte i
+    holding channel i of the group in the low nibble and channel i + G/2 in the high (so a
+    kernel dots each nibble with a contiguous run of x); scale [N, K/group] float32."""
 
     def values(self) -> torch.Tensor:
         """The stored integers [N, K] in -8..7 (float32)."""
@@ -148,45 +209,25 @@ class Int4Weight:
         high = (packed >> 4).float() - 8
         return torch.cat([low, high], dim=-1).view(n, -1)
 
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return (self.values() * self.scale.repeat_interleave(self.group, dim=1)).to(dtype)
-
-    def ref(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K] @ weight^T (+ bias) -> [..., N] in x's dtype: the weight dequantised
-        to x's dtype, the products summed in float32. The kernel scales each group's exact
-        integer sum instead: both are the float64 product to x's rounding."""
-        w = on_cpu_once(self.kept, self.data, x.dtype,
-                        lambda: self.dequantize(x.dtype).float())
-        out = torch.matmul(x.float(), w.t())
-        if bias is not None:
-            out = out + bias.float()
-        return out.to(x.dtype)
-
-
-def int4_group(k: int) -> int:
-    """The INT4 group size for K input channels: the first of INT4_GROUPS that divides K."""
-    for group in INT4_GROUPS:
-        if k % group == 0:
-            return group
-    raise ValueError(f"INT4 draft weights need K divisible by {INT4_GROUPS[-1]}, not {k}")
+    def ref_dtype(self, x: torch.Tensor) -> torch.dtype:
+        return x.dtype  # (u - 8) * scale: 4 bits times a scale, near x's rounding anyway
 
 
 def quantize_int4(weight: torch.Tensor, group: int | None = None) -> Int4Weight:
     """weight [N, K] (any float dtype) -> its INT4 copy, one scale per row and group."""
     n, k = weight.shape
-    group = group or int4_group(k)
+    group = group or scale_group(k)
     if k % group or group % 2:
         raise ValueError(f"INT4 groups of {group} do not divide K = {k}")
+    scale = _group_scales(weight.float(), group, 7)
     w = weight.float().view(n, k // group, group)
-    amax = w.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / 7, torch.ones_like(amax))
     u = (torch.round(w / scale[..., None]).clamp(-8, 7) + 8).to(torch.uint8)
     data = (u[..., :group // 2] | (u[..., group // 2:] << 4)).view(n, k // 2)
     return Int4Weight(data.contiguous(), scale.contiguous(), group)
 
 
-DraftWeight = RowScaledWeight | Int4Weight
-DRAFT_TYPES = (RowScaledWeight, Int4Weight)
+DraftWeight = RowScaledWeight | GroupScaledWeight
+DRAFT_TYPES = (RowScaledWeight, GroupScaledWeight)
 # Rows up to which a draft step reads the copy; a wider one reads the model's weights. At the
 # 8B shape (H100) the draft step on FP8 copies took 0.76x / 0.78x the model-weight step's time
 # at 32 rows (2K / 8K) and 0.69x at 8 and 16; 64 rows: not timed (docs/kernel-notes.md, draft

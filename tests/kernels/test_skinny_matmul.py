@@ -21,11 +21,11 @@ from vegas_spec.kernels.skinny_matmul import (
     split_counters,
 )
 from vegas_spec.quant import (
-    int4_group,
     quantize_fp8,
     quantize_int4,
     quantize_int8,
     row_scaled_linear_ref,
+    scale_group,
 )
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
@@ -129,7 +129,10 @@ def test_split_k_sums_the_splits_in_order_in_one_launch(quantize, swap: bool) ->
         with nan_empty():
             part = skinny_linear(x[:, cut].contiguous(), one.contiguous(),
                                  tiles=SkinnyTiles(32, 64, 4, 2, 1, swap))
-        parts.append(part if ref is None else part * weight.scale)
+        # FP8: a scale a column; INT8: K = 192 takes groups of 64, one a split
+        scale = weight.scale if quantize is quantize_fp8 else weight.scale[:, s] \
+            if ref is not None else None
+        parts.append(part if ref is None else part * scale)
     want = (parts[0] + parts[1]) + parts[2] + b
     if quantize is quantize_int4:  # group scales inside the sum: to rounding
         assert float((got - want).norm() / want.norm()) < 1e-6
@@ -166,25 +169,33 @@ def test_8b_shapes_in_bfloat16_match_cublas(n: int, k: int) -> None:
 
 # --- FP8 and INT8 weights (a draft step's copy) ------------------------------------------
 
-ROW_SCALED = pytest.mark.parametrize("quantize", [quantize_fp8, quantize_int8],
-                                     ids=["fp8", "int8"])
+BYTE_WEIGHTS = pytest.mark.parametrize("quantize", [quantize_fp8, quantize_int8],
+                                       ids=["fp8", "int8"])
 
 # (rows, N, K, bias, split_k): 1..128 rows, a partial column block (N = 96 in blocks of 64),
-# a partial K step (K = 200 in steps of 64), K split with an empty split.
+# a partial K step (K = 200 in steps of 64), K split with an empty split. INT8 copies take
+# groups of 128 (K = 256, 128) or a scale a row (K = 200 and 72: no group of 32 divides them).
 FP8_CASES = [(1, 96, 256, False, 1), (7, 96, 200, True, 2), (16, 80, 256, True, 3),
              (64, 96, 200, False, 1), (128, 96, 128, True, 1), (37, 33, 72, False, 1)]
 
 
-@ROW_SCALED
+def byte_weight_error(got: torch.Tensor, x: torch.Tensor, q, b: torch.Tensor | None) -> float:  # noqa: ANN001
+    """got's relative error (Frobenius) against the float64 product with the copy's weight."""
+    want = skinny_linear_ref(x.double(), q.dequantize(torch.float64),
+                             None if b is None else b.double())
+    return float((got.double() - want).norm() / want.norm())
+
+
+@BYTE_WEIGHTS
 @pytest.mark.parametrize("swap", [False, True], ids=["xw", "wx"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m,n,k,bias,split_k", FP8_CASES)
-def test_row_scaled_weights_match_their_reference(m: int, n: int, k: int, bias: bool,
-                                                  split_k: int, dtype: torch.dtype, swap: bool,
-                                                  quantize) -> None:  # noqa: ANN001
-    """e4m3 or INT8 values times x summed in float32 and scaled per column: the reference's
-    product to the dtype's rounding (how close the copy is to the weight: the quantizers'
-    tests)."""
+def test_byte_weights_match_their_reference(m: int, n: int, k: int, bias: bool, split_k: int,
+                                            dtype: torch.dtype, swap: bool,
+                                            quantize) -> None:  # noqa: ANN001
+    """e4m3 or INT8 values times x summed in float32 and scaled per column (and group): the
+    float64 product with the copy's weight to the dtype's rounding, and so is the copy's
+    reference (how close the copy is to the weight: the quantizers' tests)."""
     gen = generator(m * n + k)
     x = randn(m, k, gen=gen, dtype=dtype)
     w = randn(n, k, gen=gen) / k ** 0.5
@@ -194,17 +205,28 @@ def test_row_scaled_weights_match_their_reference(m: int, n: int, k: int, bias: 
     with nan_empty():
         got = skinny_linear(x, q, b, tiles=SkinnyTiles(64, 64, 4, 2, split_k, swap))
     assert got.shape == (m, n) and got.dtype == dtype
-    want = row_scaled_linear_ref(x.double(), q, None if b is None else b.double())
-    assert float((got.double() - want).norm() / want.norm()) < REL_TOL[dtype]
+    assert byte_weight_error(got, x, q, b) < REL_TOL[dtype]
+    assert byte_weight_error(q.ref(x, b), x, q, b) < REL_TOL[dtype]
 
 
-@ROW_SCALED
+def test_row_scaled_reference_scales_after_the_sum() -> None:
+    """`row_scaled_linear_ref` (the FP8 copies' CPU product): the stored values times x in
+    float32, then the column's scale, equal to the float64 product to float32's rounding."""
+    gen = generator(17)
+    x = randn(5, 96, gen=gen)
+    q = quantize_fp8(randn(40, 96, gen=gen) / 10)
+    got = row_scaled_linear_ref(x, q)
+    assert torch.equal(got, torch.matmul(x, q.values().t()) * q.scale)
+    assert byte_weight_error(got, x, q, None) < REL_TOL[torch.float32]
+
+
+@BYTE_WEIGHTS
 @pytest.mark.parametrize("swap", [False, True], ids=["xw", "wx"])
 @pytest.mark.parametrize("m,n,k,bias,split_k", FP8_CASES)
-def test_row_scaled_weights_in_a_float16_dot(m: int, n: int, k: int, bias: bool, split_k: int,
-                                             swap: bool, quantize) -> None:  # noqa: ANN001
+def test_byte_weights_in_a_float16_dot(m: int, n: int, k: int, bias: bool, split_k: int,
+                                       swap: bool, quantize) -> None:  # noqa: ANN001
     """`SkinnyTiles.half`: bfloat16 rows against FP8 or INT8 weights dotted in float16 give
-    the reference's product to bfloat16's rounding (both formats' values are float16 values);
+    the float64 product to bfloat16's rounding (both formats' values are float16 values);
     rows past float16's range stay finite (x is clamped to it) and their products follow the
     clamped rows."""
     gen = generator(m * n + k + 1)
@@ -215,16 +237,63 @@ def test_row_scaled_weights_in_a_float16_dot(m: int, n: int, k: int, bias: bool,
     tiles = SkinnyTiles(64, 64, 4, 2, split_k, swap, half=True)
     with nan_empty():
         got = skinny_linear(x, q, b, tiles=tiles)
-    want = row_scaled_linear_ref(x.double(), q, None if b is None else b.double())
-    assert float((got.double() - want).norm() / want.norm()) < REL_TOL[dtype]
+    assert byte_weight_error(got, x, q, b) < REL_TOL[dtype]
     big = x.clone()
     big[0, 0] = 1e6
     with nan_empty():
         got = skinny_linear(big, q, b, tiles=tiles)
     clamped = big.double().clamp(-65504, 65504)
-    want = row_scaled_linear_ref(clamped, q, None if b is None else b.double())
     assert bool(got.isfinite().all())
-    assert float((got.double() - want).norm() / want.norm()) < REL_TOL[dtype]
+    assert byte_weight_error(got, clamped, q, b) < REL_TOL[dtype]
+
+
+# (rows, N, K, bias, split_k, group) of INT8 copies with a scale a group, K steps of 64: a
+# group of 128 over two steps, groups of 64 one a step, groups of 32 two a step (K = 96 split
+# in four: a step and a half, then two empty splits), every row count, a partial column block.
+INT8_CASES = [(1, 96, 256, False, 1, 128), (7, 96, 192, True, 2, 64),
+              (16, 80, 96, True, 4, 32), (64, 96, 256, False, 1, 64),
+              (128, 64, 128, True, 1, 128), (37, 33, 160, False, 1, 32)]
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["dtype", "f16"])
+@pytest.mark.parametrize("swap", [False, True], ids=["xw", "wx"])
+@pytest.mark.parametrize("m,n,k,bias,split_k,group", INT8_CASES)
+def test_int8_group_scales_match_their_reference(m: int, n: int, k: int, bias: bool,
+                                                 split_k: int, group: int, swap: bool,
+                                                 half: bool) -> None:
+    """Each piece of a K step inside one group is scaled by that group's scale of each column
+    (a group of far larger weights makes a wrong scale show): the float64 product with the
+    dequantised weight to the rows' rounding, float32 rows, or bfloat16 rows in a float16 dot."""
+    gen = generator(m * n + k + group)
+    dtype = torch.bfloat16 if half else torch.float32
+    x = randn(m, k, gen=gen, dtype=dtype)
+    w = randn(n, k, gen=gen) / k ** 0.5
+    w[:, group:2 * group] *= 40.0
+    w[2] *= 30.0
+    q = quantize_int8(w.to(DEVICE), group)
+    assert q.scale.shape == (n, k // group)
+    b = randn(n, gen=gen, dtype=dtype) if bias else None
+    with nan_empty():
+        got = skinny_linear(x, q, b, tiles=SkinnyTiles(64, 64, 4, 2, split_k, swap, half=half))
+    assert got.shape == (m, n) and got.dtype == dtype
+    assert byte_weight_error(got, x, q, b) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("m,k", [(1, 1024), (7, 576), (16, 1536), (64, 576), (128, 576)])
+def test_int8_default_tiles_take_several_groups_a_step(m: int, k: int) -> None:
+    """The default tiles' K steps (256-512 up to 32 rows, 64-128 beyond) hold several groups
+    or part of one (SmolLM2's K = 576: groups of 64; 1536: 128), K not always a whole number
+    of steps: each channel gets its own group's scale."""
+    gen = generator(m + k)
+    x = randn(m, k, gen=gen)
+    w = randn(40, k, gen=gen) / k ** 0.5
+    q0 = quantize_int8(w)
+    w[:, q0.group:2 * q0.group] *= 50.0  # a group whose scale differs from its neighbours'
+    q = quantize_int8(w.to(DEVICE))
+    assert q.group == q0.group == scale_group(k)
+    with nan_empty():
+        got = skinny_linear(x, q)
+    assert byte_weight_error(got, x, q, None) < REL_TOL[torch.float32]
 
 
 @pytest.mark.parametrize("quantize", [quantize_fp8, quantize_int8, quantize_int4],
@@ -257,22 +326,31 @@ def test_quantize_fp8_per_output_row() -> None:
     assert q.nbytes == 6 * 40 + 6 * 4
 
 
-def test_quantize_int8_per_output_row() -> None:
-    """Each row's largest magnitude maps to 127 (its sign kept); a zero row keeps scale 1;
-    dequantised values are within half a step (scale / 2) of the weight, and -w is stored as
-    the negated values."""
-    w = torch.randn(6, 40, generator=generator(3))
+def test_quantize_int8_per_row_and_group() -> None:
+    """Each group's largest magnitude maps to 127 (its sign kept); a zero group keeps scale 1;
+    dequantised values are within half a step (the group's scale / 2) of the weight, and -w is
+    stored as the negated values; a scale per 128, 64 or 32 inputs, the first that divides K,
+    else one a row (group K); 4 bytes a group more than a byte a weight."""
+    w = torch.randn(6, 256, generator=generator(3))
     w[1] *= 1e3
-    w[4] = 0.0
+    w[4, 128:] = 0.0
     q = quantize_int8(w)
     assert q.data.dtype == torch.int8 and q.scale.dtype == torch.float32
-    assert torch.equal(q.data.float().abs().amax(1)[[0, 1, 2, 3, 5]], torch.full((5,), 127.0))
+    assert q.group == 128 and q.scale.shape == (6, 2) and q.shape == (6, 256)
+    amax = q.data.float().view(6, 2, 128).abs().amax(-1)
+    assert torch.equal(amax[amax > 0], torch.full((11,), 127.0))
     assert int(q.data.min()) >= -127
-    assert q.scale[4] == 1.0 and bool((q.data[4] == 0).all())
+    assert q.scale[4, 1] == 1.0 and bool((q.data[4, 128:] == 0).all())
     back = q.dequantize(torch.float32)
-    assert bool(((back - w).abs() <= q.scale[:, None] * (0.5 + 1e-6)).all())
+    assert bool(((back - w).abs() <= q.scale.repeat_interleave(128, 1) * (0.5 + 1e-6)).all())
     assert torch.equal(quantize_int8(-w).data, -q.data)
-    assert q.nbytes == 6 * 40 + 6 * 4
+    assert q.nbytes == 6 * 256 + 12 * 4
+    assert [quantize_int8(torch.ones(2, k)).group for k in (4096, 576, 1536, 96, 200)] \
+        == [128, 64, 128, 32, 200]
+    assert quantize_int8(w, 32).scale.shape == (6, 8)
+    for group in (48, 512):
+        with pytest.raises(ValueError, match=f"groups of {group}"):
+            quantize_int8(w, group)
 
 
 # (rows, N, K, bias, split_k, group): 1..128 rows, a partial column block, every group size,
@@ -343,9 +421,9 @@ def test_quantize_int4_per_row_and_group() -> None:
         assert (low, high) == tuple(values[0, c].item() for c in channels)
         assert (low, high) == tuple(torch.round(w[0, c] / q.scale[0, c // 64]).item()
                                     for c in channels)
-    assert [int4_group(k) for k in (4096, 576, 1536, 96)] == [128, 64, 128, 32]
+    assert [scale_group(k) for k in (4096, 576, 1536, 96)] == [128, 64, 128, 32]
     with pytest.raises(ValueError, match="divisible by 32"):
-        int4_group(100)
+        scale_group(100)
 
 
 def _prmt(a: np.ndarray, b: int, selector: int) -> np.ndarray:

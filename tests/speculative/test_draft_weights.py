@@ -7,15 +7,14 @@ stay useful (tokens per iteration)."""
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import essay_prompt, kv_bytes
 
 from vegas_spec import LLM, SamplingParams, SpecConfig
 from vegas_spec.config import ConfigError
 from vegas_spec.quant import Fp8Weight, Int4Weight, Int8Weight
+from vegas_spec.speculative.policies import POLICIES
 
-# the kinds with a product of their own (INT8 copies run FP8's: `test_int8_copies_...`)
-KINDS = {"fp8": Fp8Weight, "int4": Int4Weight}
+KINDS = {"fp8": Fp8Weight, "int8": Int8Weight, "int4": Int4Weight}
 
 MAX_TOKENS = 16
 LENGTHS = ((300, 0), (380, 7), (460, 19))  # the prompts' tokens and first essays
@@ -45,7 +44,7 @@ def cached_engine(prompts: list[list[int]], pool: int = POOL, **kwargs: object) 
 
 @pytest.fixture(scope="module", params=list(KINDS))
 def draft_llm(request: pytest.FixtureRequest, prompts):
-    """The embedded model with FP8 or INT4 draft copies, on the static shapes' buffers
+    """The embedded model with FP8, INT8 or INT4 draft copies, on the static shapes' buffers
     (eager), the prompts in its prefix cache; one kind alive at a time."""
     return cached_engine(prompts, draft_weights=request.param, static_shapes=True,
                          max_model_len=1024)
@@ -72,8 +71,9 @@ def test_the_copy_is_of_its_kind_per_projection(draft_llm) -> None:
     # the weights, each float32 here
     model = sum(getattr(lay, name).weight.numel() for lay in layers for name in layer.drafts)
     assert draft_llm.engine.draft_weight_bytes == total > 0
-    # a byte (FP8) or half a byte (INT4) a weight, and their scales, against four
-    assert total < (0.15 if kind == "int4" else 0.26) * 4 * model
+    # a byte (FP8, INT8) or half a byte (INT4) a weight, and their scales (INT8 and INT4: 4
+    # bytes a group of 64 or 128 inputs), against four
+    assert total < {"fp8": 0.26, "int8": 0.27, "int4": 0.15}[kind] * 4 * model
 
 
 def test_only_draft_steps_read_the_copy(draft_llm, prompts, plain,
@@ -122,16 +122,17 @@ def test_draft_steps_wider_than_the_copys_rows_read_the_models_weights(
     assert set(calls) == ({1} if rows else set())
 
 
-# A draft weight is read by the projections alone, the same for every policy: a scored
-# selection (vegas), a per-step selector with its own scores (quest) and full drafts stand
-# for the rest with FP8 copies (a static selection, stream's, reads nothing of the
-# projections' outputs); vegas alone for INT4, whose copy sits behind the same seam.
+# A draft weight is read by the projections alone, the same for every policy: INT8 copies
+# (the ones that keep every policy's acceptance) run every policy; a scored selection
+# (vegas), a per-step selector with its own scores (quest) and full drafts stand for the rest
+# with FP8 copies; vegas alone for INT4, whose copy sits behind the same seam.
 # (`tests/speculative/test_lossless.py` holds every policy to plain output on the model's
 # weights.)
-QUANTISED_METHODS = {"fp8": ("vegas", "quest", "full"), "int4": ("vegas",)}
+METHODS = tuple(POLICIES)  # every registered policy
+QUANTISED_METHODS = {"int8": METHODS, "fp8": ("vegas", "quest", "full"), "int4": ("vegas",)}
 
 
-@pytest.mark.parametrize("method", QUANTISED_METHODS["fp8"])
+@pytest.mark.parametrize("method", METHODS)
 def test_greedy_output_with_quantised_drafts_is_plain(draft_llm, prompts, plain,
                                                       method: str) -> None:
     if method not in QUANTISED_METHODS[draft_llm.engine.draft_weight_kind]:
@@ -145,25 +146,6 @@ def test_greedy_output_with_quantised_drafts_is_plain(draft_llm, prompts, plain,
     assert outs[0].stats["tokens_per_iteration"] >= floor
 
 
-def test_int8_copies_draft_for_plain_output(prompts) -> None:
-    """INT8 copies, read by FP8's product (a byte a weight, a scale a row, other values): every
-    projection's copy is an `Int8Weight` of int8 values and a quarter of the float32 bytes;
-    greedy vegas output with them is plain decoding's, and drafts are accepted."""
-    llm = cached_engine(prompts[:1], draft_weights="int8", static_shapes=True,
-                        max_model_len=1024)
-    assert llm.engine.draft_weight_kind == "int8"
-    layer = llm.engine.runner.model.layers[0]
-    for name, w in layer.drafts.items():
-        weight = getattr(layer, name).weight
-        assert isinstance(w, Int8Weight) and w.data.dtype == torch.int8
-        assert w.shape == weight.shape and w.nbytes < 0.26 * 4 * weight.numel()
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    want = llm.generate(prompts[:1], params)[0]
-    got = llm.generate(prompts[:1], params, speculative=spec("vegas"))[0]
-    assert got.token_ids == want.token_ids
-    assert got.stats["tokens_per_iteration"] >= 1.5
-
-
 @pytest.mark.parametrize("kind", ["fp8"])  # the path's, not the kind's: INT4 runs the same
 def test_dynamic_path_quantised_drafts(prompts, kind: str) -> None:
     two = [p[-300:] for p in prompts[:2]]  # budgets of 64 of 300-316 positions
@@ -175,7 +157,7 @@ def test_dynamic_path_quantised_drafts(prompts, kind: str) -> None:
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
 
 
-@pytest.mark.parametrize("kind,method", [("fp8", "vegas"), ("int4", "vegas")])
+@pytest.mark.parametrize("kind,method", [("fp8", "vegas"), ("int8", "vegas"), ("int4", "vegas")])
 def test_bfloat16_exact_mode_quantised_drafts(prompts, kind: str, method: str) -> None:
     """In bfloat16 the verify step and a plain step may round a near-tie apart unless exact
     mode makes every row batch-independent: then quantised drafts change nothing either."""

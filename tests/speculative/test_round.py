@@ -93,6 +93,33 @@ def test_a_wrong_rule_fails_inside_the_round(monkeypatch: pytest.MonkeyPatch) ->
     assert not follows(emitted[:, 0], target_dist(0))
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8", "int4"])
+def test_drafts_from_a_quantised_copy_keep_the_target(kind: str) -> None:
+    """A bigram "model" whose logits are a projection (embedding [V, 64] times W^T), drafting
+    through the draft-weight copy's product (`quant.QUANTIZERS`) and verifying through W:
+    the first token follows the filtered target (rejection reads the copy's distribution);
+    drafts are accepted, not all."""
+    from vegas_spec.quant import QUANTIZERS
+
+    g = torch.Generator().manual_seed(1)
+    emb = torch.randn(VOCAB, 64, generator=g)
+    w = torch.randn(VOCAB, 64, generator=g) * 0.4
+    target = emb @ w.t()
+    draft = QUANTIZERS[kind](w).ref(emb)
+    assert not torch.equal(draft, target)
+
+    def step(which: str, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return (target if which == "verify" else draft)[tokens]
+
+    s = sampling(ROWS, torch.device("cpu"))
+    last = torch.zeros(ROWS, dtype=torch.long)
+    accepted, emitted = speculate(step, last, torch.arange(ROWS) % 997 + 5, GAMMA, "draft", s)
+    want = probs(target[0][None], BatchSampling.build([SamplingParams(**SETTING)],
+                                                      torch.device("cpu")))[0]
+    assert follows(emitted[:, 0], want)
+    assert 0 < float(accepted.double().mean()) < GAMMA
+
+
 def test_greedy_rows_of_a_mixed_round_are_argmax() -> None:
     accepted, emitted = run_round(torch.device("cpu"), sampling(64, torch.device("cpu"), 2))
     target, draft = tables(torch.device("cpu"))

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from vegas_spec.kernels import device_sms, for_device, interpreting, split_counters
-from vegas_spec.quant import DRAFT_TYPES, DraftWeight, Int4Weight
+from vegas_spec.quant import DRAFT_TYPES, DraftWeight, Int4Weight, Int8Weight
 
 # Rows the kernel takes at most (one row block); callers fall back to F.linear beyond.
 MAX_ROWS = 64
@@ -208,16 +208,46 @@ def _int8_to_f16(w):
         }""", "=r,=r,r", [w], dtype=tl.float16, is_pure=True, pack=4)
 
 
+@triton.jit
+def _dot_step(acc, x_row, w_row, k0, k_hi, m_ok, n_ok, WIDTH: tl.constexpr,
+              EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr,
+              SWAP: tl.constexpr, HALF_DOT: tl.constexpr, INT8_PTX: tl.constexpr):
+    """acc + the product of channels k0..k0+WIDTH-1 (those below k_hi) of the x rows and W
+    columns: the tiles loaded, W's converted where SCALED (and x's where HALF_DOT), one dot."""
+    k = k0 + tl.arange(0, WIDTH)
+    if EVEN_K:
+        x = tl.load(x_row + k[None, :], mask=m_ok[:, None], other=0.0)
+        w = tl.load(w_row + k[None, :], mask=n_ok[:, None], other=0.0)
+    else:
+        k_ok = k < k_hi
+        x = tl.load(x_row + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    if HALF_DOT:
+        if INT8_PTX:
+            w = _int8_to_f16(w)
+        else:
+            w = w.to(tl.float16)
+        x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    elif SCALED:
+        w = w.to(x.dtype)
+    if SWAP:
+        return tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+    return tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, k_split,
-                   stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                   stride_xm, stride_wn, stride_sn, stride_ym, HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   SCALED: tl.constexpr, SWAP: tl.constexpr, HALF_DOT: tl.constexpr,
-                   INT8_PTX: tl.constexpr):
+                   SCALED: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr,
+                   SWAP: tl.constexpr, HALF_DOT: tl.constexpr, INT8_PTX: tl.constexpr):
     """Program (j, s): rows 0..M-1 x columns j*BLOCK_N.. over K range s*k_split.. (all of K
     when SPLIT_K is 1), finished by `_finish`. SCALED: W holds FP8 or INT8 values, converted to x's
-    dtype as loaded, and s_ptr the per-column scales that multiply the sums. SWAP: the
+    dtype as loaded, and s_ptr the scales that multiply the sums: one a column where GROUP is
+    0, else one a column and group of GROUP channels (row stride stride_sn), each K step then
+    taken in BLOCK_K // SUB pieces inside one group (SUB divides GROUP), each piece's dot
+    scaled by its group's scales. SWAP: the
     product is computed transposed, y^T = W x^T, the W tile as the dot's first operand (the
     one that may come from registers, where the converted FP8 tile already is) and the rows
     as its narrow side. HALF_DOT (SCALED, bfloat16 x): the dot in float16, the FP8 tile
@@ -227,10 +257,10 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, k
     not the interpreter)."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     m_ok, n_ok = rm < M, rn < N
     x_row = x_ptr + rm[:, None] * stride_xm
     w_row = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    s_col = s_ptr + rn.to(tl.int64) * stride_sn
     k_lo = tl.program_id(1) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     if SWAP:
@@ -238,31 +268,25 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, k
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + rk
-        if EVEN_K:
-            x = tl.load(x_row + k[None, :], mask=m_ok[:, None], other=0.0)
-            w = tl.load(w_row + k[None, :], mask=n_ok[:, None], other=0.0)
+        if GROUP == 0:
+            acc = _dot_step(acc, x_row, w_row, k0, k_hi, m_ok, n_ok, BLOCK_K, EVEN_K,
+                            DOT_PRECISION, SCALED, SWAP, HALF_DOT, INT8_PTX)
         else:
-            k_ok = k < k_hi
-            x = tl.load(x_row + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if HALF_DOT:
-            if INT8_PTX:
-                w = _int8_to_f16(w)
-            else:
-                w = w.to(tl.float16)
-            x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-        elif SCALED:
-            w = w.to(x_ptr.dtype.element_ty)
-        if SWAP:
-            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
-        else:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            for piece in tl.static_range(BLOCK_K // SUB):
+                first = k0 + piece * SUB
+                part = _dot_step(tl.zeros_like(acc), x_row, w_row, first, k_hi, m_ok, n_ok,
+                                 SUB, EVEN_K, DOT_PRECISION, SCALED, SWAP, HALF_DOT,
+                                 INT8_PTX)
+                scale = tl.load(s_col + first // GROUP, mask=n_ok & (first < k_hi), other=0.0)
+                if SWAP:
+                    acc += part * scale[:, None]
+                else:
+                    acc += part * scale[None, :]
     if SWAP:  # acc [BLOCK_N, BLOCK_M]
-        if SCALED:
+        if SCALED and GROUP == 0:
             acc *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)[:, None]
         acc = tl.trans(acc)
-    elif SCALED:
+    elif SCALED and GROUP == 0:
         acc *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
     _finish(acc, y_ptr, p_ptr, cnt_ptr, b_ptr, rm, rn, M, N, stride_ym, HAS_BIAS, SPLIT_K)
 
@@ -363,13 +387,17 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         w, scale = (weight.data, weight.scale) if draft else (weight, None)
+        # INT8 with a scale a group; one a row (group K) takes the per-column path
+        group = weight.group if isinstance(weight, Int8Weight) and weight.group < k else 0
+        sub = min(cfg.block_k, group) if group else cfg.block_k  # a piece inside one group
+        assert group % sub == 0, "INT8: K steps and groups, powers of two"
         half = draft and cfg.half and rows.dtype == torch.bfloat16
         _skinny_kernel[grid](
             rows, w, w if scale is None else scale, b, out, partials, counters, m, n, k,
-            k_split, rows.stride(0), w.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+            k_split, rows.stride(0), w.stride(0), scale.stride(0) if group else 0,
+            out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, EVEN_K=k % cfg.block_k == 0,
-            DOT_PRECISION=precision, SCALED=draft, SWAP=cfg.swap,
+            DOT_PRECISION=precision, SCALED=draft, GROUP=group, SUB=sub, SWAP=cfg.swap,
             HALF_DOT=half, INT8_PTX=half and w.dtype == torch.int8 and not interpreting(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
