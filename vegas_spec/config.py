@@ -497,8 +497,8 @@ class EngineConfig:
     # that greedy speculative output is plain output token for token in bf16 too, and a prompt
     # gives the same tokens alone or in a batch (slower; see docs/method.md).
     exact: bool = False
-    # The draft steps' copy of the projection weights: "fp8" (e4m3) or "int8", a scale per
-    # output row; "int4", a scale per row and group of input channels (lossless: drafts are
+    # The draft steps' copy of the projection weights: "fp8" (e4m3), a scale per output row;
+    # "int8" or "int4", a scale per row and group of input channels (lossless: drafts are
     # verified by the model's own weights); "model" (none: drafts read the model's weights);
     # "auto": `runner_setup.draft_kind`.
     draft_weights: str = "auto"

@@ -29,18 +29,21 @@ e4m3 values are bf16, fp16 and fp32 values), or with bfloat16 rows and `SkinnyTi
 (the GPU's default tiles) to float16 with the x tile rounded to float16 within its range,
 one conversion a pair (a draft's numbers only: verification keeps the output exact); the
 products accumulate in float32, and the column's scale multiplies the sum. INT8 weights
-(`quant.Int8Weight`, a scale a row too) take the same path: their values are float16 and
-bfloat16 values as well, and with `half` tiles a GPU converts them four a register in five
-integer and half-precision instructions (`_int8_to_f16`) instead of one slow conversion
-each. INT4 weights (`quant.Int4Weight`: two 4-bit values a byte, one scale per row and group
-of input channels) stream half a byte a weight: each BLOCK_K step of a program takes its
-pieces (a group or a part of one), unpacks a piece's low and high nibbles into two integer
-tiles in x's dtype
-(exact), dots them with the two contiguous runs of x's channels they hold (the low and the
-high half of the group's channels: the layout is made for this) and scales the float32 sum
-once per column and group (`_int4_kernel`): no per-weight multiply, no strided loads of x,
-one scale load per column and piece, wide K steps for bytes in flight. Draft weights take up
-to MAX_DRAFT_ROWS rows a launch. Oracles: `quant.RowScaledWeight.ref`, `quant.Int4Weight.ref`."""
+(`quant.Int8Weight`: one byte a weight, a scale per row and group of 128, 64 or 32 input
+channels) take the same path: their values are float16 and bfloat16 values as well, and with
+`half` tiles a GPU converts them four a register in five integer and half-precision
+instructions (`_int8_to_f16`) instead of one slow conversion each; each K step is taken in
+pieces inside one group (the whole step where a group holds it), each piece's float32 dot
+scaled by its group's scale of each column before it joins the sum (4 scale bytes a column
+and group: 3% more bytes at groups of 128). INT4 weights (`quant.Int4Weight`: two 4-bit
+values a byte, one scale per row and group of input channels) stream half a byte a weight:
+each BLOCK_K step of a program takes its pieces (a group or a part of one), unpacks a
+piece's low and high nibbles into two integer tiles in x's dtype (exact), dots them with the
+two contiguous runs of x's channels they hold (the low and the high half of the group's
+channels: the layout is made for this) and scales the float32 sum once per column and group
+(`_int4_kernel`): no per-weight multiply, no strided loads of x, one scale load per column
+and piece, wide K steps for bytes in flight. Draft weights take up to MAX_DRAFT_ROWS rows a
+launch. Oracles: `quant.RowScaledWeight.ref`, `quant.GroupScaledWeight.ref`."""
 
 from __future__ import annotations
 
