@@ -232,7 +232,7 @@ def _engine_options(settings=None) -> argparse.ArgumentParser:  # noqa: ANN001
                         "scale per output row: half the bytes a draft step streams; a GPU of "
                         "compute capability 8.9+, or the CPU's reference path), int8 (8-bit "
                         "integers, one scale per row and group of 128 (or 64, 32) input "
-                        "channels: 3% more bytes, any GPU, drafts closer to the model's), "
+                        "channels: 3%% more bytes, any GPU, drafts closer to the model's), "
                         "int4 (4-bit integers, the same groups: about a quarter of the "
                         "bytes), model (none); lossless, "
                         "drafts are verified by the model's own weights; auto: fp8 for dense "
