@@ -170,7 +170,8 @@ class GroupScaledWeight:
 
 @dataclass
 class Int8Weight(GroupScaledWeight):
-    """data [N, K] int8 in -127..127 (nn.Linear's layout), scale [N, K/group] float32."""
+    """data [N, K] int8 in -127..127 (nn.Linear's layout), scale [N, K/group] float32 stored
+    group by group (strides (1, N)): a kernel's columns of one group are contiguous."""
 
     def values(self) -> torch.Tensor:
         return self.data.float()
@@ -191,7 +192,7 @@ def quantize_int8(weight: torch.Tensor, group: int | None = None) -> Int8Weight:
     scale = _group_scales(w, group, INT8_MAX)
     steps = scale.repeat_interleave(group, dim=1)
     data = torch.round(w / steps).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return Int8Weight(data.contiguous(), scale.contiguous(), group)
+    return Int8Weight(data.contiguous(), scale.t().contiguous().t(), group)
 
 
 @dataclass

@@ -330,13 +330,15 @@ def test_quantize_int8_per_row_and_group() -> None:
     """Each group's largest magnitude maps to 127 (its sign kept); a zero group keeps scale 1;
     dequantised values are within half a step (the group's scale / 2) of the weight, and -w is
     stored as the negated values; a scale per 128, 64 or 32 inputs, the first that divides K,
-    else one a row (group K); 4 bytes a group more than a byte a weight."""
+    else one a row (group K); 4 bytes a group more than a byte a weight; the scales stored
+    group by group."""
     w = torch.randn(6, 256, generator=generator(3))
     w[1] *= 1e3
     w[4, 128:] = 0.0
     q = quantize_int8(w)
     assert q.data.dtype == torch.int8 and q.scale.dtype == torch.float32
     assert q.group == 128 and q.scale.shape == (6, 2) and q.shape == (6, 256)
+    assert q.scale.stride() == (1, 6)  # a group's scales contiguous over the rows
     amax = q.data.float().view(6, 2, 128).abs().amax(-1)
     assert torch.equal(amax[amax > 0], torch.full((11,), 127.0))
     assert int(q.data.min()) >= -127

@@ -240,7 +240,7 @@ def _dot_step(acc, x_row, w_row, k0, k_hi, m_ok, n_ok, WIDTH: tl.constexpr,
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, k_split,
-                   stride_xm, stride_wn, stride_sn, stride_ym, HAS_BIAS: tl.constexpr,
+                   stride_xm, stride_wn, stride_sg, stride_ym, HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    SCALED: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr,
@@ -248,7 +248,8 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, k
     """Program (j, s): rows 0..M-1 x columns j*BLOCK_N.. over K range s*k_split.. (all of K
     when SPLIT_K is 1), finished by `_finish`. SCALED: W holds FP8 or INT8 values, converted to x's
     dtype as loaded, and s_ptr the scales that multiply the sums: one a column where GROUP is
-    0, else one a column and group of GROUP channels (row stride stride_sn), each K step then
+    0, else one a column and group of GROUP channels (a group's scales contiguous over the
+    columns, groups stride_sg apart: one coalesced load a piece), each K step then
     taken in BLOCK_K // SUB pieces inside one group (SUB divides GROUP), each piece's dot
     scaled by its group's scales. SWAP: the
     product is computed transposed, y^T = W x^T, the W tile as the dot's first operand (the
@@ -263,7 +264,6 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, k
     m_ok, n_ok = rm < M, rn < N
     x_row = x_ptr + rm[:, None] * stride_xm
     w_row = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    s_col = s_ptr + rn.to(tl.int64) * stride_sn
     k_lo = tl.program_id(1) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     if SWAP:
@@ -280,7 +280,8 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, cnt_ptr, M, N, K, k
                 part = _dot_step(tl.zeros_like(acc), x_row, w_row, first, k_hi, m_ok, n_ok,
                                  SUB, EVEN_K, DOT_PRECISION, SCALED, SWAP, HALF_DOT,
                                  INT8_PTX)
-                scale = tl.load(s_col + first // GROUP, mask=n_ok & (first < k_hi), other=0.0)
+                scale = tl.load(s_ptr + (first // GROUP) * stride_sg + rn,
+                                mask=n_ok & (first < k_hi), other=0.0)
                 if SWAP:
                     acc += part * scale[:, None]
                 else:
@@ -392,12 +393,13 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor | DraftWeight, bias: torch.
         w, scale = (weight.data, weight.scale) if draft else (weight, None)
         # INT8 with a scale a group; one a row (group K) takes the per-column path
         group = weight.group if isinstance(weight, Int8Weight) and weight.group < k else 0
+        assert scale is None or scale.stride(0) == 1, "scales: contiguous over the columns"
         sub = min(cfg.block_k, group) if group else cfg.block_k  # a piece inside one group
         assert group % sub == 0, "INT8: K steps and groups, powers of two"
         half = draft and cfg.half and rows.dtype == torch.bfloat16
         _skinny_kernel[grid](
             rows, w, w if scale is None else scale, b, out, partials, counters, m, n, k,
-            k_split, rows.stride(0), w.stride(0), scale.stride(0) if group else 0,
+            k_split, rows.stride(0), w.stride(0), scale.stride(1) if group else 0,
             out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, EVEN_K=k % cfg.block_k == 0,
             DOT_PRECISION=precision, SCALED=draft, GROUP=group, SUB=sub, SWAP=cfg.swap,
