@@ -5,10 +5,12 @@ card's copy bandwidth.
 Each cell cycles through `--layers` weights of its own (as a model's layers do, so that no
 call finds its weight in L2), in a CUDA graph of one call per weight, median over replays.
 Rows: `skinny_linear` on the copies `--kinds` names, FP8 (`quant.Fp8Weight`), INT8
-(`quant.Int8Weight`) and INT4 (`quant.Int4Weight`), or on the bf16 weight itself (`bf16`, up
-to `MAX_ROWS` rows), each with the default tiles and, for the kinds `--tile-kinds` names (FP8
-alone by default), every `--tiles` setting, and cuBLAS (`F.linear`) on the bf16 weight beside
-them. `--shapes smollm2`: SmolLM2-135M's projections instead of the 8B ones.
+(`quant.Int8Weight`: a scale per row and group of 128 inputs; `int8-row`, one scale a row, the
+copies before group scales) and INT4 (`quant.Int4Weight`), or on the bf16 weight itself
+(`bf16`, up to `MAX_ROWS` rows), each with the default tiles and, for the kinds
+`--tile-kinds` names (FP8 alone by default), every `--tiles` setting, and cuBLAS (`F.linear`)
+on the bf16 weight beside them. `--shapes smollm2`: SmolLM2-135M's projections instead of
+the 8B ones.
 
     python benchmarks/fp8_gemm.py --out fp8_gemm.json
     python benchmarks/fp8_gemm.py --rows 16 32 --tiles 64:256:4:4:1 32:512:4:3:2 --out t.json
@@ -29,7 +31,7 @@ import triton
 from common import copy_bandwidth, graph_us
 
 from vegas_spec.kernels.skinny_matmul import MAX_ROWS, SkinnyTiles, skinny_linear, skinny_tiles
-from vegas_spec.quant import QUANTIZERS
+from vegas_spec.quant import QUANTIZERS, DraftWeight, quantize_int8
 
 # (name, N, K) of Llama-3.1-8B's fused projections (Qwen3-8B: the same but gate_up 24576 and
 # down K 12288).
@@ -38,7 +40,14 @@ SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096),
 # SmolLM2-135M's (a draft step of the embedded model).
 SMOLLM2 = [("qkv", 960, 576), ("o_proj", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)]
 SHAPE_SETS = {"8b": SHAPES, "smollm2": SMOLLM2}
-KINDS = [*QUANTIZERS, "bf16"]  # bf16: the kernel on the model's own weight
+
+def int8_row(weight: torch.Tensor) -> DraftWeight:
+    """An INT8 copy with one scale a row (a group of K): the group scales' cost, side by side."""
+    return quantize_int8(weight, weight.shape[1])
+
+
+COPIES = {**QUANTIZERS, "int8-row": int8_row}
+KINDS = [*COPIES, "bf16"]  # bf16: the kernel on the model's own weight
 
 
 def tiles_arg(text: str) -> SkinnyTiles:
@@ -71,7 +80,7 @@ def main() -> None:
         gen = torch.Generator(device="cuda").manual_seed(n + k)
         weights = [(torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5)
                    .to(torch.bfloat16) for _ in range(args.layers)]
-        copies = {kind: weights if kind == "bf16" else [QUANTIZERS[kind](w) for w in weights]
+        copies = {kind: weights if kind == "bf16" else [COPIES[kind](w) for w in weights]
                   for kind in args.kinds}
         for m in args.rows:
             x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)

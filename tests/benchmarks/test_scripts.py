@@ -480,6 +480,21 @@ def test_draft_weights_agreement_compares_each_copy_with_the_model_on_the_same_t
     assert 0.0 < sampled["int8"] < sampled["fp8"]  # e4m3's 3 mantissa bits move q more
 
 
+def test_fp8_gemm_times_int8_copies_with_a_scale_a_row_beside_the_groups() -> None:
+    """`fp8_gemm.py --kinds int8 int8-row`: the library's INT8 copy (groups of 128) and one
+    with a scale a row, the same values where every group of a row shares its largest
+    magnitude."""
+    script = benchmark_script("fp8_gemm")
+    assert {"fp8", "int8", "int8-row", "int4", "bf16"} <= set(script.KINDS)
+    w = torch.randn(8, 256)
+    w[:, 0] = w[:, 128] = 10.0  # each group's largest magnitude is the row's
+    row, grouped = script.COPIES["int8-row"](w), script.COPIES["int8"](w)
+    assert row.group == 256 and grouped.group == 128
+    assert row.scale.shape == (8, 1) and grouped.scale.shape == (8, 2)
+    assert torch.equal(row.data, grouped.data)
+    assert torch.equal(row.dequantize(torch.float32), grouped.dequantize(torch.float32))
+
+
 def test_draft_weights_agreement_figures_and_bound() -> None:
     script = benchmark_script("draft_weights_agreement")
     from vegas_spec import SamplingParams
