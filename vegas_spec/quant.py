@@ -84,16 +84,19 @@ def on_cpu_once(kept: dict, data: torch.Tensor, key: object,
     return kept[key]
 
 
-def _row_scales(w: torch.Tensor, largest: float) -> torch.Tensor:
-    """w [N, K] float32 -> one scale per row: its largest magnitude over `largest`."""
-    amax = w.abs().amax(dim=1)
+def _group_scales(w: torch.Tensor, group: int, largest: float) -> torch.Tensor:
+    """w [N, K] float32 -> [N, K / group]: each group's largest magnitude over `largest`."""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"groups of {group} do not divide K = {k}")
+    amax = w.reshape(n, k // group, group).abs().amax(dim=-1)
     return torch.where(amax > 0, amax / largest, torch.ones_like(amax))
 
 
 def quantize_fp8(weight: torch.Tensor) -> Fp8Weight:
     """weight [N, K] (any float dtype) -> its FP8 copy, one scale per output row."""
     w = weight.float()
-    scale = _row_scales(w, FP8_MAX)
+    scale = _group_scales(w, w.shape[1], FP8_MAX)[:, 0]  # one group a row
     data = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return Fp8Weight(data.contiguous(), scale.contiguous())
 
@@ -116,15 +119,6 @@ def scale_group(k: int) -> int:
             return group
     raise ValueError(f"INT8 and INT4 draft weights need K divisible by {SCALE_GROUPS[-1]}, "
                      f"not {k}")
-
-
-def _group_scales(w: torch.Tensor, group: int, largest: float) -> torch.Tensor:
-    """w [N, K] float32 -> [N, K / group]: each group's largest magnitude over `largest`."""
-    n, k = w.shape
-    if k % group:
-        raise ValueError(f"groups of {group} do not divide K = {k}")
-    amax = w.view(n, k // group, group).abs().amax(dim=-1)
-    return torch.where(amax > 0, amax / largest, torch.ones_like(amax))
 
 
 @dataclass
@@ -220,8 +214,9 @@ def quantize_int4(weight: torch.Tensor, group: int | None = None) -> Int4Weight:
     group = group or scale_group(k)
     if k % group or group % 2:
         raise ValueError(f"INT4 groups of {group} do not divide K = {k}")
-    scale = _group_scales(weight.float(), group, 7)
-    w = weight.float().view(n, k // group, group)
+    w = weight.float()
+    scale = _group_scales(w, group, 7)
+    w = w.view(n, k // group, group)
     u = (torch.round(w / scale[..., None]).clamp(-8, 7) + 8).to(torch.uint8)
     data = (u[..., :group // 2] | (u[..., group // 2:] << 4)).view(n, k // 2)
     return Int4Weight(data.contiguous(), scale.contiguous(), group)

@@ -181,9 +181,7 @@ FP8_CASES = [(1, 96, 256, False, 1), (7, 96, 200, True, 2), (16, 80, 256, True, 
 
 def byte_weight_error(got: torch.Tensor, x: torch.Tensor, q, b: torch.Tensor | None) -> float:  # noqa: ANN001
     """got's relative error (Frobenius) against the float64 product with the copy's weight."""
-    want = skinny_linear_ref(x.double(), q.dequantize(torch.float64),
-                             None if b is None else b.double())
-    return float((got.double() - want).norm() / want.norm())
+    return rel_error(got, x, q.dequantize(torch.float64), b)
 
 
 @BYTE_WEIGHTS
