@@ -129,10 +129,9 @@ def test_split_k_sums_the_splits_in_order_in_one_launch(quantize, swap: bool) ->
         with nan_empty():
             part = skinny_linear(x[:, cut].contiguous(), one.contiguous(),
                                  tiles=SkinnyTiles(32, 64, 4, 2, 1, swap))
-        # FP8: a scale a column; INT8: K = 192 takes groups of 64, one a split
-        scale = weight.scale if quantize is quantize_fp8 else weight.scale[:, s] \
-            if ref is not None else None
-        parts.append(part if ref is None else part * scale)
+        if ref is not None:  # FP8: a scale a column; INT8: K = 192 takes groups of 64, one a split
+            part = part * (weight.scale if quantize is quantize_fp8 else weight.scale[:, s])
+        parts.append(part)
     want = (parts[0] + parts[1]) + parts[2] + b
     if quantize is quantize_int4:  # group scales inside the sum: to rounding
         assert float((got - want).norm() / want.norm()) < 1e-6
