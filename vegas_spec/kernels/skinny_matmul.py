@@ -233,9 +233,11 @@ def _dot_step(acc, x_row, w_row, k0, k_hi, m_ok, n_ok, WIDTH: tl.constexpr,
         x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     elif SCALED:
         w = w.to(x.dtype)
-    if SWAP:
-        return tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
-    return tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if SWAP:  # one return: the compiler does not stop at a return inside a constexpr branch
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+    else:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
