@@ -315,6 +315,34 @@ def memory_ceiling() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def triton_launches() -> Iterator[Any]:
+    """Under Triton's interpreter, the package kernels' launches noted for lowering
+    (`triton_lowering`); None where the kernels are compiled anyway."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield None
+        return
+    from triton_lowering import Recorder
+
+    recorder = Recorder()
+    recorder.start()
+    yield recorder
+    recorder.stop()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def launches_compile(triton_launches: Any) -> Iterator[None]:
+    """Every kernel launch a test file made under the interpreter also passes compiled
+    Triton's code generator (lowered for sm_90, `triton_lowering`): the interpreter runs code
+    that the compiler rejects."""
+    yield
+    failures = triton_launches.check() if triton_launches is not None else []
+    if failures:
+        launches = "\n".join(launch for launch, _ in failures)
+        pytest.fail(f"{len(failures)} kernel launches do not compile for the GPU:\n{launches}"
+                    f"\n\nthe first's error:\n{failures[0][1]}", pytrace=False)
+
+
 @pytest.fixture(scope="module")
 def llm() -> Any:
     """Our engine on the embedded default model, float32 on CPU: one per test file, freed at

@@ -1,0 +1,72 @@
+"""The lowering of interpreted launches (`triton_lowering`): a kernel that the interpreter runs
+but compiled Triton rejects is reported, with the compiler's message; a sound one is not."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton_lowering import Recorder
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="compiled Triton checks its own launches")
+
+
+@triton.jit
+def _product(a, b, acc, SWAP: tl.constexpr):
+    if SWAP:  # the compiler goes on past this return to the next, with the other shapes
+        return tl.dot(b, tl.trans(a), acc)
+    return tl.dot(a, tl.trans(b), acc)
+
+
+@triton.jit
+def _product_once(a, b, acc, SWAP: tl.constexpr):
+    if SWAP:
+        acc = tl.dot(b, tl.trans(a), acc)
+    else:
+        acc = tl.dot(a, tl.trans(b), acc)
+    return acc
+
+
+@triton.jit
+def _outer_kernel(x_ptr, y_ptr, out_ptr, SWAP: tl.constexpr, ONCE: tl.constexpr):
+    """out = x y^T (SWAP: its transpose) of a 16 x 32 and a 32 x 32 tile."""
+    rm, rn, rk = tl.arange(0, 16), tl.arange(0, 32), tl.arange(0, 32)
+    a = tl.load(x_ptr + rm[:, None] * 32 + rk[None, :])
+    b = tl.load(y_ptr + rn[:, None] * 32 + rk[None, :])
+    if SWAP:
+        acc = tl.zeros([32, 16], tl.float32)
+    else:
+        acc = tl.zeros([16, 32], tl.float32)
+    if ONCE:
+        acc = _product_once(a, b, acc, SWAP)
+    else:
+        acc = _product(a, b, acc, SWAP)
+    if SWAP:
+        acc = tl.trans(acc)
+    tl.store(out_ptr + rm[:, None] * 32 + rn[None, :], acc)
+
+
+def test_a_launch_the_compiler_rejects_is_reported() -> None:
+    x, y = torch.randn(16, 32), torch.randn(32, 32)
+    recorder = Recorder(prefix=__name__)
+    recorder.start()
+    try:
+        for swap in (False, True):
+            for once in (False, True):
+                out = torch.empty(16, 32)
+                _outer_kernel[(1,)](x, y, out, SWAP=swap, ONCE=once)
+                # the interpreter runs every variant, the broken one too
+                torch.testing.assert_close(out, x @ y.T, atol=1e-4, rtol=1e-4)
+        _outer_kernel[(1,)](x, y, torch.empty(16, 32), SWAP=True, ONCE=True)  # seen: once
+        assert len(recorder.pending) == 4
+        failures = recorder.check()
+        assert recorder.check() == []  # each launch is lowered once
+    finally:
+        recorder.stop()
+    assert [launch for launch, _ in failures] == [
+        f"{__name__}._outer_kernel with {{'SWAP': True, 'ONCE': False}}, {{}}"]
+    assert "accumulator shape is incompatible" in failures[0][1]

@@ -1,0 +1,172 @@
+"""Every Triton launch the tests make under the interpreter, compiled's first stage too.
+
+Triton's interpreter runs a kernel as Python: code that compiled Triton rejects (a return
+inside a constexpr branch followed by another, shapes the code generator infers otherwise, an
+unsupported construct) runs there and passes. So on a machine without CUDA, `Recorder` notes
+each launch of a package kernel (its constexpr values, its other arguments' types, its launch
+options), and a child process without TRITON_INTERPRET lowers each distinct one to Triton IR
+for sm_90 with the NVIDIA backend's own code generator (`ASTSource.make_ir`: no GPU, no
+ptxas), the step where such code fails on the GPU. A failure names the kernel, its constexprs
+and the compiler's message.
+
+Run as a script, this file is that child: it reads pickled batches of launches from stdin and
+answers each with the list of failures."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import pickle
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any, BinaryIO
+
+# (kernel module, kernel name, {parameter: (Triton type or None for a constexpr, value)},
+#  launch options)
+Launch = tuple[str, str, dict[str, tuple[str | None, Any]], dict[str, Any]]
+PACKAGE = "vegas_spec."
+
+
+def _send(stream: BinaryIO, value: Any) -> None:
+    data = pickle.dumps(value)
+    stream.write(struct.pack("<Q", len(data)) + data)
+    stream.flush()
+
+
+def _receive(stream: BinaryIO) -> Any:
+    head = stream.read(8)
+    if len(head) < 8:
+        raise EOFError("the lowering process ended")
+    (size,) = struct.unpack("<Q", head)
+    return pickle.loads(stream.read(size))
+
+
+def describe(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Launch:
+    """One launch of kernel `fn` as the lowering reads it: a constexpr parameter's value, the
+    Triton type (`mangle_type`: "*bf16", "i32", "tensordesc<fp32[4, 32]>", ...) of any other
+    with the value of a scalar, and the options (num_warps, ...) among the keywords."""
+    from triton.runtime.jit import mangle_type
+
+    signature = inspect.signature(fn)
+    names = set(signature.parameters)
+    bound = signature.bind(*args, **{k: v for k, v in kwargs.items() if k in names})
+    bound.apply_defaults()
+    params: dict[str, tuple[str | None, Any]] = {}
+    for name, value in bound.arguments.items():
+        if "constexpr" in str(signature.parameters[name].annotation):
+            params[name] = (None, value)
+            continue
+        kind = mangle_type(value)
+        scalar = isinstance(value, (bool, int, float, str)) or kind == "constexpr"
+        params[name] = (None if kind == "constexpr" else kind, value if scalar else None)
+    options = {k: v for k, v in kwargs.items() if k not in names}
+    return fn.__module__, fn.__name__, params, options
+
+
+def _key(launch: Launch) -> tuple[Any, ...]:
+    module, name, params, options = launch
+    return (module, name, tuple((k, kind, repr(v)) for k, (kind, v) in params.items()),
+            tuple(sorted(options.items())))
+
+
+class Recorder:
+    """Notes the package's interpreted launches (`start`..`stop`) and lowers the new distinct
+    ones in one child process kept for the session (`check`)."""
+
+    def __init__(self, prefix: str = PACKAGE) -> None:
+        self.prefix = prefix  # the modules whose kernels are noted
+        self.pending: dict[tuple[Any, ...], Launch] = {}
+        self.seen: set[tuple[Any, ...]] = set()
+        self.child: subprocess.Popen[bytes] | None = None
+        self.original: Callable[..., Any] | None = None
+
+    def start(self) -> None:
+        from triton.runtime import interpreter
+
+        self.original = original = interpreter.InterpretedFunction.run
+        recorder = self
+
+        def run(self, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:  # noqa: ANN001
+            if self.fn.__module__.startswith(recorder.prefix):
+                launch = describe(self.fn, args, kwargs)
+                key = _key(launch)
+                if key not in recorder.seen:
+                    recorder.pending.setdefault(key, launch)
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+        interpreter.InterpretedFunction.run = run
+
+    def stop(self) -> None:
+        from triton.runtime import interpreter
+
+        if self.original is not None:
+            interpreter.InterpretedFunction.run = self.original
+        if self.child is not None:
+            self.child.stdin.close()  # type: ignore[union-attr]
+            self.child.wait(timeout=60)
+
+    def check(self) -> list[tuple[str, str]]:
+        """The failures (the launch, the compiler's message) of the launches noted since the
+        last check, each lowered once a session."""
+        if not self.pending:
+            return []
+        if self.child is None:
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            self.child = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, env=env)
+        batch = list(self.pending.values())
+        self.seen.update(self.pending)
+        self.pending.clear()
+        _send(self.child.stdin, batch)  # type: ignore[arg-type]
+        return _receive(self.child.stdout)  # type: ignore[arg-type]
+
+
+def lower(launch: Launch) -> tuple[str, str] | None:
+    """None where `launch` lowers to Triton IR for sm_90, else the launch and the compiler's
+    message."""
+    from triton._C.libtriton import ir
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    module, name, params, options = launch
+    kernel = getattr(importlib.import_module(module), name)
+    signature: dict[str, str] = {}
+    constexprs: dict[str, Any] = {}
+    for param in kernel.params:
+        kind, value = params[param.name]
+        if param.is_constexpr or kind is None:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+        else:
+            signature[param.name] = kind
+    target = GPUTarget("cuda", 90, 32)
+    backend = backends["nvidia"].compiler(target)
+    parsed = backend.parse_options(options)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    try:
+        ASTSource(kernel, signature, constexprs).make_ir(
+            target, parsed, backend.get_codegen_implementation(parsed),
+            backend.get_module_map(), context)
+    except Exception as error:  # noqa: BLE001 (the compiler's message is the report)
+        cause = f"\n{error.__cause__}" if error.__cause__ is not None else ""
+        return f"{module}.{name} with {constexprs}, {options}", f"{error}{cause}"
+    return None
+
+
+def main() -> None:
+    while True:
+        try:
+            batch = _receive(sys.stdin.buffer)
+        except EOFError:
+            return
+        _send(sys.stdout.buffer, [f for f in map(lower, batch) if f is not None])
+
+
+if __name__ == "__main__":
+    main()
