@@ -9,7 +9,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from triton_lowering import Recorder
+from triton_lowering import Recorder, compiled_twin
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="compiled Triton checks its own launches")
@@ -70,3 +70,16 @@ def test_a_launch_the_compiler_rejects_is_reported() -> None:
     assert [launch for launch, _ in failures] == [
         f"{__name__}._outer_kernel with {{'SWAP': True, 'ONCE': False}}, {{}}"]
     assert "accumulator shape is incompatible" in failures[0][1]
+
+
+def test_a_launch_is_also_lowered_as_a_gpu_makes_it() -> None:
+    int8 = {"w_ptr": ("*i8", None), "HALF_DOT": (None, True), "INT8_PTX": (None, False),
+            "MUL_RN": (None, False)}
+    twin = compiled_twin(("m", "k", int8, {"num_warps": 4}))
+    assert twin == ("m", "k", {**int8, "INT8_PTX": (None, True), "MUL_RN": (None, True)},
+                    {"num_warps": 4})
+    fp8 = {**int8, "w_ptr": ("*fp8e4nv", None), "MUL_RN": (None, True)}
+    assert compiled_twin(("m", "k", fp8, {})) is None  # nothing a GPU sets otherwise
+    mxfp4 = {"a_ptr": ("*fp32", None), "FP4": (None, True), "FP4_DOT": (None, 0)}
+    assert compiled_twin(("m", "k", mxfp4, {}))[2] == {
+        "a_ptr": ("*bf16", None), "FP4": (None, True), "FP4_DOT": (None, 1)}

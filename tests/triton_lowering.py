@@ -4,10 +4,10 @@ Triton's interpreter runs a kernel as Python: code that compiled Triton rejects 
 inside a constexpr branch followed by another, shapes the code generator infers otherwise, an
 unsupported construct) runs there and passes. So on a machine without CUDA, `Recorder` notes
 each launch of a package kernel (its constexpr values, its other arguments' types, its launch
-options), and a child process without TRITON_INTERPRET lowers each distinct one to Triton IR
-for sm_90 with the NVIDIA backend's own code generator (`ASTSource.make_ir`: no GPU, no
-ptxas), the step where such code fails on the GPU. A failure names the kernel, its constexprs
-and the compiler's message.
+options) and its twin as a GPU makes it (`compiled_twin`), and a child process without
+TRITON_INTERPRET lowers each distinct one to Triton IR for sm_90 with the NVIDIA backend's own
+code generator (`ASTSource.make_ir`: no GPU, no ptxas), the step where such code fails on the
+GPU. A failure names the kernel, its constexprs and the compiler's message.
 
 Run as a script, this file is that child: it reads pickled batches of launches from stdin and
 answers each with the list of failures."""
@@ -66,6 +66,27 @@ def describe(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     return fn.__module__, fn.__name__, params, options
 
 
+# constexprs a launcher sets only where the kernel is compiled (libdevice, PTX, rounding
+# instructions the interpreter lacks): each launch that has one is lowered as a GPU makes it too
+COMPILED_ONLY = ("MUL_RN", "LIBDEVICE_EXP", "MEAN_BY_RECIPROCAL")
+
+
+def compiled_twin(launch: Launch) -> Launch | None:
+    """`launch` as a GPU would make it (`COMPILED_ONLY` on; INT8 tiles in a float16 dot
+    converted by PTX; MXFP4 experts with bfloat16 rows in a scaled dot), None where that is
+    `launch` itself."""
+    module, name, params, options = launch
+    twin = dict(params)
+    for setting in COMPILED_ONLY:
+        if setting in twin:
+            twin[setting] = (None, True)
+    if "INT8_PTX" in twin and twin["HALF_DOT"][1] and twin["w_ptr"][0] == "*i8":
+        twin["INT8_PTX"] = (None, True)
+    if "FP4_DOT" in twin and twin["FP4"][1]:
+        twin["FP4_DOT"], twin["a_ptr"] = (None, 1), ("*bf16", None)
+    return None if twin == params else (module, name, twin, options)
+
+
 def _key(launch: Launch) -> tuple[Any, ...]:
     module, name, params, options = launch
     return (module, name, tuple((k, kind, repr(v)) for k, (kind, v) in params.items()),
@@ -92,9 +113,10 @@ class Recorder:
         def run(self, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:  # noqa: ANN001
             if self.fn.__module__.startswith(recorder.prefix):
                 launch = describe(self.fn, args, kwargs)
-                key = _key(launch)
-                if key not in recorder.seen:
-                    recorder.pending.setdefault(key, launch)
+                for one in (launch, compiled_twin(launch)):
+                    key = None if one is None else _key(one)
+                    if one is not None and key not in recorder.seen:
+                        recorder.pending.setdefault(key, one)
             return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
         interpreter.InterpretedFunction.run = run
