@@ -52,3 +52,20 @@ def test_bf16_triton_matches_plain_up_to_near_ties(gpu_llm, prompts, plain, meth
             assert margin < MARGIN, f"{method} parted at {diff[0]} with margin {margin:.3f}"
     if method == "full":
         assert outs[0].stats["tokens_per_iteration"] > 6.0
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_bf16_drafts_from_byte_copies_match_plain_up_to_near_ties(prompts, plain, kind) -> None:
+    """Drafts from FP8 or INT8 copies of the projections (`skinny_matmul` on the GPU, CUDA
+    graphs; a draft every iteration) leave the output plain decoding's: only the acceptance
+    may move."""
+    llm = LLM(None, device="cuda", dtype="bfloat16", backend="triton", draft_weights=kind,
+              kv_cache_bytes=4 << 30, prefix_cache_bytes=0)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+                        speculative=SpecConfig(method="vegas", adaptive=False))
+    for prompt, out, ref in zip(prompts, outs, plain):
+        diff = [i for i, (a, b) in enumerate(zip(out.token_ids, ref.token_ids)) if a != b]
+        if diff:
+            margin = _margin(llm, prompt, ref.token_ids, diff[0])
+            assert margin < MARGIN, f"{kind} drafts parted at {diff[0]} with margin {margin:.3f}"
+    assert outs[0].stats["tokens_per_iteration"] > 2.0
