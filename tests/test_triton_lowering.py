@@ -83,3 +83,33 @@ def test_a_launch_is_also_lowered_as_a_gpu_makes_it() -> None:
     mxfp4 = {"a_ptr": ("*fp32", None), "FP4": (None, True), "FP4_DOT": (None, 0)}
     assert compiled_twin(("m", "k", mxfp4, {}))[2] == {
         "a_ptr": ("*bf16", None), "FP4": (None, True), "FP4_DOT": (None, 1)}
+
+
+@triton.jit
+def _halve_kernel(x_ptr, out_ptr, MUL_RN: tl.constexpr):
+    """out = x / 2 of 16 values; MUL_RN (compiled only): by inline PTX with a misspelt
+    instruction, which only ptxas rejects."""
+    offs = tl.arange(0, 16)
+    x = tl.load(x_ptr + offs)
+    if MUL_RN:
+        x = tl.inline_asm_elementwise("mulx.rn.f32 $0, $1, 0f3F000000;", "=r,r", [x],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        x = x * 0.5
+    tl.store(out_ptr + offs, x)
+
+
+def test_inline_ptx_of_a_gpu_only_setting_is_compiled_whole() -> None:
+    x, out = torch.randn(16), torch.empty(16)
+    recorder = Recorder(prefix=__name__)
+    recorder.start()
+    try:
+        _halve_kernel[(1,)](x, out, MUL_RN=False)
+        assert [whole for _, whole in recorder.pending.values()] == [False, True]
+        failures = recorder.check()
+    finally:
+        recorder.stop()
+    torch.testing.assert_close(out, x / 2)
+    assert [launch for launch, _ in failures] == [
+        f"{__name__}._halve_kernel with {{'MUL_RN': True}}, {{}}"]
+    assert "mulx" in failures[0][1] and "ptxas" in failures[0][1]

@@ -7,7 +7,9 @@ each launch of a package kernel (its constexpr values, its other arguments' type
 options) and its twin as a GPU makes it (`compiled_twin`), and a child process without
 TRITON_INTERPRET lowers each distinct one to Triton IR for sm_90 with the NVIDIA backend's own
 code generator (`ASTSource.make_ir`: no GPU, no ptxas), the step where such code fails on the
-GPU. A failure names the kernel, its constexprs and the compiler's message.
+GPU. The first twin of each kernel is compiled whole, to a cubin (`lower`'s `whole`: inline
+PTX and libdevice are checked there only). A failure names the kernel, its constexprs and the
+compiler's message.
 
 Run as a script, this file is that child: it reads pickled batches of launches from stdin and
 answers each with the list of failures."""
@@ -47,7 +49,8 @@ def _receive(stream: BinaryIO) -> Any:
 def describe(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Launch:
     """One launch of kernel `fn` as the lowering reads it: a constexpr parameter's value, the
     Triton type (`mangle_type`: "*bf16", "i32", "tensordesc<fp32[4, 32]>", ...) of any other
-    with the value of a scalar, and the options (num_warps, ...) among the keywords."""
+    (its value does not change the code: launches that differ only there are one), and the
+    options (num_warps, ...) among the keywords."""
     from triton.runtime.jit import mangle_type
 
     signature = inspect.signature(fn)
@@ -59,9 +62,8 @@ def describe(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
         if "constexpr" in str(signature.parameters[name].annotation):
             params[name] = (None, value)
             continue
-        kind = mangle_type(value)
-        scalar = isinstance(value, (bool, int, float, str)) or kind == "constexpr"
-        params[name] = (None if kind == "constexpr" else kind, value if scalar else None)
+        kind = mangle_type(value)  # "constexpr" for None
+        params[name] = (None if kind == "constexpr" else kind, None)
     options = {k: v for k, v in kwargs.items() if k not in names}
     return fn.__module__, fn.__name__, params, options
 
@@ -99,8 +101,10 @@ class Recorder:
 
     def __init__(self, prefix: str = PACKAGE) -> None:
         self.prefix = prefix  # the modules whose kernels are noted
-        self.pending: dict[tuple[Any, ...], Launch] = {}
+        # each launch, and whether to compile it whole (`lower`)
+        self.pending: dict[tuple[Any, ...], tuple[Launch, bool]] = {}
         self.seen: set[tuple[Any, ...]] = set()
+        self.whole: set[tuple[str, str]] = set()  # the kernels with a twin compiled whole
         self.child: subprocess.Popen[bytes] | None = None
         self.original: Callable[..., Any] | None = None
 
@@ -113,13 +117,20 @@ class Recorder:
         def run(self, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:  # noqa: ANN001
             if self.fn.__module__.startswith(recorder.prefix):
                 launch = describe(self.fn, args, kwargs)
-                for one in (launch, compiled_twin(launch)):
-                    key = None if one is None else _key(one)
-                    if one is not None and key not in recorder.seen:
-                        recorder.pending.setdefault(key, one)
+                recorder.note(launch, whole=False)
+                twin = compiled_twin(launch)
+                if twin is not None:
+                    kernel = twin[:2]
+                    recorder.note(twin, whole=kernel not in recorder.whole)
+                    recorder.whole.add(kernel)
             return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
         interpreter.InterpretedFunction.run = run
+
+    def note(self, launch: Launch, whole: bool) -> None:
+        key = _key(launch)
+        if key not in self.seen and key not in self.pending:
+            self.pending[key] = (launch, whole)
 
     def stop(self) -> None:
         from triton.runtime import interpreter
@@ -146,9 +157,11 @@ class Recorder:
         return _receive(self.child.stdout)  # type: ignore[arg-type]
 
 
-def lower(launch: Launch) -> tuple[str, str] | None:
+def lower(launch: Launch, whole: bool = False) -> tuple[str, str] | None:
     """None where `launch` lowers to Triton IR for sm_90, else the launch and the compiler's
-    message."""
+    message. `whole`: compiled to a cubin instead (PTX, ptxas: what inline PTX and libdevice
+    need to be checked; about a second and a half, where lowering takes a few hundredths)."""
+    import triton
     from triton._C.libtriton import ir
     from triton.backends import backends
     from triton.backends.compiler import GPUTarget
@@ -171,10 +184,13 @@ def lower(launch: Launch) -> tuple[str, str] | None:
     context = ir.context()
     ir.load_dialects(context)
     backend.load_dialects(context)
+    source = ASTSource(kernel, signature, constexprs)
     try:
-        ASTSource(kernel, signature, constexprs).make_ir(
-            target, parsed, backend.get_codegen_implementation(parsed),
-            backend.get_module_map(), context)
+        if whole:
+            triton.compile(source, target=target, options=options)
+        else:
+            source.make_ir(target, parsed, backend.get_codegen_implementation(parsed),
+                           backend.get_module_map(), context)
     except Exception as error:  # noqa: BLE001 (the compiler's message is the report)
         cause = f"\n{error.__cause__}" if error.__cause__ is not None else ""
         return f"{module}.{name} with {constexprs}, {options}", f"{error}{cause}"
@@ -182,12 +198,16 @@ def lower(launch: Launch) -> tuple[str, str] | None:
 
 
 def main() -> None:
+    # the answers go down a copy of stdout; what the compiler's tools print, to stderr
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     while True:
         try:
             batch = _receive(sys.stdin.buffer)
         except EOFError:
             return
-        _send(sys.stdout.buffer, [f for f in map(lower, batch) if f is not None])
+        failures = (lower(launch, whole) for launch, whole in batch)
+        _send(answers, [f for f in failures if f is not None])
 
 
 if __name__ == "__main__":
