@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4, help="layers' weights a cell cycles through")
     ap.add_argument("--formats", nargs="+", choices=["bf16", "mxfp4"], default=["bf16"],
                     help="how the experts' matrices are kept")
-    ap.add_argument("--fp4-dots", type=int, nargs="+", choices=[0, 1], default=None,
+    ap.add_argument("--fp4-dots", type=int, nargs="+", choices=[0, 1, 2], default=None,
                     help="MXFP4: the kernel's FP4_DOT forms to time (default: the library's)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()

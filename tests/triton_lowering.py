@@ -7,9 +7,9 @@ each launch of a package kernel (its constexpr values, its other arguments' type
 options) and its twin as a GPU makes it (`compiled_twin`), and a child process without
 TRITON_INTERPRET lowers each distinct one to Triton IR for sm_90 with the NVIDIA backend's own
 code generator (`ASTSource.make_ir`: no GPU, no ptxas), the step where such code fails on the
-GPU. The first twin of each kernel is compiled whole, to a cubin (`lower`'s `whole`: inline
-PTX and libdevice are checked there only). A failure names the kernel, its constexprs and the
-compiler's message.
+GPU. The first twin of each kernel and choice of its GPU-only settings (`GPU_SETTINGS`) is
+compiled whole, to a cubin (`lower`'s `whole`: inline PTX and libdevice are checked there
+only). A failure names the kernel, its constexprs and the compiler's message.
 
 Run as a script, this file is that child: it reads pickled batches of launches from stdin and
 answers each with the list of failures."""
@@ -70,13 +70,18 @@ def describe(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
 
 # constexprs a launcher sets only where the kernel is compiled (libdevice, PTX, rounding
 # instructions the interpreter lacks): each launch that has one is lowered as a GPU makes it too
-COMPILED_ONLY = ("MUL_RN", "LIBDEVICE_EXP", "MEAN_BY_RECIPROCAL")
+COMPILED_ONLY = ("MUL_RN", "LIBDEVICE_EXP", "MEAN_BY_RECIPROCAL", "E2M1_PTX_DECODE")
+
+
+# the constexprs that choose code only a GPU runs: a twin of each kernel and choice of them
+# is compiled whole
+GPU_SETTINGS = (*COMPILED_ONLY, "INT8_PTX", "FP4_DOT")
 
 
 def compiled_twin(launch: Launch) -> Launch | None:
     """`launch` as a GPU would make it (`COMPILED_ONLY` on; INT8 tiles in a float16 dot
-    converted by PTX; MXFP4 experts with bfloat16 rows in a scaled dot), None where that is
-    `launch` itself."""
+    converted by PTX; MXFP4 experts decoded and dotted as bfloat16 rows' scaled dot), None
+    where that is `launch` itself."""
     module, name, params, options = launch
     twin = dict(params)
     for setting in COMPILED_ONLY:
@@ -84,7 +89,7 @@ def compiled_twin(launch: Launch) -> Launch | None:
             twin[setting] = (None, True)
     if "INT8_PTX" in twin and twin["HALF_DOT"][1] and twin["w_ptr"][0] == "*i8":
         twin["INT8_PTX"] = (None, True)
-    if "FP4_DOT" in twin and twin["FP4"][1]:
+    if "FP4_DOT" in twin and twin["FP4"][1] and twin["FP4_DOT"][1] == 0:
         twin["FP4_DOT"], twin["a_ptr"] = (None, 1), ("*bf16", None)
     return None if twin == params else (module, name, twin, options)
 
@@ -104,7 +109,8 @@ class Recorder:
         # each launch, and whether to compile it whole (`lower`)
         self.pending: dict[tuple[Any, ...], tuple[Launch, bool]] = {}
         self.seen: set[tuple[Any, ...]] = set()
-        self.whole: set[tuple[str, str]] = set()  # the kernels with a twin compiled whole
+        # each kernel's GPU settings (`GPU_SETTINGS`) with a twin compiled whole
+        self.whole: set[tuple[Any, ...]] = set()
         self.child: subprocess.Popen[bytes] | None = None
         self.original: Callable[..., Any] | None = None
 
@@ -120,9 +126,10 @@ class Recorder:
                 recorder.note(launch, whole=False)
                 twin = compiled_twin(launch)
                 if twin is not None:
-                    kernel = twin[:2]
-                    recorder.note(twin, whole=kernel not in recorder.whole)
-                    recorder.whole.add(kernel)
+                    kind = (*twin[:2], *((k, v) for k, (_, v) in twin[2].items()
+                                         if k in GPU_SETTINGS))
+                    recorder.note(twin, whole=kind not in recorder.whole)
+                    recorder.whole.add(kind)
             return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
         interpreter.InterpretedFunction.run = run
@@ -192,7 +199,10 @@ def lower(launch: Launch, whole: bool = False) -> tuple[str, str] | None:
             source.make_ir(target, parsed, backend.get_codegen_implementation(parsed),
                            backend.get_module_map(), context)
     except Exception as error:  # noqa: BLE001 (the compiler's message is the report)
-        cause = f"\n{error.__cause__}" if error.__cause__ is not None else ""
+        root = error
+        while root.__cause__ is not None:  # the compiler's errors nest a call's in its caller's
+            root = root.__cause__
+        cause = f"\n{type(root).__name__}: {root}" if root is not error else ""
         return f"{module}.{name} with {constexprs}, {options}", f"{error}{cause}"
     return None
 

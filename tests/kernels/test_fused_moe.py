@@ -14,8 +14,11 @@ from kernel_cases import CUDA, DEVICE, DTYPES, as_sm90, generator, nan_empty, ra
 
 from vegas_spec import ops
 from vegas_spec.kernels.fused_moe import (
+    E2M1_PTX,
     MAX_GROUP_PAIRS,
     TUNING,
+    MatmulTiles,
+    _e2m1_halves,
     _mxfp4_tile,
     fused_moe,
     group_by_expert,
@@ -360,6 +363,120 @@ def test_the_scaled_dot_decodes_every_code_at_every_scale_exactly() -> None:
     _scaled_dot_decode_kernel[(1,)](blocks.to(DEVICE), scales.to(DEVICE), got, k,
                                     BLOCK_N=rows, BLOCK_K=64)
     assert torch.equal(got.T.cpu(), want)
+
+
+def _run_ptx(text: str, operands: list[int]) -> list[int]:
+    """The 32-bit registers `text` leaves in $0.. given its inputs (`operands`: $n.. after the
+    outputs), by the meaning PTX gives the instructions it uses: mov, and, shl, shr, lop3 and
+    prmt (default mode: 4-bit selectors in the low 16 bits of c, a set bit 3 replicating the
+    selected byte's sign bit)."""
+    regs: dict[str, int] = {f"${n}": v for n, v in enumerate(operands, start=4)}
+    mask = 0xFFFFFFFF
+
+    def value(token: str) -> int:
+        return int(token, 0) if token[0].isdigit() else regs[token]
+
+    for line in text.strip("{} \n").split(";"):
+        words = line.replace(",", " ").split()
+        if not words or words[0] == ".reg":
+            continue
+        op, dst, args = words[0].split(".")[0], words[1], [value(w) for w in words[2:]]
+        if op == "mov":
+            result = args[0]
+        elif op == "and":
+            result = args[0] & args[1]
+        elif op == "shl":
+            result = (args[0] << args[1]) & mask
+        elif op == "shr":
+            result = args[0] >> args[1]
+        elif op == "lop3":
+            a, b, c, lut = args
+            result = sum(((lut >> (((a >> i & 1) << 2) | ((b >> i & 1) << 1) | (c >> i & 1))) & 1)
+                         << i for i in range(32))
+        elif op == "prmt":
+            pool = args[0] | (args[1] << 32)
+            result = 0
+            for k in range(4):
+                sel = (args[2] >> (4 * k)) & 0xF
+                byte = (pool >> (8 * (sel & 7))) & 0xFF
+                if sel & 8:
+                    byte = 0xFF if byte & 0x80 else 0
+                result |= byte << (8 * k)
+        else:
+            raise AssertionError(f"no meaning for {op}")
+        regs[dst] = result
+    return [regs[f"${n}"] for n in range(4)]
+
+
+def test_the_ptx_decode_gives_every_code_in_every_place() -> None:
+    """`E2M1_PTX`, run by the PTX emulator on every byte in each of the four places of its
+    input register (the others random): each nibble's bfloat16 value as
+    `quant.mxfp4_dequantize` gives it at scale 1 (-0.0 for the negative zero), the low
+    nibbles' values in $0-$1 and the high nibbles' in $2-$3, in element order."""
+    values = mxfp4_dequantize(torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16)
+                              .reshape(1, 16, 16), torch.full((1, 16), 127, dtype=torch.uint8),
+                              torch.bfloat16).view(256, 2).view(torch.int16).tolist()
+    gen = generator(5)
+    for place in range(4):
+        others = torch.randint(0, 256, (256, 4), generator=gen).tolist()
+        for byte in range(256):
+            parts = others[byte]
+            parts[place] = byte
+            word = sum(b << (8 * i) for i, b in enumerate(parts))
+            out = _run_ptx(E2M1_PTX.value, [word])
+            halves = [(r >> (16 * h)) & 0xFFFF for r in out for h in range(2)]
+            lo, hi = halves[:4], halves[4:]
+            for i, b in enumerate(parts):
+                assert [lo[i], hi[i]] == [v & 0xFFFF for v in values[b]], (place, byte, i)
+
+
+@triton.jit
+def _halves_kernel(w_ptr, lo_ptr, hi_ptr, N: tl.constexpr, PTX: tl.constexpr):
+    """N MXFP4 bytes -> `_e2m1_halves`' two tiles, as float32."""
+    offs = tl.arange(0, N)
+    lo, hi = _e2m1_halves(tl.load(w_ptr + offs[None, :]), PTX)
+    tl.store(lo_ptr + offs[None, :], lo.to(tl.float32))
+    tl.store(hi_ptr + offs[None, :], hi.to(tl.float32))
+
+
+def test_the_unscaled_decode_gives_every_code_exactly() -> None:
+    """`_e2m1_halves` on every byte (by PTX on a GPU, by bit operations in the
+    interpreter): the values of its low and high nibbles at scale 1, bit for bit, signs
+    of zero too."""
+    blocks = torch.arange(256, dtype=torch.uint8)
+    want = mxfp4_dequantize(blocks.view(1, 16, 16), torch.full((1, 16), 127, dtype=torch.uint8),
+                            torch.float32).view(256, 2)
+    lo, hi = torch.empty(256, device=DEVICE), torch.empty(256, device=DEVICE)
+    _halves_kernel[(1,)](blocks.to(DEVICE), lo, hi, N=256, PTX=CUDA)
+    got = torch.stack([lo.cpu(), hi.cpu()], dim=1)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t,e,k,block_k", [(1, 8, 2, 64), (7, 4, 4, 128), (33, 16, 3, 32)])
+def test_blocks_decoded_unscaled_give_the_products_of_the_dequantised_weights(
+        t: int, e: int, k: int, block_k: int, dtype: torch.dtype, exact: bool) -> None:
+    """MXFP4 experts a block of 32 channels at a time, decoded unscaled and scaled after the
+    block's dot (`fp4_dot` 2): gpt-oss's experts, what the kernel gives on the dequantised
+    stacks to rounding (the blocks' sums add in another order), one or several blocks a K
+    step, and in exact mode a token's output whatever the other tokens of the step."""
+    gen = generator(13 * t + e + k)
+    gate_up, down = mxfp4_stack(e, 2 * INTER, HIDDEN, gen), mxfp4_stack(e, HIDDEN, INTER, gen)
+    dense = gate_up.dequantize(dtype), down.dequantize(dtype)
+    x = randn(t, HIDDEN, gen=gen, dtype=dtype)
+    weights, ids = routed(t, e, k, gen, dtype, renormalize=k > 1)
+    extras = oss_extras(e, gen, dtype)
+    tiles = MatmulTiles(16, 32, block_k, 4, 1)
+    with nan_empty():
+        got = fused_moe(x, gate_up, down, weights, ids, exact, fp4_dot=2, tiles=tiles, **extras)
+    want = fused_moe(x, *dense, weights, ids, exact, tiles=tiles, **extras)
+    torch.testing.assert_close(got, want, **tol(dtype))
+    if exact:
+        for row in (0, t - 1):
+            alone = fused_moe(x[row:row + 1], gate_up, down, weights[row:row + 1],
+                              ids[row:row + 1], True, fp4_dot=2, tiles=tiles, **extras)
+            assert torch.equal(alone, got[row:row + 1])
 
 
 def test_mxfp4_stacks_take_their_own_decode_tiles(monkeypatch: pytest.MonkeyPatch) -> None:

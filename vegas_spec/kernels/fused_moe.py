@@ -60,7 +60,7 @@ class MoeTuning:
     few: MatmulTiles
     many: MatmulTiles
     small_block_pairs: int
-    fp4_dot: int = 0  # MXFP4 stacks with bfloat16 rows: `_expert_matmul_kernel`'s FP4_DOT
+    fp4_dot: int = 0  # MXFP4 stacks: `_expert_matmul_kernel`'s FP4_DOT (1: bfloat16 rows only)
     few_fp4: MatmulTiles | None = None
 
 
@@ -216,6 +216,76 @@ def _mxfp4_tile(w_row, s_row, k0, K, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
     return tl.reshape(values, [BLOCK_N, BLOCK_K])
 
 
+# e2m1 codes -> bfloat16 by byte tables (`prmt`), 8 values (4 bytes) in 19 instructions, 4 of
+# them constants: m = the magnitudes' 3 bits of each nibble; a magnitude selects its value's
+# high byte from 00 3F 3F 3F 40 40 40 40 and its low byte from 00 00 80 C0 00 40 80 C0 (0, 0.5,
+# 1, 1.5, 2, 3, 4, 6); the sign (bit 3 of a nibble) becomes the msb of a byte (the nibble's
+# byte, or that byte shifted up by 4 for a low nibble) that `prmt`'s sign mode replicates, or'd
+# into the high bytes; the last four `prmt` pair each value's low and high byte, the low
+# nibbles' values ($0, $1: elements 2j) apart from the high nibbles' ($2, $3: 2j + 1).
+# `tests/kernels/test_fused_moe.py` runs this text on every byte in a small PTX emulator.
+E2M1_PTX = tl.constexpr("""{
+        .reg .b32 m, mh, up, s0, s1, h0, h1, l0, l1, tha, thb, tla, tlb;
+        mov.b32 tha, 0x3F3F3F00;
+        mov.b32 thb, 0x40404040;
+        mov.b32 tla, 0xC0800000;
+        mov.b32 tlb, 0xC0804000;
+        and.b32 m, $4, 0x77777777;
+        shr.b32 mh, m, 16;
+        prmt.b32 h0, tha, thb, m;
+        prmt.b32 l0, tla, tlb, m;
+        prmt.b32 h1, tha, thb, mh;
+        prmt.b32 l1, tla, tlb, mh;
+        shl.b32 up, $4, 4;
+        prmt.b32 s0, up, $4, 0xD9C8;
+        prmt.b32 s1, up, $4, 0xFBEA;
+        lop3.b32 h0, h0, s0, 0x80808080, 0xF8;
+        lop3.b32 h1, h1, s1, 0x80808080, 0xF8;
+        prmt.b32 $0, l0, h0, 0x6240;
+        prmt.b32 $1, l1, h1, 0x6240;
+        prmt.b32 $2, l0, h0, 0x7351;
+        prmt.b32 $3, l1, h1, 0x7351;
+        }""")  # a kernel reads only constexpr globals
+
+
+@triton.jit
+def _e2m1_halves(packed, E2M1_PTX_DECODE: tl.constexpr):
+    """MXFP4 bytes [..., n] -> the unscaled e2m1 values of their low and of their high nibbles
+    ([..., n] each: elements 2j and 2j + 1 of the row), exact: bfloat16 by `E2M1_PTX` where
+    E2M1_PTX_DECODE (a GPU), else float32 by bit operations (sign to bit 15, exponent and
+    mantissa to bits 10..9 of a float16, the value times 2^-14, scaled back by 2^14)."""
+    if E2M1_PTX_DECODE:
+        lo, hi = tl.inline_asm_elementwise(E2M1_PTX, "=r,=r,=r,=r,r", [packed],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                                           pack=4)
+    else:
+        codes = tl.join(packed & 0x0F, packed >> 4).to(tl.int16)
+        bits = ((codes & 8) << 12) | ((codes & 7) << 9)
+        lo, hi = tl.split(bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0)
+    return lo, hi
+
+
+@triton.jit
+def _mxfp4_group(acc, a_row, w_row, s_row, kg, K, m_ok, n_ok, BLOCK_N: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, E2M1_PTX_DECODE: tl.constexpr):
+    """acc + the product of the rows' channels kg .. kg + 31 (one MXFP4 block: kg a multiple
+    of 32; none past K) and the columns' block there (`_mxfp4_load`'s pointers): its 16 bytes
+    decoded unscaled (`_e2m1_halves`), the low nibbles dotted with the even channels and the
+    high with the odd, the sum times the block's scale 2^(s - 127) of each column (exact: a
+    power of two), so the scale costs one multiply a column, not one a weight."""
+    kb = kg // 2 + tl.arange(0, 16)
+    b_ok = kb < K // 2
+    packed = tl.load(w_row + kb[None, :], mask=n_ok[:, None] & b_ok[None, :], other=0)
+    lo, hi = _e2m1_halves(packed, E2M1_PTX_DECODE)
+    even = tl.load(a_row + 2 * kb[None, :], mask=m_ok[:, None] & b_ok[None, :], other=0.0)
+    odd = tl.load(a_row + 2 * kb[None, :] + 1, mask=m_ok[:, None] & b_ok[None, :], other=0.0)
+    part = tl.dot(even, tl.trans(lo.to(even.dtype)), input_precision=DOT_PRECISION)
+    part = tl.dot(odd, tl.trans(hi.to(odd.dtype)), part, input_precision=DOT_PRECISION)
+    scale = tl.load(s_row + kg // 32, mask=n_ok[:, None] & (kg < K), other=0)  # [BLOCK_N, 1]
+    factor = (scale.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127)
+    return acc + part * tl.reshape(factor, [1, BLOCK_N])
+
+
 # P stays a runtime value: a one-token step and a many-token step run one compiled program.
 @triton.jit(do_not_specialize=["num_pairs"])
 def _expert_matmul_kernel(a_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, pair_ptr, expert_ptr,
@@ -224,12 +294,15 @@ def _expert_matmul_kernel(a_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, pair_ptr, ex
                           PAIRS_PER_ROW: tl.constexpr, WEIGHTED: tl.constexpr,
                           HAS_BIAS: tl.constexpr, FP4: tl.constexpr, FP4_DOT: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr):
+                          DOT_PRECISION: tl.constexpr, E2M1_PTX_DECODE: tl.constexpr):
     """Program (j, b): y[p, j*BLOCK_N..] = a[p // PAIRS_PER_ROW] @ w[e]^T (+ b[e] where
     HAS_BIAS, added to the float32 sum before it is rounded, as a biased linear) for the
     pairs p of block b, e its expert (times r[p] where WEIGHTED). A block of expert -1 loops
     zero times and stores nothing. FP4: w is MXFP4 blocks [E, N, K / 2] with scales s [E, N,
-    K / 32] (`Mxfp4`; BLOCK_K a multiple of 32), decoded by `_mxfp4_tile`."""
+    K / 32] (`Mxfp4`; BLOCK_K a multiple of 32), read in one of three forms (FP4_DOT): 0,
+    decoded by `_mxfp4_tile` and dotted; 1, Triton's scaled dot (bfloat16 rows, a GPU); 2, a
+    block of 32 channels at a time, decoded unscaled (by PTX where E2M1_PTX_DECODE) and
+    scaled after its dot (`_mxfp4_group`)."""
     block = tl.program_id(1)
     expert = tl.load(expert_ptr + block)
     pairs = tl.load(pair_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -246,17 +319,23 @@ def _expert_matmul_kernel(a_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, pair_ptr, ex
     for k0 in range(0, k_end, BLOCK_K):
         k = k0 + rk
         k_ok = k < K
-        a = tl.load(a_row + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if FP4_DOT:
-            packed, scale = _mxfp4_load(w_row, s_row, k0, K, n_ok, BLOCK_K)
-            acc = tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc,
-                                fast_math=True)
+        if FP4_DOT == 2:
+            for g in tl.static_range(BLOCK_K // 32):
+                acc = _mxfp4_group(acc, a_row, w_row, s_row, k0 + g * 32, K, m_ok, n_ok,
+                                   BLOCK_N, DOT_PRECISION, E2M1_PTX_DECODE)
         else:
-            if FP4:
-                w = _mxfp4_tile(w_row, s_row, k0, K, n_ok, BLOCK_N, BLOCK_K).to(a.dtype)
+            a = tl.load(a_row + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if FP4_DOT == 1:
+                packed, scale = _mxfp4_load(w_row, s_row, k0, K, n_ok, BLOCK_K)
+                acc = tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc,
+                                    fast_math=True)
             else:
-                w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+                if FP4:
+                    w = _mxfp4_tile(w_row, s_row, k0, K, n_ok, BLOCK_N, BLOCK_K).to(a.dtype)
+                else:
+                    w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                                other=0.0)
+                acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         bias = tl.load(b_ptr + expert.to(tl.int64) * stride_be + rn, mask=n_ok & (expert >= 0),
                        other=0.0)
@@ -275,12 +354,14 @@ def _expert_matmul(a: torch.Tensor, w: torch.Tensor | Mxfp4, out: torch.Tensor,
                    cfg: MatmulTiles, r: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None, fp4_dot: int = 0) -> None:
     """out [P, N] = a [rows, K] rows by pair @ w [E, N, K]^T (+ bias [E, N]) by the pairs'
-    experts (* r [P]); `fp4_dot`: the kernel's FP4_DOT for MXFP4 stacks and bfloat16 rows
-    (0 otherwise)."""
+    experts (* r [P]); `fp4_dot`: the kernel's FP4_DOT for MXFP4 stacks (1 only with bfloat16
+    rows on a GPU; 0 otherwise)."""
     pair_of, expert_of = groups
     _, n, k = w.shape
     fp4 = isinstance(w, Mxfp4)
-    fp4_dot = fp4_dot if fp4 and a.dtype == torch.bfloat16 and not interpreting() else 0
+    # the scaled dot (1) takes bfloat16 rows on a GPU; the unscaled decode (2) any rows
+    scaled_dot = a.dtype == torch.bfloat16 and not interpreting()
+    fp4_dot = fp4_dot if fp4 and (fp4_dot == 2 or scaled_dot) else 0
     data, scales = (w.blocks, w.scales) if fp4 else (w, out)
     assert not fp4 or cfg.block_k % MXFP4_BLOCK == 0
     _expert_matmul_kernel[(triton.cdiv(n, cfg.block_n), expert_of.numel())](
@@ -292,7 +373,7 @@ def _expert_matmul(a: torch.Tensor, w: torch.Tensor | Mxfp4, out: torch.Tensor,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        E2M1_PTX_DECODE=not interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _check_bias(bias: torch.Tensor | None, shape: tuple[int, int], x: torch.Tensor) -> None:
@@ -334,6 +415,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor | Mxfp4, down: torch.Tensor
     groups = group_by_expert(ids, experts, cfg.block_m)
     gate_up_out = torch.empty(pairs, two_i, dtype=x.dtype, device=x.device)
     form = tuning(x.device).fp4_dot if fp4_dot is None else fp4_dot
+    assert form in (0, 1, 2), f"fp4_dot {form}: 0 (decode and dot), 1 (scaled dot), 2 (blocks)"
     _expert_matmul(x, gate_up, gate_up_out, groups, top_k, cfg, bias=gate_up_bias,
                    fp4_dot=form)
     act = clamped_swiglu(gate_up_out, limit) if limit > 0 else silu_mul(gate_up_out)  # [P, I]
