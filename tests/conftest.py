@@ -319,7 +319,9 @@ def memory_ceiling() -> Iterator[None]:
 def triton_launches() -> Iterator[Any]:
     """Under Triton's interpreter, the package kernels' launches noted for lowering
     (`triton_lowering`); None where the kernels are compiled anyway."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    from vegas_spec.kernels import interpreting
+
+    if not interpreting():
         yield None
         return
     from triton_lowering import Recorder

@@ -16,6 +16,7 @@ answers each with the list of failures."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -164,14 +165,21 @@ class Recorder:
         return _receive(self.child.stdout)  # type: ignore[arg-type]
 
 
+@functools.cache
+def _backend() -> Any:
+    """The NVIDIA backend's compiler for sm_90 (one a process)."""
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+
+    return backends["nvidia"].compiler(GPUTarget("cuda", 90, 32))
+
+
 def lower(launch: Launch, whole: bool = False) -> tuple[str, str] | None:
     """None where `launch` lowers to Triton IR for sm_90, else the launch and the compiler's
     message. `whole`: compiled to a cubin instead (PTX, ptxas: what inline PTX and libdevice
     need to be checked; about a second and a half, where lowering takes a few hundredths)."""
     import triton
     from triton._C.libtriton import ir
-    from triton.backends import backends
-    from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
 
     module, name, params, options = launch
@@ -185,18 +193,17 @@ def lower(launch: Launch, whole: bool = False) -> tuple[str, str] | None:
             constexprs[param.name] = value
         else:
             signature[param.name] = kind
-    target = GPUTarget("cuda", 90, 32)
-    backend = backends["nvidia"].compiler(target)
-    parsed = backend.parse_options(options)
-    context = ir.context()
-    ir.load_dialects(context)
-    backend.load_dialects(context)
+    backend = _backend()
     source = ASTSource(kernel, signature, constexprs)
     try:
         if whole:
-            triton.compile(source, target=target, options=options)
+            triton.compile(source, target=backend.target, options=options)
         else:
-            source.make_ir(target, parsed, backend.get_codegen_implementation(parsed),
+            parsed = backend.parse_options(options)
+            context = ir.context()
+            ir.load_dialects(context)
+            backend.load_dialects(context)
+            source.make_ir(backend.target, parsed, backend.get_codegen_implementation(parsed),
                            backend.get_module_map(), context)
     except Exception as error:  # noqa: BLE001 (the compiler's message is the report)
         root = error

@@ -202,15 +202,21 @@ def _mxfp4_load(w_row, s_row, k0, K, n_ok, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_times_2_14(packed):
+    """MXFP4 bytes [..., n] -> [..., n, 2] float32, the values of their low and high nibbles
+    times 2^-14, exact: each code's bits placed in a float16 (sign to bit 15, exponent and
+    mantissa to bits 10..9 and 9; 0.5 a subnormal) and widened."""
+    codes = tl.join(packed & 0x0F, packed >> 4).to(tl.int16)
+    bits = ((codes & 8) << 12) | ((codes & 7) << 9)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _mxfp4_tile(w_row, s_row, k0, K, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Columns k0 .. k0 + BLOCK_K of MXFP4 rows (`_mxfp4_load`) -> [BLOCK_N, BLOCK_K]
     float32, the exact values (0 past K)."""
     packed, scale = _mxfp4_load(w_row, s_row, k0, K, n_ok, BLOCK_K)
-    codes = tl.join(packed & 0x0F, packed >> 4).to(tl.int16)  # [BLOCK_N, BLOCK_K / 2, 2]
-    # e2m1 bits into a float16: sign to bit 15, exponent and mantissa to bits 10..9 and 9:
-    # the value times 2^-14 (0.5 a subnormal), exact in float32
-    bits = ((codes & 8) << 12) | ((codes & 7) << 9)
-    values = bits.to(tl.float16, bitcast=True).to(tl.float32)
+    values = _e2m1_times_2_14(packed)  # [BLOCK_N, BLOCK_K / 2, 2]
     factor = ((scale.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s - 113)
     values = tl.reshape(values, [BLOCK_N, BLOCK_K // 32, 32]) * factor[:, :, None]
     return tl.reshape(values, [BLOCK_N, BLOCK_K])
@@ -252,16 +258,13 @@ E2M1_PTX = tl.constexpr("""{
 def _e2m1_halves(packed, E2M1_PTX_DECODE: tl.constexpr):
     """MXFP4 bytes [..., n] -> the unscaled e2m1 values of their low and of their high nibbles
     ([..., n] each: elements 2j and 2j + 1 of the row), exact: bfloat16 by `E2M1_PTX` where
-    E2M1_PTX_DECODE (a GPU), else float32 by bit operations (sign to bit 15, exponent and
-    mantissa to bits 10..9 of a float16, the value times 2^-14, scaled back by 2^14)."""
+    E2M1_PTX_DECODE (a GPU), else float32 by `_e2m1_times_2_14` scaled back by 2^14."""
     if E2M1_PTX_DECODE:
         lo, hi = tl.inline_asm_elementwise(E2M1_PTX, "=r,=r,=r,=r,r", [packed],
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
                                            pack=4)
     else:
-        codes = tl.join(packed & 0x0F, packed >> 4).to(tl.int16)
-        bits = ((codes & 8) << 12) | ((codes & 7) << 9)
-        lo, hi = tl.split(bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0)
+        lo, hi = tl.split(_e2m1_times_2_14(packed) * 16384.0)
     return lo, hi
 
 
@@ -317,13 +320,13 @@ def _expert_matmul_kernel(a_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, pair_ptr, ex
     k_end = tl.where(expert >= 0, K, 0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k_end, BLOCK_K):
-        k = k0 + rk
-        k_ok = k < K
         if FP4_DOT == 2:
             for g in tl.static_range(BLOCK_K // 32):
                 acc = _mxfp4_group(acc, a_row, w_row, s_row, k0 + g * 32, K, m_ok, n_ok,
                                    BLOCK_N, DOT_PRECISION, E2M1_PTX_DECODE)
         else:
+            k = k0 + rk
+            k_ok = k < K
             a = tl.load(a_row + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             if FP4_DOT == 1:
                 packed, scale = _mxfp4_load(w_row, s_row, k0, K, n_ok, BLOCK_K)
